@@ -1,0 +1,8 @@
+"""afdc: automatic Attention-FFN Disaggregation for Hugging Face decoder models."""
+
+from afdc.api import disaggregate
+from afdc.errors import AfdcError, PlanError, UnsupportedModelError
+from afdc.plan import Plan
+
+__version__ = "0.1.0"
+__all__ = ["AfdcError", "Plan", "PlanError", "UnsupportedModelError", "disaggregate", "__version__"]

@@ -1,0 +1,175 @@
+"""Capture: a Hugging Face causal LM's forward as one FX graph with opaque attention ops.
+
+afdc registers its own attention implementation (and mask builder) with transformers'
+``AttentionInterface``; the implementation calls the ``afdc::attention`` custom op, so every
+softmax-attention call becomes exactly one graph node, whatever backend the model would have used.
+The forward is then captured with non-strict ``torch.export`` with symbolic batch, token and
+key lengths, on real or meta tensors.
+
+The graph's inputs are ``input_ids [b, s]``, ``attention_mask [b, kv]`` and ``position_ids [b, s]``,
+where the queries are the last ``s`` of the ``kv`` positions: the same graph runs prefill
+(``kv == s``) and incremental decode against the KV cache held by the attention op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from afdc import ops
+from afdc.errors import UnsupportedModelError
+
+IMPLEMENTATION = "afdc"
+INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
+
+# Keyword arguments that change what attention computes and that afdc's op does not apply:
+# refusing is better than a silently wrong model.
+_UNSUPPORTED_ATTENTION_KWARGS = ("position_bias", "indices", "sinks")
+
+_slots: list[Iterator[int]] = []
+
+
+def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    for name in _UNSUPPORTED_ATTENTION_KWARGS:
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"attention passes `{name}`, which afdc's attention op does not implement yet")
+    slot = next(_slots[-1]) if _slots else -1
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = ops.attention(query, key, value, attention_mask, slot, float(scale), float(softcap or 0.0), kwargs.get("s_aux"))
+    return out, None
+
+
+def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
+    """The stock boolean mask, with the queries placed at the end of the keys.
+
+    afdc never hands transformers a cache, so transformers sees ``kv`` positions in the 2-D mask
+    and ``s`` queries; placing the queries last makes one graph serve prefill and decode.
+    """
+    kwargs = {k: v for k, v in kwargs.items() if k in ("use_vmap", "device")}
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=kv_length - q_length,
+        kv_offset=0,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        **kwargs,
+    )
+
+
+AttentionInterface.register(IMPLEMENTATION, _attention_forward)
+AttentionMaskInterface.register(IMPLEMENTATION, _mask)
+
+
+@dataclass
+class CapturedGraph:
+    """A model's forward as one FX graph whose parameters are ``get_attr`` nodes named by FQN."""
+
+    graph: fx.Graph
+    attrs: dict[str, torch.Tensor]  # FQN -> tensor, parameters and buffers and constants
+    parameter_names: list[str]  # the FQNs in ``attrs`` that are model parameters
+    out_spec: pytree.TreeSpec  # rebuilds the model's output object from the graph's outputs
+    incremental: bool  # False: the graph needs kv == s, so decode recomputes the whole prefix
+
+
+@contextlib.contextmanager
+def _afdc_attention(model: PreTrainedModel) -> Iterator[None]:
+    if not type(model)._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
+        )
+    configs = [c for c in _all_configs(model.config)]
+    saved = [(c, c._attn_implementation, getattr(c, "use_cache", None)) for c in configs]
+    model.set_attn_implementation(IMPLEMENTATION)
+    for c in configs:
+        c._attn_implementation = IMPLEMENTATION
+        c.use_cache = False  # a DynamicCache in the outputs is not exportable
+    try:
+        yield
+    finally:
+        for c, impl, use_cache in saved:
+            c._attn_implementation = impl
+            c.use_cache = use_cache
+
+
+def _all_configs(config) -> Iterator:
+    yield config
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None:
+            yield from _all_configs(sub)
+
+
+def _example_inputs(model: PreTrainedModel, kv_extra: int) -> dict[str, torch.Tensor]:
+    device = next(itertools.chain(model.parameters(), model.buffers())).device
+    b, s = 2, 5
+    vocab = model.config.get_text_config().vocab_size
+    return {
+        "input_ids": torch.randint(0, vocab, (b, s), device=device),
+        "attention_mask": torch.ones(b, s + kv_extra, dtype=torch.long, device=device),
+        "position_ids": torch.arange(kv_extra, kv_extra + s, device=device).expand(b, s),
+    }
+
+
+def _export(model: PreTrainedModel, incremental: bool) -> torch.export.ExportedProgram:
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    kv = torch.export.Dim("kv") if incremental else seq
+    dynamic_shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: kv}, "position_ids": {0: batch, 1: seq}}
+    _slots.append(itertools.count())
+    try:
+        return torch.export.export(
+            model, args=(), kwargs=_example_inputs(model, 3 if incremental else 0), dynamic_shapes=dynamic_shapes, strict=False
+        )
+    finally:
+        _slots.pop()
+
+
+def capture(model: PreTrainedModel) -> CapturedGraph:
+    """Capture ``model``'s forward; raises :class:`UnsupportedModelError` when it cannot."""
+    model.eval()
+    with _afdc_attention(model), torch.no_grad():
+        try:
+            ep, incremental = _export(model, incremental=True), True
+        except UnsupportedModelError:
+            raise
+        except Exception:  # noqa: BLE001 - some mixers tie the mask length to the token count
+            try:
+                ep, incremental = _export(model, incremental=False), False
+            except UnsupportedModelError:
+                raise
+            except Exception as err:
+                raise UnsupportedModelError(f"torch.export could not capture the forward: {err}") from err
+    return _to_get_attr_graph(ep, incremental)
+
+
+def _to_get_attr_graph(ep: torch.export.ExportedProgram, incremental: bool) -> CapturedGraph:
+    """Turn the exported program's lifted parameter/buffer/constant inputs into ``get_attr`` nodes."""
+    sig = ep.graph_signature
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    state = {**ep.state_dict, **ep.constants}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and node.name in lifted:
+            new = graph.get_attr(lifted[node.name])
+            new.meta = dict(node.meta)
+        else:
+            new = graph.node_copy(node, lambda n: env[n])
+        env[node] = new
+    graph.lint()
+    user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    if [n.name for n in user_inputs] != list(INPUT_NAMES):
+        raise UnsupportedModelError(f"unexpected graph inputs {[n.name for n in user_inputs]}")
+    attrs = {name: state[name] for name in lifted.values()}
+    return CapturedGraph(graph, attrs, list(sig.inputs_to_parameters.values()), ep.call_spec.out_spec, incremental)

@@ -1,0 +1,126 @@
+"""afdc's custom ops: the opaque attention op and the send/recv connector ops.
+
+They are ``torch.library`` custom ops with fake kernels, so they survive ``torch.export`` and
+``torch.compile`` as single nodes. The attention op is what makes attention one opaque node per
+call site in a captured graph, whatever the model's attention backend; send/recv are what the
+partitioner inserts at the cut between the attention and the FFN program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from afdc.runtime import connector as _connector
+from afdc.runtime import kv_cache as _kv_cache
+
+# -- attention -----------------------------------------------------------------------------------
+
+
+def _mask_for_queries_at_end(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Causal mask when the queries are the last ``q_len`` of ``kv_len`` positions."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    return (torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])[None, None]
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention; q ``[b, hq, s, d]``, k/v ``[b, hk, kv, d]``; returns ``[b, s, hq, dv]``.
+
+    ``mask`` is boolean (True = attend) or additive, broadcastable to ``[b, hq, s, kv]``; None
+    means causal with the queries at the end of the keys. Rows with no key to attend to (left
+    padding) attend to everything rather than producing NaN, which would leak into valid rows
+    through ``0 * NaN`` in the value product.
+    """
+    if mask is None:
+        mask = _mask_for_queries_at_end(q.shape[2], k.shape[2], q.device)
+    if mask.dtype == torch.bool:
+        mask = mask | ~mask.any(dim=-1, keepdim=True)
+    if softcap == 0.0 and sinks is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return out.transpose(1, 2).contiguous()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask.float()
+    if sinks is not None:
+        sink_col = sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2).contiguous()
+
+
+@torch.library.custom_op("afdc::attention", mutates_args=())
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    slot: int,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One attention call site. ``slot`` names its KV-cache entry in the active cache."""
+    cache = _kv_cache.current()
+    if cache is not None:
+        k, v = cache.update(slot, k, v)
+    return reference_attention(q, k, v, mask, scale, softcap, sinks)
+
+
+@attention.register_fake
+def _(q, k, v, mask, slot, scale, softcap, sinks):
+    b, hq, s, _ = q.shape
+    return q.new_empty((b, s, hq, v.shape[-1]))
+
+
+# -- connector ops -------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("afdc::send", mutates_args=())
+def send(tensors: list[torch.Tensor], layer: int) -> torch.Tensor:
+    """Hand the activations of FFN segment ``layer`` to the FFN side.
+
+    Returns an empty ticket that the matching ``recv`` ops take as input: the data dependency
+    keeps send before recv and keeps both alive through dead-code elimination.
+    """
+    _connector.current().send(layer, list(tensors))
+    return tensors[0].new_empty((0,), dtype=torch.int8)
+
+
+@send.register_fake
+def _(tensors, layer):
+    return tensors[0].new_empty((0,), dtype=torch.int8)
+
+
+@torch.library.custom_op("afdc::recv", mutates_args=())
+def recv(ticket: torch.Tensor, layer: int, index: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Take output ``index`` of FFN segment ``layer`` back from the FFN side."""
+    out = _connector.current().recv(layer, index)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise RuntimeError(
+            f"FFN segment {layer} output {index}: expected {tuple(shape)} {dtype}, "
+            f"got {tuple(out.shape)} {out.dtype}; the FFN program does not match the attention program"
+        )
+    return out.to(ticket.device)
+
+
+@recv.register_fake
+def _(ticket, layer, index, shape, dtype):
+    return ticket.new_empty(tuple(shape), dtype=dtype)

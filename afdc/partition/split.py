@@ -1,0 +1,159 @@
+"""Partition: split the captured graph at the cuts into an attention and an FFN program.
+
+The attention program is the captured graph without the FFN nodes, with an ``afdc::send`` where
+all of a layer's FFN inputs exist (as early as possible) and an ``afdc::recv`` right before the
+first use of each FFN output (as late as possible). Each FFN region becomes a segment graph
+``(weights..., inputs...) -> outputs``; regions with the same structure share one segment graph
+and differ only in the weights bound to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from afdc.errors import UnsupportedModelError
+from afdc.partition.symbolic import SymEmitter
+from afdc.passes import graph_facts as gf
+from afdc.passes.cut import Cut
+
+
+@dataclass
+class SegmentBinding:
+    """Which segment graph an FFN layer runs and the attribute names of its weights, in order."""
+
+    segment: int
+    weights: list[str]
+
+
+@dataclass
+class Partition:
+    attention_graph: fx.Graph
+    segments: list[fx.Graph]
+    layers: list[SegmentBinding]  # indexed by FFN layer (cut) index
+
+
+def _copy(graph: fx.Graph, node: fx.Node, lookup, name: str | None = None) -> fx.Node:
+    args = fx.map_arg(node.args, lookup)
+    kwargs = fx.map_arg(node.kwargs, lookup)
+    new = graph.create_node(node.op, node.target, args, kwargs, name=name or node.name)
+    new.meta = dict(node.meta)
+    return new
+
+
+def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
+    ffn_nodes = {n for c in cuts for n in c.ffn_nodes}
+    returned = {n: (c, i) for c in cuts for i, n in enumerate(c.to_attn)}
+    waiting = {c.region.index: set(c.to_ffn) for c in cuts}
+    needs = {}  # value -> the layers whose send waits for it
+    for c in cuts:
+        for v in c.to_ffn:
+            needs.setdefault(v, []).append(c)
+
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    tickets: dict[int, fx.Node] = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    emitter = SymEmitter(new, [])
+
+    def lookup(n: fx.Node) -> fx.Node:
+        if n in env:
+            return env[n]
+        if n in returned:
+            cut, i = returned[n]
+            layer = cut.region.index
+            if layer not in tickets:
+                raise UnsupportedModelError("an FFN input depends on an FFN output of the same layer", cut.region.label)
+            shape = [emitter.emit(d) for d in n.meta["val"].shape]
+            env[n] = new.call_function(
+                torch.ops.afdc.recv.default, (tickets[layer], layer, i, shape, n.meta["val"].dtype)
+            )
+            env[n].meta["val"] = n.meta["val"]
+            return env[n]
+        if isinstance(n.meta.get("val"), torch.SymInt):
+            return emitter.emit(n.meta["val"])
+        raise UnsupportedModelError(f"the attention program needs {n.name}, which the cut left on the FFN side")
+
+    for node in graph.nodes:
+        if node in ffn_nodes:
+            continue
+        env[node] = _copy(new, node, lookup)
+        if node.op == "placeholder" and node is placeholders[-1]:
+            emitter = SymEmitter(new, [env[p] for p in placeholders])
+        for cut in needs.get(node, ()):
+            pending = waiting[cut.region.index]
+            pending.discard(node)
+            if not pending:
+                layer = cut.region.index
+                tickets[layer] = new.call_function(
+                    torch.ops.afdc.send.default, ([env[v] for v in cut.to_ffn], layer)
+                )
+    new.eliminate_dead_code()
+    new.lint()
+    return new
+
+
+def _segment_closure(cut: Cut, free: set[fx.Node]) -> list[fx.Node]:
+    """The FFN nodes plus the input-independent values they need and recompute locally."""
+    keep = set(cut.ffn_nodes)
+    stack = list(cut.ffn_nodes)
+    while stack:
+        for p in stack.pop().all_input_nodes:
+            if p not in keep and p in free and (p.op == "get_attr" or gf.is_tensor(p)):
+                keep.add(p)
+                stack.append(p)
+    return [n for n in cut.ffn_nodes[0].graph.nodes if n in keep]
+
+
+def extract_segment(cut: Cut, free: set[fx.Node]) -> tuple[fx.Graph, list[str]]:
+    """One FFN region as ``(w0.., x0..) -> outputs`` with canonical node names."""
+    closure = _segment_closure(cut, free)
+    weights = [n for n in closure if n.op == "get_attr"]
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, w in enumerate(weights):
+        env[w] = g.placeholder(f"w{i}")
+        env[w].meta = dict(w.meta)
+    for i, x in enumerate(cut.to_ffn):
+        env[x] = g.placeholder(f"x{i}")
+        env[x].meta = dict(x.meta)
+    emitter = SymEmitter(g, [env[x] for x in cut.to_ffn])
+
+    def lookup(n: fx.Node):
+        if n in env:
+            return env[n]
+        if isinstance(n.meta.get("val"), torch.SymInt):
+            return emitter.emit(n.meta["val"])
+        raise UnsupportedModelError(f"FFN segment needs {n.name} from the attention side", cut.region.label)
+
+    for k, n in enumerate(x for x in closure if x.op != "get_attr"):
+        env[n] = _copy(g, n, lookup, name=f"v{k}")
+    g.output(tuple(env[n] for n in cut.to_attn))
+    g.eliminate_dead_code()
+    g.lint()
+    return g, [w.target for w in weights]
+
+
+def _structure_key(graph: fx.Graph) -> tuple:
+    code = graph.python_code("self").src
+    shapes = tuple(
+        (tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in graph.nodes if n.op == "placeholder"
+    )
+    return code, str(shapes)
+
+
+def partition(graph: fx.Graph, cuts: list[Cut]) -> Partition:
+    free = gf.data_free(graph)
+    segments: list[fx.Graph] = []
+    keys: dict[tuple, int] = {}
+    layers = []
+    for cut in cuts:
+        seg, weights = extract_segment(cut, free)
+        key = _structure_key(seg)
+        if key not in keys:
+            keys[key] = len(segments)
+            segments.append(seg)
+        layers.append(SegmentBinding(keys[key], weights))
+    return Partition(build_attention_graph(graph, cuts), segments, layers)

@@ -1,0 +1,162 @@
+"""Classification: find each layer's FFN region in a captured graph, by structure alone.
+
+A residual add is an ``add`` whose one operand (the stream) is an ancestor of the other (the
+branch). A branch's region is everything between the stream value and the branch value. The
+region is an FFN region when it holds a weight matrix and mixes nothing across tokens: no
+attention op, no convolution, and nothing computed from the attention mask or the positions.
+A branch that is a sum of terms (parallel attention + MLP) is split into its terms first.
+Module and parameter names are used for nothing here but the ``label`` shown in reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from afdc.errors import UnsupportedModelError
+from afdc.passes import graph_facts as gf
+
+aten = torch.ops.aten
+
+_CONVOLUTIONS = (aten.convolution, aten.conv1d, aten.conv2d, aten._convolution)
+
+
+@dataclass
+class FFNRegion:
+    """One layer's FFN: the nodes between the stream value it reads and the branch it adds back."""
+
+    index: int  # position along the residual stream, counted over FFN regions only
+    nodes: list[fx.Node]  # in graph order, including the get_attr nodes of its own parameters
+    stream: fx.Node  # the residual-stream value the region reads
+    label: str  # the module path it came from, for reports only
+
+
+@dataclass
+class Classification:
+    regions: list[FFNRegion]
+    mixers: list[fx.Node]  # attention ops (one per attention call site)
+
+    def ffn_nodes(self) -> set[fx.Node]:
+        return {n for r in self.regions for n in r.nodes}
+
+
+def _is_mixer(node: fx.Node) -> bool:
+    return node.target is torch.ops.afdc.attention.default or gf.is_op(node, *_CONVOLUTIONS)
+
+
+def _is_weight_derived(node: fx.Node) -> bool:
+    """A get_attr, or a tensor computed from get_attrs alone (not from sizes)."""
+    if node.op == "get_attr":
+        return True
+    return gf.is_tensor(node) and all(_is_weight_derived(i) for i in node.all_input_nodes)
+
+
+def _label(nodes: list[fx.Node]) -> str:
+    """The innermost module path shared by the region's op nodes (a report label)."""
+    paths = []
+    for n in nodes:
+        stack = n.meta.get("nn_module_stack")
+        if n.op == "call_function" and stack:
+            paths.append([p for p, _ in stack.values()])
+    if not paths:
+        return "?"
+    common = paths[0]
+    for p in paths[1:]:
+        common = [a for a, b in zip(common, p) if a == b]
+    return common[-1] if common else "?"
+
+
+class _Finder:
+    def __init__(self, graph: fx.Graph, parameter_names: set[str]):
+        self.order = list(graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.order)}
+        self.anc = gf.ancestors(graph)
+        self.params = parameter_names
+        self.free = gf.data_free(graph)
+        positional = [n for n in self.order if n.op == "placeholder" and n.name in ("attention_mask", "position_ids")]
+        self.positional = gf.bitset(positional, self.index)
+
+    def region(self, stream: fx.Node, branch: fx.Node) -> list[fx.Node]:
+        """Nodes strictly after ``stream`` up to ``branch``, plus the weights only they read.
+
+        "Weights" includes values derived from parameters alone (a transposed expert tensor).
+        """
+        s = 1 << self.index[stream]
+        members = {n for n in gf.nodes_of(self.anc[branch], self.order) if self.anc[n] & s} | {branch}
+        frontier = list(members)
+        while frontier:
+            for p in frontier.pop().all_input_nodes:
+                if p in members or p not in self.free or p.op == "placeholder":
+                    continue
+                if _is_weight_derived(p) and all(u in members for u in p.users):
+                    members.add(p)
+                    frontier.append(p)
+        return sorted(members, key=self.index.__getitem__)
+
+    def is_ffn(self, stream: fx.Node, region: list[fx.Node]) -> bool:
+        members = set(region)
+        has_matrix = any(gf.is_parameter(p, self.params) and p.meta["val"].ndim >= 2 for p in region)
+        side_inputs = [
+            p
+            for n in region
+            for p in n.all_input_nodes
+            if p not in members and p is not stream and p not in self.free and gf.is_tensor(p)
+        ]
+        reads_positions = any(
+            (self.anc[p] | 1 << self.index[p]) & self.positional for p in side_inputs
+        )
+        return has_matrix and not reads_positions and not any(_is_mixer(n) for n in region)
+
+    def residual_operands(self, node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+        """``(stream, branch)`` when ``node`` adds a branch computed from the stream."""
+        if not gf.is_op(node, aten.add) or len(node.args) != 2:
+            return None
+        x, y = node.args
+        if not (isinstance(x, fx.Node) and isinstance(y, fx.Node) and gf.is_tensor(x) and gf.is_tensor(y)):
+            return None
+        if x.meta["val"].shape != y.meta["val"].shape:
+            return None
+        if self.anc[y] >> self.index[x] & 1:
+            return x, y
+        if self.anc[x] >> self.index[y] & 1:
+            return y, x
+        return None
+
+    def ffn_terms(self, stream: fx.Node, branch: fx.Node) -> list[list[fx.Node]]:
+        region = self.region(stream, branch)
+        if self.is_ffn(stream, region):
+            return [region]
+        if gf.is_op(branch, aten.add) and len(branch.args) == 2 and all(isinstance(a, fx.Node) for a in branch.args):
+            return [r for term in branch.args if gf.is_tensor(term) for r in self.ffn_terms(stream, term)]
+        return []
+
+
+def classify(graph: fx.Graph, parameter_names: set[str]) -> Classification:
+    """Find the FFN regions; raises :class:`UnsupportedModelError` when there are none."""
+    finder = _Finder(graph, parameter_names)
+    regions: list[tuple[fx.Node, list[fx.Node]]] = []
+    claimed: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        operands = finder.residual_operands(node)
+        if operands is None:
+            continue
+        stream, branch = operands
+        for region in finder.ffn_terms(stream, branch):
+            overlap = {claimed[n] for n in region if n in claimed and n.op != "get_attr"}
+            if overlap:
+                raise UnsupportedModelError(
+                    "two FFN regions share computation; the cut cannot be expressed", _label(region)
+                )
+            claimed.update((n, len(regions)) for n in region)
+            regions.append((stream, region))
+    mixers = [n for n in graph.nodes if n.target is torch.ops.afdc.attention.default]
+    if not regions:
+        kind = "a pure sequence-mixer (state-space) model" if not mixers else "a model"
+        raise UnsupportedModelError(
+            f"no FFN region found: this is {kind} with no position-wise weight branch added to the residual stream"
+        )
+    return Classification(
+        [FFNRegion(i, nodes, stream, _label(nodes)) for i, (stream, nodes) in enumerate(regions)], mixers
+    )

@@ -1,0 +1,131 @@
+"""Cut selection: where the attention and FFN sides meet, by a min-cut over bytes per token.
+
+Inside each FFN region the weight matrices are pinned to the FFN side and everything the region
+reads from outside, or that is used outside it, to the attention side. Every other node may go
+either way; a value costs its bytes per token when its producer and some consumer end up on
+different sides (a hyperedge, cut at most once however many consumers it has). Among the cuts of
+minimum cost we take the one with the smallest FFN side, so norms and other glue stay with the
+residual stream: for a pre-norm layer the attention side sends the normed hidden state and
+receives the FFN output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.fx as fx
+
+from afdc.errors import UnsupportedModelError
+from afdc.passes import graph_facts as gf
+from afdc.passes.classify import Classification, FFNRegion
+from afdc.passes.mincut import INF, FlowGraph
+
+_SOURCE, _SINK = "attention", "ffn"
+
+
+class RouterPlacement(str, Enum):
+    FFN = "ffn"  # the FFN side routes: only hidden states cross
+    ATTN = "attn"  # the attention side routes: top-k ids and weights cross with the hidden states
+
+
+@dataclass
+class Cut:
+    """The FFN side of one region and the values that cross each way, in graph order."""
+
+    region: FFNRegion
+    ffn_nodes: list[fx.Node]
+    to_ffn: list[fx.Node]
+    to_attn: list[fx.Node]
+
+
+def _router_parameters(region: FFNRegion, anc: dict[fx.Node, int], index: dict[fx.Node, int]) -> set[fx.Node]:
+    topks = [n for n in region.nodes if gf.is_op(n, torch.ops.aten.topk)]
+    return {p for p in region.nodes if p.op == "get_attr" and any(anc[t] >> index[p] & 1 for t in topks)}
+
+
+def _value_cost(node: fx.Node, tokens, free: set[fx.Node]) -> float:
+    if node in free or isinstance(node.meta.get("val"), (tuple, list)):
+        return INF  # weights never cross; multi-output ops stay with their getitems
+    return gf.bytes_per_token(node, tokens) if gf.is_tensor(node) else 0.0
+
+
+def _convex_closure(ffn: set[fx.Node], region: list[fx.Node], anc, index) -> set[fx.Node]:
+    """Add every node lying on a path between two FFN nodes: one round trip per layer."""
+    ffn_bits = gf.bitset(ffn, index)
+    changed = True
+    while changed:
+        changed = False
+        for n in region:
+            if n in ffn:
+                continue
+            below_ffn = anc[n] & ffn_bits
+            above_ffn = any(anc[f] >> index[n] & 1 for f in ffn)
+            if below_ffn and above_ffn:
+                ffn.add(n)
+                ffn_bits |= 1 << index[n]
+                changed = True
+    return ffn
+
+
+def cut_region(
+    region: FFNRegion, graph_info: tuple, params: set[str], router: RouterPlacement
+) -> Cut:
+    anc, index, free, tokens = graph_info
+    members = set(region.nodes)
+    pinned_attn = _router_parameters(region, anc, index) if router is RouterPlacement.ATTN else set()
+    flow = FlowGraph()
+
+    def hyperedge(key, ends: list, cost: float) -> None:
+        if cost == 0.0 or len(ends) < 2:
+            return
+        a, b = ("in", key), ("out", key)
+        for e in ends:
+            flow.add_edge(e, a, INF)
+            flow.add_edge(b, e, INF)
+        flow.add_edge(a, b, cost)
+
+    for n in region.nodes:
+        users = [u for u in n.users if u in members]
+        outside = len(users) < len(n.users)
+        hyperedge(n, [n, *users, *([_SOURCE] if outside else [])], _value_cost(n, tokens, free))
+        if n in pinned_attn:
+            flow.add_edge(_SOURCE, n, INF)
+        elif gf.is_parameter(n, params) and n.meta["val"].ndim >= 2:
+            flow.add_edge(n, _SINK, INF)
+    external = {p for n in region.nodes for p in n.all_input_nodes if p not in members}
+    for e in sorted(external, key=index.__getitem__):
+        if e in free or not gf.is_tensor(e):
+            continue  # recomputed on the FFN side
+        hyperedge(e, [_SOURCE, *(u for u in e.users if u in members)], gf.bytes_per_token(e, tokens))
+
+    if flow.max_flow(_SOURCE, _SINK) == INF:
+        raise UnsupportedModelError("the FFN weights cannot be separated from the attention side", region.label)
+    ffn = _convex_closure({n for n in flow.sink_side(_SINK) if n in members}, region.nodes, anc, index)
+    if ffn & pinned_attn:
+        raise UnsupportedModelError("the router cannot be placed on the attention side", region.label)
+    return _crossings(region, ffn, free, index)
+
+
+def _crossings(region: FFNRegion, ffn: set[fx.Node], free: set[fx.Node], index) -> Cut:
+    to_ffn = {
+        p
+        for n in ffn
+        for p in n.all_input_nodes
+        if p not in ffn and p not in free and gf.is_tensor(p)
+    }
+    to_attn = {n for n in ffn if any(u not in ffn for u in n.users)}
+    for n in to_attn:
+        if not gf.is_tensor(n):
+            raise UnsupportedModelError(f"a non-tensor value ({n.name}) would cross the cut", region.label)
+    order = index.__getitem__
+    return Cut(region, sorted(ffn, key=order), sorted(to_ffn, key=order), sorted(to_attn, key=order))
+
+
+def select_cuts(
+    graph: fx.Graph, classification: Classification, params: set[str], router: RouterPlacement
+) -> list[Cut]:
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    info = (gf.ancestors(graph), index, gf.data_free(graph), gf.token_symbols(graph))
+    return [cut_region(r, info, params, router) for r in classification.regions]

@@ -1,0 +1,108 @@
+"""Small pure queries over a captured FX graph, shared by the passes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import sympy
+import torch
+import torch.fx as fx
+
+# A large token count at which to measure "bytes per token": exact for values that scale with
+# the tokens, close to zero for values that do not, and huge for values that grow faster.
+_TOKENS_HINT = 4096
+
+
+def is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def is_parameter(node: fx.Node, parameter_names: set[str]) -> bool:
+    return node.op == "get_attr" and node.target in parameter_names
+
+
+def is_op(node: fx.Node, *packets) -> bool:
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in packets
+
+
+def ancestors(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's strict ancestors as a bitset over the graph's node order."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    anc: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        bits = 0
+        for inp in node.all_input_nodes:
+            bits |= anc[inp] | (1 << index[inp])
+        anc[node] = bits
+    return anc
+
+
+def nodes_of(bits: int, order: list[fx.Node]) -> list[fx.Node]:
+    out, i = [], 0
+    while bits:
+        if bits & 1:
+            out.append(order[i])
+        bits >>= 1
+        i += 1
+    return out
+
+
+def bitset(nodes: Iterable[fx.Node], index: dict[fx.Node, int]) -> int:
+    bits = 0
+    for n in nodes:
+        bits |= 1 << index[n]
+    return bits
+
+
+def token_symbols(graph: fx.Graph) -> tuple[sympy.Symbol, sympy.Symbol]:
+    """The batch and token-count symbols: the two dims of the ``input_ids`` placeholder."""
+    ids = next(n for n in graph.nodes if n.op == "placeholder" and n.name == "input_ids")
+    b, s = ids.meta["val"].shape
+    return _expr(b), _expr(s)
+
+
+def _expr(dim) -> sympy.Expr:
+    return dim.node.expr if isinstance(dim, torch.SymInt) else sympy.Integer(dim)
+
+
+def bytes_per_token(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) -> float:
+    """Bytes of ``node``'s tensor per token, measured at one sequence of ``_TOKENS_HINT`` tokens."""
+    val = node.meta["val"]
+    numel = sympy.Integer(1)
+    for d in val.shape:
+        numel *= _expr(d)
+    b, s = tokens
+    subs = {sym: (1 if sym == b else _TOKENS_HINT) for sym in numel.free_symbols}
+    return float(numel.subs(subs)) * val.element_size() / _TOKENS_HINT
+
+
+def per_token_shape(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) -> tuple[int, ...] | None:
+    """The shape of one token's slice of ``node`` when its leading dims are ``[b, s]`` or ``[b*s]``."""
+    shape = [_expr(d) for d in node.meta["val"].shape]
+    b, s = tokens
+    if len(shape) >= 2 and shape[0] == b and shape[1] == s:
+        rest = shape[2:]
+    elif shape and sympy.simplify(shape[0] - b * s) == 0:
+        rest = shape[1:]
+    else:
+        return None
+    return tuple(int(d) for d in rest) if all(d.is_Integer for d in rest) else None
+
+
+_SHAPE_READS = ("sym_size", "sym_numel", "sym_stride", "sym_storage_offset")
+
+
+def data_free(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose values depend on no input data: shape arithmetic, buffers, constants, ``arange``.
+
+    Either side can recompute these rather than receive them.
+    """
+    free: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            free.add(node)
+        elif node.op == "call_function":
+            reads_shape_only = any(k in str(node.target) for k in _SHAPE_READS)
+            if reads_shape_only or all(i in free for i in node.all_input_nodes):
+                free.add(node)
+    return free

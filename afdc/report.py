@@ -1,0 +1,126 @@
+"""The split report: per FFN layer what kind of FFN it is and what crosses the cut each way."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.fx as fx
+
+from afdc.passes import graph_facts as gf
+from afdc.passes.cut import Cut
+
+
+@dataclass
+class Crossing:
+    name: str
+    shape_per_token: list[int] | None  # None when the value is not laid out token-major
+    dtype: str
+    bytes_per_token: float
+
+
+@dataclass
+class LayerReport:
+    index: int
+    module: str
+    kind: str  # "dense" or "moe"
+    experts: int | None
+    top_k: int | None
+    segment: int
+    to_ffn: list[Crossing]
+    to_attn: list[Crossing]
+    ffn_parameters: int
+
+    @property
+    def bytes_to_ffn(self) -> float:
+        return sum(c.bytes_per_token for c in self.to_ffn)
+
+    @property
+    def bytes_to_attn(self) -> float:
+        return sum(c.bytes_per_token for c in self.to_attn)
+
+
+@dataclass
+class Report:
+    model: str
+    plan: str
+    router: str
+    incremental_decode: bool
+    attention_calls: int
+    attention_parameters: int
+    ffn_parameters: int
+    segment_graphs: int
+    layers: list[LayerReport] = field(default_factory=list)
+
+    @property
+    def bytes_to_ffn(self) -> float:
+        return sum(layer.bytes_to_ffn for layer in self.layers)
+
+    @property
+    def bytes_to_attn(self) -> float:
+        return sum(layer.bytes_to_attn for layer in self.layers)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["bytes_per_token_to_ffn"] = self.bytes_to_ffn
+        d["bytes_per_token_to_attn"] = self.bytes_to_attn
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        def crossings(cs: list[Crossing]) -> str:
+            return ", ".join(f"{c.shape_per_token or '?'} {c.dtype}" for c in cs)
+
+        lines = [
+            f"model {self.model}  plan {self.plan}  router on {self.router} side",
+            f"attention side: {self.attention_parameters:,} parameters, {self.attention_calls} attention calls"
+            + ("" if self.incremental_decode else " (recurrent mixers inline: decode recomputes the prefix)"),
+            f"FFN side:       {self.ffn_parameters:,} parameters in {len(self.layers)} layers, "
+            f"{self.segment_graphs} distinct segment graph(s)",
+            "",
+            f"{'layer':>5}  {'module':<28} {'ffn':<16} {'to FFN (per token)':<26} {'to attn':<20} {'B/tok':>8}",
+        ]
+        for r in self.layers:
+            kind = f"moe {r.experts}e top-{r.top_k}" if r.kind == "moe" else "dense"
+            lines.append(
+                f"{r.index:>5}  {r.module[-28:]:<28} {kind:<16} {crossings(r.to_ffn):<26} "
+                f"{crossings(r.to_attn):<20} {r.bytes_to_ffn + r.bytes_to_attn:>8.0f}"
+            )
+        lines.append(
+            f"total bytes per token: {self.bytes_to_ffn:,.0f} to FFN, {self.bytes_to_attn:,.0f} to attention"
+        )
+        return "\n".join(lines)
+
+
+def _crossing(node: fx.Node, tokens) -> Crossing:
+    shape = gf.per_token_shape(node, tokens)
+    dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+    return Crossing(node.name, list(shape) if shape is not None else None, dtype, gf.bytes_per_token(node, tokens))
+
+
+def _moe_shape(cut: Cut) -> tuple[int, int] | None:
+    # grouped routing selects groups before experts: the expert selection is the last top-k
+    for n in reversed(cut.ffn_nodes):
+        if gf.is_op(n, torch.ops.aten.topk):
+            scores, k = n.args[0], n.args[1]
+            return int(scores.meta["val"].shape[-1]), int(k)
+    return None
+
+
+def layer_report(cut: Cut, segment: int, tokens, params: set[str]) -> LayerReport:
+    moe = _moe_shape(cut)
+    n_params = sum(n.meta["val"].numel() for n in cut.ffn_nodes if gf.is_parameter(n, params))
+    return LayerReport(
+        index=cut.region.index,
+        module=cut.region.label,
+        kind="moe" if moe else "dense",
+        experts=moe[0] if moe else None,
+        top_k=moe[1] if moe else None,
+        segment=segment,
+        to_ffn=[_crossing(n, tokens) for n in cut.to_ffn],
+        to_attn=[_crossing(n, tokens) for n in cut.to_attn],
+        ffn_parameters=n_params,
+    )

@@ -1,0 +1,86 @@
+"""Connectors carry activations across the cut between the attention and the FFN program.
+
+The attention program's ``afdc::send`` / ``afdc::recv`` ops talk to the connector made active
+with :func:`active`. A connector is addressed per FFN segment (``layer``): the attention side
+sends the segment's inputs, then receives its outputs one by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+_ACTIVE: list[Connector] = []
+
+
+@dataclass
+class Traffic:
+    """Bytes and messages that crossed a connector, each way."""
+
+    to_ffn_bytes: int = 0
+    to_attn_bytes: int = 0
+    messages: int = 0
+
+
+class Connector(ABC):
+    """The attention side's end of the link to the FFN side."""
+
+    def __init__(self) -> None:
+        self.traffic = Traffic()
+
+    @abstractmethod
+    def send(self, layer: int, tensors: list[torch.Tensor]) -> None:
+        """Send the inputs of FFN segment ``layer``."""
+
+    @abstractmethod
+    def recv(self, layer: int, index: int) -> torch.Tensor:
+        """Receive output ``index`` of FFN segment ``layer`` (blocks until it is there)."""
+
+
+class LoopbackConnector(Connector):
+    """In-process connector: runs the FFN side synchronously when a result is first asked for."""
+
+    def __init__(self, run_ffn: Callable[[int, list[torch.Tensor]], list[torch.Tensor]]):
+        super().__init__()
+        self._run_ffn = run_ffn
+        self._pending: dict[int, list[torch.Tensor]] = {}
+        self._results: dict[int, list[torch.Tensor | None]] = {}
+
+    def send(self, layer: int, tensors: list[torch.Tensor]) -> None:
+        if layer in self._pending or layer in self._results:
+            raise RuntimeError(f"FFN segment {layer} was sent twice before its results were received")
+        self._pending[layer] = tensors
+        self.traffic.to_ffn_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.traffic.messages += 1
+
+    def recv(self, layer: int, index: int) -> torch.Tensor:
+        if layer in self._pending:
+            self._results[layer] = list(self._run_ffn(layer, self._pending.pop(layer)))
+            self.traffic.messages += 1
+        results = self._results.get(layer)
+        if results is None or results[index] is None:
+            raise RuntimeError(f"FFN segment {layer} output {index} was received before it was sent")
+        out, results[index] = results[index], None
+        self.traffic.to_attn_bytes += out.numel() * out.element_size()
+        if all(r is None for r in results):
+            del self._results[layer]
+        return out
+
+
+def current() -> Connector:
+    if not _ACTIVE:
+        raise RuntimeError("an afdc send/recv op ran with no active connector; run the program through afdc's runtime")
+    return _ACTIVE[-1]
+
+
+@contextlib.contextmanager
+def active(connector: Connector) -> Iterator[Connector]:
+    _ACTIVE.append(connector)
+    try:
+        yield connector
+    finally:
+        _ACTIVE.pop()

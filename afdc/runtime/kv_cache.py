@@ -1,0 +1,54 @@
+"""The attention side's KV cache, reached by the attention op through a context.
+
+The captured attention program has no cache in its graph: each attention call site carries a
+constant ``slot`` and the op appends the step's keys and values to that slot of the active
+cache (the same idea as vLLM's forward context). Without an active cache the op attends over
+the keys of the current call only, which is prefill from scratch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_ACTIVE: list[KVCache] = []
+
+
+class KVCache:
+    """Contiguous per-slot key/value tensors, grown along the sequence dimension."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, torch.Tensor] = {}
+        self._values: dict[int, torch.Tensor] = {}
+
+    def update(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if slot in self._keys:
+            key = torch.cat([self._keys[slot], key], dim=2)
+            value = torch.cat([self._values[slot], value], dim=2)
+        self._keys[slot], self._values[slot] = key, value
+        return key, value
+
+    def seq_len(self) -> int:
+        return next(iter(self._keys.values())).shape[2] if self._keys else 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self._keys, self._values) for t in d.values())
+
+
+def current() -> KVCache | None:
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def active(cache: KVCache | None) -> Iterator[None]:
+    """Make ``cache`` the one attention ops read and extend (``None``: no cache)."""
+    if cache is None:
+        yield
+        return
+    _ACTIVE.append(cache)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
