@@ -5,4 +5,4 @@ from afdc.errors import AfdcError, PlanError, UnsupportedModelError
 from afdc.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["AfdcError", "Plan", "PlanError", "UnsupportedModelError", "disaggregate", "__version__"]
+__all__ = ["AfdcError", "Plan", "PlanError", "UnsupportedModelError", "__version__", "disaggregate"]

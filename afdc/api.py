@@ -6,6 +6,7 @@ import torch
 from transformers import PreTrainedModel
 
 from afdc import capture as capture_mod
+from afdc.errors import UnsupportedModelError
 from afdc.partition.split import partition
 from afdc.passes import graph_facts as gf
 from afdc.passes.classify import classify
@@ -28,7 +29,14 @@ def disaggregate(model: PreTrainedModel, plan: str | Plan = "1A1F", router: str 
     captured = capture_mod.capture(model)
     graph = strip_assertions(captured.graph)
     params = set(captured.parameter_names)
-    cuts = select_cuts(graph, classify(graph, params), params, placement)
+    classification = classify(graph, params)
+    if not captured.token_dims_dynamic():
+        raise UnsupportedModelError(
+            "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic)"
+        )
+    cuts = select_cuts(graph, classification, params, placement)
+    # The KV cache lives in afdc's attention op; state computed inline cannot be cached
+    incremental = captured.incremental and not classification.inline_mixers
     tokens = gf.token_symbols(graph)
     layers_report = [layer_report(c, 0, tokens, params) for c in cuts]  # before partition moves nodes
     part = partition(graph, cuts)
@@ -43,11 +51,11 @@ def disaggregate(model: PreTrainedModel, plan: str | Plan = "1A1F", router: str 
         model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
         plan=str(plan),
         router=placement.value,
-        incremental_decode=captured.incremental,
+        incremental_decode=incremental,
         attention_calls=sum(1 for n in graph.nodes if n.target is torch.ops.afdc.attention.default),
         attention_parameters=sum(captured.attrs[n].numel() for n in attention_params),
         ffn_parameters=sum(ffn_weights[n].numel() for n in ffn.parameter_names()),
         segment_graphs=len(part.segments),
         layers=layers_report,
     )
-    return DisaggregatedModel(attention, ffn, captured.incremental, report, getattr(model, "generation_config", None))
+    return DisaggregatedModel(attention, ffn, incremental, report, getattr(model, "generation_config", None))

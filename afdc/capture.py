@@ -14,6 +14,7 @@ where the queries are the last ``s`` of the ``kv`` positions: the same graph run
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -82,18 +83,27 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec  # rebuilds the model's output object from the graph's outputs
     incremental: bool  # False: the graph needs kv == s, so decode recomputes the whole prefix
 
+    def token_dims_dynamic(self) -> bool:
+        ids = next(n for n in self.graph.nodes if n.op == "placeholder")
+        return all(isinstance(d, torch.SymInt) for d in ids.meta["val"].shape)
+
 
 @contextlib.contextmanager
 def _afdc_attention(model: PreTrainedModel) -> Iterator[None]:
-    if not type(model)._can_set_attn_implementation():
-        raise UnsupportedModelError(
-            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
-        )
-    configs = [c for c in _all_configs(model.config)]
+    """Route attention through afdc's op, and keep the cache out of the outputs.
+
+    A model with hard-coded attention cannot switch; it is captured as it is, its attention
+    inline (the classifier keeps token-mixing computation on the attention side). Switching the
+    name anyway would hand its code afdc's boolean mask where it expects an additive one.
+    """
+    configs = list(_all_configs(model.config))
     saved = [(c, c._attn_implementation, getattr(c, "use_cache", None)) for c in configs]
-    model.set_attn_implementation(IMPLEMENTATION)
+    switch = type(model)._can_set_attn_implementation()
+    if switch:
+        model.set_attn_implementation(IMPLEMENTATION)
     for c in configs:
-        c._attn_implementation = IMPLEMENTATION
+        if switch:
+            c._attn_implementation = IMPLEMENTATION
         c.use_cache = False  # a DynamicCache in the outputs is not exportable
     try:
         yield
@@ -122,35 +132,57 @@ def _example_inputs(model: PreTrainedModel, kv_extra: int) -> dict[str, torch.Te
     }
 
 
-def _export(model: PreTrainedModel, incremental: bool) -> torch.export.ExportedProgram:
+def _by_signature(model: PreTrainedModel, dims: dict) -> dict:
+    """Dynamic-shape specs keyed as export wants them: inputs the forward takes only through
+    ``**kwargs`` are nested under that parameter's name."""
+    params = inspect.signature(model.forward).parameters
+    var_kw = next((n for n, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    spec = {name: d for name, d in dims.items() if name in params}
+    extra = {name: d for name, d in dims.items() if name not in params}
+    if extra:
+        if var_kw is None:
+            raise UnsupportedModelError(f"the forward takes none of {sorted(extra)}")
+        spec[var_kw] = extra
+    return spec
+
+
+def _export(model: PreTrainedModel, mode: str) -> torch.export.ExportedProgram:
+    """``mode``: "incremental" (kv and s independent), "tied" (kv == s) or "static"."""
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
-    kv = torch.export.Dim("kv") if incremental else seq
-    dynamic_shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: kv}, "position_ids": {0: batch, 1: seq}}
+    kv = torch.export.Dim("kv") if mode == "incremental" else seq
+    dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: kv}, "position_ids": {0: batch, 1: seq}}
     _slots.append(itertools.count())
     try:
         return torch.export.export(
-            model, args=(), kwargs=_example_inputs(model, 3 if incremental else 0), dynamic_shapes=dynamic_shapes, strict=False
+            model,
+            args=(),
+            kwargs=_example_inputs(model, 3 if mode == "incremental" else 0),
+            dynamic_shapes=None if mode == "static" else _by_signature(model, dims),
+            strict=False,
         )
     finally:
         _slots.pop()
 
 
 def capture(model: PreTrainedModel) -> CapturedGraph:
-    """Capture ``model``'s forward; raises :class:`UnsupportedModelError` when it cannot."""
+    """Capture ``model``'s forward; raises :class:`UnsupportedModelError` when it cannot.
+
+    The graph is captured shape-polymorphic when possible. Some mixers tie the mask length to
+    the token count (then decode recomputes the prefix); some specialize the length (the static
+    graph is still returned, so that classification can say what the model is, and
+    :meth:`CapturedGraph.token_dims_dynamic` tells).
+    """
     model.eval()
+    errors = []
     with _afdc_attention(model), torch.no_grad():
-        try:
-            ep, incremental = _export(model, incremental=True), True
-        except UnsupportedModelError:
-            raise
-        except Exception:  # noqa: BLE001 - some mixers tie the mask length to the token count
+        for mode in ("incremental", "tied", "static"):
             try:
-                ep, incremental = _export(model, incremental=False), False
+                return _to_get_attr_graph(_export(model, mode), mode == "incremental")
             except UnsupportedModelError:
                 raise
             except Exception as err:
-                raise UnsupportedModelError(f"torch.export could not capture the forward: {err}") from err
-    return _to_get_attr_graph(ep, incremental)
+                errors.append(f"{mode}: {str(err).splitlines()[0]}")
+    raise UnsupportedModelError("torch.export could not capture the forward: " + "; ".join(errors))
 
 
 def _to_get_attr_graph(ep: torch.export.ExportedProgram, incremental: bool) -> CapturedGraph:

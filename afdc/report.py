@@ -77,7 +77,7 @@ class Report:
         lines = [
             f"model {self.model}  plan {self.plan}  router on {self.router} side",
             f"attention side: {self.attention_parameters:,} parameters, {self.attention_calls} attention calls"
-            + ("" if self.incremental_decode else " (recurrent mixers inline: decode recomputes the prefix)"),
+            + ("" if self.incremental_decode else " (token mixers inline, no KV cache: decode recomputes the prefix)"),
             f"FFN side:       {self.ffn_parameters:,} parameters in {len(self.layers)} layers, "
             f"{self.segment_graphs} distinct segment graph(s)",
             "",
@@ -103,7 +103,7 @@ def _crossing(node: fx.Node, tokens) -> Crossing:
 
 def _moe_shape(cut: Cut) -> tuple[int, int] | None:
     # grouped routing selects groups before experts: the expert selection is the last top-k
-    for n in reversed(cut.ffn_nodes):
+    for n in reversed(cut.region.nodes):
         if gf.is_op(n, torch.ops.aten.topk):
             scores, k = n.args[0], n.args[1]
             return int(scores.meta["val"].shape[-1]), int(k)

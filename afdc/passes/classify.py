@@ -21,6 +21,10 @@ from afdc.passes import graph_facts as gf
 aten = torch.ops.aten
 
 _CONVOLUTIONS = (aten.convolution, aten.conv1d, aten.conv2d, aten._convolution)
+_PRODUCTS = (
+    aten.mm, aten.bmm, aten.matmul, aten.baddbmm, aten.addmm, aten.einsum,
+    aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+)
 
 
 @dataclass
@@ -37,13 +41,21 @@ class FFNRegion:
 class Classification:
     regions: list[FFNRegion]
     mixers: list[fx.Node]  # attention ops (one per attention call site)
+    inline_mixers: list[fx.Node]  # token-mixing nodes outside attention ops (recurrent, hard-coded attention)
 
     def ffn_nodes(self) -> set[fx.Node]:
         return {n for r in self.regions for n in r.nodes}
 
 
-def _is_mixer(node: fx.Node) -> bool:
-    return node.target is torch.ops.afdc.attention.default or gf.is_op(node, *_CONVOLUTIONS)
+def _is_mixer(node: fx.Node, free: set[fx.Node]) -> bool:
+    """Mixes values across tokens: attention, convolution, or a product of two activations
+    (``q @ k^T`` of attention written inline); an FFN multiplies activations by weights only."""
+    if node.target is torch.ops.afdc.attention.default or gf.is_op(node, *_CONVOLUTIONS):
+        return True
+    if gf.is_op(node, *_PRODUCTS):
+        activations = [a for a in node.all_input_nodes if gf.is_tensor(a) and a not in free]
+        return len(activations) >= 2
+    return False
 
 
 def _is_weight_derived(node: fx.Node) -> bool:
@@ -107,7 +119,7 @@ class _Finder:
         reads_positions = any(
             (self.anc[p] | 1 << self.index[p]) & self.positional for p in side_inputs
         )
-        return has_matrix and not reads_positions and not any(_is_mixer(n) for n in region)
+        return has_matrix and not reads_positions and not any(_is_mixer(n, self.free) for n in region)
 
     def residual_operands(self, node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         """``(stream, branch)`` when ``node`` adds a branch computed from the stream."""
@@ -152,11 +164,12 @@ def classify(graph: fx.Graph, parameter_names: set[str]) -> Classification:
             claimed.update((n, len(regions)) for n in region)
             regions.append((stream, region))
     mixers = [n for n in graph.nodes if n.target is torch.ops.afdc.attention.default]
+    inline = [n for n in graph.nodes if n.op == "call_function" and n not in mixers and _is_mixer(n, finder.free)]
     if not regions:
         kind = "a pure sequence-mixer (state-space) model" if not mixers else "a model"
         raise UnsupportedModelError(
             f"no FFN region found: this is {kind} with no position-wise weight branch added to the residual stream"
         )
     return Classification(
-        [FFNRegion(i, nodes, stream, _label(nodes)) for i, (stream, nodes) in enumerate(regions)], mixers
+        [FFNRegion(i, nodes, stream, _label(nodes)) for i, (stream, nodes) in enumerate(regions)], mixers, inline
     )

@@ -82,8 +82,8 @@ def per_token_shape(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) ->
     b, s = tokens
     if len(shape) >= 2 and shape[0] == b and shape[1] == s:
         rest = shape[2:]
-    elif shape and sympy.simplify(shape[0] - b * s) == 0:
-        rest = shape[1:]
+    elif shape and (per := sympy.cancel(shape[0] / (b * s))).is_Integer:
+        rest = ([per] if per != 1 else []) + shape[1:]
     else:
         return None
     return tuple(int(d) for d in rest) if all(d.is_Integer for d in rest) else None

@@ -1,0 +1,51 @@
+"""Where a model comes from: a hub id, a local model directory, or a ``config.json`` file.
+
+Configs resolve through transformers (and so the standard Hugging Face cache, honouring
+``HF_HUB_OFFLINE``). Models for inspection and compilation are built on the meta device with
+accelerate's empty-weight init: no weights are read or allocated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from afdc.errors import AfdcError, UnsupportedModelError
+
+
+def load_config(source: str) -> PretrainedConfig:
+    path = Path(source)
+    if path.is_file():
+        data = json.loads(path.read_text())
+        model_type = data.pop("model_type", None)
+        if model_type not in CONFIG_MAPPING:
+            raise UnsupportedModelError(
+                f"{source}: unknown model_type {model_type!r}; transformers {_tf_version()} knows "
+                f"{len(CONFIG_MAPPING)} types (upgrade transformers or check the file)"
+            )
+        return CONFIG_MAPPING[model_type](**data)
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as err:
+        hint = "a local directory with config.json, a config .json file, or a hub id in the local cache"
+        raise AfdcError(f"cannot load a model config from {source!r} ({err}); MODEL must be {hint}") from err
+
+
+def empty_model(config: PretrainedConfig, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The model's module tree on the meta device (no memory for weights)."""
+    with init_empty_weights(include_buffers=False):
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except ValueError as err:
+            raise UnsupportedModelError(f"{config.model_type} has no causal-LM class in transformers: {err}") from err
+    return model.eval()
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__

@@ -1,0 +1,172 @@
+"""The compiler core on small models built here: the split, the cut, the runtime, the errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import afdc
+from afdc.cli import main
+from afdc.demo import demo_batch, demo_model
+from afdc.equivalence import check
+from afdc.passes.mincut import FlowGraph
+from afdc.runtime import connector as connectors
+
+
+@pytest.fixture(scope="module")
+def moe():
+    model = demo_model()
+    return model, afdc.disaggregate(model)
+
+
+def test_demo_model_matches_monolith(moe):
+    model, dm = moe
+    result = check(model, dm, *demo_batch(model.config.vocab_size))
+    assert result.ok(), str(result)
+
+
+def test_parameters_disjoint_and_covering(moe):
+    model, dm = moe
+    attn, ffn = set(dm.attention.parameter_names()), set(dm.ffn.parameter_names())
+    assert not attn & ffn
+    assert attn | ffn == {n for n, _ in model.named_parameters()}
+    # the experts and routers live on the FFN side, norms and attention on the attention side
+    assert all(".mlp." in n for n in ffn)
+    assert not any(".mlp." in n for n in attn)
+
+
+def test_pre_norm_cut_sends_normed_hidden_and_receives_ffn_output(moe):
+    model, dm = moe
+    h = model.config.hidden_size
+    for layer in dm.report().layers:
+        assert layer.kind == "moe" and layer.experts == 8 and layer.top_k == 2
+        assert [c.shape_per_token for c in layer.to_ffn] == [[h]]
+        assert [c.shape_per_token for c in layer.to_attn] == [[h]]
+    assert dm.report().segment_graphs == 1  # identical layers share one FFN graph
+
+
+def test_traffic_matches_report(moe):
+    model, dm = moe
+    ids, mask = demo_batch(model.config.vocab_size)
+    dm(ids, attention_mask=mask)
+    per_token = dm.report().bytes_to_ffn
+    assert dm.last_traffic.to_ffn_bytes == per_token * ids.numel()
+    assert dm.last_traffic.to_attn_bytes == dm.report().bytes_to_attn * ids.numel()
+
+
+def test_router_on_attention_side_sends_topk():
+    model = demo_model()
+    dm = afdc.disaggregate(model, router="attn")
+    layer = dm.report().layers[0]
+    shapes = sorted((c.dtype, c.shape_per_token) for c in layer.to_ffn)
+    assert shapes == [("float32", [2]), ("float32", [64]), ("int64", [2])]
+    assert not any("mlp.gate." in n for n in dm.ffn.parameter_names())
+    assert check(model, dm, *demo_batch(model.config.vocab_size)).ok()
+
+
+def test_ffn_side_runs_only_through_the_connector(moe):
+    """The attention program cannot run without a connector: no shortcut to the original model."""
+    model, dm = moe
+    ids, mask = demo_batch(model.config.vocab_size)
+    with pytest.raises(RuntimeError, match="no active connector"):
+        dm.attention(ids, mask, torch.arange(ids.shape[1]).expand_as(ids))
+
+
+def test_loopback_connector_rejects_out_of_order_use():
+    link = connectors.LoopbackConnector(lambda layer, xs: [x * 2 for x in xs])
+    with pytest.raises(RuntimeError, match="before it was sent"):
+        link.recv(0, 0)
+    link.send(0, [torch.ones(2)])
+    with pytest.raises(RuntimeError, match="sent twice"):
+        link.send(0, [torch.ones(2)])
+    assert torch.equal(link.recv(0, 0), torch.full((2,), 2.0))
+
+
+def _llama(**overrides):
+    cfg = AutoConfig.for_model(
+        "llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, **overrides,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_batch_of_one_and_single_token_prompt():
+    model = _llama()
+    dm = afdc.disaggregate(model)
+    ids = torch.tensor([[5]])
+    assert torch.allclose(model(ids).logits, dm(ids).logits, atol=1e-5)
+    model.generation_config.eos_token_id = None
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), dm.generate(ids, max_new_tokens=6))
+
+
+def test_bf16_model():
+    model = _llama().to(torch.bfloat16)
+    dm = afdc.disaggregate(model)
+    ids = torch.randint(0, 128, (2, 6))
+    assert dm.report().layers[0].to_ffn[0].dtype == "bfloat16"
+    assert dm.report().layers[0].to_ffn[0].bytes_per_token == 64
+    assert torch.allclose(model(ids).logits.float(), dm(ids).logits.float(), atol=2e-2)
+
+
+def test_generate_stops_at_eos_and_pads_like_transformers():
+    model = _llama()
+    ids = torch.randint(1, 128, (2, 5))
+    free = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eos = int(free[0, 6])  # the first row's second new token becomes its end
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    out = afdc.disaggregate(model).generate(ids, max_new_tokens=8, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(ref, out)
+
+
+def test_plan_parsing():
+    assert afdc.Plan.parse("2A2F") == afdc.Plan(2, 2)
+    assert str(afdc.Plan.parse(" 4a1f ")) == "4A1F"
+    for bad in ("2A", "A2F", "0A1F", "1A0F", "2F2A", "xAyF", ""):
+        with pytest.raises(afdc.PlanError, match="xAyF|at least one"):
+            afdc.Plan.parse(bad)
+
+
+def test_unknown_router_placement():
+    with pytest.raises(ValueError, match="'gpu'"):
+        afdc.disaggregate(_llama(), router="gpu")
+
+
+def test_pure_state_space_model_is_refused():
+    cfg = AutoConfig.for_model("mamba", vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(afdc.UnsupportedModelError, match="no FFN region"):
+        afdc.disaggregate(model)
+
+
+def test_min_cut_takes_the_cheapest_edge_nearest_the_sink():
+    g = FlowGraph()
+    g.add_edge("s", "a", 4.0)
+    g.add_edge("a", "b", 4.0)
+    g.add_edge("b", "t", 9.0)
+    assert g.max_flow("s", "t") == 4.0
+    assert g.sink_side("t") == {"b", "t"}  # ties between s->a and a->b resolve toward the sink
+
+
+def test_cli_inspect_demo_json():
+    result = CliRunner().invoke(main, ["inspect", "--demo", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["equivalence"]["greedy_equal"] is True
+    assert len(data["report"]["layers"]) == 4
+
+
+def test_cli_inspect_needs_model_or_demo():
+    result = CliRunner().invoke(main, ["inspect"])
+    assert result.exit_code == 2 and "either MODEL or --demo" in result.output
+
+
+def test_cli_inspect_bad_source(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"model_type": "not_a_model"}))
+    result = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert result.exit_code == 2 and "unknown model_type 'not_a_model'" in result.output

@@ -1,0 +1,102 @@
+"""Every architecture in ``models_supported.catalog`` splits into an equivalent disaggregated model.
+
+For each tiny model: (a) prefill logits match the monolith on a left-padded batch, (b) greedy
+generation is token-identical, (c) the attention and FFN programs own disjoint parameter sets
+that together are all of the model's parameters, and (d) the split found the expected number of
+dense and MoE FFN layers. Refused architectures must raise :class:`afdc.UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import afdc
+from models_supported.catalog import ENTRIES, REFUSED, REFUSED_OVERRIDES, TINY_COMMON, ModelEntry, build, build_type
+
+PAD = 0
+BATCH_LEN = 10
+LEFT_PAD = 3
+NEW_TOKENS = 16
+RTOL = 1e-4
+
+
+def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two sequences of ``BATCH_LEN`` tokens; the first is left-padded with ``LEFT_PAD`` pads."""
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(3, vocab, (2, BATCH_LEN), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[0, :LEFT_PAD] = PAD
+    mask[0, :LEFT_PAD] = 0
+    return ids, mask
+
+
+def _no_early_stop(model) -> None:
+    gc = model.generation_config
+    gc.eos_token_id = None
+    gc.pad_token_id = PAD
+    gc.do_sample = False
+
+
+def check_entry(entry: ModelEntry) -> afdc.api.DisaggregatedModel:
+    model = build(entry)
+    _no_early_stop(model)
+    vocab = model.config.get_text_config().vocab_size
+    ids, mask = _inputs(vocab)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+    dm = afdc.disaggregate(model)
+
+    # (a) prefill logits at the non-pad positions
+    out = dm(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    err = (out[valid] - ref[valid]).abs().max().item()
+    scale = ref[valid].abs().max().item()
+    assert err <= RTOL * scale, f"{entry.name}: logits differ by {err:.3g} (max |ref| {scale:.3g})"
+
+    # (b) greedy generation
+    got = dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    assert got.shape == expected.shape, f"{entry.name}: generated {tuple(got.shape)} vs {tuple(expected.shape)}"
+    assert torch.equal(got, expected), f"{entry.name}: generation differs\n{got}\n{expected}"
+
+    # (c) the two programs partition the model's parameters
+    attn, ffn = set(dm.attention.parameter_names()), set(dm.ffn.parameter_names())
+    full = {n for n, _ in model.named_parameters()}
+    assert not attn & ffn, f"{entry.name}: parameters on both sides: {sorted(attn & ffn)}"
+    assert attn | ffn == full, (
+        f"{entry.name}: missing {sorted(full - (attn | ffn))}, unexpected {sorted((attn | ffn) - full)}"
+    )
+    assert ffn, f"{entry.name}: the FFN side owns no parameters"
+
+    # (d) the FFN layers found
+    layers = dm.report().layers
+    kinds = [layer.kind for layer in layers]
+    assert layers, f"{entry.name}: no FFN layer found"
+    found = (kinds.count("dense"), kinds.count("moe"))
+    assert found == (entry.dense_layers, entry.moe_layers), (
+        f"{entry.name}: found {found[0]} dense / {found[1]} MoE FFN layers, "
+        f"expected {entry.dense_layers} / {entry.moe_layers}"
+    )
+    return dm
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.model_type for e in ENTRIES])
+def test_model_supported(entry: ModelEntry) -> None:
+    check_entry(entry)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_model_refused(model_type: str) -> None:
+    model = build_type(model_type, {**TINY_COMMON, **REFUSED_OVERRIDES.get(model_type, {})})
+    with pytest.raises(afdc.UnsupportedModelError):
+        afdc.disaggregate(model)
+
+
+def test_catalog_is_consistent() -> None:
+    types = [e.model_type for e in ENTRIES]
+    assert len(types) == len(set(types)), "a model_type is listed twice"
+    assert not set(types) & set(REFUSED), "a model_type is both verified and refused"
+    for e in ENTRIES:
+        assert e.dense_layers + e.moe_layers >= 1, e.name
