@@ -44,7 +44,8 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
             raise UnsupportedModelError(f"attention passes `{name}`, which afdc's attention op does not implement yet")
     slot = next(_slots[-1]) if _slots else -1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = ops.attention(query, key, value, attention_mask, slot, float(scale), float(softcap or 0.0), kwargs.get("s_aux"))
+    sinks = kwargs.get("s_aux")
+    out = ops.attention(query, key, value, attention_mask, slot, float(scale), float(softcap or 0.0), sinks)
     return out, None
 
 

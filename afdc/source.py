@@ -36,8 +36,11 @@ def load_config(source: str) -> PretrainedConfig:
 
 
 def empty_model(config: PretrainedConfig, dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """The model's module tree on the meta device (no memory for weights)."""
-    with init_empty_weights(include_buffers=False):
+    """The model's module tree on the meta device (no memory for weights), in the config's dtype."""
+    if dtype is None:
+        dtype = getattr(config, "dtype", None)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with init_empty_weights(include_buffers=True):
         try:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except ValueError as err:

@@ -127,7 +127,7 @@ def test_plan_parsing():
     assert afdc.Plan.parse("2A2F") == afdc.Plan(2, 2)
     assert str(afdc.Plan.parse(" 4a1f ")) == "4A1F"
     for bad in ("2A", "A2F", "0A1F", "1A0F", "2F2A", "xAyF", ""):
-        with pytest.raises(afdc.PlanError, match="xAyF|at least one"):
+        with pytest.raises(afdc.PlanError, match=r"xAyF|at least one"):
             afdc.Plan.parse(bad)
 
 
@@ -170,3 +170,21 @@ def test_cli_inspect_bad_source(tmp_path):
     bad.write_text(json.dumps({"model_type": "not_a_model"}))
     result = CliRunner().invoke(main, ["inspect", str(bad)])
     assert result.exit_code == 2 and "unknown model_type 'not_a_model'" in result.output
+
+
+def test_cli_inspect_config_file_on_meta_device(tmp_path):
+    """A config with no weights is split on the meta device, in the config's dtype."""
+    cfg = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, dtype="bfloat16",
+    )
+    cfg.save_pretrained(tmp_path)
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    layers = json.loads(result.output)["layers"]
+    assert [(lr["kind"], lr["experts"], lr["top_k"]) for lr in layers] == [
+        ("dense", None, None), ("moe", 8, 2), ("moe", 8, 2)
+    ]
+    assert all(c["dtype"] == "bfloat16" and c["shape_per_token"] == [64] for lr in layers for c in lr["to_ffn"])

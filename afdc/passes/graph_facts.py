@@ -71,8 +71,8 @@ def bytes_per_token(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) ->
     numel = sympy.Integer(1)
     for d in val.shape:
         numel *= _expr(d)
-    b, s = tokens
-    subs = {sym: (1 if sym == b else _TOKENS_HINT) for sym in numel.free_symbols}
+    batch = tokens[0]
+    subs = {sym: (1 if sym == batch else _TOKENS_HINT) for sym in numel.free_symbols}
     return float(numel.subs(subs)) * val.element_size() / _TOKENS_HINT
 
 

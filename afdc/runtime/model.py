@@ -48,7 +48,9 @@ class DisaggregatedModel:
         self.last_traffic = link.traffic
         return out
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None, **kwargs):
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None, **kwargs
+    ):
         if kwargs.get("past_key_values") is not None:
             raise ValueError("afdc keeps its KV cache on the attention side; use dm.generate for decoding")
         if attention_mask is None:
