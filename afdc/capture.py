@@ -36,6 +36,9 @@ INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
 _UNSUPPORTED_ATTENTION_KWARGS = ("position_bias", "indices", "sinks")
 
 _slots: list[Iterator[int]] = []
+# mask tensor id -> (mask, the sliding-window or chunk size it was built with), within one capture;
+# holding the mask keeps its id from being reused
+_windows: dict[int, tuple[torch.Tensor, int]] = {}
 
 
 def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
@@ -45,7 +48,8 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     slot = next(_slots[-1]) if _slots else -1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sinks = kwargs.get("s_aux")
-    out = ops.attention(query, key, value, attention_mask, slot, float(scale), float(softcap or 0.0), sinks)
+    window = _windows.get(id(attention_mask), (None, 0))[1] or kwargs.get("sliding_window") or 0
+    out = ops.attention(query, key, value, attention_mask, slot, float(scale), float(softcap or 0.0), sinks, window)
     return out, None
 
 
@@ -55,8 +59,9 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
     afdc never hands transformers a cache, so transformers sees ``kv`` positions in the 2-D mask
     and ``s`` queries; placing the queries last makes one graph serve prefill and decode.
     """
+    local_size = kwargs.get("local_size")
     kwargs = {k: v for k, v in kwargs.items() if k in ("use_vmap", "device")}
-    return sdpa_mask(
+    mask = sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
         kv_length=kv_length,
@@ -68,6 +73,9 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
         allow_is_bidirectional_skip=False,
         **kwargs,
     )
+    if local_size and _slots:
+        _windows[id(mask)] = (mask, int(local_size))
+    return mask
 
 
 AttentionInterface.register(IMPLEMENTATION, _attention_forward)
@@ -163,6 +171,7 @@ def _export(model: PreTrainedModel, mode: str) -> torch.export.ExportedProgram:
         )
     finally:
         _slots.pop()
+        _windows.clear()
 
 
 def capture(model: PreTrainedModel) -> CapturedGraph:

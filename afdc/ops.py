@@ -76,8 +76,14 @@ def attention(
     scale: float,
     softcap: float,
     sinks: torch.Tensor | None,
+    window: int,
 ) -> torch.Tensor:
-    """One attention call site. ``slot`` names its KV-cache entry in the active cache."""
+    """One attention call site. ``slot`` names its KV-cache entry in the active cache.
+
+    ``window`` (0: none) is the sliding-window or chunk size this call's mask was built with:
+    the mask is what is applied; the window tells cost models and paged kernels how many
+    cached keys a query can reach.
+    """
     cache = _kv_cache.current()
     if cache is not None:
         k, v = cache.update(slot, k, v)
@@ -85,7 +91,7 @@ def attention(
 
 
 @attention.register_fake
-def _(q, k, v, mask, slot, scale, softcap, sinks):
+def _(q, k, v, mask, slot, scale, softcap, sinks, window):
     b, hq, s, _ = q.shape
     return q.new_empty((b, s, hq, v.shape[-1]))
 

@@ -188,3 +188,11 @@ def test_cli_inspect_config_file_on_meta_device(tmp_path):
         ("dense", None, None), ("moe", 8, 2), ("moe", 8, 2)
     ]
     assert all(c["dtype"] == "bfloat16" and c["shape_per_token"] == [64] for lr in layers for c in lr["to_ffn"])
+
+
+def test_arguments_that_change_the_result_are_refused(moe):
+    model, dm = moe
+    ids, mask = demo_batch(model.config.vocab_size)
+    with pytest.raises(TypeError, match="inputs_embeds"):
+        dm(ids, attention_mask=mask, inputs_embeds=torch.zeros(2, 12, 64))
+    assert dm(ids, attention_mask=mask, use_cache=False, return_dict=True).logits.shape == (2, 12, 512)

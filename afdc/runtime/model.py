@@ -25,6 +25,10 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(attention_mask == 0, 1)
 
 
+# Arguments of a transformers forward that do not change the logits.
+_IGNORED_KWARGS = {"use_cache", "return_dict", "past_key_values"}
+
+
 class DisaggregatedModel:
     def __init__(self, attention: AttentionProgram, ffn: FFNProgram, incremental: bool, report, generation_config=None):
         self.attention = attention
@@ -53,6 +57,11 @@ class DisaggregatedModel:
     ):
         if kwargs.get("past_key_values") is not None:
             raise ValueError("afdc keeps its KV cache on the attention side; use dm.generate for decoding")
+        unsupported = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None)
+        if unsupported:
+            raise TypeError(
+                f"the disaggregated model takes input_ids, attention_mask and position_ids; got {unsupported}"
+            )
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
