@@ -168,7 +168,7 @@ def _export(model: PreTrainedModel, mode: str) -> torch.export.ExportedProgram:
             kwargs=_example_inputs(model, 3 if mode == "incremental" else 0),
             dynamic_shapes=None if mode == "static" else _by_signature(model, dims),
             strict=False,
-        )
+        ).run_decompositions({})  # functional IR: no in-place writes for a cut to separate from their reads
     finally:
         _slots.pop()
         _windows.clear()
@@ -187,7 +187,7 @@ def capture(model: PreTrainedModel) -> CapturedGraph:
     with _afdc_attention(model), torch.no_grad():
         for mode in ("incremental", "tied", "static"):
             try:
-                return _to_get_attr_graph(_export(model, mode), mode == "incremental")
+                return _to_get_attr_graph(_export(model, mode), mode == "incremental", _canonical_names(model))
             except UnsupportedModelError:
                 raise
             except Exception as err:
@@ -195,11 +195,28 @@ def capture(model: PreTrainedModel) -> CapturedGraph:
     raise UnsupportedModelError("torch.export could not capture the forward: " + "; ".join(errors))
 
 
-def _to_get_attr_graph(ep: torch.export.ExportedProgram, incremental: bool) -> CapturedGraph:
-    """Turn the exported program's lifted parameter/buffer/constant inputs into ``get_attr`` nodes."""
+def _canonical_names(model: PreTrainedModel) -> dict[str, str]:
+    """Each name a parameter or buffer is reachable by -> the one ``named_parameters()`` /
+    ``named_buffers()`` report: a tied weight (embedding and LM head) has several, and export
+    may lift it under any of them."""
+    first: dict[int, str] = {}
+    tensors = itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    return {name: first.setdefault(id(t), name) for name, t in tensors}
+
+
+def _to_get_attr_graph(
+    ep: torch.export.ExportedProgram, incremental: bool, canonical: dict[str, str] | None = None
+) -> CapturedGraph:
+    """Turn the exported program's lifted parameter/buffer/constant inputs into ``get_attr`` nodes
+    named by the model's canonical FQNs."""
     sig = ep.graph_signature
+    canonical = canonical or {}
+    state = {canonical.get(k, k): v for k, v in {**ep.state_dict, **ep.constants}.items()}
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
-    state = {**ep.state_dict, **ep.constants}
+    lifted = {k: canonical.get(v, v) for k, v in lifted.items()}
+    parameters = [canonical.get(v, v) for v in sig.inputs_to_parameters.values()]
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in ep.graph.nodes:
@@ -214,4 +231,4 @@ def _to_get_attr_graph(ep: torch.export.ExportedProgram, incremental: bool) -> C
     if [n.name for n in user_inputs] != list(INPUT_NAMES):
         raise UnsupportedModelError(f"unexpected graph inputs {[n.name for n in user_inputs]}")
     attrs = {name: state[name] for name in lifted.values()}
-    return CapturedGraph(graph, attrs, list(sig.inputs_to_parameters.values()), ep.call_spec.out_spec, incremental)
+    return CapturedGraph(graph, attrs, parameters, ep.call_spec.out_spec, incremental)

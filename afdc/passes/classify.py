@@ -134,13 +134,34 @@ class _Finder:
             return x, y
         if self.anc[x] >> self.index[y] & 1:
             return y, x
+        for combined, branch in ((x, y), (y, x)):
+            stream = self._stream_within(combined, branch)
+            if stream is not None:
+                return stream, branch
+        return None
+
+    def _stream_within(self, combined: fx.Node, branch: fx.Node) -> fx.Node | None:
+        """The stream value that ``combined`` scales or adds another branch to, when ``branch`` is
+        computed from it: ``residual * alpha + branch`` or ``(residual + attn) + mlp``."""
+        if not gf.is_op(combined, aten.add, aten.mul, aten.sub, aten.div):
+            return None
+        shape = combined.meta["val"].shape
+        for a in combined.all_input_nodes:
+            if a in self.free or not gf.is_tensor(a) or a.meta["val"].shape != shape:
+                continue
+            if self.anc[branch] >> self.index[a] & 1:
+                return a
         return None
 
     def ffn_terms(self, stream: fx.Node, branch: fx.Node) -> list[list[fx.Node]]:
         region = self.region(stream, branch)
         if self.is_ffn(stream, region):
             return [region]
-        if gf.is_op(branch, aten.add) and len(branch.args) == 2 and all(isinstance(a, fx.Node) for a in branch.args):
+        if gf.is_op(branch, aten.dropout) and branch.args[2:3] == (False,):  # identity in eval mode
+            return self.ffn_terms(stream, branch.args[0])
+        if gf.is_op(branch, aten.add, aten.add_) and len(branch.args) == 2 and all(
+            isinstance(a, fx.Node) for a in branch.args
+        ):
             return [r for term in branch.args if gf.is_tensor(term) for r in self.ffn_terms(stream, term)]
         return []
 

@@ -18,11 +18,15 @@ import torch
 import torch.fx as fx
 
 from afdc.errors import UnsupportedModelError
+from afdc.partition.symbolic import SymEmitter
 from afdc.passes import graph_facts as gf
 from afdc.passes.classify import Classification, FFNRegion
 from afdc.passes.mincut import INF, FlowGraph
 
 _SOURCE, _SINK = "attention", "ffn"
+aten = torch.ops.aten
+# Ops that only re-lay out a value; one on the boundary can move to the FFN side for free.
+_RESHAPES = (aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.unsqueeze, aten.squeeze)
 
 
 class RouterPlacement(str, Enum):
@@ -105,7 +109,35 @@ def cut_region(
     ffn = _convex_closure({n for n in flow.sink_side(_SINK) if n in members}, region.nodes, anc, index)
     if ffn & pinned_attn:
         raise UnsupportedModelError("the router cannot be placed on the attention side", region.label)
-    return _crossings(region, ffn, free, index)
+    cut = _crossings(region, ffn, free, index)
+    # A value flattened to [b*s, h] before it crosses loses b and s, which the FFN side may need
+    # (to unflatten its output): then move the flattening to the FFN side; the bytes are the same.
+    while not _sizes_recomputable(cut):
+        reshapes = {v for v in cut.to_ffn if v in members and v not in pinned_attn and gf.is_op(v, *_RESHAPES)}
+        if not reshapes:
+            break
+        cut = _crossings(region, ffn | reshapes, free, index)
+        ffn = set(cut.ffn_nodes)
+    return cut
+
+
+def _sizes_recomputable(cut: Cut) -> bool:
+    """Whether every size the FFN side reads can be recomputed from the shapes of what it receives."""
+    scratch = fx.Graph()
+    sources = []
+    for v in cut.to_ffn:
+        sources.append(scratch.placeholder(v.name))
+        sources[-1].meta = dict(v.meta)
+    emitter = SymEmitter(scratch, sources)
+    members = set(cut.ffn_nodes)
+    try:
+        for n in cut.ffn_nodes:
+            for p in n.all_input_nodes:
+                if p not in members and isinstance(p.meta.get("val"), torch.SymInt):
+                    emitter.emit(p.meta["val"])
+    except UnsupportedModelError:
+        return False
+    return True
 
 
 def _crossings(region: FFNRegion, ffn: set[fx.Node], free: set[fx.Node], index) -> Cut:

@@ -58,10 +58,10 @@ def token_symbols(graph: fx.Graph) -> tuple[sympy.Symbol, sympy.Symbol]:
     """The batch and token-count symbols: the two dims of the ``input_ids`` placeholder."""
     ids = next(n for n in graph.nodes if n.op == "placeholder" and n.name == "input_ids")
     b, s = ids.meta["val"].shape
-    return _expr(b), _expr(s)
+    return sym_expr(b), sym_expr(s)
 
 
-def _expr(dim) -> sympy.Expr:
+def sym_expr(dim) -> sympy.Expr:
     return dim.node.expr if isinstance(dim, torch.SymInt) else sympy.Integer(dim)
 
 
@@ -70,7 +70,7 @@ def bytes_per_token(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) ->
     val = node.meta["val"]
     numel = sympy.Integer(1)
     for d in val.shape:
-        numel *= _expr(d)
+        numel *= sym_expr(d)
     batch = tokens[0]
     subs = {sym: (1 if sym == batch else _TOKENS_HINT) for sym in numel.free_symbols}
     return float(numel.subs(subs)) * val.element_size() / _TOKENS_HINT
@@ -78,7 +78,7 @@ def bytes_per_token(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) ->
 
 def per_token_shape(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) -> tuple[int, ...] | None:
     """The shape of one token's slice of ``node`` when its leading dims are ``[b, s]`` or ``[b*s]``."""
-    shape = [_expr(d) for d in node.meta["val"].shape]
+    shape = [sym_expr(d) for d in node.meta["val"].shape]
     b, s = tokens
     if len(shape) >= 2 and shape[0] == b and shape[1] == s:
         rest = shape[2:]

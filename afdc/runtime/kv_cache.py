@@ -27,6 +27,10 @@ class KVCache:
         if slot in self._keys:
             key = torch.cat([self._keys[slot], key], dim=2)
             value = torch.cat([self._values[slot], value], dim=2)
+        else:
+            # the graph hands over [b, h, s, d] views of [b, s, h, d] projections: copy them once at
+            # prefill rather than have the next step's cat (and attention) read them strided
+            key, value = key.contiguous(), value.contiguous()
         self._keys[slot], self._values[slot] = key, value
         return key, value
 

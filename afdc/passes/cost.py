@@ -1,0 +1,263 @@
+"""Per-token decode cost, counted from the partitioned programs' graphs.
+
+Every count is a sympy expression in the graph's own symbols (batch ``b``, tokens ``s``, keys
+``kv``) evaluated at one decoded token (``b = s = 1``) and context ``L``: nothing here knows a
+model family. FLOPs count a multiply-add as 2.
+
+KV cache: for each attention op, the bytes a serving engine keeps per token are the smallest set
+of values, between the layer's first projections and the op's key/value inputs, from which keys
+and values are computed (a min-cut over element counts). For grouped-query attention that is K
+and V themselves; for multi-head latent attention (MLA) it is the normed latent plus the rotary
+key part, and attention is counted in the absorbed form serving engines run (queries and outputs
+in latent space). Sliding-window and chunked layers read at most their window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from afdc.passes import graph_facts as gf
+from afdc.passes.mincut import INF, FlowGraph
+
+aten = torch.ops.aten
+
+FORMULATION_STANDARD = "standard (K and V cached per KV head)"
+FORMULATION_LATENT = "latent (MLA: latent + rotary key cached, up-projections absorbed)"
+
+
+def _dims(node: fx.Node) -> list[sympy.Expr]:
+    return [gf.sym_expr(d) for d in node.meta["val"].shape]
+
+
+def _numel(node: fx.Node) -> sympy.Expr:
+    return sympy.Mul(*_dims(node))
+
+
+def _is_value(node: fx.Node) -> bool:
+    """A tensor, or a tuple of tensors (split, topk) read through getitem."""
+    return gf.is_tensor(node) or isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _weight_read(node: fx.Node, free: set[fx.Node]) -> bool:
+    return any(a in free and gf.is_tensor(a) and a.meta["val"].ndim >= 2 for a in node.all_input_nodes)
+
+
+def op_flops(node: fx.Node) -> sympy.Expr:
+    """FLOPs of one matrix-product node (0 for every other op)."""
+    if node.op != "call_function":
+        return sympy.Integer(0)
+    packet = getattr(node.target, "overloadpacket", None)
+    args = [a for a in node.args if isinstance(a, fx.Node)]
+    if packet in (aten.linear, aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul):
+        a = args[1] if packet in (aten.addmm, aten.baddbmm) else args[0]
+        return 2 * _numel(node) * _dims(a)[-1]
+    if packet is aten._grouped_mm or str(node.target).startswith("transformers.grouped_mm"):
+        return 2 * _numel(node) * _dims(args[0])[-1]
+    if packet is aten.einsum:
+        return _einsum_flops(node)
+    if packet in (aten.convolution, aten._convolution):
+        weight = _dims(args[1])
+        return 2 * _numel(node) * sympy.Mul(*weight[1:])
+    return sympy.Integer(0)
+
+
+def _einsum_flops(node: fx.Node) -> sympy.Expr:
+    equation, operands = node.args[0], node.args[1]
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    sizes: dict[str, sympy.Expr] = {}
+    for letters, operand in zip(inputs, operands):
+        for letter, size in zip(letters, _dims(operand)):
+            sizes[letter] = size
+    return 2 * sympy.Mul(*sizes.values())
+
+
+@dataclass
+class LayerCost:
+    """One decoded token's cost in one layer; ``index`` is the FFN layer or attention call."""
+
+    kv_bytes: float = 0.0
+    attention_flops: float = 0.0
+    linear_flops: float = 0.0
+    ffn_flops: float = 0.0
+    cut_bytes_to_ffn: float = 0.0
+    cut_bytes_to_attn: float = 0.0
+
+
+@dataclass
+class DecodeCost:
+    """What one decoded token costs at context ``context``, whole model and per side."""
+
+    context: int
+    kv_dtype_bytes: int
+    formulation: str
+    kv_bytes: float
+    attention_flops: float
+    linear_flops: float
+    ffn_flops: float
+    cut_bytes_to_ffn: float
+    cut_bytes_to_attn: float
+    attention_layers: list[LayerCost] = field(default_factory=list)
+    ffn_layers: list[LayerCost] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class AttentionSite:
+    """What the cost walk needs to know of one attention op."""
+
+    node: fx.Node
+    cached_k: float  # elements per token kept for keys (in the latent form, shared by all heads)
+    cached_v: float  # elements per token kept for values
+    latent: bool  # the cache is smaller than K and V: count the absorbed form
+    window: int
+    cached_latent: float = 0.0  # latent form: elements per token cached (keys and values share them)
+
+
+def _projection_slice(attn: fx.Node, free: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """Nodes between the first projections and the op's k/v inputs, and those first projections."""
+    targets = [a for a in attn.args[1:3] if isinstance(a, fx.Node)]
+    inner: set[fx.Node] = set()
+    sources: set[fx.Node] = set()
+    stack = list(targets)
+    while stack:
+        n = stack.pop()
+        if n in inner or n in free or not _is_value(n):
+            continue
+        inner.add(n)
+        if _weight_read(n, free) and op_flops(n) != 0:
+            # keep walking: a projection whose input is another projection's output is an up-projection
+            upstream = [a for a in n.all_input_nodes if a not in free and _is_value(a)]
+            if not any(_reaches_projection(a, free) for a in upstream):
+                sources.add(n)
+                continue
+        stack.extend(n.all_input_nodes)
+    return inner, sources
+
+
+def _adds_activations(node: fx.Node, free: set[fx.Node]) -> bool:
+    return gf.is_op(node, aten.add) and sum(a not in free and gf.is_tensor(a) for a in node.all_input_nodes) == 2
+
+
+def _reaches_projection(node: fx.Node, free: set[fx.Node]) -> bool:
+    """Another projection's output lies above ``node`` without crossing a sum of activations
+    (a residual add): ``node`` is then the input of an up-projection."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or n in free or not _is_value(n) or n.op != "call_function":
+            continue
+        seen.add(n)
+        if _weight_read(n, free) and op_flops(n) != 0:
+            return True
+        if not _adds_activations(n, free):
+            stack.extend(n.all_input_nodes)
+    return False
+
+
+def attention_site(attn: fx.Node, free: set[fx.Node], tokens) -> AttentionSite:
+    k, v = attn.args[1], attn.args[2]
+    inner, sources = _projection_slice(attn, free)
+    subs = {tokens[0]: 1, tokens[1]: 1}
+
+    def per_token(n: fx.Node) -> float:
+        return float(_numel(n).subs(subs))
+
+    flow = FlowGraph()
+    for n in inner:
+        users = [u for u in n.users if u in inner or u is attn]
+        ends = [n, *users]
+        a, b = ("in", n), ("out", n)
+        for e in ends:
+            flow.add_edge(e, a, INF)
+            flow.add_edge(b, e, INF)
+        flow.add_edge(a, b, per_token(n) if not isinstance(n.meta.get("val"), (tuple, list)) else INF)
+        if n in sources:
+            flow.add_edge("src", n, INF)
+    for t, name in ((k, "k"), (v, "v")):
+        flow.add_edge(t, name, INF)
+        flow.add_edge(name, "sink", INF)
+    flow.max_flow("src", "sink")
+    sink_side = flow.sink_side("sink")
+    # the cut: source-side nodes with a consumer on the sink side (the latest cut of minimum size)
+    cut = {n for n in inner if n not in sink_side and any(u in sink_side for u in n.users)}
+    latent = sum(per_token(n) for n in cut) < per_token(k) + per_token(v)
+    if not latent:
+        return AttentionSite(attn, per_token(k), per_token(v), False, int(attn.args[8] or 0))
+    anc_k, anc_v = _ancestors_within(k, inner) | {k}, _ancestors_within(v, inner) | {v}
+    cached_k = sum(per_token(n) for n in cut if n in anc_k)
+    cached_v = sum(per_token(n) for n in cut if n in anc_v)
+    return AttentionSite(attn, cached_k, cached_v, True, int(attn.args[8] or 0), sum(per_token(n) for n in cut))
+
+
+def _ancestors_within(node: fx.Node, inner: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a in inner and a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def attention_cost(site: AttentionSite, context: int, kv_dtype_bytes: int) -> LayerCost:
+    q = site.node.args[0].meta["val"]
+    hq, dk = int(q.shape[1]), int(q.shape[-1])
+    dv = int(site.node.meta["val"].shape[-1])
+    keys = min(context, site.window) if site.window else context
+    # absorbed MLA: every head scores against the cached key dims and sums the cached value dims
+    per_head = site.cached_k + site.cached_v if site.latent else dk + dv
+    cached = site.cached_latent if site.latent else site.cached_k + site.cached_v
+    return LayerCost(kv_bytes=keys * cached * kv_dtype_bytes, attention_flops=2 * hq * keys * per_head)
+
+
+def graph_flops(graph: fx.Graph, tokens, skip: set[fx.Node] = frozenset()) -> float:
+    subs = {tokens[0]: 1, tokens[1]: 1}
+    total = sympy.Integer(0)
+    for n in graph.nodes:
+        if n not in skip:
+            total += op_flops(n)
+    return float(total.subs(subs)) if total.free_symbols - set(subs) == set() else math.nan
+
+
+def decode_cost(dm, context: int, kv_dtype_bytes: int | None = None) -> DecodeCost:
+    """Cost of one decoded token at ``context`` for a :class:`DisaggregatedModel`."""
+    graph = dm.attention.module.graph
+    tokens = gf.token_symbols(graph)
+    free = gf.data_free(graph)
+    attn_nodes = [n for n in graph.nodes if n.target is torch.ops.afdc.attention.default]
+    if kv_dtype_bytes is None:
+        kv_dtype_bytes = attn_nodes[0].args[1].meta["val"].element_size() if attn_nodes else 2
+    sites = [attention_site(n, free, tokens) for n in attn_nodes]
+    attn_layers = [attention_cost(s, context, kv_dtype_bytes) for s in sites]
+    ffn_layers = []
+    for layer, binding in zip(dm.report().layers, dm.ffn.layers):
+        seg = dm.ffn.segments[binding.segment].graph
+        ffn_layers.append(
+            LayerCost(
+                ffn_flops=graph_flops(seg, tokens),
+                cut_bytes_to_ffn=layer.bytes_to_ffn,
+                cut_bytes_to_attn=layer.bytes_to_attn,
+            )
+        )
+    return DecodeCost(
+        context=context,
+        kv_dtype_bytes=kv_dtype_bytes,
+        formulation=FORMULATION_LATENT if any(s.latent for s in sites) else FORMULATION_STANDARD,
+        kv_bytes=sum(c.kv_bytes for c in attn_layers),
+        attention_flops=sum(c.attention_flops for c in attn_layers),
+        linear_flops=graph_flops(graph, tokens),
+        ffn_flops=sum(c.ffn_flops for c in ffn_layers),
+        cut_bytes_to_ffn=sum(c.cut_bytes_to_ffn for c in ffn_layers),
+        cut_bytes_to_attn=sum(c.cut_bytes_to_attn for c in ffn_layers),
+        attention_layers=attn_layers,
+        ffn_layers=ffn_layers,
+    )
