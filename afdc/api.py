@@ -6,16 +6,29 @@ import torch
 from transformers import PreTrainedModel
 
 from afdc import capture as capture_mod
+from afdc.capture import CapturedGraph
 from afdc.errors import UnsupportedModelError
 from afdc.partition.split import partition
 from afdc.passes import graph_facts as gf
-from afdc.passes.classify import classify
+from afdc.passes.aliasing import split_writes
+from afdc.passes.classify import Classification, classify
 from afdc.passes.cleanup import strip_assertions
-from afdc.passes.cut import RouterPlacement, select_cuts
+from afdc.passes.cut import Cut, RouterPlacement, select_cuts
 from afdc.plan import Plan
 from afdc.report import Report, layer_report
 from afdc.runtime.model import DisaggregatedModel
 from afdc.runtime.programs import AttentionProgram, FFNLayer, FFNProgram
+
+
+def _cut(captured: CapturedGraph, placement: RouterPlacement) -> tuple[CapturedGraph, Classification, list[Cut]]:
+    graph = strip_assertions(captured.graph)
+    params = set(captured.parameter_names)
+    classification = classify(graph, params)
+    if not captured.token_dims_dynamic():
+        raise UnsupportedModelError(
+            "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic)"
+        )
+    return captured, classification, select_cuts(graph, classification, params, placement)
 
 
 def disaggregate(model: PreTrainedModel, plan: str | Plan = "1A1F", router: str = "ffn") -> DisaggregatedModel:
@@ -26,15 +39,10 @@ def disaggregate(model: PreTrainedModel, plan: str | Plan = "1A1F", router: str 
     """
     plan = Plan.parse(plan)
     placement = RouterPlacement(router)
-    captured = capture_mod.capture(model)
-    graph = strip_assertions(captured.graph)
-    params = set(captured.parameter_names)
-    classification = classify(graph, params)
-    if not captured.token_dims_dynamic():
-        raise UnsupportedModelError(
-            "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic)"
-        )
-    cuts = select_cuts(graph, classification, params, placement)
+    captured, classification, cuts = _cut(capture_mod.capture(model), placement)
+    if split_writes(captured.graph, (n for c in cuts for n in c.ffn_nodes)):
+        captured, classification, cuts = _cut(capture_mod.capture(model, functional=True), placement)
+    graph, params = captured.graph, set(captured.parameter_names)
     # The KV cache lives in afdc's attention op; state computed inline cannot be cached
     incremental = captured.incremental and not classification.inline_mixers
     tokens = gf.token_symbols(graph)

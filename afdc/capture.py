@@ -155,39 +155,44 @@ def _by_signature(model: PreTrainedModel, dims: dict) -> dict:
     return spec
 
 
-def _export(model: PreTrainedModel, mode: str) -> torch.export.ExportedProgram:
+def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export.ExportedProgram:
     """``mode``: "incremental" (kv and s independent), "tied" (kv == s) or "static"."""
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
     kv = torch.export.Dim("kv") if mode == "incremental" else seq
     dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: kv}, "position_ids": {0: batch, 1: seq}}
     _slots.append(itertools.count())
     try:
-        return torch.export.export(
+        ep = torch.export.export(
             model,
             args=(),
             kwargs=_example_inputs(model, 3 if mode == "incremental" else 0),
             dynamic_shapes=None if mode == "static" else _by_signature(model, dims),
             strict=False,
-        ).run_decompositions({})  # functional IR: no in-place writes for a cut to separate from their reads
+        )
+        return ep.run_decompositions({}) if functional else ep
     finally:
         _slots.pop()
         _windows.clear()
 
 
-def capture(model: PreTrainedModel) -> CapturedGraph:
+def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     """Capture ``model``'s forward; raises :class:`UnsupportedModelError` when it cannot.
 
     The graph is captured shape-polymorphic when possible. Some mixers tie the mask length to
     the token count (then decode recomputes the prefix); some specialize the length (the static
     graph is still returned, so that classification can say what the model is, and
     :meth:`CapturedGraph.token_dims_dynamic` tells).
+
+    ``functional=True`` retraces the graph without in-place ops (slow on big models; needed
+    only when a cut would separate an in-place write from its readers, see ``passes.aliasing``).
     """
     model.eval()
     errors = []
     with _afdc_attention(model), torch.no_grad():
         for mode in ("incremental", "tied", "static"):
             try:
-                return _to_get_attr_graph(_export(model, mode), mode == "incremental", _canonical_names(model))
+                ep = _export(model, mode, functional)
+                return _to_get_attr_graph(ep, mode == "incremental", _canonical_names(model))
             except UnsupportedModelError:
                 raise
             except Exception as err:

@@ -21,6 +21,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from afdc.passes import aliasing
 from afdc.passes import graph_facts as gf
 from afdc.passes.mincut import INF, FlowGraph
 
@@ -122,6 +123,7 @@ class AttentionSite:
 
 def _projection_slice(attn: fx.Node, free: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
     """Nodes between the first projections and the op's k/v inputs, and those first projections."""
+    written = aliasing.writes(attn.graph)
     targets = [a for a in attn.args[1:3] if isinstance(a, fx.Node)]
     inner: set[fx.Node] = set()
     sources: set[fx.Node] = set()
@@ -138,6 +140,7 @@ def _projection_slice(attn: fx.Node, free: set[fx.Node]) -> tuple[set[fx.Node], 
                 sources.add(n)
                 continue
         stack.extend(n.all_input_nodes)
+        stack.extend(aliasing.mutation_inputs(n, written))
     return inner, sources
 
 
@@ -170,9 +173,16 @@ def attention_site(attn: fx.Node, free: set[fx.Node], tokens) -> AttentionSite:
     def per_token(n: fx.Node) -> float:
         return float(_numel(n).subs(subs))
 
+    # an in-place write feeds the storage it writes: treat it as an edge into that storage's root
+    feeds: dict[fx.Node, list[fx.Node]] = {}
+    for root, writers in aliasing.writes(attn.graph).items():
+        for w in writers:
+            for a in w.all_input_nodes:
+                if aliasing.storage_root(a) is not root:
+                    feeds.setdefault(a, []).append(root)
     flow = FlowGraph()
     for n in inner:
-        users = [u for u in n.users if u in inner or u is attn]
+        users = [u for u in [*n.users, *feeds.get(n, ())] if u in inner or u is attn]
         ends = [n, *users]
         a, b = ("in", n), ("out", n)
         for e in ends:
@@ -187,21 +197,23 @@ def attention_site(attn: fx.Node, free: set[fx.Node], tokens) -> AttentionSite:
     flow.max_flow("src", "sink")
     sink_side = flow.sink_side("sink")
     # the cut: source-side nodes with a consumer on the sink side (the latest cut of minimum size)
-    cut = {n for n in inner if n not in sink_side and any(u in sink_side for u in n.users)}
+    cut = {n for n in inner if n not in sink_side and any(u in sink_side for u in [*n.users, *feeds.get(n, ())])}
     latent = sum(per_token(n) for n in cut) < per_token(k) + per_token(v)
     if not latent:
         return AttentionSite(attn, per_token(k), per_token(v), False, int(attn.args[8] or 0))
-    anc_k, anc_v = _ancestors_within(k, inner) | {k}, _ancestors_within(v, inner) | {v}
+    written = aliasing.writes(attn.graph)
+    anc_k, anc_v = _ancestors_within(k, inner, written) | {k}, _ancestors_within(v, inner, written) | {v}
     cached_k = sum(per_token(n) for n in cut if n in anc_k)
     cached_v = sum(per_token(n) for n in cut if n in anc_v)
     return AttentionSite(attn, cached_k, cached_v, True, int(attn.args[8] or 0), sum(per_token(n) for n in cut))
 
 
-def _ancestors_within(node: fx.Node, inner: set[fx.Node]) -> set[fx.Node]:
+def _ancestors_within(node: fx.Node, inner: set[fx.Node], written) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     stack = [node]
     while stack:
-        for a in stack.pop().all_input_nodes:
+        n = stack.pop()
+        for a in [*n.all_input_nodes, *aliasing.mutation_inputs(n, written)]:
             if a in inner and a not in seen:
                 seen.add(a)
                 stack.append(a)
