@@ -61,3 +61,57 @@ def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
         click.echo(str(result))
     if not result.ok():
         sys.exit(1)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--context", type=click.IntRange(min=1), default=8192, show_default=True, help="Context length (tokens).")
+@click.option("--attn-hw", default="H100", show_default=True, help="Attention-side hardware profile.")
+@click.option("--ffn-hw", default="H100", show_default=True, help="FFN-side hardware profile.")
+@click.option("--tpot-ms", type=float, default=50.0, show_default=True, help="Time-per-output-token target (ms).")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "int8"]), default="bf16", show_default=True)
+@click.option("--weight-dtype", type=click.Choice(["bf16", "fp8", "int8"]), default="bf16", show_default=True)
+@click.option("--hw-file", type=click.Path(dir_okay=False), help="Extra hardware profiles (JSON, same schema).")
+@click.option("--json", "as_json", is_flag=True, help="Print the per-token cost and the plan as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw throughput vs context and A:F ratio.")
+def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, hw_file, as_json, plot_path) -> None:
+    """Per-token decode cost of MODEL and a recommended AFD deployment against the monolithic one.
+
+    MODEL (hub id, model directory or config.json) is built on the meta device: no weights are read.
+    """
+    from afdc import planner
+    from afdc.hardware import get_profile, load_profiles
+    from afdc.source import empty_model, load_config
+
+    try:
+        if plot_path:
+            planner.require_matplotlib()  # before the capture, not after
+        profiles = load_profiles(hw_file)
+        hw_a, hw_f = get_profile(attn_hw, profiles), get_profile(ffn_hw, profiles)
+        dm = afdc.disaggregate(empty_model(load_config(model)))
+
+        def plan_at(ctx: int) -> planner.PlanResult:
+            facts = planner.model_facts(dm, ctx, weight_dtype, kv_dtype, name=model)
+            return planner.plan(facts, hw_a, hw_f, tpot_ms)
+
+        result = plan_at(context)
+        click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
+        if plot_path:
+            _plot(planner, result, plan_at, plot_path)
+            click.echo(f"plot written to {plot_path}", err=as_json)
+    except AfdcError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+
+
+def _plot(planner, result, plan_at, path: str) -> None:
+    by_context = {result.facts.context: result}
+    for ctx in (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072):
+        if ctx not in by_context:
+            try:
+                by_context[ctx] = plan_at(ctx)
+            except AfdcError:
+                continue  # the target cannot be met at this context: a gap in the curve
+    y = result.afd.ffn_gpus if result.afd else 1
+    curve = planner.ratio_curve(result.facts, result.attention_hw, result.ffn_hw, y, result.tpot_target_ms)
+    planner.plot(result, by_context, curve, path)

@@ -84,7 +84,7 @@ class Report:
             f"{'layer':>5}  {'module':<28} {'ffn':<16} {'to FFN (per token)':<26} {'to attn':<20} {'B/tok':>8}",
         ]
         for r in self.layers:
-            kind = f"moe {r.experts}e top-{r.top_k}" if r.kind == "moe" else "dense"
+            kind = f"moe {r.experts}e top-{r.top_k or '?'}" if r.kind == "moe" else "dense"
             lines.append(
                 f"{r.index:>5}  {r.module[-28:]:<28} {kind:<16} {crossings(r.to_ffn):<26} "
                 f"{crossings(r.to_attn):<20} {r.bytes_to_ffn + r.bytes_to_attn:>8.0f}"
@@ -101,13 +101,16 @@ def _crossing(node: fx.Node, tokens) -> Crossing:
     return Crossing(node.name, list(shape) if shape is not None else None, dtype, gf.bytes_per_token(node, tokens))
 
 
-def _moe_shape(cut: Cut) -> tuple[int, int] | None:
+def _moe_shape(cut: Cut) -> tuple[int, int | None] | None:
+    """(experts, top-k) of a routed FFN: a top-k selection, or expert weights stacked in one
+    tensor (some routers select with ``max`` instead); top-k is None when no top-k op says it."""
     # grouped routing selects groups before experts: the expert selection is the last top-k
     for n in reversed(cut.region.nodes):
         if gf.is_op(n, torch.ops.aten.topk):
             scores, k = n.args[0], n.args[1]
             return int(scores.meta["val"].shape[-1]), int(k)
-    return None
+    stacked = [n for n in cut.region.nodes if n.op == "get_attr" and n.meta["val"].ndim >= 3]
+    return (int(stacked[0].meta["val"].shape[0]), None) if stacked else None
 
 
 def layer_report(cut: Cut, segment: int, tokens, params: set[str]) -> LayerReport:

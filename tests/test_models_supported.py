@@ -3,28 +3,50 @@
 For each tiny model: (a) prefill logits match the monolith on a left-padded batch, (b) greedy
 generation is token-identical, (c) the attention and FFN programs own disjoint parameter sets
 that together are all of the model's parameters, and (d) the split found the expected number of
-dense and MoE FFN layers. Refused architectures must raise :class:`afdc.UnsupportedModelError`.
+dense and MoE FFN layers. Refused architectures must raise :class:`afdc.UnsupportedModelError`
+with the recorded message.
+
+Every entry and every refusal runs by default; ``AFDC_QUICK=1`` runs only the ``CORE`` subset
+(one entry per structural variant) while iterating.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 import afdc
-from models_supported.catalog import ENTRIES, REFUSED, REFUSED_OVERRIDES, TINY_COMMON, ModelEntry, build, build_type
+from models_supported.catalog import (
+    CORE,
+    ENTRIES,
+    FAMILIES,
+    REFUSED,
+    REFUSED_CAUSE,
+    REFUSED_OVERRIDES,
+    TINY_COMMON,
+    ModelEntry,
+    build,
+    build_type,
+)
 
 PAD = 0
-BATCH_LEN = 10
+SEQ_LEN = 10
 LEFT_PAD = 3
 NEW_TOKENS = 16
 RTOL = 1e-4
+ALL = os.environ.get("AFDC_QUICK", "") in ("", "0")
+
+
+def _selected(model_type: str):
+    return pytest.mark.skipif(not ALL and model_type not in CORE, reason="AFDC_QUICK=1: not in CORE")
 
 
 def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two sequences of ``BATCH_LEN`` tokens; the first is left-padded with ``LEFT_PAD`` pads."""
+    """Two sequences of ``SEQ_LEN`` tokens; the first is left-padded with ``LEFT_PAD`` pads."""
     gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(3, vocab, (2, BATCH_LEN), generator=gen)
+    ids = torch.randint(3, vocab, (2, SEQ_LEN), generator=gen)
     mask = torch.ones_like(ids)
     ids[0, :LEFT_PAD] = PAD
     mask[0, :LEFT_PAD] = 0
@@ -38,11 +60,11 @@ def _no_early_stop(model) -> None:
     gc.do_sample = False
 
 
-def check_entry(entry: ModelEntry) -> afdc.api.DisaggregatedModel:
+def check_entry(entry: ModelEntry):
+    """Build, split and check one entry; returns the disaggregated model."""
     model = build(entry)
-    _no_early_stop(model)
-    vocab = model.config.get_text_config().vocab_size
-    ids, mask = _inputs(vocab)
+    _no_early_stop(model)  # dm.generate reads the same generation config
+    ids, mask = _inputs(model.config.get_text_config().vocab_size)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -64,16 +86,16 @@ def check_entry(entry: ModelEntry) -> afdc.api.DisaggregatedModel:
     # (c) the two programs partition the model's parameters
     attn, ffn = set(dm.attention.parameter_names()), set(dm.ffn.parameter_names())
     full = {n for n, _ in model.named_parameters()}
+    assert ffn, f"{entry.name}: the FFN side owns no parameters"
     assert not attn & ffn, f"{entry.name}: parameters on both sides: {sorted(attn & ffn)}"
     assert attn | ffn == full, (
         f"{entry.name}: missing {sorted(full - (attn | ffn))}, unexpected {sorted((attn | ffn) - full)}"
     )
-    assert ffn, f"{entry.name}: the FFN side owns no parameters"
 
     # (d) the FFN layers found
     layers = dm.report().layers
-    kinds = [layer.kind for layer in layers]
     assert layers, f"{entry.name}: no FFN layer found"
+    kinds = [layer.kind for layer in layers]
     found = (kinds.count("dense"), kinds.count("moe"))
     assert found == (entry.dense_layers, entry.moe_layers), (
         f"{entry.name}: found {found[0]} dense / {found[1]} MoE FFN layers, "
@@ -82,21 +104,27 @@ def check_entry(entry: ModelEntry) -> afdc.api.DisaggregatedModel:
     return dm
 
 
-@pytest.mark.parametrize("entry", ENTRIES, ids=[e.model_type for e in ENTRIES])
+@pytest.mark.parametrize(
+    "entry", [pytest.param(e, marks=_selected(e.model_type), id=e.model_type) for e in ENTRIES]
+)
 def test_model_supported(entry: ModelEntry) -> None:
     check_entry(entry)
 
 
-@pytest.mark.parametrize("model_type", sorted(REFUSED))
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=_selected(t), id=t) for t in REFUSED])
 def test_model_refused(model_type: str) -> None:
-    model = build_type(model_type, {**TINY_COMMON, **REFUSED_OVERRIDES.get(model_type, {})})
-    with pytest.raises(afdc.UnsupportedModelError):
+    model = build_type(model_type, {**TINY_COMMON, **REFUSED_OVERRIDES[model_type]})
+    with pytest.raises(afdc.UnsupportedModelError) as info:
         afdc.disaggregate(model)
+    assert str(info.value).startswith(REFUSED[model_type]), str(info.value)
 
 
 def test_catalog_is_consistent() -> None:
     types = [e.model_type for e in ENTRIES]
     assert len(types) == len(set(types)), "a model_type is listed twice"
     assert not set(types) & set(REFUSED), "a model_type is both verified and refused"
+    assert set(REFUSED) == set(REFUSED_CAUSE) == set(REFUSED_OVERRIDES)
+    assert not CORE - set(types) - set(REFUSED), sorted(CORE - set(types) - set(REFUSED))
     for e in ENTRIES:
-        assert e.dense_layers + e.moe_layers >= 1, e.name
+        assert e.family in FAMILIES, e.name
+        assert e.dense_layers >= 0 and e.moe_layers >= 0 and e.dense_layers + e.moe_layers >= 1, e.name

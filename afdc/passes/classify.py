@@ -157,7 +157,9 @@ class _Finder:
         region = self.region(stream, branch)
         if self.is_ffn(stream, region):
             return [region]
-        if gf.is_op(branch, aten.dropout) and branch.args[2:3] == (False,):  # identity in eval mode
+        # value-preserving wrappers: eval-mode dropout, which the functional IR turns into a clone
+        eval_dropout = gf.is_op(branch, aten.dropout) and branch.args[2:3] == (False,)
+        if eval_dropout or gf.is_op(branch, aten.clone, aten.alias):
             return self.ffn_terms(stream, branch.args[0])
         if gf.is_op(branch, aten.add, aten.add_) and len(branch.args) == 2 and all(
             isinstance(a, fx.Node) for a in branch.args

@@ -1,0 +1,352 @@
+"""Tiny configurations of the Hugging Face decoder architectures afdc is verified on.
+
+Every entry builds a randomly initialised model from its config class alone (no hub access),
+small enough that capture, the split and the equivalence checks take a few seconds. The tests in
+``tests/test_models_supported.py`` check each entry against the monolithic model; ``REFUSED``
+lists architectures that afdc declines with :class:`afdc.UnsupportedModelError`, and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+# Shared by every entry; an entry's overrides win. Special token ids are kept inside the tiny
+# vocabulary (some models size an embedding's padding_idx from them).
+TINY_COMMON: dict = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 128,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+FAMILIES: dict[str, str] = {
+    "pre-norm": "x + attn(norm(x)), then x + mlp(norm(x))",
+    "post-norm": "extra norms on the branch outputs (sandwich / post-norm)",
+    "parallel": "attention and MLP read the same input and both are added to the stream",
+    "conv1d": "GPT-2 style Conv1D projections (flattened [b*s, h] matmuls)",
+    "moe": "mixture-of-experts FFN (router, top-k experts, optional shared experts / dense first layers)",
+    "hybrid": "attention interleaved with other token mixers (short convolutions)",
+}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One verified architecture: how to build it tiny, and what afdc should find in it."""
+
+    name: str  # the architecture as people call it
+    model_type: str  # transformers' ``model_type``
+    family: str  # a key of ``FAMILIES``
+    overrides: dict = field(default_factory=dict)  # config kwargs on top of TINY_COMMON
+    notes: str = ""
+    dense_layers: int = 2  # FFN layers the split should report as dense ...
+    moe_layers: int = 0  # ... and as mixture-of-experts
+    drop: tuple[str, ...] = ()  # TINY_COMMON keys this config class does not accept
+
+    @property
+    def config_kwargs(self) -> dict:
+        return {**{k: v for k, v in TINY_COMMON.items() if k not in self.drop}, **self.overrides}
+
+
+# Small MoE and MLA shapes shared by several entries (each config class spells them its own way).
+_E, _K, _MOE_I = 4, 2, 16
+_MLA = {
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+}
+_SWA = ["sliding_attention", "full_attention"]
+
+
+def _e(name, model_type, family, overrides=None, notes="", moe=0, dense=None, **kw) -> ModelEntry:
+    layers = (overrides or {}).get("num_hidden_layers", TINY_COMMON["num_hidden_layers"])
+    return ModelEntry(
+        name, model_type, family, overrides or {}, notes, layers - moe if dense is None else dense, moe, **kw
+    )
+
+
+ENTRIES: list[ModelEntry] = [
+    # -- pre-norm dense --------------------------------------------------------------------------
+    _e("Llama", "llama", "pre-norm"),
+    _e("Qwen2", "qwen2", "pre-norm", notes="QKV biases"),
+    _e("Qwen3", "qwen3", "pre-norm", notes="q/k norms"),
+    _e("Mistral", "mistral", "pre-norm", {"sliding_window": 4}, "sliding window 4"),
+    _e("Ministral", "ministral", "pre-norm", {"sliding_window": 4, "layer_types": _SWA}),
+    _e("Phi-3", "phi3", "pre-norm", notes="fused gate_up and qkv projections"),
+    _e("Granite", "granite", "pre-norm",
+       {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 2.0},
+       "scaled residual branches"),
+    _e("OLMo", "olmo", "pre-norm", notes="non-parametric layer norm"),
+    _e("StableLM", "stablelm", "pre-norm", notes="partial rotary, layer norm"),
+    _e("Starcoder2", "starcoder2", "pre-norm", notes="GELU MLP with biases, tied embeddings"),
+    _e("GLM", "glm", "pre-norm", notes="fused gate_up, partial rotary"),
+    _e("ERNIE 4.5", "ernie4_5", "pre-norm", notes="tied embeddings"),
+    _e("Hunyuan dense", "hunyuan_v1_dense", "pre-norm", notes="q/k norms"),
+    _e("SmolLM3", "smollm3", "pre-norm", {"no_rope_layer_interval": 2}, "NoPE every 2nd layer, tied embeddings"),
+    _e("Seed-OSS", "seed_oss", "pre-norm"),
+    _e("Arcee", "arcee", "pre-norm", notes="ReLU² MLP without gate"),
+    _e("Apertus", "apertus", "pre-norm", notes="xIELU activation with learned scalars, llama3 rope"),
+    _e("Gemma", "gemma", "pre-norm", notes="scaled embeddings, (1 + w) RMSNorm, tied embeddings"),
+    _e("Helium", "helium", "pre-norm"),
+    _e("Nemotron", "nemotron", "pre-norm", notes="ReLU² MLP, partial rotary"),
+    _e("Persimmon", "persimmon", "pre-norm", {"num_key_value_heads": 4}, "q/k layer norms, partial rotary"),
+    _e("InternLM3", "internlm3", "pre-norm"),
+    _e("BitNet", "bitnet", "pre-norm", notes="sub-norms inside attention and MLP"),
+    _e("DiffLlama", "diffllama", "pre-norm", notes="differential attention (two softmax maps)"),
+    _e("VaultGemma", "vaultgemma", "pre-norm", {"sliding_window": 4, "query_pre_attn_scalar": 8}),
+    _e("BioGPT", "biogpt", "pre-norm", notes="learned positions, scaled embeddings"),
+    _e("GPT-BigCode", "gpt_bigcode", "pre-norm", {"multi_query": True}, "multi-query attention, tied embeddings"),
+    # -- extra post-norms ------------------------------------------------------------------------
+    _e("Gemma 2", "gemma2", "post-norm", {"sliding_window": 4, "query_pre_attn_scalar": 8},
+       "sandwich norms, attention/final logit soft-capping, sliding window 4 on alternate layers"),
+    _e("Gemma 3 (text)", "gemma3_text", "post-norm",
+       {"sliding_window": 4, "query_pre_attn_scalar": 8, "layer_types": _SWA},
+       "sandwich norms, q/k norms, sliding window 4 on alternate layers"),
+    _e("OLMo 2", "olmo2", "post-norm", notes="norms on the attention and MLP outputs"),
+    _e("OLMo 3", "olmo3", "post-norm", {"sliding_window": 4, "layer_types": _SWA}),
+    _e("GLM-4", "glm4", "post-norm", notes="post-attention and post-MLP norms"),
+    _e("EXAONE 4", "exaone4", "post-norm", {"sliding_window": 4, "sliding_window_pattern": 2}),
+    # -- parallel attention + MLP ----------------------------------------------------------------
+    _e("GPT-NeoX", "gpt_neox", "parallel", notes="use_parallel_residual, separate norms"),
+    _e("Cohere", "cohere", "parallel", notes="one shared norm, residual + attn + mlp"),
+    _e("Cohere 2", "cohere2", "parallel", {"sliding_window": 4, "layer_types": _SWA}),
+    _e("Phi (1/2)", "phi", "parallel", notes="one shared norm, partial rotary"),
+    _e("Falcon (new decoder)", "falcon", "parallel", {"new_decoder_architecture": True, "num_kv_heads": 2},
+       "hard-coded attention (captured inline, decode recomputes the prefix)", drop=("head_dim",)),
+    _e("GPT-J", "gptj", "parallel", {"rotary_dim": 4},
+       "hard-coded attention (captured inline, decode recomputes the prefix)"),
+    # -- Conv1D projections ----------------------------------------------------------------------
+    _e("GPT-2", "gpt2", "conv1d", notes="tied embeddings"),
+    # -- mixture of experts ----------------------------------------------------------------------
+    _e("Mixtral", "mixtral", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K}, moe=2),
+    _e("Qwen2-MoE", "qwen2_moe", "moe",
+       {"num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "shared_expert_intermediate_size": 32}, "sigmoid-gated shared expert", moe=2),
+    _e("Qwen3-MoE", "qwen3_moe", "moe",
+       {"num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I}, moe=2),
+    _e("DeepSeek-V2", "deepseek_v2", "moe",
+       {"num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": _E, "n_shared_experts": 1,
+        "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, **_MLA,
+        "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+       "MLA, first layer dense, group-limited greedy routing", moe=2),
+    _e("DeepSeek-V3", "deepseek_v3", "moe",
+       {"num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, **_MLA, "n_group": 4, "topk_group": 2},
+       "MLA, first layer dense, grouped sigmoid routing (n_group 4, topk_group 2)", moe=2),
+    _e("gpt-oss", "gpt_oss", "moe",
+       {"num_local_experts": _E, "num_experts_per_tok": _K, "intermediate_size": 32, "sliding_window": 4,
+        "layer_types": _SWA},
+       "attention sinks, clamped SwiGLU experts, sliding window 4 on alternate layers", moe=2),
+    _e("OLMoE", "olmoe", "moe", {"num_experts": _E, "num_experts_per_tok": _K}, moe=2),
+    _e("GraniteMoE", "granitemoe", "moe",
+       {"num_local_experts": _E, "num_experts_per_tok": _K, "residual_multiplier": 0.5}, moe=2),
+    _e("GraniteMoE shared", "granitemoeshared", "moe",
+       {"num_local_experts": _E, "num_experts_per_tok": _K, "shared_intermediate_size": 32}, moe=2),
+    _e("PhiMoE", "phimoe", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K}, "sparsemixer routing",
+       moe=2),
+    _e("ERNIE 4.5 MoE", "ernie4_5_moe", "moe",
+       {"moe_num_experts": _E, "moe_k": _K, "moe_intermediate_size": _MOE_I, "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1, "moe_layer_end_index": 1}, "first layer dense, shared expert", moe=1),
+    _e("Hunyuan MoE", "hunyuan_v1_moe", "moe", {"num_experts": _E, "moe_topk": _K}, moe=2),
+    _e("dots.llm1", "dots1", "moe",
+       {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "first_k_dense_replace": 1}, "first layer dense", moe=1),
+    _e("GLM-4-MoE", "glm4_moe", "moe",
+       {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "first_k_dense_replace": 1}, "first layer dense", moe=1),
+    _e("GLM-4-MoE-Lite", "glm4_moe_lite", "moe",
+       {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "first_k_dense_replace": 1, **_MLA}, "MLA, first layer dense", moe=1),
+    _e("MiniMax-M2", "minimax_m2", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K}, moe=2),
+    _e("FlexOlmo", "flex_olmo", "moe", {"num_experts": _E, "num_experts_per_tok": _K}, moe=2),
+    _e("Llama 4 (text)", "llama4_text", "moe",
+       {"num_local_experts": _E, "num_experts_per_tok": 1, "intermediate_size_mlp": 64,
+        "interleave_moe_layer_step": 2, "attention_chunk_size": 4, "no_rope_layer_interval": 2},
+       "chunked attention (4), NoPE layer, MoE on alternate layers", moe=1),
+    _e("JetMoE", "jetmoe", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K, "kv_channels": 8},
+       "mixture-of-attention-heads attention, MoE MLP", moe=2),
+    _e("AFMoE", "afmoe", "moe",
+       {"num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, "num_dense_layers": 1,
+        "num_shared_experts": 1, "sliding_window": 4, "global_attn_every_n_layers": 2}, moe=1),
+    _e("EXAONE MoE", "exaone_moe", "moe",
+       {"num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "first_k_dense_replace": 1, "sliding_window": 4, "sliding_window_pattern": 2}, moe=1),
+    _e("Solar Open", "solar_open", "moe",
+       {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K,
+        "moe_intermediate_size": _MOE_I}, moe=2),
+    _e("Laguna", "laguna", "moe",
+       {"num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "shared_expert_intermediate_size": _MOE_I, "sliding_window": 4}, "first layer dense", moe=1),
+    _e("Cohere 2 MoE", "cohere2_moe", "moe",
+       {"num_experts": _E, "num_experts_per_tok": _K, "sliding_window": 4}, "parallel attention + MoE", moe=2),
+    _e("Mellum", "mellum", "moe",
+       {"num_local_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "sliding_window": 4}, moe=2),
+    _e("Kolibri", "kolibri1", "moe",
+       {"num_local_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "shared_expert_intermediate_size": _MOE_I, "sliding_window": 4}, moe=2),
+    _e("Flint", "flint", "moe",
+       {"num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "shared_expert_intermediate_size": _MOE_I, "sliding_window": 4, "mlp_only_layers": [0]}, moe=1),
+    _e("Hunyuan v3", "hy_v3", "moe",
+       {"num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, "num_shared_experts": 1},
+       "first layer dense", moe=1),
+    _e("MiMo-V2-Flash", "mimo_v2_flash", "moe",
+       {"n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, "v_head_dim": 8,
+        "sliding_window": 4}, "first layer dense", moe=1),
+    # -- hybrids ---------------------------------------------------------------------------------
+    _e("LFM2", "lfm2", "hybrid", {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False},
+       "gated short-convolution layer + attention layer (decode recomputes the prefix)"),
+    _e("LFM2-MoE", "lfm2_moe", "hybrid",
+       {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1, "num_experts": _E,
+        "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I},
+       "short-convolution layer + attention layer, MoE after the first layer", moe=1),
+]
+
+# One entry per structural variant: what AFDC_QUICK=1 runs.
+# The tests check every entry and every refusal; AFDC_QUICK=1 limits them to CORE.
+CORE: frozenset[str] = frozenset({
+    "llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "starcoder2", "smollm3",
+    "gemma2", "gemma3_text", "olmo2",
+    "gpt_neox", "cohere", "phi", "falcon",
+    "gpt2",
+    "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "granitemoe", "phimoe",
+    "lfm2",
+    # refusals
+    "jamba", "dbrx",
+})
+
+_SPECIALIZES = (
+    "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic)"
+)
+_NO_FFN_SSM = (
+    "no FFN region found: this is a pure sequence-mixer (state-space) model with no position-wise weight branch "
+    "added to the residual stream"
+)
+_DATA_DEPENDENT = (
+    "torch.export could not capture the forward: incremental: Could not guard on data-dependent expression"
+)
+
+# model_type -> the UnsupportedModelError text afdc raises for it (the message starts with this).
+REFUSED: dict[str, str] = {
+    "jamba": _SPECIALIZES,
+    "bamba": _SPECIALIZES,
+    "falcon_h1": _SPECIALIZES,
+    "granitemoehybrid": _SPECIALIZES,
+    "nemotron_h": _SPECIALIZES,
+    "qwen3_next": _SPECIALIZES,
+    "qwen3_5_text": _SPECIALIZES,
+    "olmo_hybrid": _SPECIALIZES,
+    "minimax": _SPECIALIZES,
+    "recurrent_gemma": _SPECIALIZES,
+    "rwkv": _SPECIALIZES,
+    "mamba": _NO_FFN_SSM,
+    "falcon_mamba": _NO_FFN_SSM,
+    "bloom": _SPECIALIZES,
+    "mpt": _SPECIALIZES,
+    "xglm": _SPECIALIZES,
+    "gpt_neo": _SPECIALIZES,
+    "doge": _SPECIALIZES,
+    "aria_text": _SPECIALIZES,
+    "dbrx": _DATA_DEPENDENT,
+    "longcat_flash": _DATA_DEPENDENT,
+}
+
+# model_type -> what in the model's code leads to the refusal.
+REFUSED_CAUSE: dict[str, str] = {
+    "jamba": "the Mamba torch path scans the sequence in a Python loop (for index in range(seq_len))",
+    "bamba": "the Mamba-2 chunked torch scan guards on the chunk count and on seq_len != 1",
+    "falcon_h1": "the Mamba-2 chunked torch scan guards on the chunk count and on seq_len != 1",
+    "granitemoehybrid": "the Mamba-2 chunked torch scan guards on the chunk count and on seq_len != 1",
+    "nemotron_h": "the Mamba-2 chunked torch scan guards on the chunk count and on seq_len != 1",
+    "qwen3_next": "the gated DeltaNet torch path loops over sequence chunks in Python",
+    "qwen3_5_text": "the gated DeltaNet torch path loops over sequence chunks in Python",
+    "olmo_hybrid": "the gated DeltaNet torch path loops over sequence chunks in Python",
+    "minimax": "lightning attention loops over sequence blocks in Python",
+    "recurrent_gemma": "the RG-LRU scans the sequence in a Python loop",
+    "rwkv": "the WKV recurrence scans the sequence in a Python loop",
+    "mamba": "pure state-space model: no FFN to disaggregate",
+    "falcon_mamba": "pure state-space model: no FFN to disaggregate",
+    "bloom": "ALiBi attention ties the key length to the token count; the tied export then fails on the dynamic-shape "
+              "spec nested under **kwargs (the forward takes no position_ids): 'Must provide a tree_name ...'",
+    "mpt": "the precomputed ALiBi bias is sliced to the sequence length, which bounds it (seq <= max_seq_len)",
+    "xglm": "the sinusoidal position table bounds the sequence length (seq + 2 <= table size)",
+    "gpt_neo": "hard-coded attention slices a fixed causal-mask buffer, which bounds the sequence length",
+    "doge": "dynamic-mask attention bounds the sequence length by keep_window_size",
+    "aria_text": "not pinned down: export reports no source-level guard, only the violated sequence-length constraint",
+    "dbrx": "the MoE loops over the experts that received tokens (nonzero(): a data-dependent loop)",
+    "longcat_flash": "the MoE loops over the experts that received tokens (nonzero(): a data-dependent loop)",
+}
+
+# The tiny configurations the refusals are checked with (on top of TINY_COMMON).
+REFUSED_OVERRIDES: dict[str, dict] = {
+    "jamba": {"num_experts": _E, "num_experts_per_tok": _K, "attn_layer_period": 2, "attn_layer_offset": 1,
+              "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 4, "mamba_dt_rank": 4,
+              "use_mamba_kernels": False},
+    "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
+              "mamba_chunk_size": 4},
+    "falcon_h1": {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8,
+                  "mamba_chunk_size": 4},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], "num_local_experts": _E, "num_experts_per_tok": _K,
+                         "shared_intermediate_size": 32, "mamba_n_heads": 4, "mamba_d_head": 16,
+                         "mamba_d_state": 8, "mamba_chunk_size": 4},
+    "nemotron_h": {"layers_block_type": ["mamba", "mlp", "attention", "moe"], "num_hidden_layers": 4,
+                   "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 1, "chunk_size": 4,
+                   "n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+                   "moe_shared_expert_intermediate_size": _MOE_I},
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                   "num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+                   "shared_expert_intermediate_size": _MOE_I},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                     "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8},
+    "olmo_hybrid": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 16},
+    "minimax": {"layer_types": ["linear_attention", "full_attention"], "num_local_experts": _E,
+                "num_experts_per_tok": _K, "block_size": 4},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 32, "attention_window_size": 4},
+    "mamba": {"state_size": 4},
+    "falcon_mamba": {"state_size": 4},
+    "rwkv": {"attention_hidden_size": 32},
+    "bloom": {"n_head": 4},
+    "mpt": {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 128},
+    "xglm": {"d_model": 32, "ffn_dim": 64, "num_layers": 2, "attention_heads": 4},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "window_size": 4},
+    "doge": {},
+    "aria_text": {"moe_num_experts": _E, "moe_topk": _K, "moe_num_shared_experts": 1},
+    "dbrx": {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 128,
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": _E, "moe_top_k": _K}},
+    "longcat_flash": {"num_layers": 1, "n_routed_experts": _E, "zero_expert_num": 2, "moe_topk": _K,
+                      "expert_ffn_hidden_size": _MOE_I, "ffn_hidden_size": 64, **_MLA},
+}
+
+
+def build(entry: ModelEntry, seed: int = 0) -> PreTrainedModel:
+    """The entry's tiny model: random weights from ``seed``, float32, eval mode."""
+    return build_type(entry.model_type, entry.config_kwargs, seed)
+
+
+def build_type(model_type: str, config_kwargs: dict, seed: int = 0) -> PreTrainedModel:
+    cfg = AutoConfig.for_model(model_type, **config_kwargs)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def entry(name_or_type: str) -> ModelEntry:
+    for e in ENTRIES:
+        if name_or_type in (e.name, e.model_type):
+            return e
+    raise KeyError(name_or_type)

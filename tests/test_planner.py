@@ -1,0 +1,337 @@
+"""`afdc plan`: the per-token cost walk against hand-computed values, and the planner's model.
+
+The cost tests build tiny models on the meta device (config dtype float32: 4 bytes per element
+crossing the cut) and ask for the KV cache in bf16 (2 bytes). Every expected value is written out
+so that a reader can check it against the architecture.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from click.testing import CliRunner
+from transformers import AutoConfig
+
+import afdc
+from afdc.cli import main
+from afdc.errors import AfdcError, PlanError
+from afdc.hardware import HardwareError, HardwareProfile, get_profile, load_profiles
+from afdc.passes.cost import FORMULATION_LATENT, FORMULATION_STANDARD, DecodeCost, decode_cost
+from afdc.planner import (
+    Assumptions,
+    LayerFacts,
+    ModelFacts,
+    afd_step,
+    balance,
+    model_facts,
+    plan,
+    require_matplotlib,
+)
+from afdc.source import empty_model
+
+L = 100  # context length of the cost tests
+KV = 2  # bf16 KV cache
+
+
+def _split(config):
+    return afdc.disaggregate(empty_model(config))
+
+
+# --------------------------------------------------------------------------- (a) GQA dense llama
+
+
+@pytest.fixture(scope="module")
+def llama():
+    # hidden 32, 4 query heads of 8, 2 KV heads, FFN 64, vocab 128, 2 layers, untied head
+    cfg = AutoConfig.for_model(
+        "llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    return _split(cfg)
+
+
+def test_cost_gqa_dense_llama(llama):
+    c = decode_cost(llama, L, kv_dtype_bytes=KV)
+    layers, h, heads, kv_heads, d, ffn, vocab = 2, 32, 4, 2, 8, 64, 128
+    # K and V of each KV head for every cached token
+    assert c.kv_bytes == layers * L * (2 * kv_heads * d) * KV == 12_800
+    # QK^T and PV: every query head against L keys of d dims, and L values of d dims
+    assert c.attention_flops == layers * 2 * heads * L * (d + d) == 25_600
+    # q (h->32), k (h->16), v (h->16), o (32->h) per layer, plus the LM head (h->vocab)
+    assert c.linear_flops == layers * 2 * h * (32 + 16 + 16 + 32) + 2 * h * vocab == 20_480
+    # gate, up and down: three h x ffn matmuls
+    assert c.ffn_flops == layers * 2 * 3 * h * ffn == 24_576
+    # the normed hidden state goes out, the FFN output comes back: h floats each way per layer
+    assert c.cut_bytes_to_ffn == c.cut_bytes_to_attn == layers * h * 4 == 256
+    assert c.formulation == FORMULATION_STANDARD
+
+
+# --------------------------------------------------------------------------- (b) MoE with shared experts
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe():
+    # 8 experts of 16, top-2, a shared expert of 48 with its sigmoid gate, GQA as above
+    cfg = AutoConfig.for_model(
+        "qwen2_moe", vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, decoder_sparse_step=1, mlp_only_layers=[],
+    )  # fmt: skip
+    return _split(cfg)
+
+
+def test_cost_moe_with_shared_expert(qwen2_moe):
+    c = decode_cost(qwen2_moe, L, kv_dtype_bytes=KV)
+    h, experts, top_k, moe_ffn, shared_ffn = 32, 8, 2, 16, 48
+    router = 2 * h * experts  # 512
+    routed = top_k * 2 * 3 * h * moe_ffn  # 6144: only the chosen experts run
+    shared = 2 * 3 * h * shared_ffn  # 9216
+    shared_gate = 2 * h * 1  # 64
+    assert [layer.ffn_flops for layer in c.ffn_layers] == [router + routed + shared + shared_gate] * 2 == [15_936] * 2
+    assert c.ffn_flops == 31_872
+    assert c.kv_bytes == 2 * L * (2 * 2 * 8) * KV
+    # the planner recovers one expert's size and the always-read part from totals alone
+    facts = model_facts(qwen2_moe, L)
+    layer = facts.layers[0]
+    assert layer.count == 2 and layer.experts == experts and layer.top_k == top_k
+    assert layer.expert_bytes == 3 * h * moe_ffn * 2  # bf16 weights
+    assert layer.ffn_fixed_bytes == (3 * h * shared_ffn + h * experts + h) * 2  # shared + router + gate
+
+
+# --------------------------------------------------------------------------- (c) MLA
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3():
+    # MLA: latent 16, rotary key 8, no-rope 8, value 8, 4 heads; first layer dense, then 8 experts
+    # top-2 (2 groups, 1 chosen) and one shared expert
+    cfg = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+    )  # fmt: skip
+    return _split(cfg)
+
+
+def test_cost_mla_latent_form(deepseek_v3):
+    c = decode_cost(deepseek_v3, L, kv_dtype_bytes=KV)
+    layers, h, heads, latent, rope, nope, v, vocab = 3, 64, 4, 16, 8, 8, 8, 256
+    assert c.formulation == FORMULATION_LATENT
+    # the cache holds the normed latent and the shared rotary key, not per-head K and V
+    assert c.kv_bytes == layers * L * (latent + rope) * KV == 14_400
+    # absorbed: each head scores against latent+rope dims and sums latent dims
+    assert c.attention_flops == layers * 2 * heads * L * ((latent + rope) + latent) == 96_000
+    # q_a (h->32), q_b (32->4*16), kv_a (h->16+8), kv_b (16->4*(8+8)), o (4*8->h); absorbing kv_b into
+    # the query and output sides costs the same 2*16*4*(8+8) per token
+    q_a, q_b, kv_a = h * 32, 32 * heads * (nope + rope), h * (latent + rope)
+    kv_b, o = latent * heads * (nope + v), heads * v * h
+    per_layer = 2 * (q_a + q_b + kv_a + kv_b + o)
+    assert per_layer == 17_408
+    assert c.linear_flops == layers * per_layer + 2 * h * vocab == 84_992
+    dense = 2 * 3 * h * 128  # 49152
+    moe = 2 * 3 * h * 32 * (2 + 1) + 2 * h * 8  # two routed + one shared expert + router: 37888
+    assert [layer.ffn_flops for layer in c.ffn_layers] == [dense, moe, moe]
+
+
+# --------------------------------------------------------------------------- (d) sliding window
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    # alternating sliding (window 16) and full attention layers; 4 experts top-2
+    cfg = AutoConfig.for_model(
+        "gpt_oss", vocab_size=128, hidden_size=32, intermediate_size=16, num_local_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+    )  # fmt: skip
+    return _split(cfg)
+
+
+def test_cost_sliding_window_reads_only_the_window(gpt_oss):
+    c = decode_cost(gpt_oss, L, kv_dtype_bytes=KV)
+    window, heads, kv_heads, d = 16, 4, 2, 8
+    sliding, full = c.attention_layers
+    assert sliding.kv_bytes == min(L, window) * 2 * kv_heads * d * KV == 1_024
+    assert full.kv_bytes == L * 2 * kv_heads * d * KV == 6_400
+    assert sliding.attention_flops == 2 * heads * min(L, window) * (d + d) == 2_048
+    assert full.attention_flops == 2 * heads * L * (d + d) == 12_800
+    assert c.kv_bytes == 7_424 and c.attention_flops == 14_848
+    # below the window a sliding layer reads the whole context
+    short = decode_cost(gpt_oss, 10, kv_dtype_bytes=KV)
+    assert short.attention_layers[0].kv_bytes == short.attention_layers[1].kv_bytes == 10 * 32 * KV
+    # router (h->4) and two experts of gate_up (h->2*16) and down (16->h)
+    assert [layer.ffn_flops for layer in c.ffn_layers] == [2 * 32 * 4 + 2 * (2 * 32 * 32 + 2 * 16 * 32)] * 2
+
+
+# --------------------------------------------------------------------------- planner model (synthetic)
+
+TOY = HardwareProfile(
+    name="TOY", peak_flops={"bf16": 1e15}, hbm_bandwidth=1e12, hbm_capacity=100e9,
+    interconnect_bandwidth=1e9, nic_bandwidth=1e9, price_per_hour=1.0,
+)  # fmt: skip
+EXACT = Assumptions(activation_reserve=0.0, hbm_efficiency=1.0, compute_efficiency=1.0, network_efficiency=1.0)
+
+
+def _toy_facts(count: int = 1000, to_ffn: float = 187.5, **layer) -> ModelFacts:
+    """A dense model whose attention reads 1 MB of KV per sequence and layer and holds no weights,
+    and whose FFN does 0.25 us of work per token at 1 PFLOP/s, reading no weights."""
+    values = dict(
+        count=count, kv_bytes=1e6, attention_flops=0.0, linear_flops=0.0, attention_weight_bytes=0.0,
+        ffn_flops=2.5e8, ffn_fixed_bytes=0.0, expert_bytes=0.0, experts=0, top_k=0,
+        to_ffn_bytes=to_ffn, to_attn_bytes=to_ffn,
+    )  # fmt: skip
+    values.update(layer)
+    lf = LayerFacts(**values)
+    cost = DecodeCost(8192, 2, FORMULATION_STANDARD, 0, 0, 0, 0, 0, 0)
+    return ModelFacts("toy", 8192, "bf16", "bf16", cost, (lf,), 1e9, 1e9, 0.0)
+
+
+def test_balance_ratio_equalizes_attention_and_ffn():
+    # micro-batch of 10 sequences: attention reads 10 x 1 MB at 1 TB/s = 10 us per layer;
+    # r attention GPUs send 10r tokens to each FFN GPU: 10r x 0.25 us = 2.5r us, equal at r = 4
+    bal = balance(_toy_facts(count=1), TOY, TOY, y=2, batch=10, a=EXACT)
+    assert bal.attention_ms == pytest.approx(10e-3)
+    assert bal.ratio == pytest.approx(4.0, rel=1e-6)
+    assert bal.compute_ratio == pytest.approx(4.0)
+    assert not bal.read_bound
+
+
+def test_micro_batches_follow_megascale_rule_and_layer_time_follows_simulator():
+    # one-way transfer per sequence: 187.5 B at 1 GB/s = 0.1875 us; FFN 0.25 us: Tc/Tf = 0.75,
+    # so m >= 2(1 + 0.75) = 3.5: four micro-batches
+    facts = _toy_facts(count=1000)
+    point = afd_step(facts, TOY, TOY, x=1, y=1, batch=8, a=EXACT)
+    assert point.needed == pytest.approx(3.5)
+    assert point.micro_batches == 4
+    # micro-batches of 2: attention 2 us, FFN 0.5 us, transfers 0.375 us each way; a layer takes
+    # max(a + f + c_out + c_back, m * max(a, f, c_out, c_back)) = max(3.25, 8) = 8 us
+    assert point.tpot == pytest.approx(1000 * 8e-6)
+    # with a slow link the transfers are the slowest stage and m is capped
+    slow = afd_step(_toy_facts(count=1, to_ffn=10_000.0), TOY, TOY, x=1, y=1, batch=8, a=EXACT)
+    assert slow.micro_batches == EXACT.max_micro_batches and slow.needed > slow.micro_batches
+
+
+def test_plan_prefers_memory_or_tpot_and_compares_monolithic():
+    r = plan(_toy_facts(), TOY, TOY, tpot_ms=50, assumptions=EXACT)
+    assert r.afd is not None and r.afd.tpot_ms <= 50
+    assert r.afd.batch_limit in ("memory", "tpot")
+    assert r.monolithic and all(d.tpot_ms <= 50 for d in r.monolithic)
+    assert any(line.startswith(("AFD wins", "AFD loses")) for line in r.explanation)
+
+
+def test_impossible_tpot_says_by_how_much():
+    # batch 1: attention 1 us + FFN 0.25 us + 2 x 0.1875 us per layer, 1000 layers: 1.625 ms (AFD);
+    # monolithic on one GPU moves nothing: 1.25 ms. Against 1.2 ms: 35% and 4% over.
+    with pytest.raises(PlanError) as err:
+        plan(_toy_facts(), TOY, TOY, tpot_ms=1.2, assumptions=EXACT)
+    msg = str(err.value)
+    assert "TPOT 1.2 ms cannot be met: even batch 1 needs 1.6 ms (35% over)" in msg
+    assert "monolithic on TOY: TPOT 1.2 ms cannot be met: even batch 1 needs 1.2 ms (4% over)" in msg
+
+
+def test_context_that_does_not_fit_says_so():
+    huge = _toy_facts(kv_bytes=1e9)  # 1000 layers x 1 GB: one sequence needs 1 TB
+    with pytest.raises(PlanError, match=r"context 8192 does not fit on TOY: attention weights 1.0 GB plus one"):
+        plan(huge, TOY, TOY, tpot_ms=1e6, assumptions=EXACT)
+
+
+# --------------------------------------------------------------------------- hardware
+
+
+def test_builtin_profiles_cover_the_issue_list():
+    names = set(load_profiles())
+    assert {"H100", "H200", "H800", "H20", "A100", "A800", "L40S", "B200", "Ascend910B"} <= names
+    h20 = get_profile("h20")
+    assert h20.flops("bf16") == 148e12 and h20.flops("fp8") == 296e12 and h20.hbm_capacity == 96e9
+    assert get_profile("A100").flops("fp8") == 312e12  # no FP8: weight-only, bf16 math
+    assert get_profile("ascend 910b").name == "Ascend910B"
+
+
+def test_unknown_hardware_lists_the_known_ones():
+    with pytest.raises(HardwareError) as err:
+        get_profile("H9000")
+    msg = str(err.value)
+    assert isinstance(err.value, AfdcError)
+    assert "unknown hardware 'H9000'" in msg
+    assert all(name in msg for name in ("A100", "A800", "Ascend910B", "B200", "H100", "H20", "H200", "H800", "L40S"))
+
+
+def test_hw_file_adds_and_overrides(tmp_path):
+    path = tmp_path / "hw.json"
+    mine = {"name": "MyChip", "peak_flops": {"bf16": 5e14}, "hbm_bandwidth": 2e12, "hbm_capacity": 64e9,
+            "interconnect_bandwidth": 1e11, "nic_bandwidth": 2.5e10, "price_per_hour": 0.5}  # fmt: skip
+    cheap_h20 = {**get_profile("H20").__dict__, "price_per_hour": 0.1, "aliases": []}
+    path.write_text(json.dumps({"profiles": [mine, cheap_h20]}))
+    profiles = load_profiles(path)
+    assert get_profile("mychip", profiles).hbm_bandwidth == 2e12
+    assert get_profile("H20", profiles).price_per_hour == 0.1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"name": "X", "peak_flops": {"bf16": 1}}]))
+    with pytest.raises(HardwareError, match="lacks hbm_bandwidth"):
+        load_profiles(bad)
+
+
+# --------------------------------------------------------------------------- dtypes and the command line
+
+
+def test_dtype_options_change_the_numbers(llama):
+    base = model_facts(llama, 4096, "bf16", "bf16")
+    fp8_weights = model_facts(llama, 4096, "fp8", "bf16")
+    fp8_kv = model_facts(llama, 4096, "bf16", "fp8")
+    assert fp8_weights.attention_weight_bytes == base.attention_weight_bytes / 2
+    assert fp8_weights.ffn_weight_bytes == base.ffn_weight_bytes / 2
+    assert fp8_weights.kv_bytes == base.kv_bytes
+    assert fp8_kv.kv_bytes == base.kv_bytes / 2 == 2 * 4096 * 32
+    assert fp8_kv.ffn_weight_bytes == base.ffn_weight_bytes
+    # the attention weights read per step leave out the embedding table (a row gather)
+    assert base.attention_read_bytes == (llama.report().attention_parameters - 128 * 32) * 2
+
+
+@pytest.fixture(scope="module")
+def llama_config_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    cfg = AutoConfig.for_model(
+        "llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    path.write_text(cfg.to_json_string())
+    return str(path)
+
+
+FIELDS = ("kv_bytes", "attention_flops", "linear_flops", "ffn_flops", "cut_bytes_to_ffn", "cut_bytes_to_attn")
+
+
+def test_cli_plan_json_dtypes_and_plot(llama_config_file, tmp_path, llama):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    args = ["plan", llama_config_file, "--context", "4096", "--attn-hw", "H20", "--ffn-hw", "H800"]
+    args += ["--kv-dtype", "fp8", "--weight-dtype", "fp8", "--json", "--plot", str(png)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    # the per-token fields are decode_cost's, with the KV cache at 1 byte per element
+    cost = decode_cost(llama, 4096, kv_dtype_bytes=1)
+    assert {k: data[k] for k in FIELDS} == {k: getattr(cost, k) for k in FIELDS}
+    assert data["kv_bytes"] == 2 * 4096 * (2 * 2 * 8) * 1
+    assert data["attention_weight_bytes"] == llama.report().attention_parameters * 1
+    assert data["ffn_weight_bytes"] == llama.report().ffn_parameters * 1
+    afd = data["plan"]["afd"]
+    assert afd["name"] == f"{afd['attention_gpus']}A{afd['ffn_gpus']}F"
+    assert afd["tpot_ms"] <= 50 and afd["tokens_per_gpu_s"] > 0 and afd["cost_per_million_tokens"] > 0
+    assert data["plan"]["monolithic"] and data["plan"]["explanation"]
+    assert png.stat().st_size > 10_000
+
+
+def test_cli_plan_unknown_hardware_fails_before_capture(llama_config_file):
+    result = CliRunner().invoke(main, ["plan", llama_config_file, "--attn-hw", "H9000"])
+    assert result.exit_code == 2
+    assert "unknown hardware 'H9000'; known: A100, A800, Ascend910B, B200, H100, H20, H200, H800, L40S" in result.output
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(PlanError, match=r"--plot needs matplotlib: pip install 'afdc\[plot\]'"):
+        require_matplotlib()
