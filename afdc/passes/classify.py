@@ -43,9 +43,6 @@ class Classification:
     mixers: list[fx.Node]  # attention ops (one per attention call site)
     inline_mixers: list[fx.Node]  # token-mixing nodes outside attention ops (recurrent, hard-coded attention)
 
-    def ffn_nodes(self) -> set[fx.Node]:
-        return {n for r in self.regions for n in r.nodes}
-
 
 def _is_mixer(node: fx.Node, free: set[fx.Node]) -> bool:
     """Mixes values across tokens: attention, convolution, or a product of two activations

@@ -34,12 +34,6 @@ class KVCache:
         self._keys[slot], self._values[slot] = key, value
         return key, value
 
-    def seq_len(self) -> int:
-        return next(iter(self._keys.values())).shape[2] if self._keys else 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self._keys, self._values) for t in d.values())
-
 
 def current() -> KVCache | None:
     return _ACTIVE[-1] if _ACTIVE else None
