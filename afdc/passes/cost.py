@@ -79,7 +79,7 @@ def _einsum_flops(node: fx.Node) -> sympy.Expr:
 
 @dataclass
 class LayerCost:
-    """One decoded token's cost in one layer; ``index`` is the FFN layer or attention call."""
+    """One decoded token's cost in one attention call or one FFN layer."""
 
     kv_bytes: float = 0.0
     attention_flops: float = 0.0
@@ -228,7 +228,7 @@ def attention_cost(site: AttentionSite, context: int, kv_dtype_bytes: int) -> La
     # absorbed MLA: every head scores against the cached key dims and sums the cached value dims
     per_head = site.cached_k + site.cached_v if site.latent else dk + dv
     cached = site.cached_latent if site.latent else site.cached_k + site.cached_v
-    return LayerCost(kv_bytes=keys * cached * kv_dtype_bytes, attention_flops=2 * hq * keys * per_head)
+    return LayerCost(kv_bytes=keys * cached * kv_dtype_bytes, attention_flops=float(2 * hq * keys * per_head))
 
 
 def graph_flops(graph: fx.Graph, tokens, skip: set[fx.Node] = frozenset()) -> float:
