@@ -1,27 +1,64 @@
-"""``afdc.disaggregate``: the whole pipeline, capture -> passes -> partition -> runtime."""
+"""The whole pipeline, capture -> passes -> partition -> (shard) -> runtime.
+
+:func:`build` turns a model (real or on the meta device) into graphs and weight bindings;
+:func:`disaggregate` binds them to the model's own weights and returns a runnable model;
+``afdc compile`` (:mod:`afdc.compile`) writes them out as an artifact instead.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
 from transformers import PreTrainedModel
 
 from afdc import capture as capture_mod
 from afdc.capture import CapturedGraph
-from afdc.errors import UnsupportedModelError
-from afdc.partition.split import partition
+from afdc.errors import PlanError, UnsupportedModelError
+from afdc.partition.shard import FFNParallel, ShardedSegment, Split, shard_segment, single_rank
+from afdc.partition.split import SegmentBinding, partition
 from afdc.passes import graph_facts as gf
 from afdc.passes.aliasing import split_writes
 from afdc.passes.classify import Classification, classify
 from afdc.passes.cleanup import strip_assertions
 from afdc.passes.cut import Cut, RouterPlacement, select_cuts
+from afdc.passes.portable import portable
 from afdc.plan import Plan
 from afdc.report import Report, layer_report
 from afdc.runtime.model import DisaggregatedModel
 from afdc.runtime.programs import AttentionProgram, FFNLayer, FFNProgram
 
 
+@dataclass
+class Built:
+    """A partitioned model before weights are bound: what disaggregate runs and compile writes."""
+
+    plan: Plan
+    attention_graph: fx.Graph
+    out_spec: pytree.TreeSpec
+    segments: list[ShardedSegment]  # graphs take (weights..., inputs..., rank)
+    layers: list[SegmentBinding]  # per FFN layer: its segment and weight names
+    attrs: dict[str, torch.Tensor]  # every weight, buffer and constant a program reads, by name
+    incremental: bool
+    report: Report
+
+    def attention_names(self) -> list[str]:
+        return sorted({n.target for n in self.attention_graph.nodes if n.op == "get_attr"})
+
+    def ffn_splits(self) -> dict[str, Split]:
+        """How the FFN ranks hold each FFN weight."""
+        splits: dict[str, Split] = {}
+        for binding in self.layers:
+            for name, split in zip(binding.weights, self.segments[binding.segment].splits):
+                if splits.setdefault(name, split) != split:
+                    raise UnsupportedModelError(f"weight {name} is shared by FFN layers that split it differently")
+        return splits
+
+
 def _cut(captured: CapturedGraph, placement: RouterPlacement) -> tuple[CapturedGraph, Classification, list[Cut]]:
-    graph = strip_assertions(captured.graph)
+    graph = portable(strip_assertions(captured.graph))
     params = set(captured.parameter_names)
     classification = classify(graph, params)
     if not captured.token_dims_dynamic():
@@ -31,14 +68,25 @@ def _cut(captured: CapturedGraph, placement: RouterPlacement) -> tuple[CapturedG
     return captured, classification, select_cuts(graph, classification, params, placement)
 
 
-def disaggregate(model: PreTrainedModel, plan: str | Plan = "1A1F", router: str = "ffn") -> DisaggregatedModel:
-    """Split ``model`` into an attention program and an FFN program joined by a connector.
+def _shard(segments: list[fx.Graph], layers: list[SegmentBinding], labels: list[str], plan: Plan):
+    if plan.ffn_ranks == 1:
+        return [single_rank(g) for g in segments]
+    mode = FFNParallel.TP if plan.ffn_parallel == "tp" else FFNParallel.EP
+    first = {b.segment: (labels[i], b.weights) for i, b in reversed(list(enumerate(layers)))}
+    sharded = [shard_segment(g, mode, plan.ffn_ranks, *first[i]) for i, g in enumerate(segments)]
+    if plan.ffn_parallel == "ep" and not any(s.experts for seg in sharded for s in seg.splits):
+        raise PlanError("--ffn-parallel ep: the model has no expert weights to partition (a dense model); use tp")
+    return sharded
 
-    Raises :class:`afdc.UnsupportedModelError` when the model cannot be split; it never returns
-    an unsplit or half-split model.
+
+def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
+    """Capture, classify, cut, partition and shard ``model`` for ``plan``.
+
+    Raises :class:`afdc.UnsupportedModelError` when the model cannot be split and
+    :class:`afdc.PlanError` when the plan does not fit it.
     """
     plan = Plan.parse(plan)
-    placement = RouterPlacement(router)
+    placement = RouterPlacement(plan.router)
     captured, classification, cuts = _cut(capture_mod.capture(model), placement)
     if split_writes(captured.graph, (n for c in cuts for n in c.ffn_nodes)):
         captured, classification, cuts = _cut(capture_mod.capture(model, functional=True), placement)
@@ -50,11 +98,12 @@ def disaggregate(model: PreTrainedModel, plan: str | Plan = "1A1F", router: str 
     part = partition(graph, cuts)
     for lr, binding in zip(layers_report, part.layers):
         lr.segment = binding.segment
+    segments = _shard(part.segments, part.layers, [lr.module for lr in layers_report], plan)
+    for lr, binding in zip(layers_report, part.layers):
+        lr.ffn_split = segments[binding.segment].describe()
 
-    attention = AttentionProgram(part.attention_graph, captured.attrs, captured.out_spec)
-    ffn_weights = {w: captured.attrs[w] for b in part.layers for w in b.weights}
-    ffn = FFNProgram(part.segments, [FFNLayer(b.segment, b.weights) for b in part.layers], ffn_weights)
-    attention_params = attention.parameter_names()
+    attention_params = {n.target for n in part.attention_graph.nodes if n.op == "get_attr"} & params
+    ffn_weights = {w for b in part.layers for w in b.weights}
     report = Report(
         model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
         plan=str(plan),
@@ -62,8 +111,49 @@ def disaggregate(model: PreTrainedModel, plan: str | Plan = "1A1F", router: str 
         incremental_decode=incremental,
         attention_calls=sum(1 for n in graph.nodes if n.target is torch.ops.afdc.attention.default),
         attention_parameters=sum(captured.attrs[n].numel() for n in attention_params),
-        ffn_parameters=sum(ffn_weights[n].numel() for n in ffn.parameter_names()),
+        ffn_parameters=sum(captured.attrs[n].numel() for n in ffn_weights & params),
         segment_graphs=len(part.segments),
         layers=layers_report,
     )
-    return DisaggregatedModel(attention, ffn, incremental, report, getattr(model, "generation_config", None))
+    return Built(
+        plan, part.attention_graph, captured.out_spec, segments, part.layers, captured.attrs, incremental, report
+    )
+
+
+def ffn_program(built: Built, weights: dict[str, torch.Tensor], rank: int) -> FFNProgram:
+    """FFN rank ``rank`` of ``built``; ``weights`` holds that rank's (already local) tensors."""
+    return FFNProgram(
+        [s.graph for s in built.segments],
+        [FFNLayer(b.segment, b.weights) for b in built.layers],
+        weights,
+        [s.reduce for s in built.segments],
+        rank,
+    )
+
+
+def disaggregate(
+    model: PreTrainedModel, plan: str | Plan = "1A1F", router: str | None = None, **options
+) -> DisaggregatedModel:
+    """Split ``model`` into attention and FFN programs for ``plan`` joined by a connector.
+
+    ``plan`` is ``"xAyF"`` or a :class:`Plan`; keyword options (``ffn_parallel``, ...) refine it.
+    Every rank runs in this process; the result is a drop-in for the model's own call.
+    Raises :class:`afdc.UnsupportedModelError` when the model cannot be split; it never returns
+    an unsplit or half-split model.
+    """
+    if router is not None:
+        options["router"] = router
+    built = build(model, Plan.parse(plan, **options))
+    attention = AttentionProgram.from_graph(built.attention_graph, built.attrs, built.out_spec)
+    splits = built.ffn_splits()
+    ffn = [
+        ffn_program(built, {w: split.local(built.attrs[w], r, built.plan.ffn_ranks) for w, split in splits.items()}, r)
+        for r in range(built.plan.ffn_ranks)
+    ]
+    return DisaggregatedModel(
+        [attention] * built.plan.attention_ranks,
+        ffn,
+        built.incremental,
+        built.report,
+        getattr(model, "generation_config", None),
+    )

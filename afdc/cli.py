@@ -88,10 +88,10 @@ def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, hw_fi
             planner.require_matplotlib()  # before the capture, not after
         profiles = load_profiles(hw_file)
         hw_a, hw_f = get_profile(attn_hw, profiles), get_profile(ffn_hw, profiles)
-        dm = afdc.disaggregate(empty_model(load_config(model)))
+        dm, layers = planner.split_for_planning(empty_model(load_config(model)))
 
         def plan_at(ctx: int) -> planner.PlanResult:
-            facts = planner.model_facts(dm, ctx, weight_dtype, kv_dtype, name=model)
+            facts = planner.model_facts(dm, ctx, weight_dtype, kv_dtype, name=model, layers=layers)
             return planner.plan(facts, hw_a, hw_f, tpot_ms)
 
         result = plan_at(context)

@@ -130,3 +130,47 @@ def recv(ticket: torch.Tensor, layer: int, index: int, shape: Sequence[int], dty
 @recv.register_fake
 def _(ticket, layer, index, shape, dtype):
     return ticket.new_empty(tuple(shape), dtype=dtype)
+
+
+# -- expert parallelism --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("afdc::grouped_mm_local", mutates_args=())
+def grouped_mm_local(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, first: int) -> torch.Tensor:
+    """A grouped matmul restricted to this rank's experts ``[first, first + w.shape[0])``.
+
+    ``x`` holds the rows of all experts sorted by expert, ``offs[e]`` is the end row of expert
+    ``e`` over all experts (as transformers' grouped matmul takes it), ``w`` only the local
+    experts' ``[k, n]`` weights. Rows of other experts come out as zeros, so the ranks' results
+    add up to the full grouped matmul.
+    """
+    out = torch.zeros(x.shape[0], w.shape[2], device=x.device, dtype=x.dtype)
+    ends = offs.tolist()
+    start = ends[first - 1] if first > 0 else 0
+    for e in range(w.shape[0]):
+        end = ends[first + e]
+        if end > start:
+            torch.mm(x[start:end], w[e], out=out[start:end])
+        start = end
+    return out
+
+
+@grouped_mm_local.register_fake
+def _(x, w, offs, first):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("afdc::gather_local", mutates_args=())
+def gather_local(w: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """``w_full[ids]`` where this rank holds rows ``[first, first + w.shape[0])`` of ``w_full``.
+
+    Rows whose id another rank holds come out as zeros.
+    """
+    local = (ids >= first) & (ids < first + w.shape[0])
+    rows = w[(ids - first).clamp(0, w.shape[0] - 1)]
+    return torch.where(local.reshape(*local.shape, *([1] * (w.dim() - 1))), rows, torch.zeros((), dtype=w.dtype))
+
+
+@gather_local.register_fake
+def _(w, ids, first):
+    return w.new_empty((*ids.shape, *w.shape[1:]))

@@ -1,31 +1,68 @@
-"""Deployment plans: ``xAyF`` is x attention ranks and y FFN ranks."""
+"""Deployment plans: ``xAyF`` is x attention ranks and y FFN ranks, plus how they split the work."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 from afdc.errors import PlanError
 
 _PLAN = re.compile(r"^\s*(\d+)\s*[aA]\s*(\d+)\s*[fF]\s*$")
+
+FFN_PARALLEL = ("auto", "ep", "tp")  # auto: ep for mixture-of-experts models, tp for dense ones
+ROUTERS = ("ffn", "attn")
+DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
 class Plan:
     attention_ranks: int
     ffn_ranks: int
+    ffn_parallel: str = "auto"  # how the FFN ranks split each FFN layer: "ep", "tp" or "auto"
+    attention_tp: int = 1  # tensor parallelism inside one attention rank
+    router: str = "ffn"  # which side computes the MoE router ("attn" sends top-k ids and weights)
+    micro_batches: int = 1  # micro-batches the attention side ping-pongs per step
+    dtype: str | None = None  # weights and activations; None keeps the model's own
+
+    def __post_init__(self) -> None:
+        if self.attention_ranks < 1 or self.ffn_ranks < 1:
+            raise PlanError(f"plan {self.shape} needs at least one attention and one FFN rank")
+        _choice("--ffn-parallel", self.ffn_parallel, FFN_PARALLEL)
+        _choice("--router", self.router, ROUTERS)
+        if self.dtype is not None:
+            _choice("--dtype", self.dtype, DTYPES)
+        if self.micro_batches < 1:
+            raise PlanError(f"--micro-batches must be at least 1, got {self.micro_batches}")
+        if self.attention_tp < 1:
+            raise PlanError(f"--attn-tp must be at least 1, got {self.attention_tp}")
+        if self.attention_tp > 1:
+            raise PlanError(
+                f"--attn-tp {self.attention_tp}: tensor parallelism inside an attention rank is not supported yet; "
+                "use more attention ranks (data parallel) instead"
+            )
 
     @classmethod
-    def parse(cls, text: str | Plan) -> Plan:
+    def parse(cls, text: str | Plan, **options) -> Plan:
+        """``"2A2F"`` plus keyword options (``ffn_parallel="ep"`` ...); a Plan passes through,
+        with the options applied on top."""
         if isinstance(text, Plan):
-            return text
+            return replace(text, **options) if options else text
         m = _PLAN.match(str(text))
         if not m:
             raise PlanError(f"plan {text!r} is not of the form xAyF (e.g. 1A1F, 2A2F, 4A2F)")
-        x, y = int(m.group(1)), int(m.group(2))
-        if x < 1 or y < 1:
-            raise PlanError(f"plan {text!r} needs at least one attention and one FFN rank")
-        return cls(x, y)
+        return cls(int(m.group(1)), int(m.group(2)), **options)
+
+    @property
+    def shape(self) -> str:
+        return f"{self.attention_ranks}A{self.ffn_ranks}F"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
     def __str__(self) -> str:
-        return f"{self.attention_ranks}A{self.ffn_ranks}F"
+        return self.shape
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise PlanError(f"{flag} {value!r} is not one of {', '.join(allowed)}")

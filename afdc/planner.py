@@ -36,10 +36,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+import afdc
 from afdc.errors import PlanError
 from afdc.hardware import HardwareProfile, dtype_bytes
 from afdc.passes import graph_facts as gf
 from afdc.passes.cost import DecodeCost, LayerCost, decode_cost
+from afdc.passes.layers import LayerPattern, captured_prefix, layer_pattern
+from afdc.runtime.model import DisaggregatedModel
 
 GB = 1e9
 
@@ -118,16 +121,71 @@ class ModelFacts:
         return sum(layer.count * layer.attention_weight_bytes for layer in self.layers)
 
 
-def _embedding_only_parameters(dm) -> int:
+# Context at which a prefix capture is checked against itself: past every sliding window, so
+# that layers differing only in their window cost differently
+_CHECK_CONTEXT = 1 << 20
+
+
+def split_for_planning(model) -> tuple[DisaggregatedModel, LayerPattern | None]:
+    """``(dm, pattern)``: ``model`` split for :func:`model_facts`. Capture time grows with the
+    layers captured and most models repeat one or two, so ``dm`` holds only the prefix of the
+    layers that :func:`afdc.passes.layers.layer_pattern` picks, when there is one and it stands
+    for the whole model; else ``dm`` is the whole model and ``pattern`` None."""
+    try:
+        short = _split_prefix(model)
+    except Exception:  # whatever fails on the short path, the full capture gives the answer, only slower
+        short = None
+    return short or (afdc.disaggregate(model), None)
+
+
+def _split_prefix(model) -> tuple[DisaggregatedModel, LayerPattern] | None:
+    pattern = layer_pattern(model)
+    if pattern is None:
+        return None
+    with captured_prefix(model, pattern):
+        dm = afdc.disaggregate(model)
+    model_facts(dm, _CHECK_CONTEXT, layers=pattern)  # raises LayerMismatch where the prefix cannot stand in
+    return dm, pattern
+
+
+def _embedding_only_parameters(dm) -> list[tuple[str, int]]:
     """Parameters the attention program only gathers rows from: a decode step reads a row each,
     not the table (a table tied to the LM head is read in full by the head, so it stays)."""
     graph = dm.attention.module.graph
     params = set(dm.attention.parameter_names())
-    total = 0
-    for n in graph.nodes:
-        if gf.is_parameter(n, params) and n.users and all(gf.is_op(u, torch.ops.aten.embedding) for u in n.users):
-            total += n.meta["val"].numel()
-    return total
+    return [
+        (n.target, n.meta["val"].numel())
+        for n in graph.nodes
+        if gf.is_parameter(n, params) and n.users and all(gf.is_op(u, torch.ops.aten.embedding) for u in n.users)
+    ]
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """Parameter counts and FFN layers of the model a split stands for."""
+
+    ffn_layers: list  # the report's LayerReport per FFN layer
+    attention: float  # held by the attention side
+    attention_read: float  # what the attention side reads per step: all but row-gathered tables
+    ffn: float
+
+
+def _weights(dm, layers: LayerPattern | None) -> _Weights:
+    report = dm.report()
+    embedding_only = _embedding_only_parameters(dm)
+    embedding = sum(size for _, size in embedding_only)
+    if layers is None:
+        attention = report.attention_parameters
+        return _Weights(report.layers, attention, attention - embedding, report.ffn_parameters)
+    owners = [layers.layer_of(r.module) for r in report.layers]
+    attention_sizes = [(layers.layer_of(k), p.numel()) for k, p in dm.attention.module.named_parameters()]
+    attention = layers.total(report.attention_parameters, attention_sizes)
+    return _Weights(
+        layers.expand(report.layers, owners, lambda r: (r.kind, r.experts, r.top_k, r.ffn_parameters)),
+        attention,
+        attention - layers.total(embedding, [(layers.layer_of(k), size) for k, size in embedding_only]),
+        layers.total(report.ffn_parameters, [(o, r.ffn_parameters) for o, r in zip(owners, report.layers)]),
+    )
 
 
 def _split_moe_parameters(params: float, activated: float, experts: int, top_k: int) -> tuple[float, float]:
@@ -152,17 +210,23 @@ def _paired_attention(cost: DecodeCost) -> list[LayerCost]:
 
 
 def model_facts(
-    dm, context: int, weight_dtype: str = "bf16", kv_dtype: str = "bf16", name: str | None = None
+    dm,
+    context: int,
+    weight_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    name: str | None = None,
+    layers: LayerPattern | None = None,
 ) -> ModelFacts:
-    """Per-token cost and per-side weights of a :class:`DisaggregatedModel` at ``context``."""
+    """Per-token cost and per-side weights of a :class:`DisaggregatedModel` at ``context``; with
+    ``layers``, of the whole model ``dm``'s prefix capture stands for (:func:`split_for_planning`)."""
     wb, report = dtype_bytes(weight_dtype), dm.report()
-    cost = decode_cost(dm, context, kv_dtype_bytes=dtype_bytes(kv_dtype))
+    cost = decode_cost(dm, context, kv_dtype_bytes=dtype_bytes(kv_dtype), layers=layers)
     if not cost.ffn_layers:
         raise PlanError("the model has no FFN layers to disaggregate; there is nothing to plan")
     n = len(cost.ffn_layers)
-    read_params = report.attention_parameters - _embedding_only_parameters(dm)
+    weights = _weights(dm, layers)
     rows = []
-    for ffn, layer, attn in zip(cost.ffn_layers, report.layers, _paired_attention(cost)):
+    for ffn, layer, attn in zip(cost.ffn_layers, weights.ffn_layers, _paired_attention(cost)):
         activated = ffn.ffn_flops / 2  # every FFN weight a token touches does one multiply-add
         if layer.kind == "moe" and layer.experts and layer.top_k:
             fixed, per_expert = _split_moe_parameters(layer.ffn_parameters, activated, layer.experts, layer.top_k)
@@ -175,7 +239,7 @@ def model_facts(
                 kv_bytes=attn.kv_bytes,
                 attention_flops=float(attn.attention_flops),
                 linear_flops=cost.linear_flops / n,
-                attention_weight_bytes=read_params * wb / n,
+                attention_weight_bytes=weights.attention_read * wb / n,
                 ffn_flops=ffn.ffn_flops,
                 ffn_fixed_bytes=fixed * wb,
                 expert_bytes=per_expert * wb,
@@ -193,8 +257,8 @@ def model_facts(
         kv_dtype=kv_dtype,
         cost=cost,
         layers=tuple(replace(r, count=c) for r, c in groups.items()),
-        attention_weight_bytes=report.attention_parameters * wb,
-        ffn_weight_bytes=report.ffn_parameters * wb,
+        attention_weight_bytes=weights.attention * wb,
+        ffn_weight_bytes=weights.ffn * wb,
         ffn_activated_bytes=cost.ffn_flops / 2 * wb,
     )
 

@@ -31,6 +31,7 @@ class LayerReport:
     to_ffn: list[Crossing]
     to_attn: list[Crossing]
     ffn_parameters: int
+    ffn_split: str = "replicated"  # how the FFN ranks share the layer: "ep", "tp" or "replicated"
 
     @property
     def bytes_to_ffn(self) -> float:

@@ -28,8 +28,10 @@ from afdc.planner import (
     model_facts,
     plan,
     require_matplotlib,
+    split_for_planning,
 )
 from afdc.source import empty_model
+from models_supported.catalog import entry
 
 L = 100  # context length of the cost tests
 KV = 2  # bf16 KV cache
@@ -164,6 +166,53 @@ def test_cost_sliding_window_reads_only_the_window(gpt_oss):
     assert short.attention_layers[0].kv_bytes == short.attention_layers[1].kv_bytes == 10 * 32 * KV
     # router (h->4) and two experts of gate_up (h->2*16) and down (16->h)
     assert [layer.ffn_flops for layer in c.ffn_layers] == [2 * 32 * 4 + 2 * (2 * 32 * 32 + 2 * 16 * 32)] * 2
+
+
+# --------------------------------------------------------------------------- one capture per distinct layer
+
+
+def _catalog_config(model_type: str, layers: int):
+    """The catalog's tiny config with ``layers`` layers (per-layer lists repeated to match)."""
+    kwargs = dict(entry(model_type).config_kwargs)
+    old = kwargs.get("num_hidden_layers", 2)
+    kwargs = {k: (v * layers)[:layers] if isinstance(v, list) and len(v) == old else v for k, v in kwargs.items()}
+    return AutoConfig.for_model(model_type, **{**kwargs, "num_hidden_layers": layers})
+
+
+@pytest.mark.parametrize(
+    ("model_type", "layers", "prefix", "distinct"),
+    [
+        ("deepseek_v3", 5, 3, 2),  # first layer dense, then MoE: layers 0-2 captured, 3-4 counted as 1-2
+        ("gpt_oss", 6, 4, 2),  # sliding and full attention alternating: 0-3 captured, 4-5 as 0-1
+        ("lfm2", 6, 4, 2),  # short convolution and attention alternating
+    ],
+)
+def test_prefix_capture_costs_what_the_full_capture_costs(model_type, layers, prefix, distinct):
+    model = empty_model(_catalog_config(model_type, layers))
+    dm, pattern = split_for_planning(model)
+    assert pattern is not None and pattern.prefix == prefix and len(set(pattern.first)) == distinct
+    assert len(model.get_submodule(pattern.path)) == layers  # the model got its layers back
+    full = afdc.disaggregate(model)
+    assert len(dm.report().layers) < len(full.report().layers)
+    for context in (2, 4096):  # below and past the sliding window
+        short_facts = model_facts(dm, context, "fp8", "bf16", layers=pattern)
+        assert short_facts == model_facts(full, context, "fp8", "bf16")
+        assert short_facts.layer_count == layers
+
+
+def test_prefix_capture_falls_back_when_layers_differ_by_position_alone(monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    forward = LlamaDecoderLayer.forward
+
+    def first_layer_runs_its_mlp_twice(self, hidden_states, *args, **kwargs):
+        if self.self_attn.layer_idx == 0:  # nothing in the modules says so: only the capture shows it
+            hidden_states = hidden_states + self.mlp(hidden_states)
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", first_layer_runs_its_mlp_twice)
+    dm, pattern = split_for_planning(empty_model(_catalog_config("llama", 4)))
+    assert pattern is None and len(dm.report().layers) == 5  # the full capture: 4 FFN layers and the extra one
 
 
 # --------------------------------------------------------------------------- planner model (synthetic)

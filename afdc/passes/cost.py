@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from afdc.passes import aliasing
 from afdc.passes import graph_facts as gf
+from afdc.passes.layers import LayerPattern
 from afdc.passes.mincut import INF, FlowGraph
 
 aten = torch.ops.aten
@@ -231,17 +232,25 @@ def attention_cost(site: AttentionSite, context: int, kv_dtype_bytes: int) -> La
     return LayerCost(kv_bytes=keys * cached * kv_dtype_bytes, attention_flops=float(2 * hq * keys * per_head))
 
 
-def graph_flops(graph: fx.Graph, tokens, skip: set[fx.Node] = frozenset()) -> float:
+def _per_token(expr: sympy.Expr, tokens) -> float:
     subs = {tokens[0]: 1, tokens[1]: 1}
+    return float(expr.subs(subs)) if expr.free_symbols - set(subs) == set() else math.nan
+
+
+def graph_flops(graph: fx.Graph, tokens, skip: set[fx.Node] = frozenset()) -> float:
     total = sympy.Integer(0)
     for n in graph.nodes:
         if n not in skip:
             total += op_flops(n)
-    return float(total.subs(subs)) if total.free_symbols - set(subs) == set() else math.nan
+    return _per_token(total, tokens)
 
 
-def decode_cost(dm, context: int, kv_dtype_bytes: int | None = None) -> DecodeCost:
-    """Cost of one decoded token at ``context`` for a :class:`DisaggregatedModel`."""
+def decode_cost(dm, context: int, kv_dtype_bytes: int | None = None, layers: LayerPattern | None = None) -> DecodeCost:
+    """Cost of one decoded token at ``context`` for a :class:`DisaggregatedModel`.
+
+    With ``layers``, ``dm`` holds only the pattern's prefix of the layers, and the cost is the
+    whole model's: each layer past the prefix costs what the first layer like it costs.
+    """
     graph = dm.attention.module.graph
     tokens = gf.token_symbols(graph)
     free = gf.data_free(graph)
@@ -260,13 +269,19 @@ def decode_cost(dm, context: int, kv_dtype_bytes: int | None = None) -> DecodeCo
                 cut_bytes_to_attn=layer.bytes_to_attn,
             )
         )
+    linear_flops = graph_flops(graph, tokens)
+    if layers is not None:
+        attn_layers = layers.expand(attn_layers, [layers.layer_of_node(n) for n in attn_nodes])
+        ffn_layers = layers.expand(ffn_layers, [layers.layer_of(r.module) for r in dm.report().layers])
+        parts = [(layers.layer_of_node(n), _per_token(f, tokens)) for n in graph.nodes if (f := op_flops(n)) != 0]
+        linear_flops = layers.total(linear_flops, parts)
     return DecodeCost(
         context=context,
         kv_dtype_bytes=kv_dtype_bytes,
         formulation=FORMULATION_LATENT if any(s.latent for s in sites) else FORMULATION_STANDARD,
         kv_bytes=sum(c.kv_bytes for c in attn_layers),
         attention_flops=sum(c.attention_flops for c in attn_layers),
-        linear_flops=graph_flops(graph, tokens),
+        linear_flops=linear_flops,
         ffn_flops=sum(c.ffn_flops for c in ffn_layers),
         cut_bytes_to_ffn=sum(c.cut_bytes_to_ffn for c in ffn_layers),
         cut_bytes_to_attn=sum(c.cut_bytes_to_attn for c in ffn_layers),

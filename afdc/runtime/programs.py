@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,11 +17,15 @@ class AttentionProgram(torch.nn.Module):
     connector; attention ops read and extend the active KV cache.
     """
 
-    def __init__(self, graph: fx.Graph, attrs: dict[str, torch.Tensor], out_spec: pytree.TreeSpec):
+    def __init__(self, module: fx.GraphModule, out_spec: pytree.TreeSpec):
         super().__init__()
-        used = {n.target for n in graph.nodes if n.op == "get_attr"}
-        self.module = fx.GraphModule({name: attrs[name] for name in used}, graph)
+        self.module = module
         self.out_spec = out_spec
+
+    @classmethod
+    def from_graph(cls, graph: fx.Graph, attrs: dict[str, torch.Tensor], out_spec: pytree.TreeSpec):
+        used = {n.target for n in graph.nodes if n.op == "get_attr"}
+        return cls(fx.GraphModule({name: attrs[name] for name in used}, graph), out_spec)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
         flat = self.module(input_ids, attention_mask, position_ids)
@@ -37,22 +42,49 @@ class FFNLayer:
 
 
 class FFNProgram(torch.nn.Module):
-    """The FFN segment of every layer: shared segment graphs, per-layer weights."""
+    """One FFN rank: the segment graphs of every FFN layer, bound to this rank's weights.
 
-    def __init__(self, segments: list[fx.Graph], layers: list[FFNLayer], weights: dict[str, torch.Tensor]):
+    Segment graphs take ``(weights..., inputs..., rank)``; ``reduce[segment][i]`` says how the
+    attention side combines output ``i`` over the FFN ranks (``sum`` of partial results, or the
+    ``first`` rank's copy of a replicated one).
+    """
+
+    def __init__(
+        self,
+        segments: list[fx.Graph],
+        layers: list[FFNLayer],
+        weights: dict[str, torch.Tensor],
+        reduce: list[list[str]],
+        rank: int = 0,
+    ):
         super().__init__()
         self.segments = torch.nn.ModuleList(fx.GraphModule(torch.nn.Module(), g) for g in segments)
         self.layers = layers
+        self.reduce = reduce
+        self.rank = rank
         self._weights = weights
         self._parameters_owned = {n for n, w in weights.items() if isinstance(w, torch.nn.Parameter)}
 
     def run(self, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.layers[layer]
-        outputs = self.segments[binding.segment](*(self._weights[w] for w in binding.weights), *inputs)
+        outputs = self.segments[binding.segment](*(self._weights[w] for w in binding.weights), *inputs, self.rank)
         return list(outputs)
+
+    def reduction(self, layer: int) -> list[str]:
+        return self.reduce[self.layers[layer].segment]
 
     def parameter_names(self) -> list[str]:
         return sorted(self._parameters_owned)
 
     def parameters_of(self, names: list[str]) -> list[torch.Tensor]:
         return [self._weights[n] for n in names]
+
+
+def combine(programs: list[FFNProgram], layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run FFN layer ``layer`` on every FFN rank and combine the ranks' outputs."""
+    outputs = [p.run(layer, inputs) for p in programs]
+    combined = []
+    for i, how in enumerate(programs[0].reduction(layer)):
+        parts = [out[i] for out in outputs]
+        combined.append(functools.reduce(torch.add, parts) if how == "sum" else parts[0])
+    return combined

@@ -1,0 +1,172 @@
+"""``manifest.json``: what an artifact holds, for which plan, and the hash of every file.
+
+The manifest is written last, after every other file is complete and hashed: an artifact
+directory with a manifest is whole. Loading checks the format version and each file's size and
+SHA-256 before anything is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from afdc.errors import AfdcError
+from afdc.partition.shard import Split
+from afdc.plan import Plan
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ArtifactError(AfdcError):
+    """An artifact directory is missing, incomplete, corrupted or from another format."""
+
+
+@dataclass
+class FileEntry:
+    path: str  # relative to the artifact directory
+    sha256: str
+    bytes: int
+
+
+@dataclass
+class Crossing:
+    """A value crossing the cut, per token."""
+
+    name: str
+    shape_per_token: list[int] | None
+    dtype: str
+    reduce: str = ""  # FFN outputs: how the FFN ranks' copies combine ("sum" or "first")
+
+
+@dataclass
+class LayerSpec:
+    """One FFN layer: where it sits, which segment program runs it, what crosses each way."""
+
+    index: int
+    module: str
+    kind: str  # "dense" or "moe"
+    segment: int
+    ffn_split: str  # "ep", "tp" or "replicated"
+    weights: list[str]  # bound, in order, to the segment program's weight inputs
+    to_ffn: list[Crossing]
+    to_attn: list[Crossing]
+
+
+@dataclass
+class SegmentSpec:
+    program: str  # file of the segment program
+    splits: list[Split]  # per weight input: how the FFN ranks hold it
+    reduce: list[str]  # per output
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SegmentSpec:
+        return cls(d["program"], [Split(**s) for s in d["splits"]], d["reduce"])
+
+
+@dataclass
+class RankFiles:
+    role: str  # "attn" or "ffn"
+    rank: int
+    weights: list[str]  # safetensors files this rank loads (all of them, nothing else)
+
+
+@dataclass
+class Source:
+    model: str  # hub id, directory or config file as given
+    revision: str | None
+    model_type: str
+    config_sha256: str  # of the config as JSON with sorted keys
+
+
+@dataclass
+class Manifest:
+    afdc_version: str
+    source: Source
+    plan: Plan
+    weights_included: bool
+    incremental_decode: bool
+    attention_program: str
+    output_spec: str  # pytree spec of the attention program's result (``treespec_dumps``)
+    segments: list[SegmentSpec]
+    layers: list[LayerSpec]
+    ranks: list[RankFiles]
+    files: list[FileEntry] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+
+    def rank_files(self, role: str, rank: int) -> RankFiles:
+        for r in self.ranks:
+            if r.role == role and r.rank == rank:
+                return r
+        count = sum(r.role == role for r in self.ranks)
+        if role not in ("attn", "ffn"):
+            raise ArtifactError(f"role {role!r} is not 'attn' or 'ffn'")
+        raise ArtifactError(f"plan {self.plan} has {count} {role} ranks (0..{count - 1}); rank {rank} is not one")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        d = json.loads(text)
+        if d.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(
+                f"artifact format {d.get('format_version')} is not {FORMAT_VERSION}, the format this afdc reads; "
+                "recompile it with this afdc"
+            )
+        return cls(
+            afdc_version=d["afdc_version"],
+            source=Source(**d["source"]),
+            plan=Plan(**d["plan"]),
+            weights_included=d["weights_included"],
+            incremental_decode=d["incremental_decode"],
+            attention_program=d["attention_program"],
+            output_spec=d["output_spec"],
+            segments=[SegmentSpec.from_dict(s) for s in d["segments"]],
+            layers=[
+                LayerSpec(**{**lay, "to_ffn": [Crossing(**c) for c in lay["to_ffn"]],
+                             "to_attn": [Crossing(**c) for c in lay["to_attn"]]})
+                for lay in d["layers"]
+            ],
+            ranks=[RankFiles(**r) for r in d["ranks"]],
+            files=[FileEntry(**f) for f in d["files"]],
+        )
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise ArtifactError(f"{directory} is not a directory; give the output directory of `afdc compile`")
+    if not path.is_file():
+        raise ArtifactError(f"{directory} has no {MANIFEST}: it is not an afdc artifact, or its compile did not finish")
+    try:
+        return Manifest.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError) as err:
+        raise ArtifactError(f"{path} is not a valid afdc manifest ({err}); recompile the artifact") from err
+
+
+def verify(directory: Path, manifest: Manifest, paths: list[str]) -> None:
+    """Check the listed files against the manifest's sizes and hashes."""
+    entries = {f.path: f for f in manifest.files}
+    for rel in paths:
+        entry = entries.get(rel)
+        path = directory / rel
+        if entry is None:
+            raise ArtifactError(f"{rel} is not listed in {directory / MANIFEST}")
+        if not path.is_file():
+            raise ArtifactError(f"{path} is missing from the artifact")
+        size = path.stat().st_size
+        if size != entry.bytes:
+            raise ArtifactError(f"{path} is {size} bytes, the manifest says {entry.bytes}: truncated or replaced")
+        if sha256_file(path) != entry.sha256:
+            raise ArtifactError(f"{path} does not match its SHA-256 in the manifest: the file is corrupted")

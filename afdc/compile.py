@@ -1,0 +1,261 @@
+"""``afdc compile``: a deployable artifact for one plan, and ``afdc.load`` to run a rank of it.
+
+The model is built on the meta device and captured there, so compiling a plan needs no weights
+and no memory for them. With weights, the checkpoint is streamed tensor by tensor into one
+safetensors file per rank, each holding only what that rank runs. Everything is written to a
+temporary directory that is renamed into place once complete; the manifest is written last.
+
+Layout (see docs/artifact.md)::
+
+    manifest.json                 plan, boundary specs, ranks -> files, SHA-256 of every file
+    programs/attention.py         the attention program (generated FX source)
+    programs/ffn_segment_<i>.py   FFN segment programs, shared by layers of the same structure
+    weights/attn.safetensors      attention-side weights (every attention rank loads it)
+    weights/ffn-<r>.safetensors   FFN rank r's experts (EP) or shards (TP)
+    weights/*-state.safetensors   buffers no checkpoint holds (rotary tables), computed from the config
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+from accelerate import init_empty_weights
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+import afdc
+from afdc.api import Built, build
+from afdc.artifact import manifest as mf
+from afdc.artifact.program_source import load_program, write_program
+from afdc.artifact.reshard import ShardSlice, TargetFile, TargetTensor, reshard
+from afdc.errors import AfdcError, UnsupportedModelError
+from afdc.partition.shard import Split
+from afdc.plan import Plan
+from afdc.report import Crossing as ReportCrossing
+from afdc.runtime.model import DisaggregatedModel
+from afdc.runtime.programs import AttentionProgram, FFNLayer, FFNProgram
+from afdc.source import empty_model, load_config
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _config_sha256(config: PretrainedConfig) -> str:
+    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _checkpoint_dir(source: str, revision: str | None) -> Path:
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if path.is_file():
+        raise AfdcError(f"{source} is a config file, which holds no weights: pass --no-weights, or a model directory")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:  # the standard Hugging Face cache; honours HF_HUB_OFFLINE
+        return Path(snapshot_download(source, revision=revision, allow_patterns=["*.safetensors", "*.json"]))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
+        raise AfdcError(
+            f"cannot get the weights of {source!r} ({err}); download them into the Hugging Face cache, "
+            "pass a local model directory, or compile with --no-weights"
+        ) from err
+
+
+def _computed_state(config: PretrainedConfig, dtype: torch.dtype | None, names: set[str]) -> dict[str, torch.Tensor]:
+    """Buffers the programs read that no checkpoint holds (e.g. rotary tables), as the model's own
+    ``__init__`` computes them: parameters stay on the meta device, buffers are real."""
+    if not names:
+        return {}
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    unknown = sorted(n for n in names if n not in buffers or buffers[n].device.type == "meta")
+    if unknown:
+        raise UnsupportedModelError(
+            f"the forward creates tensor constants ({', '.join(unknown[:4])}) that a meta-device capture cannot "
+            "hold; afdc compile cannot write this model (afdc.disaggregate on the loaded model still works)"
+        )
+    return {n: buffers[n].contiguous() for n in names}
+
+
+@contextlib.contextmanager
+def _staging(out: Path, force: bool) -> Iterator[Path]:
+    """A temporary directory beside ``out`` that becomes ``out`` only if the block completes."""
+    if out.exists() and not force:
+        raise AfdcError(f"{out} already exists; choose another output directory or pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _crossings(crossings: list[ReportCrossing], reduce: list[str] | None = None) -> list[mf.Crossing]:
+    return [
+        mf.Crossing(c.name, c.shape_per_token, c.dtype, reduce[i] if reduce else "") for i, c in enumerate(crossings)
+    ]
+
+
+def _slice(split: Split, rank: int, ranks: int) -> ShardSlice:
+    return ShardSlice() if split.dim is None else ShardSlice(split.dim, split.blocks, rank, ranks)
+
+
+def _rank_targets(built: Built) -> dict[str, list[TargetTensor]]:
+    """Weight file name -> the tensors it holds."""
+    y = built.plan.ffn_ranks
+    targets = {"attn": [TargetTensor(n, ShardSlice()) for n in built.attention_names()]}
+    splits = built.ffn_splits()
+    for r in range(y):
+        targets[f"ffn-{r}"] = [TargetTensor(n, _slice(s, r, y)) for n, s in sorted(splits.items())]
+    return targets
+
+
+def compile_model(
+    source: str,
+    plan: str | Plan,
+    out: str | Path,
+    *,
+    weights: bool = True,
+    revision: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> mf.Manifest:
+    """Compile ``source`` (hub id, model directory or config file) for ``plan`` into ``out``."""
+    plan = Plan.parse(plan)
+    out = Path(out)
+    config = load_config(source)
+    dtype = TORCH_DTYPES[plan.dtype] if plan.dtype else None
+    model = empty_model(config, dtype)
+    built = build(model, plan)
+    checkpoint = _checkpoint_dir(source, revision) if weights else None
+    checkpointed = set(model.state_dict())
+    targets = _rank_targets(built)
+    state = _computed_state(config, dtype, {t.name for ts in targets.values() for t in ts} - checkpointed)
+
+    with _staging(out, force) as tmp:
+        (tmp / "programs").mkdir()
+        (tmp / "weights").mkdir()
+        written = ["programs/attention.py"]
+        write_program(built.attention_graph, tmp / written[0])
+        segments = []
+        for i, seg in enumerate(built.segments):
+            rel = f"programs/ffn_segment_{i}.py"
+            write_program(seg.graph, tmp / rel)
+            written.append(rel)
+            segments.append(mf.SegmentSpec(rel, seg.splits, seg.reduce))
+
+        files: dict[str, list[str]] = {}
+        to_stream = []
+        for name, tensors in targets.items():
+            files[name] = []
+            own = [t for t in tensors if t.name in state]
+            if own:
+                rel = f"weights/{name}-state.safetensors"
+                save_file({t.name: _local(state[t.name], t.slice) for t in own}, tmp / rel)
+                files[name].append(rel)
+            streamed = [t for t in tensors if t.name not in state]
+            if weights and streamed:
+                rel = f"weights/{name}.safetensors"
+                to_stream.append(TargetFile(tmp / rel, streamed))
+                files[name].append(rel)
+        if to_stream:
+            reshard(checkpoint, model, to_stream, dtype=dtype, progress=progress)
+        written += [rel for rels in files.values() for rel in rels]
+
+        ranks = [mf.RankFiles("attn", a, files["attn"]) for a in range(plan.attention_ranks)]
+        ranks += [mf.RankFiles("ffn", r, files[f"ffn-{r}"]) for r in range(plan.ffn_ranks)]
+        manifest = mf.Manifest(
+            afdc_version=afdc.__version__,
+            source=mf.Source(source, revision, config.model_type, _config_sha256(config)),
+            plan=plan,
+            weights_included=weights,
+            incremental_decode=built.incremental,
+            attention_program=written[0],
+            output_spec=pytree.treespec_dumps(built.out_spec),
+            segments=segments,
+            layers=[
+                mf.LayerSpec(
+                    lr.index, lr.module, lr.kind, lr.segment, lr.ffn_split, binding.weights,
+                    _crossings(lr.to_ffn), _crossings(lr.to_attn, built.segments[lr.segment].reduce),
+                )
+                for lr, binding in zip(built.report.layers, built.layers)
+            ],
+            ranks=ranks,
+            files=[mf.FileEntry(rel, mf.sha256_file(tmp / rel), (tmp / rel).stat().st_size) for rel in written],
+        )
+        (tmp / mf.MANIFEST).write_text(manifest.to_json())
+    return manifest
+
+
+def _local(tensor: torch.Tensor, s: ShardSlice) -> torch.Tensor:
+    return s.take(tensor).contiguous()
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def _load_weights(directory: Path, manifest: mf.Manifest, role: str, rank: int, device) -> dict[str, torch.Tensor]:
+    files = manifest.rank_files(role, rank).weights
+    if not manifest.weights_included:
+        raise mf.ArtifactError(
+            f"{directory} was compiled with --no-weights (a plan only); compile it again with weights to run it"
+        )
+    mf.verify(directory, manifest, files)
+    tensors: dict[str, torch.Tensor] = {}
+    for rel in files:
+        state = rel.endswith("-state.safetensors")
+        for name, t in load_file(directory / rel, device=str(device)).items():
+            tensors[name] = t if state else torch.nn.Parameter(t, requires_grad=False)
+    return tensors
+
+
+def load(
+    directory: str | Path, role: str, rank: int = 0, device: str | torch.device = "cpu"
+) -> AttentionProgram | FFNProgram:
+    """Rank ``rank`` of role ``attn`` or ``ffn`` of a compiled artifact, with only its own weights,
+    on ``device``.
+
+    The manifest's format version and the SHA-256 of every file this rank reads are checked first.
+    """
+    directory, device = Path(directory), torch.device(device)
+    manifest = mf.read_manifest(directory)
+    manifest.rank_files(role, rank)  # a clear error for a role or rank the plan does not have
+    weights = _load_weights(directory, manifest, role, rank, device)
+    if role == "attn":
+        mf.verify(directory, manifest, [manifest.attention_program])
+        module = load_program(directory / manifest.attention_program, weights, device)
+        return AttentionProgram(module, pytree.treespec_loads(manifest.output_spec))
+    programs = [s.program for s in manifest.segments]
+    mf.verify(directory, manifest, programs)
+    segments = [load_program(directory / p, {}, device).graph for p in programs]
+    return FFNProgram(
+        segments,
+        [FFNLayer(lay.segment, lay.weights) for lay in manifest.layers],
+        weights,
+        [s.reduce for s in manifest.segments],
+        rank,
+    )
+
+
+def load_deployment(directory: str | Path, device: str | torch.device = "cpu") -> DisaggregatedModel:
+    """Every rank of an artifact in this process, joined by the loopback connector."""
+    manifest = mf.read_manifest(Path(directory))
+    plan = manifest.plan
+    attention = [load(directory, "attn", a, device) for a in range(plan.attention_ranks)]
+    ffn = [load(directory, "ffn", r, device) for r in range(plan.ffn_ranks)]
+    return DisaggregatedModel(attention, ffn, manifest.incremental_decode, None)
+

@@ -1,0 +1,680 @@
+"""Shard an FFN segment over the F ranks of a plan, so that the ranks' outputs add up.
+
+Tensor parallel (``tp``) splits weights along their intermediate dimension: the projections
+that read the segment's input are split by output column, the ones that read a split value by
+input row, and each rank returns a partial sum. Expert parallel (``ep``) gives each rank E/F of
+the stacked expert weights; a rank computes only its experts' rows and zeros elsewhere, again a
+partial sum. Under ``ep`` the rest of a MoE segment (shared experts, dense layers) is ``tp``.
+
+Which weights to split is found by propagating, through the segment graph, how each value is
+laid out over the ranks (:class:`Layout`). A weight is split on its first use as a matmul
+operand; when a split value reaches an op that cannot take it (a router's softmax or top-k over
+the split dimension), the weights it came from are replicated and the propagation starts over.
+Every rule is exact, and an op without a rule accepts only replicated inputs: a pattern that
+does not fit ends up replicated (or refused under ``ep``), never wrong.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import operator
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.fx as fx
+
+from afdc.errors import PlanError
+from afdc.passes import graph_facts as gf
+
+
+class FFNParallel(enum.Enum):
+    TP = "tp"
+    EP = "ep"
+
+
+class Kind(enum.Enum):
+    REPLICATED = "R"  # the full value on every rank
+    SPLIT = "S"  # rank r holds part r of each of `blocks` equal blocks along `dim`
+    PARTIAL = "P"  # the full value is the sum over the ranks
+    OWNED = "Z"  # every element is held by one rank and zero on the others (so also partial)
+    OWNED_ONLY = "G"  # correct on the elements this rank holds, arbitrary elsewhere
+    WEIGHT = "W"  # a weight whose split is not decided yet; `dims` maps value dims to weight dims
+    EXPERTS = "E"  # an expert-parallel weight: this rank's experts along `dim`
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: Kind
+    dim: int = 0
+    blocks: int = 1
+    blame: frozenset[int] = frozenset()  # the weights whose split produced this layout
+    weight: int = -1  # WEIGHT only
+    dims: tuple[int | None, ...] = ()  # WEIGHT only
+
+    @property
+    def replicated(self) -> bool:
+        return self.kind is Kind.REPLICATED
+
+
+R = Layout(Kind.REPLICATED)
+_ROW_WISE = (Kind.REPLICATED, Kind.OWNED, Kind.OWNED_ONLY)  # what a grouped matmul keeps row by row
+
+
+@dataclass(frozen=True)
+class Split:
+    """How the F ranks hold one weight: replicated (``dim`` None) or split along ``dim``."""
+
+    dim: int | None = None
+    blocks: int = 1  # the dim is this many equal blocks (a fused [gate; up]), each split evenly
+    experts: bool = False  # ``dim`` is the expert dimension (expert parallel)
+
+    def local(self, tensor: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+        """Rank ``rank``'s part of the full ``tensor``."""
+        if self.dim is None or ranks == 1:
+            return tensor
+        block = tensor.shape[self.dim] // self.blocks
+        part = block // ranks
+        pieces = [tensor.narrow(self.dim, b * block + rank * part, part) for b in range(self.blocks)]
+        return (pieces[0] if self.blocks == 1 else torch.cat(pieces, self.dim)).contiguous()
+
+
+@dataclass
+class ShardedSegment:
+    """A segment graph taking ``(weights..., inputs..., rank)``, how each rank holds each weight,
+    and how the attention side combines the ranks' outputs (``sum`` or ``first``)."""
+
+    graph: fx.Graph
+    splits: list[Split]
+    reduce: list[str]
+
+    def describe(self) -> str:
+        """``ep``, ``tp`` or ``replicated``: how the FFN ranks share this segment's work."""
+        if any(s.experts for s in self.splits):
+            return "ep"
+        return "tp" if any(s.dim is not None for s in self.splits) else "replicated"
+
+
+class _Conflict(Exception):
+    def __init__(self, blame: frozenset[int], reason: str):
+        super().__init__(reason)
+        self.blame, self.reason = blame, reason
+
+
+class _NeedBlocks(Exception):
+    def __init__(self, weights: frozenset[int], blocks: int):
+        super().__init__()
+        self.weights, self.blocks = weights, blocks
+
+
+_ZERO_AT_ZERO = {"silu", "gelu", "relu", "tanh", "neg", "erf", "abs", "leaky_relu", "elu", "sqrt", "sin"}
+_IDENTITY = {"to", "_to_copy", "type_as", "clone", "contiguous", "alias", "detach", "lift_fresh_copy"}
+_ADD = {"add", "add_", "sub", "sub_"}
+_MUL = {"mul", "mul_"}
+_DIV = {"div", "div_"}
+_GROUPED = {"grouped_mm_fallback", "_grouped_mm", "grouped_mm"}  # transformers' fallback, torch's kernels
+_CONTRACTIONS = {"linear", "mm", "bmm", "matmul", "addmm", *_GROUPED}
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    return target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
+
+
+def _shape(node: fx.Node) -> list:
+    return [gf.sym_expr(d) for d in node.meta["val"].shape]
+
+
+def _union(layouts) -> frozenset[int]:
+    return frozenset().union(*(lay.blame for lay in layouts))
+
+
+@dataclass
+class _Propagation:
+    """One forward pass of layout propagation under a fixed set of weight decisions."""
+
+    graph: fx.Graph
+    mode: FFNParallel
+    ranks: int
+    decided: dict[int, Split]
+    env: dict[fx.Node, Layout | list[Layout]] = field(default_factory=dict)
+    # (node, arg position, list index or None) -> a full size that each rank holds 1/ranks of
+    local_sizes: dict[tuple[fx.Node, int, int | None], int] = field(default_factory=dict)
+    lead_only: dict[fx.Node, int] = field(default_factory=dict)  # node -> operand added only on rank 0
+
+    def run(self) -> list[str]:
+        weights = [n for n in self.graph.nodes if n.op == "placeholder" and n.name.startswith("w")]
+        index = {w: i for i, w in enumerate(weights)}
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                i = index.get(node)
+                self.env[node] = R if i is None else self._weight(i, node)
+            elif node.op == "call_function":
+                self.env[node] = self._visit(node)
+                if _name(node).endswith("_") and node.args and isinstance(node.args[0], fx.Node):
+                    self.env[node.args[0]] = self.env[node]  # in-place: the written tensor now has this layout
+            elif node.op == "output":
+                return [self._reduction(o) for o in node.args[0]]
+        raise AssertionError("graph without output")
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def _weight(self, i: int, node: fx.Node) -> Layout:
+        split = self.decided.get(i)
+        if split is None:
+            return Layout(Kind.WEIGHT, weight=i, dims=tuple(range(node.meta["val"].dim())))
+        return self._decided_layout(Layout(Kind.WEIGHT, weight=i, dims=tuple(range(node.meta["val"].dim()))))
+
+    def _decided_layout(self, lay: Layout) -> Layout:
+        split = self.decided[lay.weight]
+        if split.dim is None:
+            return R
+        if split.dim not in lay.dims:
+            raise _Conflict(frozenset({lay.weight}), "a weight's split dimension was indexed away")
+        kind = Kind.EXPERTS if split.experts else Kind.SPLIT
+        return Layout(kind, lay.dims.index(split.dim), split.blocks, frozenset({lay.weight}))
+
+    def _decide(self, lay: Layout, value_dim: int | None, blocks: int = 1, experts: bool = False) -> Layout:
+        """Fix the split of the weight behind ``lay`` so that value dim ``value_dim`` is split."""
+        weight_dim = None if value_dim is None else lay.dims[value_dim]
+        self.decided[lay.weight] = Split(weight_dim, blocks, experts)
+        return self._decided_layout(lay)
+
+    def _get(self, arg) -> Layout:
+        if not isinstance(arg, fx.Node):
+            return R
+        lay = self.env[arg]
+        if isinstance(lay, list):
+            raise AssertionError(f"{arg.name} is a tuple")
+        if lay.kind is Kind.WEIGHT and lay.weight in self.decided:
+            return self._decided_layout(lay)
+        return lay
+
+    def _settle(self, lay: Layout) -> Layout:
+        """A weight reaching an op with no rule for undecided weights is replicated."""
+        return self._decide(lay, None) if lay.kind is Kind.WEIGHT else lay
+
+    # -- ops -------------------------------------------------------------------------------------
+
+    def _visit(self, node: fx.Node):
+        name = _name(node)
+        if node.target is operator.getitem:
+            parent = self.env[node.args[0]]
+            return parent[node.args[1]] if isinstance(parent, list) else self._get(node.args[0])
+        if not gf.is_tensor(node) and not isinstance(node.meta.get("val"), (tuple, list)):
+            return self._scalar(node)
+        if name in _CONTRACTIONS:
+            return self._contraction(node, name)
+        if name in ("transpose", "permute", "t"):
+            return self._permute(node, name)
+        if name in ("index", "index_select"):
+            return self._index(node, name)
+        tensors = [self._get(a) for a in node.all_input_nodes if gf.is_tensor(a)]
+        if all(t.replicated for t in tensors):
+            return self._replicated_outputs(node)
+        if node.target is not None and torch.Tag.pointwise in getattr(node.target, "tags", ()):
+            return self._pointwise(node, name)
+        if name in _IDENTITY:
+            return self._pointwise(node, name)
+        if name in ("view", "reshape", "_unsafe_view", "flatten", "expand", "unsqueeze", "squeeze"):
+            return self._reshape(node)
+        if name in ("chunk", "split", "split_with_sizes", "unbind"):
+            return self._chunk(node, name)
+        if name in ("slice", "select"):
+            return self._slice(node, name)
+        if name in ("cat", "stack"):
+            return self._cat(node)
+        if name in ("sum", "mean"):
+            return self._sum(node)
+        raise _Conflict(_union(tensors), f"{node.format_node()} has no rule for split or partial values")
+
+    def _replicated_outputs(self, node: fx.Node):
+        val = node.meta.get("val")
+        return [R] * len(val) if isinstance(val, (tuple, list)) else R
+
+    def _scalar(self, node: fx.Node) -> Layout:
+        if _name(node) == "sym_size":
+            lay = self._get(node.args[0])
+            if lay.kind in (Kind.SPLIT, Kind.EXPERTS) and node.args[1] % len(_shape(node.args[0])) == lay.dim:
+                raise _Conflict(lay.blame, "the size of a split dimension is read")
+        return R
+
+    def _pointwise(self, node: fx.Node, name: str) -> Layout:
+        tensors = [a for a in node.args if isinstance(a, fx.Node) and gf.is_tensor(a)]
+        lays = [self._get(a) for a in tensors]
+        if any(lay.kind is Kind.SPLIT for lay in lays):
+            return self._pointwise_split(node, tensors, lays)
+        lays = [self._settle(lay) for lay in lays]
+        kinds = {lay.kind for lay in lays} - {Kind.REPLICATED}
+        blame = _union(lays)
+        if not kinds:
+            return R
+        if Kind.PARTIAL in kinds or Kind.EXPERTS in kinds:
+            if kinds <= {Kind.PARTIAL, Kind.OWNED}:
+                return self._pointwise_partial(node, name, tensors, lays, blame)
+            raise _Conflict(blame, f"{node.format_node()} mixes a partial sum with another layout")
+        # Only OWNED / OWNED_ONLY / REPLICATED remain: track which elements are exact zeros.
+        args = [self._get(a) if isinstance(a, fx.Node) else a for a in node.args]
+        owned = [isinstance(a, Layout) and a.kind is Kind.OWNED for a in args]
+        if name in _MUL and any(owned):
+            return Layout(Kind.OWNED, blame=blame)
+        if name in _DIV and owned[0] and not any(owned[1:]):
+            return Layout(Kind.OWNED, blame=blame)
+        if name in _ADD and all(o or a == 0 for o, a in zip(owned, args[:2])):
+            return Layout(Kind.OWNED, blame=blame)
+        if len(tensors) == 1 and owned[0] and self._zero_at_zero(name, args):
+            return Layout(Kind.OWNED, blame=blame)
+        return Layout(Kind.OWNED_ONLY, blame=blame)
+
+    def _zero_at_zero(self, name: str, args) -> bool:
+        if name in _ZERO_AT_ZERO or name in _IDENTITY or name in _MUL or name in _DIV:
+            return True
+        if name == "clamp":
+            lo, hi = [*args[1:], None, None][:2]
+            return (lo is None or lo <= 0) and (hi is None or hi >= 0)
+        if name == "pow":
+            return isinstance(args[1], (int, float)) and args[1] > 0
+        if name == "masked_fill":
+            return args[2] == 0
+        return False
+
+    def _pointwise_partial(self, node, name, tensors, lays, blame) -> Layout:
+        linear_in_first = name in _MUL or name in _DIV or name in _IDENTITY or name == "neg"
+        partial = [lay.kind in (Kind.PARTIAL, Kind.OWNED) for lay in lays]
+        if name in _ADD:
+            for t, is_partial in zip(tensors, partial):
+                if not is_partial:
+                    self.lead_only[node] = node.args.index(t)  # a replicated addend counts once
+            return Layout(Kind.PARTIAL, blame=blame)
+        if linear_in_first and sum(partial) == 1 and (partial[0] or name in _MUL):
+            return Layout(Kind.PARTIAL, blame=blame)
+        raise _Conflict(blame, f"{node.format_node()} is not linear in the partial sum")
+
+    def _pointwise_split(self, node, tensors, lays) -> Layout:
+        out_rank = node.meta["val"].dim()
+        split = [(t, lay) for t, lay in zip(tensors, lays) if lay.kind is Kind.SPLIT]
+        dims = {(lay.dim + out_rank - t.meta["val"].dim(), lay.blocks) for t, lay in split}
+        if len(dims) > 1:
+            raise _Conflict(_union(lays), f"{node.format_node()} combines values split differently")
+        (dim, blocks), = dims
+        out_size = _shape(node)[dim]
+        for t, lay in zip(tensors, lays):
+            own_dim = dim - (out_rank - t.meta["val"].dim())
+            size = _shape(t)[own_dim] if own_dim >= 0 else 1
+            if lay.kind is Kind.WEIGHT and size == out_size:
+                self._decide(lay, own_dim, blocks)  # a bias or scale along the split dim splits with it
+            elif lay.kind is not Kind.SPLIT and size != 1:
+                raise _Conflict(_union(lays), f"{node.format_node()} mixes a split value with a full one")
+        return Layout(Kind.SPLIT, dim, blocks, _union(self._get(t) for t in tensors))
+
+    # -- contractions ----------------------------------------------------------------------------
+
+    def _contraction(self, node: fx.Node, name: str) -> Layout:
+        bias = None
+        if name == "addmm":
+            bias, a, b = node.args[:3]
+        elif name == "linear":
+            a, b = node.args[:2]
+            bias = node.args[2] if len(node.args) > 2 else None
+        else:
+            a, b = node.args[:2]
+        ra, rb = len(_shape(a)), len(_shape(b))
+        # Each operand dim maps to an output dim, "k" (contracted) or "e" (the expert index).
+        if name == "linear":
+            map_a = {i: i for i in range(ra - 1)} | {ra - 1: "k"}
+            map_b = {0: ra - 1, 1: "k"}
+        elif name in _GROUPED:
+            map_a, map_b = {0: 0, 1: "k"}, {0: "e", 1: "k", 2: 1}
+        elif rb == 2:  # mm, addmm, matmul by a matrix
+            map_a = {i: i for i in range(ra - 1)} | {ra - 1: "k"}
+            map_b = {0: "k", 1: ra - 1}
+        elif ra == rb:  # bmm, batched matmul
+            map_a = {i: i for i in range(ra - 1)} | {ra - 1: "k"}
+            map_b = {i: i for i in range(rb - 2)} | {rb - 2: "k", rb - 1: rb - 1}
+        else:
+            return self._all_replicated(node, [a, b])
+        la, lb = self._get(a), self._get(b)
+        out = self._contract(node, name, la, lb, map_a, map_b)
+        if bias is not None:
+            out = self._bias(node, bias, out)
+        return out
+
+    def _contract(self, node, name, la: Layout, lb: Layout, map_a, map_b) -> Layout:
+        def k_dim(mapping):
+            return next(d for d, m in mapping.items() if m == "k")
+
+        if lb.kind is Kind.WEIGHT:
+            if la.kind is Kind.SPLIT and map_a[la.dim] == "k":
+                lb = self._decide(lb, k_dim(map_b), la.blocks)
+            elif self.mode is FFNParallel.EP and "e" in map_b.values() and la.kind in _ROW_WISE:
+                lb = self._decide(lb, next(d for d, m in map_b.items() if m == "e"), experts=True)
+            elif la.replicated:
+                column = max(d for d, m in map_b.items() if isinstance(m, int))
+                lb = self._decide(lb, column)
+            else:
+                lb = self._decide(lb, None)
+        la = self._settle(la)
+        if lb.kind is Kind.EXPERTS:
+            if name not in _GROUPED or map_b[lb.dim] != "e":
+                raise _Conflict(lb.blame, f"{node.format_node()} uses expert weights other than as a grouped matmul")
+            if la.kind not in _ROW_WISE:
+                raise _Conflict(la.blame | lb.blame, "a grouped matmul over split inputs")
+            return Layout(Kind.OWNED, blame=la.blame | lb.blame)
+        blame = la.blame | lb.blame
+        if la.replicated and lb.replicated:
+            return R
+        if la.kind is Kind.SPLIT and lb.kind is Kind.SPLIT:
+            if map_a[la.dim] == "k" and map_b[lb.dim] == "k" and la.blocks == lb.blocks:
+                return Layout(Kind.PARTIAL, blame=blame)
+            raise _Conflict(blame, f"{node.format_node()} contracts values split differently")
+        split = la if la.kind is Kind.SPLIT else lb if lb.kind is Kind.SPLIT else None
+        if split is not None:
+            mapping, other = (map_a, lb) if split is la else (map_b, la)
+            if isinstance(mapping[split.dim], int) and other.replicated:
+                return Layout(Kind.SPLIT, mapping[split.dim], split.blocks, blame)
+            raise _Conflict(blame, f"{node.format_node()} contracts a split value with a full one")
+        kinds = {la.kind, lb.kind} - {Kind.REPLICATED}
+        if len(kinds) == 1 and Kind.REPLICATED in {la.kind, lb.kind}:
+            (kind,) = kinds  # linear in one operand: partial stays partial, owned rows stay owned
+            if kind is Kind.OWNED_ONLY or (kind is Kind.OWNED and name in _GROUPED and lb.replicated):
+                return Layout(kind, blame=blame)
+            return Layout(Kind.PARTIAL if kind is Kind.OWNED else kind, blame=blame)
+        raise _Conflict(blame, f"{node.format_node()} multiplies two split or partial values")
+
+    def _bias(self, node: fx.Node, bias: fx.Node, out: Layout) -> Layout:
+        lay = self._get(bias)
+        if out.kind is Kind.SPLIT:
+            if lay.kind is Kind.WEIGHT:
+                lay = self._decide(lay, lay.dims.index(lay.dims[-1]), out.blocks)
+            if lay.kind is Kind.SPLIT and lay.blocks == out.blocks:
+                return replace(out, blame=out.blame | lay.blame)
+        elif out.kind is Kind.PARTIAL:
+            if self._settle(lay).replicated:
+                self.lead_only[node] = -1  # the bias is added by rank 0 only
+                return out
+        elif self._settle(lay).replicated:
+            return out
+        raise _Conflict(out.blame | lay.blame, f"{node.format_node()}: the bias cannot follow the split")
+
+    def _all_replicated(self, node: fx.Node, args) -> Layout:
+        lays = [self._settle(self._get(a)) for a in args]
+        if all(lay.replicated for lay in lays):
+            return R
+        raise _Conflict(_union(lays), f"{node.format_node()} has no rule for split values")
+
+    # -- data movement ---------------------------------------------------------------------------
+
+    def _permute(self, node: fx.Node, name: str) -> Layout:
+        lay = self._get(node.args[0])
+        rank = len(_shape(node.args[0]))
+        if name == "t":
+            order = list(range(rank))[::-1]
+        elif name == "transpose":
+            order = list(range(rank))
+            i, j = node.args[1] % rank, node.args[2] % rank
+            order[i], order[j] = order[j], order[i]
+        else:
+            order = [d % rank for d in node.args[1]]
+        if lay.kind is Kind.WEIGHT:
+            return replace(lay, dims=tuple(lay.dims[d] for d in order))
+        if lay.kind in (Kind.SPLIT, Kind.EXPERTS):
+            return replace(lay, dim=order.index(lay.dim))
+        return lay
+
+    def _index(self, node: fx.Node, name: str) -> Layout:
+        src = node.args[0]
+        lay = self._get(src)
+        if name == "index_select":
+            dim, idx = node.args[1] % len(_shape(src)), [node.args[2]]
+            pos = [None] * dim + idx
+        else:
+            pos = list(node.args[1])
+        if any(self._get(i).kind is not Kind.REPLICATED for i in pos if isinstance(i, fx.Node)):
+            return self._all_replicated(node, [src, *[i for i in pos if isinstance(i, fx.Node)]])
+        if lay.replicated or lay.kind in (Kind.PARTIAL, Kind.OWNED, Kind.OWNED_ONLY):
+            return lay  # gathering is linear and moves elements with their owners
+        indexed = [d for d, i in enumerate(pos) if i is not None]
+        if indexed != [0]:
+            return self._all_replicated(node, [src])
+        added = node.args[1][0].meta["val"].dim() - 1
+        if lay.kind is Kind.WEIGHT:
+            if self.mode is FFNParallel.EP and name == "index":
+                lay = self._decide(lay, 0, experts=True)
+                return Layout(Kind.OWNED, blame=lay.blame)
+            return replace(lay, dims=(None,) * (added + 1) + lay.dims[1:])
+        if lay.kind is Kind.EXPERTS and lay.dim == 0:
+            return Layout(Kind.OWNED, blame=lay.blame)
+        if lay.kind is Kind.SPLIT and lay.dim > 0:
+            return replace(lay, dim=lay.dim + added)
+        raise _Conflict(lay.blame, f"{node.format_node()} indexes a split dimension")
+
+    def _reshape(self, node: fx.Node) -> Layout:
+        lay = self._settle(self._get(node.args[0]))
+        if lay.kind is not Kind.SPLIT:
+            if lay.kind is Kind.EXPERTS:
+                raise _Conflict(lay.blame, f"{node.format_node()} reshapes expert weights")
+            return lay
+        src, out = _shape(node.args[0]), _shape(node)
+        before = math.prod(src[: lay.dim])
+        for j in range(len(out)):
+            if math.prod(out[:j]) == before and out[j] == src[lay.dim]:
+                sizes = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else None
+                if sizes is not None and j < len(sizes) and isinstance(sizes[j], int) and sizes[j] > 0:
+                    self.local_sizes[(node, 1, j)] = sizes[j]
+                return replace(lay, dim=j)
+        raise _Conflict(lay.blame, f"{node.format_node()} reshapes across a split dimension")
+
+    def _chunk(self, node: fx.Node, name: str):
+        lay = self._settle(self._get(node.args[0]))
+        n = len(node.meta["val"])
+        rank = len(_shape(node.args[0]))
+        dim_pos = 1 if name == "unbind" else 2
+        dim = (node.args[dim_pos] if len(node.args) > dim_pos else 0) % rank
+        if lay.kind is not Kind.SPLIT or lay.dim != dim:
+            if lay.kind is Kind.SPLIT and name == "unbind" and lay.dim > dim:
+                return [replace(lay, dim=lay.dim - 1)] * n
+            if lay.kind is Kind.EXPERTS:
+                raise _Conflict(lay.blame, f"{node.format_node()} splits expert weights")
+            return [lay] * n
+        sizes = {tuple(t.shape)[dim] for t in node.meta["val"]}
+        if name == "unbind" or len(sizes) != 1:
+            raise _Conflict(lay.blame, f"{node.format_node()} splits a split dimension unevenly")
+        if lay.blocks % n:
+            raise _NeedBlocks(lay.blame, lay.blocks * n // math.gcd(lay.blocks, n))
+        if name == "split":
+            self.local_sizes[(node, 1, None)] = node.args[1]
+        elif name == "split_with_sizes":
+            self.local_sizes.update({(node, 1, i): size for i, size in enumerate(node.args[1])})
+        return [replace(lay, blocks=lay.blocks // n)] * n
+
+    def _slice(self, node: fx.Node, name: str) -> Layout:
+        lay = self._settle(self._get(node.args[0]))
+        if lay.kind not in (Kind.SPLIT, Kind.EXPERTS):
+            return lay
+        rank = len(_shape(node.args[0]))
+        dim = node.args[1] % rank if len(node.args) > 1 else 0
+        if dim != lay.dim:
+            return replace(lay, dim=lay.dim - 1) if name == "select" and dim < lay.dim else lay
+        start, end, step = [*node.args[2:], None, None, 1][:3]
+        full = _shape(node.args[0])[dim]
+        whole = (end is None or end >= full) and (start or 0) < step
+        # An interleaved [gate0, up0, gate1, ...] keeps its pairs on one rank.
+        interleaved = whole and step > 1 and lay.blocks == 1 and (full // self.ranks) % step == 0
+        if lay.kind is Kind.SPLIT and name == "slice" and interleaved:
+            return lay
+        raise _Conflict(lay.blame, f"{node.format_node()} slices a split dimension")
+
+    def _cat(self, node: fx.Node) -> Layout:
+        lays = [self._settle(self._get(a)) for a in node.args[0]]
+        rank = len(_shape(node))
+        dim = (node.args[1] if len(node.args) > 1 else 0) % rank
+        if len(set(lays)) == 1 and lays[0].kind is not Kind.EXPERTS:
+            lay = lays[0]
+            if lay.kind is not Kind.SPLIT:
+                return lay
+            if _name(node) == "cat" and lay.dim != dim:
+                return lay
+        raise _Conflict(_union(lays), f"{node.format_node()} joins values laid out differently")
+
+    def _sum(self, node: fx.Node) -> Layout:
+        lay = self._settle(self._get(node.args[0]))
+        rank = len(_shape(node.args[0]))
+        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(rank))
+        dims = sorted(d % rank for d in dims)
+        keep = (len(node.args) > 2 and node.args[2]) or node.kwargs.get("keepdim", False)
+        if lay.kind in (Kind.PARTIAL, Kind.OWNED):
+            return Layout(Kind.PARTIAL, blame=lay.blame)
+        if lay.kind is Kind.SPLIT:
+            if lay.dim in dims:
+                if _name(node) == "sum":
+                    return Layout(Kind.PARTIAL, blame=lay.blame)
+            else:
+                return replace(lay, dim=lay.dim - (0 if keep else sum(d < lay.dim for d in dims)))
+        raise _Conflict(lay.blame, f"{node.format_node()} reduces a value laid out as {lay.kind.value}")
+
+    def _reduction(self, arg) -> str:
+        lay = self._settle(self._get(arg))
+        if lay.replicated:
+            return "first"
+        if lay.kind in (Kind.PARTIAL, Kind.OWNED):
+            return "sum"
+        raise _Conflict(lay.blame, f"the segment returns a value laid out as {lay.kind.value}")
+
+
+def single_rank(graph: fx.Graph) -> ShardedSegment:
+    """The segment for a plan with one FFN rank: unchanged, plus the (unused) rank input."""
+    new = fx.Graph()
+    env = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in graph.nodes:
+        env[node] = new.node_copy(node, env.__getitem__)
+        if node is placeholders[-1]:
+            new.placeholder("rank")
+    weights = sum(n.name.startswith("w") for n in placeholders)
+    outputs = len(next(n for n in graph.nodes if n.op == "output").args[0])
+    return ShardedSegment(new, [Split()] * weights, ["first"] * outputs)
+
+
+def shard_segment(
+    graph: fx.Graph, mode: FFNParallel, ranks: int, label: str = "", names: list[str] | None = None
+) -> ShardedSegment:
+    """Decide how ``ranks`` FFN ranks hold the segment's weights and rewrite it to run on one rank.
+
+    ``label`` (the layer) and ``names`` (its weights) only name things in errors.
+    """
+    weights = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("w")]
+    names = names or [w.name for w in weights]
+    decided: dict[int, Split] = {}
+    reasons: list[str] = []
+    for _ in range(4 * len(weights) + 4):
+        prop = _Propagation(graph, mode, ranks, dict(decided))
+        try:
+            reduce = prop.run()
+        except _NeedBlocks as need:
+            for w in need.weights:
+                decided[w] = replace(prop.decided[w], blocks=need.blocks)
+            continue
+        except _Conflict as conflict:
+            experts = sorted(w for w in conflict.blame if prop.decided.get(w, Split()).experts)
+            if experts:
+                raise PlanError(
+                    f"{label}: cannot split the experts over {ranks} FFN ranks ({conflict.reason}); "
+                    "use --ffn-parallel tp"
+                ) from None
+            if not conflict.blame:
+                raise PlanError(f"{label}: cannot shard this FFN segment: {conflict.reason}") from None
+            for w in conflict.blame:
+                decided[w] = Split()
+            reasons.append(conflict.reason)
+            continue
+        splits = [prop.decided.get(i, Split()) for i in range(len(weights))]
+        if all(s.dim is None for s in splits) and any(w.meta["val"].dim() >= 2 for w in weights):
+            raise PlanError(
+                f"{label}: the FFN cannot be split over {ranks} ranks ({'; then '.join(dict.fromkeys(reasons))}); "
+                "use one FFN rank"
+            )
+        _check_divisible(names, weights, splits, ranks, label)
+        return ShardedSegment(_rewrite(graph, prop, splits, weights, ranks), splits, reduce)
+    raise AssertionError("sharding did not settle")
+
+
+def _check_divisible(names: list[str], weights: list[fx.Node], splits: list[Split], ranks: int, label: str) -> None:
+    for name, w, s in zip(names, weights, splits):
+        if s.dim is None:
+            continue
+        size = w.meta["val"].shape[s.dim]
+        if size % (s.blocks * ranks):
+            shape = tuple(w.meta["val"].shape)
+            what = f"the {size} experts of {name}" if s.experts else f"dimension {s.dim} ({size}) of {name} {shape}"
+            fix = "a plan whose F divides the expert count, or --ffn-parallel tp" if s.experts else "an F dividing it"
+            raise PlanError(f"{label}: {ranks} FFN ranks do not divide {what}; use {fix}")
+
+
+def _rewrite(graph: fx.Graph, prop: _Propagation, splits, weights, ranks: int) -> fx.Graph:
+    """The segment as one rank runs it: local sizes, local experts, rank-0-only addends."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    rank = None
+    for node in graph.nodes:
+        if node.op == "output":
+            new.output(fx.map_arg(node.args[0], env.get))
+            continue
+        args, kwargs = fx.map_arg(node.args, env.get), fx.map_arg(node.kwargs, env.get)
+        for (n, pos, i), full in prop.local_sizes.items():
+            if n is node:
+                args = list(args)
+                if i is None:
+                    args[pos] = full // ranks
+                else:
+                    args[pos] = [*args[pos][:i], full // ranks, *args[pos][i + 1 :]]
+                args = tuple(args)
+        target = node.target
+        name = _name(node)
+        experts = _experts_operand(node, prop)
+        if experts is not None:
+            first = new.call_function(operator.mul, (rank, experts))
+            if name in _GROUPED:
+                offs = args[2] if len(args) > 2 else kwargs["offs"]
+                target, args, kwargs = torch.ops.afdc.grouped_mm_local.default, (*args[:2], offs, first), {}
+            else:
+                target, args = torch.ops.afdc.gather_local.default, (args[0], args[1][0], first)
+        if node in prop.lead_only:
+            lead = new.call_function(operator.eq, (rank, 0))
+            pos = prop.lead_only[node]
+            if pos == -1:  # a bias after a row split: add it once
+                bias_pos = 0 if name == "addmm" else 2
+                bias = args[bias_pos]
+                args = tuple(a for i, a in enumerate(args) if i != bias_pos)
+                target = torch.ops.aten.mm.default if name == "addmm" else torch.ops.aten.linear.default
+                out = new.call_function(target, args, kwargs)
+                scaled = new.call_function(torch.ops.aten.mul.Tensor, (bias, lead))
+                env[node] = new.call_function(torch.ops.aten.add.Tensor, (out, scaled))
+                env[node].meta = dict(node.meta)
+                continue
+            args = list(args)
+            args[pos] = new.call_function(torch.ops.aten.mul.Tensor, (args[pos], lead))
+            args = tuple(args)
+        env[node] = new.create_node(node.op, target, args, kwargs, name=node.name)
+        env[node].meta = dict(node.meta)
+        if node is placeholders[-1]:
+            rank = new.placeholder("rank")
+    new.lint()
+    return new
+
+
+def _experts_operand(node: fx.Node, prop: _Propagation) -> int | None:
+    """The local expert count when ``node`` reads expert-parallel weights, else None."""
+    name = _name(node)
+    if name in _GROUPED:
+        operand = node.args[1]
+    elif name == "index" and isinstance(node.args[0], fx.Node):
+        operand = node.args[0]
+    else:
+        return None
+    lay = prop.env.get(operand)
+    if isinstance(lay, Layout) and lay.kind is Kind.WEIGHT and lay.weight in prop.decided:
+        lay = prop._decided_layout(lay)
+    if not isinstance(lay, Layout) or lay.kind is not Kind.EXPERTS:
+        return None
+    return int(_shape(operand)[lay.dim]) // prop.ranks
