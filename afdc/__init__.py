@@ -1,8 +1,19 @@
 """afdc: automatic Attention-FFN Disaggregation for Hugging Face decoder models."""
 
 from afdc.api import disaggregate
+from afdc.compile import compile_model, load, load_deployment
 from afdc.errors import AfdcError, PlanError, UnsupportedModelError
 from afdc.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["AfdcError", "Plan", "PlanError", "UnsupportedModelError", "__version__", "disaggregate"]
+__all__ = [
+    "AfdcError",
+    "Plan",
+    "PlanError",
+    "UnsupportedModelError",
+    "__version__",
+    "compile_model",
+    "disaggregate",
+    "load",
+    "load_deployment",
+]

@@ -36,14 +36,58 @@ def inspect(model: str | None, demo: bool, plan: str, router: str, as_json: bool
         if demo:
             _inspect_demo(plan, router, as_json)
         else:
+            from afdc.api import build
             from afdc.source import empty_model, load_config
 
-            dm = afdc.disaggregate(empty_model(load_config(model)), plan=plan, router=router)
-            dm.report().model = model
-            click.echo(dm.report().to_json() if as_json else str(dm.report()))
+            report = build(empty_model(load_config(model)), afdc.Plan.parse(plan, router=router)).report
+            report.model = model
+            click.echo(report.to_json() if as_json else str(report))
     except AfdcError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
+
+
+@main.command(name="compile")
+@click.argument("model")
+@click.option("--plan", "plan_text", default="1A1F", show_default=True, help="Deployment plan xAyF.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Artifact directory to write.")
+@click.option("--ffn-parallel", type=click.Choice(["auto", "ep", "tp"]), default="auto", show_default=True,
+              help="How the FFN ranks split each FFN layer: experts (ep), weight shards (tp); auto: ep for MoE.")
+@click.option("--attn-tp", type=int, default=1, show_default=True, help="Tensor parallelism inside an attention rank.")
+@click.option("--router", type=click.Choice(["ffn", "attn"]), default="ffn", show_default=True,
+              help="Which side runs the MoE router.")
+@click.option("--micro-batches", type=int, default=1, show_default=True,
+              help="Micro-batches the attention side ping-pongs per step (recorded for the runtime).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Weights and activations dtype (default: the model's own).")
+@click.option("--no-weights", is_flag=True, help="Compile the plan only: programs and manifest, no weight files.")
+@click.option("--revision", default=None, help="Hub revision of MODEL.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def compile_cmd(model, plan_text, output, ffn_parallel, attn_tp, router, micro_batches, dtype, no_weights, revision,
+                force, quiet) -> None:
+    """Compile MODEL (hub id, model directory or config file) into a deployable artifact.
+
+    The model is captured on the meta device; with weights, the checkpoint is streamed into one
+    safetensors file per rank holding only that rank's weights.
+    """
+    from afdc.compile import compile_model
+
+    try:
+        plan = afdc.Plan.parse(plan_text, ffn_parallel=ffn_parallel, attention_tp=attn_tp, router=router,
+                               micro_batches=micro_batches, dtype=dtype)
+        manifest = compile_model(model, plan, output, weights=not no_weights, revision=revision, force=force,
+                                 progress=not quiet)
+    except AfdcError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    splits = sorted({lay.ffn_split for lay in manifest.layers})
+    size = sum(f.bytes for f in manifest.files)
+    click.echo(
+        f"wrote {output}: plan {plan}, {len(manifest.layers)} FFN layers ({', '.join(splits)}), "
+        f"{len(manifest.segments)} segment programs, {len(manifest.files)} files, {size / 1e6:,.1f} MB"
+        + ("" if manifest.weights_included else " (no weights)")
+    )
 
 
 def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
@@ -115,3 +159,7 @@ def _plot(planner, result, plan_at, path: str) -> None:
     y = result.afd.ffn_gpus if result.afd else 1
     curve = planner.ratio_curve(result.facts, result.attention_hw, result.ffn_hw, y, result.tpot_target_ms)
     planner.plot(result, by_context, curve, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
-from accelerate import init_empty_weights
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 import afdc
 from afdc.api import Built, build
@@ -69,21 +68,34 @@ def _checkpoint_dir(source: str, revision: str | None) -> Path:
         ) from err
 
 
-def _computed_state(config: PretrainedConfig, dtype: torch.dtype | None, names: set[str]) -> dict[str, torch.Tensor]:
-    """Buffers the programs read that no checkpoint holds (e.g. rotary tables), as the model's own
-    ``__init__`` computes them: parameters stay on the meta device, buffers are real."""
-    if not names:
-        return {}
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+def _computed_state(model: PreTrainedModel, names: set[str]) -> dict[str, torch.Tensor]:
+    """Buffers the programs read that no checkpoint holds (rotary tables, embedding scales), computed
+    the way ``from_pretrained`` does after a meta-device load: real storage, then the model's own
+    ``_init_weights`` on the modules that own them."""
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    unknown = sorted(n for n in names if n not in buffers or buffers[n].device.type == "meta")
-    if unknown:
+    constants = sorted(n for n in names if n not in buffers)
+    if constants:
         raise UnsupportedModelError(
-            f"the forward creates tensor constants ({', '.join(unknown[:4])}) that a meta-device capture cannot "
+            f"the forward creates tensor constants ({', '.join(constants[:4])}) that a meta-device capture cannot "
             "hold; afdc compile cannot write this model (afdc.disaggregate on the loaded model still works)"
         )
-    return {n: buffers[n].contiguous() for n in names}
+    owners = {}
+    for name in sorted(names):
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        value = torch.empty_like(buffers[name], device="cpu")
+        if value.is_floating_point():
+            value.fill_(float("nan"))  # so that a buffer the init leaves alone is caught below
+        module.register_buffer(leaf, value, persistent=False)
+        owners[owner] = module
+    with torch.no_grad():
+        for module in owners.values():
+            model._init_weights(module)
+    state = {n: model.get_buffer(n) for n in sorted(names)}
+    unset = [n for n, v in state.items() if v.is_floating_point() and v.isnan().any()]
+    if unset:
+        raise UnsupportedModelError(f"the model's _init_weights does not compute {', '.join(unset)}; cannot write it")
+    return state
 
 
 @contextlib.contextmanager
@@ -144,7 +156,7 @@ def compile_model(
     checkpoint = _checkpoint_dir(source, revision) if weights else None
     checkpointed = set(model.state_dict())
     targets = _rank_targets(built)
-    state = _computed_state(config, dtype, {t.name for ts in targets.values() for t in ts} - checkpointed)
+    state = _computed_state(model, {t.name for ts in targets.values() for t in ts} - checkpointed)
 
     with _staging(out, force) as tmp:
         (tmp / "programs").mkdir()

@@ -29,19 +29,22 @@ def _cell(text: str) -> str:
 def support_table_markdown() -> str:
     """One row per architecture: verified entries by family, then the refused ones."""
     lines = [
-        "| Architecture | `model_type` | Family | FFN layers found | Status |",
-        "|---|---|---|---|---|",
+        "| Architecture | `model_type` | Family | FFN layers found | FFN over several ranks | Status |",
+        "|---|---|---|---|---|---|",
     ]
     order = list(FAMILIES)
     for e in sorted(ENTRIES, key=lambda e: order.index(e.family)):
         status = "verified"
         if e.notes:
             status += f" ({e.notes})"
-        lines.append(f"| {_cell(e.name)} | `{e.model_type}` | {e.family} | {_ffn_kinds(e)} | {_cell(status)} |")
+        ranks = f"no: {e.single_ffn_rank}" if e.single_ffn_rank else ("EP" if e.moe_layers else "TP")
+        lines.append(
+            f"| {_cell(e.name)} | `{e.model_type}` | {e.family} | {_ffn_kinds(e)} | {_cell(ranks)} | {_cell(status)} |"
+        )
     for model_type, message in REFUSED.items():
         name = CONFIG_MAPPING_NAMES.get(model_type, model_type).removesuffix("Config")
         reason = f"refused: {message}; {REFUSED_CAUSE[model_type]}"
-        lines.append(f"| {_cell(name)} | `{model_type}` | - | - | {_cell(reason)} |")
+        lines.append(f"| {_cell(name)} | `{model_type}` | - | - | - | {_cell(reason)} |")
     verified, refused = len(ENTRIES), len(REFUSED)
     lines += ["", f"{verified} architectures verified, {refused} refused."]
     return "\n".join(lines)

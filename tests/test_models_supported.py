@@ -101,6 +101,15 @@ def check_entry(entry: ModelEntry):
         f"{entry.name}: found {found[0]} dense / {found[1]} MoE FFN layers, "
         f"expected {entry.dense_layers} / {entry.moe_layers}"
     )
+
+    # (e) over 2 attention and 2 FFN ranks (experts or weight shards split, partial sums added)
+    if entry.single_ffn_rank:
+        with pytest.raises(afdc.PlanError, match="cannot be split"):
+            afdc.disaggregate(model, plan="2A2F")
+    else:
+        out = afdc.disaggregate(model, plan="2A2F")(ids, attention_mask=mask).logits
+        err = (out[valid] - ref[valid]).abs().max().item()
+        assert err <= RTOL * scale, f"{entry.name} under 2A2F: logits differ by {err:.3g} (max |ref| {scale:.3g})"
     return dm
 
 

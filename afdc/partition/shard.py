@@ -108,7 +108,8 @@ class _NeedBlocks(Exception):
 
 
 _ZERO_AT_ZERO = {"silu", "gelu", "relu", "tanh", "neg", "erf", "abs", "leaky_relu", "elu", "sqrt", "sin"}
-_IDENTITY = {"to", "_to_copy", "type_as", "clone", "contiguous", "alias", "detach", "lift_fresh_copy"}
+# Captured in eval mode, where dropout is the identity.
+_IDENTITY = {"to", "_to_copy", "type_as", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "dropout"}
 _ADD = {"add", "add_", "sub", "sub_"}
 _MUL = {"mul", "mul_"}
 _DIV = {"div", "div_"}

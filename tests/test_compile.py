@@ -1,0 +1,222 @@
+"""`afdc compile` artifacts: every family under 1A1F, 2A1F and 1A2F, loaded rank by rank, against
+the monolith; and the errors a user meets (bad plans, broken artifacts, partial checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+import afdc
+from afdc.artifact.checkpoint import CheckpointError
+from afdc.artifact.manifest import ArtifactError, read_manifest
+from afdc.cli import main
+from afdc.errors import AfdcError
+from models_supported import catalog
+
+# One architecture per family of models_supported (MoE: three routing styles, plus renamed experts).
+FAMILY_MODELS = ["llama", "olmo2", "gpt_neox", "gpt2", "qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral", "lfm2"]
+PLANS = ["1A1F", "2A1F", "1A2F"]
+
+
+def _entry(model_type: str) -> catalog.ModelEntry:
+    return next(e for e in catalog.ENTRIES if e.model_type == model_type)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """model_type -> (monolith, its save_pretrained directory), built once."""
+    cache: dict[str, tuple] = {}
+
+    def get(model_type: str):
+        if model_type not in cache:
+            model = catalog.build(_entry(model_type))
+            path = tmp_path_factory.mktemp(model_type) / "src"
+            model.save_pretrained(path)
+            cache[model_type] = (model, path)
+        return cache[model_type]
+
+    return get
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    ids[0, :4] = 0
+    return ids, mask
+
+
+def _reference(model, ids, mask):
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, pos
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("model_type", FAMILY_MODELS)
+def test_artifact_matches_monolith(saved, tmp_path, model_type, plan):
+    model, src = saved(model_type)
+    out = tmp_path / "art"
+    manifest = afdc.compile_model(str(src), plan, out, progress=False)
+    assert (out / "manifest.json").is_file() and not list(tmp_path.glob(".art.partial-*"))
+
+    dm = afdc.load_deployment(out)
+    ids, mask = _batch(model.config.vocab_size)
+    ref, pos = _reference(model, ids, mask)
+    got = dm(ids, attention_mask=mask, position_ids=pos).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], ref[valid], atol=2e-5, rtol=1e-4)
+    assert torch.equal(got[valid].argmax(-1), ref[valid].argmax(-1))
+
+    # Each rank loads only its own weights: the roles' weight sets are disjoint and cover the model.
+    attn = set(afdc.load(out, "attn", 0).parameter_names())
+    ffn_ranks = [afdc.load(out, "ffn", r) for r in range(manifest.plan.ffn_ranks)]
+    ffn = set(ffn_ranks[0].parameter_names())
+    assert attn and ffn and not attn & ffn
+    assert {n for n, _ in model.named_parameters()} <= attn | ffn <= set(model.state_dict())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_expert_parallel_rank_files_hold_their_experts(saved, tmp_path, model_type):
+    model, src = saved(model_type)
+    manifest = afdc.compile_model(str(src), "2A2F", tmp_path / "art", progress=False)
+    state = model.state_dict()
+    experts = [
+        name
+        for lay in manifest.layers
+        for name, split in zip(lay.weights, manifest.segments[lay.segment].splits)
+        if split.experts
+    ]
+    assert experts and all(lay.ffn_split == "ep" for lay in manifest.layers if lay.kind == "moe")
+    for rank in range(2):
+        (rel,) = [f for f in manifest.rank_files("ffn", rank).weights if not f.endswith("-state.safetensors")]
+        with safe_open(tmp_path / "art" / rel, "pt") as f:
+            for name in experts:
+                full = state[name]
+                half = full.shape[0] // 2
+                torch.testing.assert_close(f.get_tensor(name), full[rank * half : (rank + 1) * half])
+    # Greedy decoding across 2 attention and 2 FFN ranks equals the monolith's.
+    ids, mask = _batch(model.config.vocab_size)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = afdc.load_deployment(tmp_path / "art").generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    assert torch.equal(got, ref)
+
+
+def test_tensor_parallel_dense_and_experts(saved, tmp_path):
+    model, src = saved("qwen3_moe")
+    manifest = afdc.compile_model(str(src), "1A2F", tmp_path / "art", progress=False, force=False)
+    assert manifest.plan.ffn_parallel == "auto"
+    tp = afdc.compile_model(
+        str(src), afdc.Plan.parse("1A2F", ffn_parallel="tp"), tmp_path / "tp", progress=False
+    )
+    assert {lay.ffn_split for lay in tp.layers} == {"tp"}
+    ids, mask = _batch(model.config.vocab_size)
+    ref, pos = _reference(model, ids, mask)
+    got = afdc.load_deployment(tmp_path / "tp")(ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+def test_plan_errors(saved, tmp_path):
+    _, dense = saved("llama")
+    _, moe = saved("qwen3_moe")
+    with pytest.raises(afdc.PlanError, match="dense model"):
+        afdc.compile_model(str(dense), afdc.Plan.parse("1A2F", ffn_parallel="ep"), tmp_path / "a", weights=False)
+    with pytest.raises(afdc.PlanError, match="do not divide the 4 experts"):
+        afdc.compile_model(str(moe), "1A3F", tmp_path / "b", weights=False)
+    with pytest.raises(afdc.PlanError, match="do not divide"):
+        afdc.compile_model(str(dense), "1A3F", tmp_path / "c", weights=False)
+    for bad in ("2A", "0A1F", "1A0F", "AF", "2x2"):
+        with pytest.raises(afdc.PlanError):
+            afdc.Plan.parse(bad)
+    with pytest.raises(afdc.PlanError, match="--attn-tp"):
+        afdc.Plan.parse("2A2F", attention_tp=2)
+    with pytest.raises(afdc.PlanError, match="--ffn-parallel"):
+        afdc.Plan.parse("2A2F", ffn_parallel="dp")
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_broken_artifacts_are_refused(saved, tmp_path):
+    _, src = saved("qwen3_moe")
+    out = tmp_path / "art"
+    manifest = afdc.compile_model(str(src), "1A2F", out, progress=False)
+    with pytest.raises(AfdcError, match="already exists"):
+        afdc.compile_model(str(src), "1A2F", out, progress=False)
+    afdc.compile_model(str(src), "1A2F", out, progress=False, force=True)  # --force replaces it
+
+    with pytest.raises(ArtifactError, match="rank 2 is not one"):
+        afdc.load(out, "ffn", 2)
+    with pytest.raises(ArtifactError, match="'gpu' is not"):
+        afdc.load(out, "gpu", 0)
+
+    ffn_file = out / manifest.rank_files("ffn", 1).weights[-1]
+    data = bytearray(ffn_file.read_bytes())
+    data[-1] ^= 0xFF
+    ffn_file.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="corrupted"):
+        afdc.load(out, "ffn", 1)
+    afdc.load(out, "ffn", 0)  # the other rank's files are intact
+    ffn_file.write_bytes(bytes(data[:-100]))
+    with pytest.raises(ArtifactError, match="truncated"):
+        afdc.load(out, "ffn", 1)
+
+    (out / manifest.attention_program).write_text("raise SystemExit")
+    with pytest.raises(ArtifactError, match=r"attention\.py"):
+        afdc.load(out, "attn", 0)
+
+    (out / "manifest.json").unlink()
+    with pytest.raises(ArtifactError, match=r"no manifest\.json"):
+        afdc.load(out, "attn", 0)
+
+
+def test_future_format_is_refused(saved, tmp_path):
+    _, src = saved("llama")
+    out = tmp_path / "art"
+    afdc.compile_model(str(src), "1A1F", out, progress=False)
+    data = json.loads((out / "manifest.json").read_text())
+    data["format_version"] = 99
+    (out / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="format 99"):
+        read_manifest(out)
+
+
+def test_partial_checkpoint_leaves_nothing(saved, tmp_path):
+    _, src = saved("llama")
+    partial = tmp_path / "partial"
+    shutil.copytree(src, partial)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(partial / "model.safetensors")
+    dropped = sorted(n for n in state if "layers.1.mlp" in n)
+    save_file({k: v for k, v in state.items() if k not in dropped}, partial / "model.safetensors", {"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        afdc.compile_model(str(partial), "1A2F", tmp_path / "art", progress=False)
+    assert all(n in str(err.value) for n in dropped)
+    assert not (tmp_path / "art").exists() and not list(tmp_path.glob(".art.partial-*"))
+
+
+def test_no_weights_compiles_a_plan_only(saved, tmp_path):
+    model, src = saved("deepseek_v3")
+    config = tmp_path / "config.json"
+    config.write_text((Path(src) / "config.json").read_text())
+    result = CliRunner().invoke(
+        main, ["compile", str(config), "--plan", "2A2F", "--no-weights", "--quiet", "-o", str(tmp_path / "art")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "2A2F" in result.output and "no weights" in result.output
+    manifest = read_manifest(tmp_path / "art")
+    assert not manifest.weights_included and manifest.layers[0].to_ffn[0].shape_per_token == [model.config.hidden_size]
+    with pytest.raises(ArtifactError, match="--no-weights"):
+        afdc.load(tmp_path / "art", "ffn", 0)
+    # A config file holds no weights: compiling with weights says what to do.
+    result = CliRunner().invoke(main, ["compile", str(config), "-o", str(tmp_path / "w")])
+    assert result.exit_code == 2 and "--no-weights" in result.output
+    config.write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8}))
+    result = CliRunner().invoke(main, ["compile", str(config), "--no-weights", "-o", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "unknown model_type 'no_such_model'" in result.output
