@@ -36,7 +36,6 @@ from afdc.artifact import manifest as mf
 from afdc.artifact.program_source import load_program, write_program
 from afdc.artifact.reshard import ShardSlice, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
-from afdc.partition.shard import Split
 from afdc.plan import Plan
 from afdc.report import Crossing as ReportCrossing
 from afdc.runtime.model import DisaggregatedModel
@@ -122,17 +121,13 @@ def _crossings(crossings: list[ReportCrossing], reduce: list[str] | None = None)
     ]
 
 
-def _slice(split: Split, rank: int, ranks: int) -> ShardSlice:
-    return ShardSlice() if split.dim is None else ShardSlice(split.dim, split.blocks, rank, ranks)
-
-
 def _rank_targets(built: Built) -> dict[str, list[TargetTensor]]:
     """Weight file name -> the tensors it holds."""
     y = built.plan.ffn_ranks
     targets = {"attn": [TargetTensor(n, ShardSlice()) for n in built.attention_names()]}
     splits = built.ffn_splits()
     for r in range(y):
-        targets[f"ffn-{r}"] = [TargetTensor(n, _slice(s, r, y)) for n, s in sorted(splits.items())]
+        targets[f"ffn-{r}"] = [TargetTensor(n, s.slice(r, y)) for n, s in sorted(splits.items())]
     return targets
 
 
@@ -177,7 +172,7 @@ def compile_model(
             own = [t for t in tensors if t.name in state]
             if own:
                 rel = f"weights/{name}-state.safetensors"
-                save_file({t.name: _local(state[t.name], t.slice) for t in own}, tmp / rel)
+                save_file({t.name: t.slice.take(state[t.name]).contiguous() for t in own}, tmp / rel)
                 files[name].append(rel)
             streamed = [t for t in tensors if t.name not in state]
             if weights and streamed:
@@ -211,10 +206,6 @@ def compile_model(
         )
         (tmp / mf.MANIFEST).write_text(manifest.to_json())
     return manifest
-
-
-def _local(tensor: torch.Tensor, s: ShardSlice) -> torch.Tensor:
-    return s.take(tensor).contiguous()
 
 
 # -- loading ---------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.core_model_loading import Chunk, Concatenate, Interleave, Split, Transpose, WeightConverter
 
 from afdc.artifact.checkpoint import Checkpoint, CheckpointError, resolve
-from afdc.artifact.reshard import FileDigest, ShardSlice, TargetFile, TargetTensor, reshard
+from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
+from afdc.partition.shard import ShardSlice
 from afdc.source import empty_model
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, vocab_size=128, num_attention_heads=4, num_key_value_heads=2)

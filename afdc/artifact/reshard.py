@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from afdc.artifact.checkpoint import DTYPES, Checkpoint, Layout, Piece, SourceReader, resolve
+from afdc.partition.shard import ShardSlice
 
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 WORKERS = min(4, os.cpu_count() or 1)  # file writes are memory-bound: more threads than this only contend
@@ -34,58 +35,11 @@ _READBACK_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True)
-class ShardSlice:
-    """Which part of a full tensor one rank holds.
-
-    Along ``dim``, the tensor is ``blocks`` equal consecutive blocks (e.g. a fused [gate; up]), and
-    each block is split into ``parts`` near-equal ranges: rank ``part`` holds, of each block b of size
-    n, rows [b*n + part*n//parts, b*n + (part+1)*n//parts), the blocks concatenated in order.
-    ``dim=None`` is the whole tensor (replicated). Expert parallelism is dim 0 of a stacked [E, ...]
-    expert weight; tensor parallelism of a fused gate_up is ``blocks=2``.
-    """
-
-    dim: int | None = None
-    blocks: int = 1
-    part: int = 0
-    parts: int = 1
-
-    def __post_init__(self):
-        if self.parts < 1 or self.blocks < 1 or not 0 <= self.part < self.parts:
-            raise ValueError(f"{self}: needs parts >= 1, blocks >= 1 and 0 <= part < parts")
-        if self.dim is None and (self.blocks, self.parts) != (1, 1):
-            raise ValueError(f"{self}: a replicated slice (dim=None) has blocks=1 and parts=1")
-        if self.dim is not None and self.dim < 0:
-            raise ValueError(f"{self}: dim counts from 0")
-
-    def index(self, full: Sequence[int]) -> list[tuple[int, int]]:
-        """The [start, stop) row ranges along ``dim`` this rank holds, in order ([] when replicated)."""
-        if self.dim is None:
-            return []
-        if self.dim >= len(full) or full[self.dim] % self.blocks:
-            raise ValueError(f"{self} does not fit a tensor of shape {list(full)}")
-        n = full[self.dim] // self.blocks
-        lo, hi = self.part * n // self.parts, (self.part + 1) * n // self.parts
-        return [(b * n + lo, b * n + hi) for b in range(self.blocks)]
-
-    def local_shape(self, full: Sequence[int]) -> tuple[int, ...]:
-        if self.dim is None:
-            return tuple(full)
-        rows = sum(hi - lo for lo, hi in self.index(full))
-        return (*full[: self.dim], rows, *full[self.dim + 1 :])
-
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full in-memory tensor (what the written file holds for it)."""
-        if self.dim is None:
-            return tensor
-        return torch.cat([tensor.narrow(self.dim, lo, hi - lo) for lo, hi in self.index(tensor.shape)], self.dim)
-
-
-@dataclass(frozen=True)
 class TargetTensor:
     """One tensor of a rank file: a model state_dict name and the rank's slice of it."""
 
     name: str
-    slice: ShardSlice = ShardSlice()
+    slice: ShardSlice = field(default_factory=ShardSlice)
 
 
 @dataclass

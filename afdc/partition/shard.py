@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -62,6 +63,53 @@ _ROW_WISE = (Kind.REPLICATED, Kind.OWNED, Kind.OWNED_ONLY)  # what a grouped mat
 
 
 @dataclass(frozen=True)
+class ShardSlice:
+    """Which part of a full tensor one rank holds.
+
+    Along ``dim``, the tensor is ``blocks`` equal consecutive blocks (e.g. a fused [gate; up]), and
+    each block is split into ``parts`` near-equal ranges: rank ``part`` holds, of each block b of size
+    n, rows [b*n + part*n//parts, b*n + (part+1)*n//parts), the blocks concatenated in order.
+    ``dim=None`` is the whole tensor (replicated). Expert parallelism is dim 0 of a stacked [E, ...]
+    expert weight; tensor parallelism of a fused gate_up is ``blocks=2``.
+    """
+
+    dim: int | None = None
+    blocks: int = 1
+    part: int = 0
+    parts: int = 1
+
+    def __post_init__(self):
+        if self.parts < 1 or self.blocks < 1 or not 0 <= self.part < self.parts:
+            raise ValueError(f"{self}: needs parts >= 1, blocks >= 1 and 0 <= part < parts")
+        if self.dim is None and (self.blocks, self.parts) != (1, 1):
+            raise ValueError(f"{self}: a replicated slice (dim=None) has blocks=1 and parts=1")
+        if self.dim is not None and self.dim < 0:
+            raise ValueError(f"{self}: dim counts from 0")
+
+    def index(self, full: Sequence[int]) -> list[tuple[int, int]]:
+        """The [start, stop) row ranges along ``dim`` this rank holds, in order ([] when replicated)."""
+        if self.dim is None:
+            return []
+        if self.dim >= len(full) or full[self.dim] % self.blocks:
+            raise ValueError(f"{self} does not fit a tensor of shape {list(full)}")
+        n = full[self.dim] // self.blocks
+        lo, hi = self.part * n // self.parts, (self.part + 1) * n // self.parts
+        return [(b * n + lo, b * n + hi) for b in range(self.blocks)]
+
+    def local_shape(self, full: Sequence[int]) -> tuple[int, ...]:
+        if self.dim is None:
+            return tuple(full)
+        rows = sum(hi - lo for lo, hi in self.index(full))
+        return (*full[: self.dim], rows, *full[self.dim + 1 :])
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full in-memory tensor (what the written file holds for it)."""
+        if self.dim is None:
+            return tensor
+        return torch.cat([tensor.narrow(self.dim, lo, hi - lo) for lo, hi in self.index(tensor.shape)], self.dim)
+
+
+@dataclass(frozen=True)
 class Split:
     """How the F ranks hold one weight: replicated (``dim`` None) or split along ``dim``."""
 
@@ -69,14 +117,13 @@ class Split:
     blocks: int = 1  # the dim is this many equal blocks (a fused [gate; up]), each split evenly
     experts: bool = False  # ``dim`` is the expert dimension (expert parallel)
 
+    def slice(self, rank: int, ranks: int) -> ShardSlice:
+        """The part of the full weight that rank ``rank`` of ``ranks`` holds."""
+        return ShardSlice() if self.dim is None or ranks == 1 else ShardSlice(self.dim, self.blocks, rank, ranks)
+
     def local(self, tensor: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
         """Rank ``rank``'s part of the full ``tensor``."""
-        if self.dim is None or ranks == 1:
-            return tensor
-        block = tensor.shape[self.dim] // self.blocks
-        part = block // ranks
-        pieces = [tensor.narrow(self.dim, b * block + rank * part, part) for b in range(self.blocks)]
-        return (pieces[0] if self.blocks == 1 else torch.cat(pieces, self.dim)).contiguous()
+        return self.slice(rank, ranks).take(tensor).contiguous()
 
 
 @dataclass
