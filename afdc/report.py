@@ -82,12 +82,14 @@ class Report:
             f"FFN side:       {self.ffn_parameters:,} parameters in {len(self.layers)} layers, "
             f"{self.segment_graphs} distinct segment graph(s)",
             "",
-            f"{'layer':>5}  {'module':<28} {'ffn':<16} {'to FFN (per token)':<26} {'to attn':<20} {'B/tok':>8}",
+            f"{'layer':>5}  {'module':<28} {'ffn':<19} {'to FFN (per token)':<26} {'to attn':<20} {'B/tok':>8}",
         ]
         for r in self.layers:
             kind = f"moe {r.experts}e top-{r.top_k or '?'}" if r.kind == "moe" else "dense"
+            if r.ffn_split != "replicated":
+                kind += f" {r.ffn_split}"  # how the FFN ranks split it
             lines.append(
-                f"{r.index:>5}  {r.module[-28:]:<28} {kind:<16} {crossings(r.to_ffn):<26} "
+                f"{r.index:>5}  {r.module[-28:]:<28} {kind:<19} {crossings(r.to_ffn):<26} "
                 f"{crossings(r.to_attn):<20} {r.bytes_to_ffn + r.bytes_to_attn:>8.0f}"
             )
         lines.append(
