@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 from afdc.errors import PlanError
 
@@ -55,9 +55,6 @@ class Plan:
     @property
     def shape(self) -> str:
         return f"{self.attention_ranks}A{self.ffn_ranks}F"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def __str__(self) -> str:
         return self.shape
