@@ -9,10 +9,10 @@ model). Then measures, in one run:
 (b) resharding into a 2A2F layout: 2 attention files with every non-expert tensor (replicated) and
     2 FFN files with half the experts of every MoE layer each (EP, dim 0 of the stacked experts).
 
-Targets: reshard GB/s (bytes written) >= 0.5 x read GB/s; peak RSS < 2 GB. The page cache cannot be
-dropped without root, so the source files are read once before both measurements: (a) and (b) both
-read from memory, and (b)'s writes land in the page cache (flushed in the background, no fsync; dirty
-pages of earlier phases are synced to disk before each measurement).
+Targets: reshard GB/s (bytes written) >= 0.5 x read GB/s; peak RSS < 2 GB. Before each measurement
+the source files are synced and evicted from the page cache (``posix_fadvise(DONTNEED)``, no root
+needed), so (a) and (b) both read from disk; (b)'s writes land in the page cache (flushed in the
+background, no fsync).
 For scale, (c) prints the rate of a plain sequential write of as many bytes to new files, and of sha256
 alone: the resharder does both (on every output byte) and so cannot beat either.
 
@@ -183,6 +183,16 @@ def spot_check(source: Path, files: list[TargetFile], experts: int, digest_of_at
     assert hashlib.sha256(files[0].path.read_bytes()).hexdigest() == digest_of_attn0
 
 
+def evict(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache, so that the next read comes from disk."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB  # ru_maxrss is in KiB on Linux
 
@@ -210,13 +220,14 @@ def main() -> None:
         )
 
         os.sync()  # no phase pays for the previous one's writeback (dirty pages are throttled)
-        read_all(shards)  # warm the page cache: both measurements below read from memory
+        evict(shards)
         start = time.perf_counter()
         read_bytes = read_all(shards)
         read_s = time.perf_counter() - start
 
         model = empty_model(config)
         files = two_a_two_f(out, list(model.state_dict()))
+        evict(shards)
         start = time.perf_counter()
         digests = reshard(source, model, files)
         reshard_s = time.perf_counter() - start
@@ -230,7 +241,7 @@ def main() -> None:
 
         read_rate, reshard_rate = read_bytes / GB / read_s, written / GB / reshard_s
         ratio = reshard_rate / read_rate
-        print("page cache: source files read once before timing; (a) and (b) read from memory, (b) writes")
+        print("page cache: source files evicted before (a) and before (b): both read from disk; (b) writes")
         print("            into the page cache (the kernel flushes it to disk in the background; no fsync)")
         print(f"(a) sequential read     {read_bytes / GB:6.2f} GB in {read_s:6.2f} s = {read_rate:5.2f} GB/s")
         print(
