@@ -34,8 +34,9 @@ import afdc
 from afdc.api import Built, build
 from afdc.artifact import manifest as mf
 from afdc.artifact.program_source import load_program, write_program
-from afdc.artifact.reshard import ShardSlice, TargetFile, TargetTensor, reshard
+from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
+from afdc.partition.shard import ShardSlice
 from afdc.plan import Plan
 from afdc.report import Crossing as ReportCrossing
 from afdc.runtime.model import DisaggregatedModel
@@ -179,8 +180,8 @@ def compile_model(
                 rel = f"weights/{name}.safetensors"
                 to_stream.append(TargetFile(tmp / rel, streamed))
                 files[name].append(rel)
-        if to_stream:
-            reshard(checkpoint, model, to_stream, dtype=dtype, progress=progress)
+        # The resharder hashes as it writes; only the small files are hashed here.
+        digests = reshard(checkpoint, model, to_stream, dtype=dtype, progress=progress) if to_stream else {}
         written += [rel for rels in files.values() for rel in rels]
 
         ranks = [mf.RankFiles("attn", a, files["attn"]) for a in range(plan.attention_ranks)]
@@ -202,10 +203,17 @@ def compile_model(
                 for lr, binding in zip(built.report.layers, built.layers)
             ],
             ranks=ranks,
-            files=[mf.FileEntry(rel, mf.sha256_file(tmp / rel), (tmp / rel).stat().st_size) for rel in written],
+            files=[_file_entry(tmp, rel, digests) for rel in written],
         )
         (tmp / mf.MANIFEST).write_text(manifest.to_json())
     return manifest
+
+
+def _file_entry(directory: Path, rel: str, digests: dict[Path, FileDigest]) -> mf.FileEntry:
+    digest = digests.get(directory / rel)
+    if digest is not None:
+        return mf.FileEntry(rel, digest.sha256, digest.size)
+    return mf.FileEntry(rel, mf.sha256_file(directory / rel), (directory / rel).stat().st_size)
 
 
 # -- loading ---------------------------------------------------------------------------------------
