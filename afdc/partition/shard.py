@@ -169,6 +169,11 @@ def _name(node: fx.Node) -> str:
     return target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
 
 
+def _weight_inputs(graph: fx.Graph) -> list[fx.Node]:
+    """The segment's weight placeholders (``w0``, ``w1``, ...; inputs are ``x0``, ...)."""
+    return [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("w")]
+
+
 def _shape(node: fx.Node) -> list:
     return [gf.sym_expr(d) for d in node.meta["val"].shape]
 
@@ -191,8 +196,7 @@ class _Propagation:
     lead_only: dict[fx.Node, int] = field(default_factory=dict)  # node -> operand added only on rank 0
 
     def run(self) -> list[str]:
-        weights = [n for n in self.graph.nodes if n.op == "placeholder" and n.name.startswith("w")]
-        index = {w: i for i, w in enumerate(weights)}
+        index = {w: i for i, w in enumerate(_weight_inputs(self.graph))}
         for node in self.graph.nodes:
             if node.op == "placeholder":
                 i = index.get(node)
@@ -208,10 +212,8 @@ class _Propagation:
     # -- weights ---------------------------------------------------------------------------------
 
     def _weight(self, i: int, node: fx.Node) -> Layout:
-        split = self.decided.get(i)
-        if split is None:
-            return Layout(Kind.WEIGHT, weight=i, dims=tuple(range(node.meta["val"].dim())))
-        return self._decided_layout(Layout(Kind.WEIGHT, weight=i, dims=tuple(range(node.meta["val"].dim()))))
+        lay = Layout(Kind.WEIGHT, weight=i, dims=tuple(range(node.meta["val"].dim())))
+        return self._decided_layout(lay) if i in self.decided else lay
 
     def _decided_layout(self, lay: Layout) -> Layout:
         split = self.decided[lay.weight]
@@ -591,16 +593,9 @@ class _Propagation:
 
 def single_rank(graph: fx.Graph) -> ShardedSegment:
     """The segment for a plan with one FFN rank: unchanged, plus the (unused) rank input."""
-    new = fx.Graph()
-    env = {}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for node in graph.nodes:
-        env[node] = new.node_copy(node, env.__getitem__)
-        if node is placeholders[-1]:
-            new.placeholder("rank")
-    weights = sum(n.name.startswith("w") for n in placeholders)
     outputs = len(next(n for n in graph.nodes if n.op == "output").args[0])
-    return ShardedSegment(new, [Split()] * weights, ["first"] * outputs)
+    unchanged = _rewrite(graph, _Propagation(graph, FFNParallel.TP, 1, {}), 1)
+    return ShardedSegment(unchanged, [Split()] * len(_weight_inputs(graph)), ["first"] * outputs)
 
 
 def shard_segment(
@@ -610,7 +605,7 @@ def shard_segment(
 
     ``label`` (the layer) and ``names`` (its weights) only name things in errors.
     """
-    weights = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("w")]
+    weights = _weight_inputs(graph)
     names = names or [w.name for w in weights]
     decided: dict[int, Split] = {}
     reasons: list[str] = []
@@ -642,7 +637,7 @@ def shard_segment(
                 "use one FFN rank"
             )
         _check_divisible(names, weights, splits, ranks, label)
-        return ShardedSegment(_rewrite(graph, prop, splits, weights, ranks), splits, reduce)
+        return ShardedSegment(_rewrite(graph, prop, ranks), splits, reduce)
     raise AssertionError("sharding did not settle")
 
 
@@ -658,7 +653,7 @@ def _check_divisible(names: list[str], weights: list[fx.Node], splits: list[Spli
             raise PlanError(f"{label}: {ranks} FFN ranks do not divide {what}; use {fix}")
 
 
-def _rewrite(graph: fx.Graph, prop: _Propagation, splits, weights, ranks: int) -> fx.Graph:
+def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int) -> fx.Graph:
     """The segment as one rank runs it: local sizes, local experts, rank-0-only addends."""
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
