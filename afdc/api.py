@@ -27,6 +27,7 @@ from afdc.passes.cut import Cut, RouterPlacement, select_cuts
 from afdc.passes.portable import portable
 from afdc.plan import Plan
 from afdc.report import Report, layer_report
+from afdc.runtime.exchange import deployment_id
 from afdc.runtime.model import DisaggregatedModel
 from afdc.runtime.programs import AttentionProgram, FFNLayer, FFNProgram
 
@@ -43,6 +44,7 @@ class Built:
     attrs: dict[str, torch.Tensor]  # every weight, buffer and constant a program reads, by name
     incremental: bool
     report: Report
+    inputs: list[list[list[int] | None]]  # per segment, per input: its token layout (FFNProgram)
 
     def attention_names(self) -> list[str]:
         return sorted({n.target for n in self.attention_graph.nodes if n.op == "get_attr"})
@@ -99,6 +101,10 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     for lr, binding in zip(layers_report, part.layers):
         lr.segment = binding.segment
     segments = _shard(part.segments, part.layers, [lr.module for lr in layers_report], plan)
+    inputs = [
+        [gf.token_layout(n, tokens) for n in seg.graph.find_nodes(op="placeholder")[len(seg.splits) : -1]]
+        for seg in segments
+    ]
     for lr, binding in zip(layers_report, part.layers):
         lr.ffn_split = segments[binding.segment].describe()
 
@@ -116,7 +122,15 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         layers=layers_report,
     )
     return Built(
-        plan, part.attention_graph, captured.out_spec, segments, part.layers, captured.attrs, incremental, report
+        plan,
+        part.attention_graph,
+        captured.out_spec,
+        segments,
+        part.layers,
+        captured.attrs,
+        incremental,
+        report,
+        inputs,
     )
 
 
@@ -128,7 +142,17 @@ def ffn_program(built: Built, weights: dict[str, torch.Tensor], rank: int) -> FF
         weights,
         [s.reduce for s in built.segments],
         rank,
+        built.inputs,
     )
+
+
+def _local(weight: torch.Tensor, split: Split, rank: int, ranks: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``weight``: the tensor itself when whole; a shard is a parameter of
+    its own (detached, so launched FFN processes can share it)."""
+    local = split.local(weight, rank, ranks)
+    if local is weight or not isinstance(weight, torch.nn.Parameter):
+        return local
+    return torch.nn.Parameter(local.detach(), requires_grad=False)
 
 
 def disaggregate(
@@ -136,18 +160,23 @@ def disaggregate(
 ) -> DisaggregatedModel:
     """Split ``model`` into attention and FFN programs for ``plan`` joined by a connector.
 
-    ``plan`` is ``"xAyF"`` or a :class:`Plan`; keyword options (``ffn_parallel``, ...) refine it.
-    Every rank runs in this process; the result is a drop-in for the model's own call.
+    ``plan`` is ``"xAyF"`` or a :class:`Plan`; keyword options (``ffn_parallel``,
+    ``micro_batches``, ...) refine it. Every rank runs in this process until ``dm.launch()``
+    moves the FFN ranks to processes (``connector`` picks the transport, ``"gloo"`` or
+    ``"shm"``). The result is a drop-in for the model's own call.
     Raises :class:`afdc.UnsupportedModelError` when the model cannot be split; it never returns
     an unsplit or half-split model.
     """
     if router is not None:
         options["router"] = router
+    connector = options.pop("connector", "gloo")
     built = build(model, Plan.parse(plan, **options))
     attention = AttentionProgram.from_graph(built.attention_graph, built.attrs, built.out_spec)
     splits = built.ffn_splits()
     ffn = [
-        ffn_program(built, {w: split.local(built.attrs[w], r, built.plan.ffn_ranks) for w, split in splits.items()}, r)
+        ffn_program(
+            built, {w: _local(built.attrs[w], split, r, built.plan.ffn_ranks) for w, split in splits.items()}, r
+        )
         for r in range(built.plan.ffn_ranks)
     ]
     return DisaggregatedModel(
@@ -156,4 +185,7 @@ def disaggregate(
         built.incremental,
         built.report,
         getattr(model, "generation_config", None),
+        micro_batches=built.plan.micro_batches,
+        deployment=deployment_id(str(built.plan), attention.module.code, *(s.code for s in ffn[0].segments)),
+        connector=connector,
     )

@@ -39,8 +39,10 @@ from afdc.errors import AfdcError, UnsupportedModelError
 from afdc.partition.shard import ShardSlice
 from afdc.plan import Plan
 from afdc.report import Crossing as ReportCrossing
+from afdc.runtime.exchange import deployment_id
 from afdc.runtime.model import DisaggregatedModel
 from afdc.runtime.programs import AttentionProgram, FFNLayer, FFNProgram
+from afdc.runtime.rendezvous import Layout
 from afdc.source import empty_model, load_config
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -164,7 +166,7 @@ def compile_model(
             rel = f"programs/ffn_segment_{i}.py"
             write_program(seg.graph, tmp / rel)
             written.append(rel)
-            segments.append(mf.SegmentSpec(rel, seg.splits, seg.reduce))
+            segments.append(mf.SegmentSpec(rel, seg.splits, seg.reduce, built.inputs[i]))
 
         files: dict[str, list[str]] = {}
         to_stream = []
@@ -197,8 +199,14 @@ def compile_model(
             segments=segments,
             layers=[
                 mf.LayerSpec(
-                    lr.index, lr.module, lr.kind, lr.segment, lr.ffn_split, binding.weights,
-                    _crossings(lr.to_ffn), _crossings(lr.to_attn, built.segments[lr.segment].reduce),
+                    lr.index,
+                    lr.module,
+                    lr.kind,
+                    lr.segment,
+                    lr.ffn_split,
+                    binding.weights,
+                    _crossings(lr.to_ffn),
+                    _crossings(lr.to_attn, built.segments[lr.segment].reduce),
                 )
                 for lr, binding in zip(built.report.layers, built.layers)
             ],
@@ -259,14 +267,35 @@ def load(
         weights,
         [s.reduce for s in manifest.segments],
         rank,
+        [s.inputs for s in manifest.segments],
     )
 
 
-def load_deployment(directory: str | Path, device: str | torch.device = "cpu") -> DisaggregatedModel:
-    """Every rank of an artifact in this process, joined by the loopback connector."""
+def deployment_of(directory: str | Path) -> tuple[Layout, bytes]:
+    """The slots of an artifact's plan and the id its ranks check on every message (from the
+    manifest's bytes, so ranks of different compiles never mix)."""
     manifest = mf.read_manifest(Path(directory))
+    raw = (Path(directory) / mf.MANIFEST).read_bytes()
+    return Layout(manifest.plan.attention_ranks, manifest.plan.ffn_ranks), deployment_id(raw)
+
+
+def load_deployment(
+    directory: str | Path, device: str | torch.device = "cpu", connector: str = "gloo"
+) -> DisaggregatedModel:
+    """Every rank of an artifact in this process, joined by the loopback connector;
+    ``dm.launch()`` moves the FFN ranks to server processes over ``connector``."""
+    directory = Path(directory)
+    manifest = mf.read_manifest(directory)
     plan = manifest.plan
     attention = [load(directory, "attn", a, device) for a in range(plan.attention_ranks)]
     ffn = [load(directory, "ffn", r, device) for r in range(plan.ffn_ranks)]
-    return DisaggregatedModel(attention, ffn, manifest.incremental_decode, None)
-
+    return DisaggregatedModel(
+        attention,
+        ffn,
+        manifest.incremental_decode,
+        None,
+        micro_batches=plan.micro_batches,
+        deployment=deployment_of(directory)[1],
+        artifact=directory,
+        connector=connector,
+    )

@@ -118,7 +118,7 @@ def _(tensors, layer):
 @torch.library.custom_op("afdc::recv", mutates_args=())
 def recv(ticket: torch.Tensor, layer: int, index: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """Take output ``index`` of FFN segment ``layer`` back from the FFN side."""
-    out = _connector.current().recv(layer, index)
+    out = _connector.current().recv(layer, index, tuple(shape))
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
         raise RuntimeError(
             f"FFN segment {layer} output {index}: expected {tuple(shape)} {dtype}, "

@@ -16,7 +16,7 @@ from afdc.errors import AfdcError
 from afdc.partition.shard import Split
 from afdc.plan import Plan
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 
@@ -60,10 +60,11 @@ class SegmentSpec:
     program: str  # file of the segment program
     splits: list[Split]  # per weight input: how the FFN ranks hold it
     reduce: list[str]  # per output
+    inputs: list[list[int] | None]  # per activation input: shape at batch 1 and T tokens (-k: k*T)
 
     @classmethod
     def from_dict(cls, d: dict) -> SegmentSpec:
-        return cls(d["program"], [Split(**s) for s in d["splits"]], d["reduce"])
+        return cls(d["program"], [Split(**s) for s in d["splits"]], d["reduce"], d["inputs"])
 
 
 @dataclass

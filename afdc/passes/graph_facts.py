@@ -89,6 +89,24 @@ def per_token_shape(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) ->
     return tuple(int(d) for d in rest) if all(d.is_Integer for d in rest) else None
 
 
+def token_layout(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) -> list[int] | None:
+    """``node``'s shape at batch 1 and T tokens, an int per dim with ``-k`` for ``k * T``; None
+    unless its leading dims are the tokens (``[b, s]`` or ``[k*b*s]``) so rows can be concatenated."""
+    if per_token_shape(node, tokens) is None:
+        return None
+    b, s = tokens
+    layout = []
+    for d in node.meta["val"].shape:
+        e = sym_expr(d).subs(b, 1)
+        if e.is_Integer:
+            layout.append(int(e))
+        elif (k := sympy.cancel(e / s)).is_Integer:
+            layout.append(-int(k))
+        else:
+            return None
+    return layout
+
+
 _SHAPE_READS = ("sym_size", "sym_numel", "sym_stride", "sym_storage_offset")
 
 

@@ -8,13 +8,14 @@ sends the segment's inputs, then receives its outputs one by one.
 from __future__ import annotations
 
 import contextlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-_ACTIVE: list[Connector] = []
+_LOCAL = threading.local()  # micro-batches run in threads, each with its own connector
 
 
 @dataclass
@@ -37,8 +38,8 @@ class Connector(ABC):
         """Send the inputs of FFN segment ``layer``."""
 
     @abstractmethod
-    def recv(self, layer: int, index: int) -> torch.Tensor:
-        """Receive output ``index`` of FFN segment ``layer`` (blocks until it is there)."""
+    def recv(self, layer: int, index: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Receive output ``index`` of FFN segment ``layer`` (blocks until it is there), as ``shape``."""
 
 
 class LoopbackConnector(Connector):
@@ -57,7 +58,7 @@ class LoopbackConnector(Connector):
         self.traffic.to_ffn_bytes += sum(t.numel() * t.element_size() for t in tensors)
         self.traffic.messages += 1
 
-    def recv(self, layer: int, index: int) -> torch.Tensor:
+    def recv(self, layer: int, index: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if layer in self._pending:
             self._results[layer] = list(self._run_ffn(layer, self._pending.pop(layer)))
             self.traffic.messages += 1
@@ -71,16 +72,24 @@ class LoopbackConnector(Connector):
         return out
 
 
+def _stack() -> list[Connector]:
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
+
+
 def current() -> Connector:
-    if not _ACTIVE:
+    stack = _stack()
+    if not stack:
         raise RuntimeError("an afdc send/recv op ran with no active connector; run the program through afdc's runtime")
-    return _ACTIVE[-1]
+    return stack[-1]
 
 
 @contextlib.contextmanager
 def active(connector: Connector) -> Iterator[Connector]:
-    _ACTIVE.append(connector)
+    stack = _stack()
+    stack.append(connector)
     try:
         yield connector
     finally:
-        _ACTIVE.pop()
+        stack.pop()

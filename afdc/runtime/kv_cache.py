@@ -9,11 +9,12 @@ the keys of the current call only, which is prefill from scratch.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 
-_ACTIVE: list[KVCache] = []
+_LOCAL = threading.local()  # micro-batches run in threads, each with its own cache
 
 
 class KVCache:
@@ -36,7 +37,7 @@ class KVCache:
 
 
 def current() -> KVCache | None:
-    return _ACTIVE[-1] if _ACTIVE else None
+    return getattr(_LOCAL, "cache", None)
 
 
 @contextlib.contextmanager
@@ -45,8 +46,8 @@ def active(cache: KVCache | None) -> Iterator[None]:
     if cache is None:
         yield
         return
-    _ACTIVE.append(cache)
+    outer, _LOCAL.cache = current(), cache
     try:
         yield
     finally:
-        _ACTIVE.pop()
+        _LOCAL.cache = outer

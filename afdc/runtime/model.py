@@ -1,19 +1,32 @@
-"""The disaggregated model: an attention program and an FFN program joined by a connector.
+"""The disaggregated model: attention programs and FFN programs joined by connectors.
 
 ``dm(...)`` is a drop-in for the model's own call (prefill); ``dm.generate`` is greedy decoding
-with the KV cache on the attention side. Both run only the two programs and the connector.
+with the KV cache on the attention side. Both run only the programs and the connectors.
+
+The batch's rows are split over the attention ranks, and each rank's rows into micro-batches
+that run concurrently: while one micro-batch waits for an FFN layer's result, the next computes
+its attention (ping-pong). The FFN side is in-process (loopback) until :meth:`launch` or
+:meth:`connect` moves it to FFN servers reached through a transport.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
 
+from afdc.errors import AfdcError
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
+from afdc.runtime.exchange import AttentionEndpoint, RemoteConnector
+from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import AttentionProgram, FFNProgram, combine
+from afdc.runtime.rendezvous import Layout, Rendezvous
 
 
 def default_position_ids(input_ids: torch.Tensor, past: int = 0) -> torch.Tensor:
@@ -40,9 +53,15 @@ def _concat(outputs: list):
     return pytree.tree_unflatten(leaves, flat[0][1])
 
 
+def _split(n: int, parts: int, start: int = 0) -> list[slice]:
+    bounds = [start + n * i // parts for i in range(parts + 1)]
+    return [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
 class DisaggregatedModel:
-    """``attention[i]`` is attention rank i (it runs its share of the batch's rows); ``ffn[j]``
-    is FFN rank j (every FFN layer runs on all of them and their outputs are combined)."""
+    """``attention_ranks[i]`` is attention rank i (it runs its share of the batch's rows);
+    ``ffn_ranks[j]`` is FFN rank j (every FFN layer runs on all of them and their outputs are
+    combined by ``reduce``, per FFN layer)."""
 
     def __init__(
         self,
@@ -51,6 +70,11 @@ class DisaggregatedModel:
         incremental: bool,
         report,
         generation_config=None,
+        *,
+        micro_batches: int = 1,
+        deployment: bytes = b"",
+        artifact: Path | None = None,
+        connector: str = "gloo",
     ):
         self.attention_ranks = attention
         self.ffn_ranks = ffn
@@ -59,27 +83,125 @@ class DisaggregatedModel:
         self.incremental = incremental  # False: decode recomputes the prefix (inline recurrent mixers)
         self._report = report
         self.generation_config = generation_config
+        self.micro_batches = micro_batches
+        self.deployment = deployment  # the id every rank of a launched deployment checks
+        self.artifact = artifact  # the compiled artifact this came from, if any
+        self.connector = connector  # the transport launch() uses unless told otherwise
+        self.reduce = [self.ffn.reduction(layer) for layer in range(len(self.ffn.layers))]
         self.last_traffic = connectors.Traffic()
+        self.endpoints: list[AttentionEndpoint] | None = None  # None: FFN layers run in-process
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(len(self.attention_ranks), len(self.ffn_ranks))
 
     def report(self):
         """What was split, what crosses the cut, and how many bytes per token."""
         return self._report
 
-    def _rows(self, batch: int) -> list[slice]:
-        n = len(self.attention_ranks)
-        bounds = [batch * i // n for i in range(n + 1)]
-        return [slice(bounds[i], bounds[i + 1]) for i in range(n)]
+    # -- where the FFN side runs -------------------------------------------------------------
 
-    def _run(self, input_ids, attention_mask, position_ids, caches: list[kv_cache.KVCache | None]):
-        link = connectors.LoopbackConnector(functools.partial(combine, self.ffn_ranks))
-        outputs = []
-        with torch.no_grad(), connectors.active(link):
-            for program, rows, cache in zip(self.attention_ranks, self._rows(input_ids.shape[0]), caches):
-                if rows.stop > rows.start:
-                    with kv_cache.active(cache):
-                        outputs.append(program(input_ids[rows], attention_mask[rows], position_ids[rows]))
-        self.last_traffic = link.traffic
-        return _concat(outputs)
+    def connect(self, options: RuntimeOptions) -> None:
+        """Send the FFN layers to FFN servers (``afdc serve --role ffn``) at ``options.rendezvous``.
+
+        Each attention rank gets its own endpoint; they join at the first call.
+        """
+        if options.connector == "loopback":
+            self.disconnect()
+            return
+        self.endpoints = [
+            AttentionEndpoint(
+                i,
+                Rendezvous(
+                    options.rendezvous,
+                    self.layout,
+                    self.deployment,
+                    options.token,
+                    connect_timeout=options.join_timeout,
+                ),
+                options,
+            )
+            for i in range(len(self.attention_ranks))
+        ]
+
+    def disconnect(self) -> None:
+        for endpoint in self.endpoints or []:
+            endpoint.close()
+        self.endpoints = None
+
+    @contextlib.contextmanager
+    def launch(self, connector: str | None = None, **options) -> Iterator:
+        """Start every FFN rank as a local process and run the FFN layers there.
+
+        Yields the :class:`afdc.runtime.launch.LocalCluster` (to watch, kill or restart ranks);
+        on exit the servers are stopped and the FFN side is in-process again.
+        """
+        from afdc.runtime.launch import LocalCluster
+
+        connector = connector or self.connector
+        if connector == "loopback":
+            raise AfdcError(
+                "the loopback connector runs the FFN ranks in this process; launch them with 'gloo' or 'shm'"
+            )
+        cluster = LocalCluster(self, RuntimeOptions(connector=connector, **options))
+        try:
+            self.connect(cluster.options)
+            yield cluster
+        finally:
+            self.disconnect()
+            cluster.stop()
+
+    def metrics(self) -> list[dict]:
+        """Per attention rank: exchange latency, bytes, errors (empty when in-process)."""
+        return [e.metrics.snapshot() for e in self.endpoints or []]
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _tasks(self, batch: int) -> list[tuple[int, int, slice]]:
+        """(attention rank, micro-batch, rows) for every non-empty micro-batch, in row order."""
+        tasks = []
+        for rank, rows in enumerate(_split(batch, len(self.attention_ranks))):
+            for mb, sub in enumerate(_split(rows.stop - rows.start, self.micro_batches, rows.start)):
+                if sub.stop > sub.start:
+                    tasks.append((rank, mb, sub))
+        return tasks
+
+    def _in_parallel(self, calls: list) -> list:
+        if len(calls) == 1:
+            return [calls[0]()]
+        if self._pool is None or self._pool._max_workers < len(calls):
+            self._pool = ThreadPoolExecutor(len(calls), thread_name_prefix="afdc-mb")
+        futures = [self._pool.submit(c) for c in calls]
+        wait(futures)  # every micro-batch is done (or failed) before any error is raised
+        return [f.result() for f in futures]
+
+    def _run(self, input_ids, attention_mask, position_ids, caches: dict | None):
+        tasks = self._tasks(input_ids.shape[0])
+        steps: dict[int, int] = {}
+        if self.endpoints is not None:
+            ranks = sorted({rank for rank, _, _ in tasks})
+            begun = self._in_parallel([self.endpoints[r].begin_step for r in ranks])
+            steps = dict(zip(ranks, begun))
+
+        def run(rank: int, mb: int, rows: slice):
+            if self.endpoints is None:
+                link = connectors.LoopbackConnector(functools.partial(combine, self.ffn_ranks))
+            else:
+                tokens = (rows.stop - rows.start) * input_ids.shape[1]
+                link = RemoteConnector(self.endpoints[rank], steps[rank], mb, tokens, self.reduce)
+            cache = caches[rank, mb] if caches is not None else None
+            with torch.no_grad(), connectors.active(link), kv_cache.active(cache):
+                out = self.attention_ranks[rank](input_ids[rows], attention_mask[rows], position_ids[rows])
+            return out, link.traffic
+
+        results = self._in_parallel([functools.partial(run, *t) for t in tasks])
+        self.last_traffic = connectors.Traffic(
+            sum(t.to_ffn_bytes for _, t in results),
+            sum(t.to_attn_bytes for _, t in results),
+            sum(t.messages for _, t in results),
+        )
+        return _concat([out for out, _ in results])
 
     def __call__(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None, **kwargs
@@ -95,7 +217,7 @@ class DisaggregatedModel:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
             position_ids = default_position_ids(input_ids)
-        return self._run(input_ids, attention_mask, position_ids, [None] * len(self.attention_ranks))
+        return self._run(input_ids, attention_mask, position_ids, None)
 
     def forward(self, *args, **kwargs):
         return self(*args, **kwargs)
@@ -121,8 +243,8 @@ class DisaggregatedModel:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
 
-        ranks = len(self.attention_ranks)
-        caches = [kv_cache.KVCache() for _ in range(ranks)] if self.incremental else [None] * ranks
+        tasks = self._tasks(input_ids.shape[0])
+        caches = {(rank, mb): kv_cache.KVCache() for rank, mb, _ in tasks} if self.incremental else None
         tokens, mask = input_ids, attention_mask
         step_ids, step_pos = input_ids, positions_from_mask(mask)
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

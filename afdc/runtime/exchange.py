@@ -1,0 +1,175 @@
+"""The attention side of the distributed runtime: one endpoint per attention rank.
+
+The endpoint joins the deployment, sends each micro-batch's FFN inputs to every FFN rank and
+collects their replies. A demultiplexing thread files replies by (step, layer, micro-batch) and
+FFN rank, so micro-batches can wait for their own results in any order. A reply that does not
+come within the timeout, or an FFN rank whose link breaks, raises :class:`afdc.PeerLost`
+naming the rank and the layer; the next step regroups (a restarted FFN rank is picked up then).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import torch
+
+from afdc.runtime import wire
+from afdc.runtime.connector import Connector
+from afdc.runtime.metrics import Metrics
+from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.programs import reduce_outputs
+from afdc.runtime.rendezvous import PeerLost, Rendezvous
+from afdc.runtime.transport import Failure, Incoming, Transport, transport_class
+
+
+def deployment_id(*parts: str | bytes) -> bytes:
+    """8 bytes that every rank of one deployment computes alike (from the artifact or the programs)."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode() if isinstance(p, str) else p)
+    return h.digest()[:8]
+
+
+class AttentionEndpoint:
+    def __init__(self, rank: int, rendezvous: Rendezvous, options: RuntimeOptions):
+        self.rank = rank
+        self.rendezvous = rendezvous
+        self.options = options
+        self.layout = rendezvous.layout
+        self.slot = self.layout.slot("attn", rank)
+        self.ffn_slots = self.layout.peers("attn")
+        self.metrics = Metrics("attn", rank)
+        self.transport: Transport | None = None
+        self._broken = False
+        self._step = 0
+        self._cond = threading.Condition()
+        self._results: dict[tuple, list[torch.Tensor]] = {}
+        self._errors: dict[tuple, str] = {}
+        self._lost: dict[int, str] = {}
+        self._sent_at: dict[tuple, float] = {}
+
+    # -- membership --------------------------------------------------------------------------
+
+    def begin_step(self) -> int:
+        """Regroup if needed (first step, a lost peer, or a restarted FFN rank); returns the step id."""
+        gen = self.rendezvous.generation()
+        if self.transport is None or self._broken or gen != self.transport.group.generation:
+            self._regroup()
+        self._step += 1
+        with self._cond:
+            self._results.clear()
+            self._errors.clear()
+            self._sent_at.clear()
+        return self._step
+
+    def _regroup(self) -> None:
+        self.close()
+        if self._broken:
+            self.rendezvous.bump()
+        cls = transport_class(self.options.connector)
+        group = self.rendezvous.join(self.slot, cls.address(self.rendezvous, self.slot), self.options.join_timeout)
+        with self._cond:
+            self._lost.clear()
+        transport = cls(self.rendezvous, group, self.slot, "attn", timeout=self.options.timeout)
+        threading.Thread(target=self._demux, args=(transport,), daemon=True, name=f"afdc-demux-{self.rank}").start()
+        self.transport, self._broken = transport, False
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport.inbox.put(None)  # ends its demux thread
+            self.transport = None
+
+    def _demux(self, transport: Transport) -> None:
+        while (item := transport.inbox.get()) is not None:
+            with self._cond:
+                if isinstance(item, Failure):
+                    self._lost[item.peer] = item.reason
+                elif isinstance(item, Incoming):
+                    h = item.header
+                    key = (h.key, h.sender)
+                    self.metrics.received(h.payload_bytes)
+                    if h.kind == wire.Kind.ERROR:
+                        self._errors[key] = bytes(item.tensors[0].numpy()).decode(errors="replace")
+                    else:
+                        self._results[key] = item.tensors
+                self._cond.notify_all()
+
+    # -- exchange ----------------------------------------------------------------------------
+
+    def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor]) -> None:
+        assert self.transport is not None
+        header = wire.Header(
+            wire.Kind.DATA,
+            self.rendezvous.deployment,
+            self.transport.group.generation,
+            step,
+            layer,
+            micro_batch,
+            tokens,
+            self.slot,
+            wire.specs(tensors),
+            sum(t.numel() * t.element_size() for t in tensors),
+        )
+        with self._cond:
+            self._sent_at[(step, layer, micro_batch)] = time.monotonic()
+        for peer in self.ffn_slots:
+            try:
+                self.transport.send(peer, header, tensors)
+            except (RuntimeError, OSError) as err:
+                self._fail(peer, layer, f"send failed: {err}")
+            self.metrics.sent(header.payload_bytes)
+
+    def wait(self, step: int, layer: int, micro_batch: int) -> list[list[torch.Tensor]]:
+        """Every FFN rank's outputs for this message, in FFN-rank order."""
+        key = (step, layer, micro_batch)
+        deadline = time.monotonic() + self.options.timeout
+        with self._cond:
+            while True:
+                for peer in self.ffn_slots:
+                    if (key, peer) in self._errors:
+                        _, rank = self.layout.role_rank(peer)
+                        raise PeerLost("ffn", rank, f"refused the message: {self._errors[key, peer]}", layer)
+                    if peer in self._lost:
+                        self._fail(peer, layer, f"its link broke ({self._lost[peer]})")
+                missing = [p for p in self.ffn_slots if (key, p) not in self._results]
+                if not missing:
+                    self.metrics.exchange_ms.observe((time.monotonic() - self._sent_at.pop(key)) * 1e3)
+                    return [self._results.pop((key, p)) for p in self.ffn_slots]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._fail(missing[0], layer, f"no reply within {self.options.timeout:g} s (step {step})")
+                self._cond.wait(left)
+
+    def _fail(self, peer: int, layer: int, reason: str):
+        self._broken = True
+        self.metrics.errors += 1
+        _, rank = self.layout.role_rank(peer)
+        raise PeerLost("ffn", rank, reason, layer)
+
+
+class RemoteConnector(Connector):
+    """One micro-batch's connector for one step: sends through the endpoint, combines the replies."""
+
+    def __init__(self, endpoint: AttentionEndpoint, step: int, micro_batch: int, tokens: int, reduce: list[list[str]]):
+        super().__init__()
+        self.endpoint, self.step, self.micro_batch, self.tokens = endpoint, step, micro_batch, tokens
+        self.reduce = reduce
+        self._outputs: dict[int, list[torch.Tensor]] = {}
+
+    def send(self, layer: int, tensors: list[torch.Tensor]) -> None:
+        self.endpoint.send(self.step, layer, self.micro_batch, self.tokens, tensors)
+        self.traffic.to_ffn_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.traffic.messages += 1
+
+    def recv(self, layer: int, index: int, shape=None) -> torch.Tensor:
+        if layer not in self._outputs:
+            parts = self.endpoint.wait(self.step, layer, self.micro_batch)
+            self._outputs[layer] = reduce_outputs(parts, self.reduce[layer])
+            self.traffic.messages += 1
+        out = self._outputs[layer][index]
+        self.traffic.to_attn_bytes += out.numel() * out.element_size()
+        # a batched FFN run replies with [tokens, per-token...]; the program wants its own shape
+        return out.reshape(shape) if shape is not None else out

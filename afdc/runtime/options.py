@@ -1,0 +1,16 @@
+"""Settings of the distributed runtime, shared by the attention side and the FFN servers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    connector: str = "gloo"  # "gloo", "shm" (same host) or "loopback" (in-process)
+    rendezvous: str | None = None  # HOST:PORT of the store; None: the launcher picks a free local port
+    token: str | None = None  # shared deployment secret; None: $AFDC_TOKEN
+    timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
+    join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
+    poll_interval: float = 0.2  # how often an idle FFN server looks for a regrouping or a stop
+    log_interval: float = 30.0  # seconds between metrics log lines (0: never)

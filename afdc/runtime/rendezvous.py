@@ -1,0 +1,220 @@
+"""Rendezvous: how the ranks of a deployment find each other, prove they belong, and regroup.
+
+A deployment of plan ``xAyF`` has ``x + y`` slots: attention ranks ``0..x-1`` take slots
+``0..x-1``, FFN rank ``j`` takes slot ``x + j``. They meet in a ``torch.distributed.TCPStore``
+(hosted by attention rank 0, or by the process that launched the deployment).
+
+Membership is organised in *generations*. A generation is formed when every slot has posted a
+hello for it; the hello carries an HMAC of the deployment's shared token, so a process without
+the token is refused (and logged) and never becomes a member. A rank that (re)starts, or that
+lost a peer, bumps the store's generation counter; every live rank sees the counter move and
+joins the new generation. That is how a restarted FFN rank rejoins without restarting anyone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+from afdc.errors import AfdcError
+
+log = logging.getLogger("afdc.rendezvous")
+
+
+class PeerLost(AfdcError):
+    """A peer rank died, stalled, or did not (re)join in time. Names the rank and, when known, the layer."""
+
+    def __init__(self, role: str, rank: int, reason: str, layer: int | None = None):
+        self.role, self.rank, self.layer = role, rank, layer
+        where = f" at FFN layer {layer}" if layer is not None else ""
+        super().__init__(f"{role} rank {rank} lost{where}: {reason}")
+
+
+class RendezvousError(AfdcError):
+    """The rendezvous store cannot be reached or hosted."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The slots of a plan: attention ranks first, then FFN ranks."""
+
+    attention_ranks: int
+    ffn_ranks: int
+
+    @property
+    def world(self) -> int:
+        return self.attention_ranks + self.ffn_ranks
+
+    def slot(self, role: str, rank: int) -> int:
+        count = self.attention_ranks if role == "attn" else self.ffn_ranks
+        if role not in ("attn", "ffn") or not 0 <= rank < count:
+            raise AfdcError(f"the plan has {count} {role} ranks; rank {rank} is not one of them")
+        return rank if role == "attn" else self.attention_ranks + rank
+
+    def role_rank(self, slot: int) -> tuple[str, int]:
+        return ("attn", slot) if slot < self.attention_ranks else ("ffn", slot - self.attention_ranks)
+
+    def peers(self, role: str) -> list[int]:
+        """The slots a rank of ``role`` exchanges messages with (the other role's)."""
+        if role == "attn":
+            return list(range(self.attention_ranks, self.world))
+        return list(range(self.attention_ranks))
+
+
+@dataclass(frozen=True)
+class Member:
+    """A slot's hello for one generation."""
+
+    slot: int
+    pid: int
+    host: str
+    address: str  # transport-specific (the shared-memory connector's socket path)
+    proof: str  # HMAC-SHA256 of the token over (deployment, generation, slot)
+
+
+@dataclass(frozen=True)
+class Group:
+    generation: int
+    members: dict[int, Member]
+
+
+def _proof(token: str, deployment: bytes, generation: int, slot: int) -> str:
+    msg = f"{deployment.hex()}:{generation}:{slot}".encode()
+    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise RendezvousError(f"rendezvous address {address!r} is not HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Rendezvous:
+    """One rank's handle on the deployment's store."""
+
+    def __init__(
+        self,
+        address: str,
+        layout: Layout,
+        deployment: bytes,
+        token: str | None,
+        host: bool = False,
+        connect_timeout: float = 30.0,
+    ):
+        self.layout = layout
+        self.deployment = deployment
+        self.token = token if token is not None else os.environ.get("AFDC_TOKEN", "")
+        if not self.token:
+            log.warning("no deployment token (AFDC_TOKEN or --token): any process reaching the rendezvous can join")
+        self.address = address
+        hostname, port = parse_address(address)
+        try:
+            self.store = dist.TCPStore(
+                hostname,
+                port,
+                is_master=host,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=connect_timeout),
+            )
+        except (RuntimeError, OSError) as err:
+            what = "host" if host else "reach"
+            raise RendezvousError(
+                f"cannot {what} the rendezvous store at {address} within {connect_timeout:g} s ({err}); "
+                "check the address, that attention rank 0 (or the launcher) is up, and firewalls"
+            ) from err
+
+    def generation(self) -> int:
+        return self.store.add("generation", 0)
+
+    def bump(self) -> int:
+        """Start a new generation (after a restart or a lost peer); returns its number."""
+        return self.store.add("generation", 1)
+
+    def join(
+        self,
+        slot: int,
+        address: str = "",
+        timeout: float | None = None,
+        stop: threading.Event | None = None,
+        poll: float = 0.02,
+    ) -> Group | None:
+        """Post this slot's hello for the current generation and wait until every slot has one.
+
+        Follows the generation counter if it moves while waiting. ``timeout`` None waits until
+        ``stop`` is set (servers waiting for clients; returns None then); otherwise
+        :class:`PeerLost` names a missing slot.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        next_log = time.monotonic() + 10.0
+        while True:
+            gen = self.generation()
+            me = Member(
+                slot, os.getpid(), socket.gethostname(), address, _proof(self.token, self.deployment, gen, slot)
+            )
+            self.store.set(f"g{gen}/hello/{slot}", json.dumps(asdict(me)))
+            members = {slot: me}
+            while self.generation() == gen and len(members) < self.layout.world:
+                for other in range(self.layout.world):
+                    if other not in members:
+                        member = self._hello(gen, other)
+                        if member is not None:
+                            members[other] = member
+                if len(members) == self.layout.world:
+                    break
+                if stop is not None and stop.is_set():
+                    return None
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    missing = [s for s in range(self.layout.world) if s not in members]
+                    role, rank = self.layout.role_rank(missing[0])
+                    raise PeerLost(role, rank, f"did not join the deployment within {timeout:g} s")
+                if now > next_log:
+                    waiting = [self.layout.role_rank(s) for s in range(self.layout.world) if s not in members]
+                    log.info("generation %d: waiting for %s", gen, ", ".join(f"{r} {k}" for r, k in waiting))
+                    next_log = now + 10.0
+                time.sleep(poll)
+            if self.generation() == gen:
+                return Group(gen, members)
+
+    def _hello(self, gen: int, slot: int) -> Member | None:
+        key = f"g{gen}/hello/{slot}"
+        if not self.store.check([key]):
+            return None
+        try:
+            member = Member(**json.loads(self.store.get(key)))
+        except (TypeError, ValueError) as err:
+            log.warning("refused a malformed hello for slot %d: %s", slot, err)
+            self.store.delete_key(key)
+            return None
+        if not hmac.compare_digest(member.proof, _proof(self.token, self.deployment, gen, slot)):
+            role, rank = self.layout.role_rank(slot)
+            log.warning(
+                "refused %s rank %d (pid %d on %s): wrong deployment token or another artifact",
+                role,
+                rank,
+                member.pid,
+                member.host,
+            )
+            self.store.delete_key(key)
+            return None
+        return member
+
+    def prefixed(self, generation: int, name: str) -> dist.Store:
+        return dist.PrefixStore(f"g{generation}/{name}/", self.store)

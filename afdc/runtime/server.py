@@ -1,0 +1,180 @@
+"""The FFN server: one FFN rank, serving every attention rank of a deployment.
+
+It loads nothing but its FFN program and weights, joins the deployment, and loops: take every
+message that has arrived, group the messages by FFN layer, run each layer once over all their
+tokens (the bigger FFN batch is the point of AFD), and reply to each sender with its rows. It
+holds no state between messages, so a restarted server loses nothing: it bumps the rendezvous
+generation and the attention ranks regroup with it at their next step.
+
+A message for another deployment or generation, a malformed one, or one the program rejects is
+answered with an ERROR message naming the reason and logged; the server keeps serving. SIGTERM
+finishes the messages already received, then exits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+from afdc.runtime import wire
+from afdc.runtime.metrics import Metrics
+from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.programs import FFNProgram
+from afdc.runtime.rendezvous import Layout, Rendezvous
+from afdc.runtime.transport import LEFT, Failure, Incoming, Transport, transport_class
+
+log = logging.getLogger("afdc.server")
+
+
+class FFNServer:
+    def __init__(self, program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions):
+        if options.rendezvous is None:
+            raise ValueError("an FFN server needs the rendezvous address (HOST:PORT)")
+        self.program = program
+        self.rank = program.rank
+        self.layout = layout
+        self.slot = layout.slot("ffn", program.rank)
+        self.deployment = deployment
+        self.options = options
+        self.metrics = Metrics("ffn", program.rank)
+        self.stopping = threading.Event()
+
+    def serve(self) -> None:
+        """Serve until :meth:`stop` (or SIGTERM, when running in the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        rdv = Rendezvous(
+            self.options.rendezvous,
+            self.layout,
+            self.deployment,
+            self.options.token,
+            connect_timeout=self.options.join_timeout,
+        )
+        stop_logging = self.metrics.log_every(self.options.log_interval, lambda snap: self._publish(rdv, snap))
+        cls = transport_class(self.options.connector)
+        rdv.bump()  # a (re)started rank: everyone regroups with it
+        try:
+            while not self.stopping.is_set():
+                group = rdv.join(self.slot, cls.address(rdv, self.slot), timeout=None, stop=self.stopping)
+                if group is None:
+                    break
+                log.info("ffn rank %d: serving generation %d", self.rank, group.generation)
+                transport = cls(rdv, group, self.slot, "ffn", timeout=self.options.timeout)
+                try:
+                    self._serve_generation(rdv, transport)
+                finally:
+                    transport.close()
+        finally:
+            stop_logging.set()
+            self._publish(rdv, self.metrics.snapshot())
+        log.info("ffn rank %d: stopped", self.rank)
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _publish(self, rdv: Rendezvous, snapshot: dict) -> None:
+        try:
+            rdv.store.set(f"metrics/ffn/{self.rank}", json.dumps(snapshot))
+        except RuntimeError as err:  # the store went away with its host; metrics are best effort
+            log.debug("could not publish metrics: %s", err)
+
+    def _serve_generation(self, rdv: Rendezvous, transport: Transport) -> None:
+        gen = transport.group.generation
+        while True:
+            items = self._arrived(transport.inbox, self.options.poll_interval)
+            self._handle(transport, items)
+            if self.stopping.is_set():  # drain what has arrived, then go
+                self._handle(transport, self._arrived(transport.inbox, 0))
+                return
+            if not items and rdv.generation() != gen:
+                return
+
+    def _arrived(self, inbox: queue.Queue, wait: float) -> list[Incoming | Failure]:
+        """Everything in the inbox, waiting up to ``wait`` s for the first item."""
+        waited = time.monotonic()
+        try:
+            items = [inbox.get(timeout=wait) if wait else inbox.get_nowait()]
+        except queue.Empty:
+            items = []
+        self.metrics.idle_seconds += time.monotonic() - waited
+        while True:
+            try:
+                items.append(inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _handle(self, transport: Transport, items: list[Incoming | Failure]) -> None:
+        by_layer: dict[int, list[Incoming]] = defaultdict(list)
+        for item in items:
+            if isinstance(item, Failure):
+                role, rank = self.layout.role_rank(item.peer)
+                level = logging.INFO if item.reason == LEFT else logging.WARNING
+                log.log(level, "ffn rank %d: %s rank %d: %s", self.rank, role, rank, item.reason)
+                continue
+            self.metrics.received(item.header.payload_bytes)
+            reason = self._check(item.header, transport.group.generation)
+            if reason:
+                self._refuse(transport, item.header, reason)
+            else:
+                by_layer[item.header.layer].append(item)
+        for layer, messages in by_layer.items():
+            tokens = [m.header.tokens for m in messages]
+            try:
+                outputs = self.program.run_batch(layer, [m.tensors for m in messages], tokens)
+            except Exception as err:  # the program rejected these inputs: tell the senders why
+                for m in messages:
+                    self._refuse(transport, m.header, f"FFN layer {layer} failed: {type(err).__name__}: {err}")
+                continue
+            self.metrics.batch_tokens.observe(sum(tokens))
+            for m, outs in zip(messages, outputs):
+                self._reply(transport, m.header, wire.Kind.RESULT, outs)
+
+    def _check(self, h: wire.Header, generation: int) -> str:
+        if h.deployment != self.deployment:
+            return "the message is for another artifact or plan (deployment id mismatch)"
+        if h.generation != generation:
+            return f"the message is from generation {h.generation}, this server is in {generation}"
+        if h.kind != wire.Kind.DATA:
+            return f"an FFN server only takes DATA messages, got {h.kind.name}"
+        if not 0 <= h.layer < len(self.program.layers):
+            return f"FFN layer {h.layer} does not exist (the program has {len(self.program.layers)})"
+        return ""
+
+    def _refuse(self, transport: Transport, h: wire.Header, reason: str) -> None:
+        role, rank = self.layout.role_rank(h.sender) if 0 <= h.sender < self.layout.world else ("?", h.sender)
+        log.warning("ffn rank %d: refused a message from %s rank %s: %s", self.rank, role, rank, reason)
+        self.metrics.errors += 1
+        self._reply(transport, h, wire.Kind.ERROR, [torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8)])
+
+    def _reply(self, transport: Transport, h: wire.Header, kind: wire.Kind, tensors: list[torch.Tensor]) -> None:
+        header = wire.Header(
+            kind,
+            self.deployment,
+            transport.group.generation,
+            h.step,
+            h.layer,
+            h.micro_batch,
+            h.tokens,
+            self.slot,
+            wire.specs(tensors),
+            sum(t.numel() * t.element_size() for t in tensors),
+        )
+        try:
+            transport.send(h.sender, header, tensors)
+            self.metrics.sent(header.payload_bytes)
+        except (RuntimeError, OSError, KeyError) as err:
+            log.warning("ffn rank %d: could not reply to slot %d: %s", self.rank, h.sender, err)
+
+
+def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions) -> None:
+    """Entry point of a launched FFN server process (``afdc serve`` and ``dm.launch()``)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_grad_enabled(False)
+    FFNServer(program, layout, deployment, options).serve()

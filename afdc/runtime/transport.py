@@ -1,0 +1,93 @@
+"""Transports: one rank's message links to its peers for one rendezvous generation.
+
+A transport sends typed messages (:mod:`afdc.runtime.wire`) to a peer slot and delivers what
+arrives from any peer into one inbox, from receiver threads. A peer that drops its link or
+sends something malformed shows up in the inbox as a :class:`Failure`; the transport itself
+never raises on the receiving side. Transports are chosen by name from :data:`REGISTRY`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from afdc.errors import AfdcError
+from afdc.runtime.rendezvous import Group, Layout, Rendezvous
+from afdc.runtime.wire import Header, Kind
+
+
+@dataclass
+class Incoming:
+    header: Header
+    tensors: list[torch.Tensor]
+
+
+LEFT = "left the deployment"
+
+
+@dataclass
+class Failure:
+    """No more comes from ``peer``: it said BYE (reason :data:`LEFT`), or its link broke (closed,
+    or a message that cannot be parsed)."""
+
+    peer: int
+    reason: str
+
+
+class Transport(ABC):
+    def __init__(self, rendezvous: Rendezvous, group: Group, slot: int, role: str):
+        self.rendezvous = rendezvous
+        self.group = group
+        self.slot = slot
+        self.role = role
+        self.inbox: queue.Queue[Incoming | Failure] = queue.Queue()
+
+    @property
+    def layout(self) -> Layout:
+        return self.rendezvous.layout
+
+    @abstractmethod
+    def send(self, peer: int, header: Header, tensors: list[torch.Tensor]) -> None:
+        """Queue a message to ``peer``; returns before it is delivered where the medium allows."""
+
+    def close(self) -> None:
+        """Leave this generation: say BYE to every peer (so their receivers stop cleanly), then
+        release the links."""
+        bye = Header(Kind.BYE, self.rendezvous.deployment, self.group.generation, 0, 0, 0, 0, self.slot)
+        for peer in self.layout.peers(self.role):
+            with contextlib.suppress(RuntimeError, OSError):  # a peer already gone needs no goodbye
+                self.send(peer, bye, [])
+        self._release()
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Close this generation's links; receivers stop without reporting failures."""
+
+    @staticmethod
+    def address(rendezvous: Rendezvous, slot: int) -> str:
+        """What this slot publishes in its hello for peers to reach it (empty: nothing)."""
+        return ""
+
+
+REGISTRY: dict[str, type[Transport]] = {}
+
+
+def register(name: str):
+    def deco(cls: type[Transport]) -> type[Transport]:
+        REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def transport_class(name: str) -> type[Transport]:
+    # the implementations register themselves on import
+    from afdc.runtime import gloo, shm  # noqa: F401
+
+    if name not in REGISTRY:
+        raise AfdcError(f"unknown connector {name!r}; choose one of {sorted(REGISTRY)} (or 'loopback' in-process)")
+    return REGISTRY[name]
