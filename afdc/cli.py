@@ -90,6 +90,42 @@ def compile_cmd(model, plan_text, output, ffn_parallel, attn_tp, router, micro_b
     )
 
 
+@main.command()
+@click.argument("artifact", type=click.Path(file_okay=False))
+@click.option("--role", type=click.Choice(["ffn", "attn"]), required=True, help="Which role this process runs.")
+@click.option("--rank", type=int, default=0, show_default=True, help="Rank within the role.")
+@click.option("--rendezvous", required=True, help="HOST:PORT of the deployment's store (hosted by attention rank 0).")
+@click.option("--connector", type=click.Choice(["gloo", "shm"]), default="gloo", show_default=True,
+              help="Transport between the roles (shm: same host only).")
+@click.option("--token", default=None, help="Shared deployment secret (default: $AFDC_TOKEN).")
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
+@click.option("--join-timeout", type=float, default=60.0, show_default=True,
+              help="Seconds to reach the rendezvous store.")
+@click.option("--log-interval", type=float, default=30.0, show_default=True,
+              help="Seconds between metrics log lines (0: never).")
+@click.option("--device", default="cpu", show_default=True, help="Device the program runs on.")
+def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_timeout, log_interval, device) -> None:
+    """Serve one rank of a compiled ARTIFACT until SIGTERM.
+
+    An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
+    answers every attention rank, one batched FFN run per layer for all that arrived.
+    """
+    from afdc.runtime.launch import serve_artifact
+    from afdc.runtime.options import RuntimeOptions
+
+    if role == "attn":
+        click.echo("error: the attention role is served inside vLLM's engine, which afdc does not ship yet; "
+                   "run the attention side from Python: afdc.load_deployment(ARTIFACT).connect(...)", err=True)
+        sys.exit(2)
+    options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
+                             join_timeout=join_timeout, log_interval=log_interval)
+    try:
+        serve_artifact(artifact, rank, options, device)
+    except AfdcError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+
+
 def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
     from afdc.demo import demo_batch, demo_model
     from afdc.equivalence import check

@@ -20,7 +20,7 @@ from afdc.runtime.connector import Connector
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import reduce_outputs
-from afdc.runtime.rendezvous import PeerLost, Rendezvous
+from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.transport import Failure, Incoming, Transport, transport_class
 
 
@@ -72,7 +72,13 @@ class AttentionEndpoint:
         group = self.rendezvous.join(self.slot, cls.address(self.rendezvous, self.slot), self.options.join_timeout)
         with self._cond:
             self._lost.clear()
-        transport = cls(self.rendezvous, group, self.slot, "attn", timeout=self.options.timeout)
+        try:
+            transport = cls(self.rendezvous, group, self.slot, "attn", timeout=self.options.timeout)
+        except (RuntimeError, OSError) as err:
+            self._broken = True
+            raise RendezvousError(
+                f"attention rank {self.rank} could not reach the FFN ranks (generation {group.generation}): {err}"
+            ) from err
         threading.Thread(target=self._demux, args=(transport,), daemon=True, name=f"afdc-demux-{self.rank}").start()
         self.transport, self._broken = transport, False
 
@@ -157,19 +163,19 @@ class RemoteConnector(Connector):
         super().__init__()
         self.endpoint, self.step, self.micro_batch, self.tokens = endpoint, step, micro_batch, tokens
         self.reduce = reduce
-        self._outputs: dict[int, list[torch.Tensor]] = {}
+        self._replies: dict[int, list[list[torch.Tensor]]] = {}  # layer -> per FFN rank, its outputs
 
     def send(self, layer: int, tensors: list[torch.Tensor]) -> None:
         self.endpoint.send(self.step, layer, self.micro_batch, self.tokens, tensors)
         self.traffic.to_ffn_bytes += sum(t.numel() * t.element_size() for t in tensors)
         self.traffic.messages += 1
 
-    def recv(self, layer: int, index: int, shape=None) -> torch.Tensor:
-        if layer not in self._outputs:
-            parts = self.endpoint.wait(self.step, layer, self.micro_batch)
-            self._outputs[layer] = reduce_outputs(parts, self.reduce[layer])
+    def recv(self, layer: int, index: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if layer not in self._replies:
+            self._replies[layer] = self.endpoint.wait(self.step, layer, self.micro_batch)
             self.traffic.messages += 1
-        out = self._outputs[layer][index]
+        # a batched FFN run replies with [tokens, per-token...]: each rank's part takes the program's shape
+        parts = [[reply[index] if shape is None else reply[index].reshape(shape)] for reply in self._replies[layer]]
+        (out,) = reduce_outputs(parts, [self.reduce[layer][index]])
         self.traffic.to_attn_bytes += out.numel() * out.element_size()
-        # a batched FFN run replies with [tokens, per-token...]; the program wants its own shape
-        return out.reshape(shape) if shape is not None else out
+        return out

@@ -90,6 +90,7 @@ class DisaggregatedModel:
         self.reduce = [self.ffn.reduction(layer) for layer in range(len(self.ffn.layers))]
         self.last_traffic = connectors.Traffic()
         self.endpoints: list[AttentionEndpoint] | None = None  # None: FFN layers run in-process
+        self._store_host: Rendezvous | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     @property
@@ -102,14 +103,21 @@ class DisaggregatedModel:
 
     # -- where the FFN side runs -------------------------------------------------------------
 
-    def connect(self, options: RuntimeOptions) -> None:
+    def connect(self, options: RuntimeOptions, host: bool = False) -> None:
         """Send the FFN layers to FFN servers (``afdc serve --role ffn``) at ``options.rendezvous``.
 
-        Each attention rank gets its own endpoint; they join at the first call.
+        ``host``: this process hosts the rendezvous store (as attention rank 0 does when the FFN
+        servers were started by hand). Each attention rank gets its own endpoint; they join at the
+        first call.
         """
+        self.disconnect()
         if options.connector == "loopback":
-            self.disconnect()
             return
+        if host:
+            self._store_host = Rendezvous(
+                options.rendezvous, self.layout, self.deployment, options.token, host=True,
+                connect_timeout=options.join_timeout,
+            )
         self.endpoints = [
             AttentionEndpoint(
                 i,
@@ -126,6 +134,7 @@ class DisaggregatedModel:
         ]
 
     def disconnect(self) -> None:
+        """Leave the deployment; the FFN layers run in-process again."""
         for endpoint in self.endpoints or []:
             endpoint.close()
         self.endpoints = None

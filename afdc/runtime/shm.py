@@ -265,6 +265,8 @@ class ShmTransport(Transport):
     def _release(self) -> None:
         self._closed = True
         if self.role == "ffn":
+            with contextlib.suppress(OSError):  # wakes the accept thread; close alone leaves it listening
+                self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
         with self._lock:
             links, self._links = list(self._links.values()), {}

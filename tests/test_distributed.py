@@ -1,0 +1,263 @@
+"""The distributed runtime with real processes, real gloo, real shared memory and a real TCPStore:
+greedy generation across processes equals the monolith for M:N plans, micro-batches and both
+router placements; a killed FFN rank is reported and, once restarted, rejoins; strangers are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import afdc
+from afdc.runtime import connector as connectors
+from afdc.runtime import wire
+from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, free_port
+from afdc.runtime.server import FFNServer
+from models_supported import catalog
+
+NEW_TOKENS = 5
+
+
+def _entry(model_type: str) -> catalog.ModelEntry:
+    return next(e for e in catalog.ENTRIES if e.model_type == model_type)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """model_type -> (monolith, ids, mask, its greedy tokens), built once."""
+    cache: dict[str, tuple] = {}
+
+    def get(model_type: str):
+        if model_type not in cache:
+            model = catalog.build(_entry(model_type))
+            g = torch.Generator().manual_seed(3)
+            ids = torch.randint(3, model.config.vocab_size, (4, 7), generator=g)
+            mask = torch.ones_like(ids)
+            mask[0, :3] = mask[2, :1] = 0  # left padding
+            ids[mask == 0] = 0
+            ref = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            )
+            cache[model_type] = (model, ids, mask, ref)
+        return cache[model_type]
+
+    return get
+
+
+# (model, plan, options): a dense model and two MoE models (routed only; shared experts and a dense
+# first layer), M:N plans with EP and TP, the router on either side, both transports.
+CASES = [
+    ("llama", "1A1F", {}, "gloo"),
+    ("llama", "2A1F", {}, "gloo"),
+    ("llama", "1A2F", {}, "gloo"),
+    ("llama", "3A2F", {}, "shm"),
+    ("qwen3_moe", "1A1F", {}, "shm"),
+    ("qwen3_moe", "2A1F", {"router": "attn"}, "gloo"),
+    ("qwen3_moe", "1A2F", {"ffn_parallel": "ep"}, "gloo"),
+    ("qwen3_moe", "1A2F", {"ffn_parallel": "tp"}, "gloo"),
+    ("qwen3_moe", "2A2F", {"router": "attn"}, "shm"),
+    ("qwen3_moe", "2A2F", {"router": "attn"}, "gloo"),
+    ("qwen3_moe", "3A2F", {}, "gloo"),
+    ("deepseek_v3", "1A2F", {"router": "attn"}, "gloo"),
+    ("deepseek_v3", "2A2F", {"ffn_parallel": "tp"}, "shm"),
+    ("deepseek_v3", "3A2F", {"ffn_parallel": "ep"}, "gloo"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "plan", "options", "connector"), CASES)
+def test_generation_across_processes_matches_monolith(reference, model_type, plan, options, connector):
+    model, ids, mask, ref = reference(model_type)
+    dm = afdc.disaggregate(model, plan, connector=connector, **options)
+    with dm.launch(timeout=60) as cluster:
+        for m in (1, 2, 3):  # with 3 rows per rank or fewer, some micro-batches are empty
+            dm.micro_batches = m
+            got = dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+            assert torch.equal(got, ref), f"m={m}"
+        # each attention rank exchanged with the FFN side and timed it
+        for snap in dm.metrics():
+            assert snap["exchange_ms"]["count"] > 0 and snap["errors"] == 0
+    served = cluster.metrics()  # published by each server as it stopped
+    assert sorted(served) == list(range(dm.layout.ffn_ranks))
+    assert all(s["batch_tokens"]["count"] > 0 and s["bytes_received"] > 0 for s in served.values())
+    assert all(p.exitcode == 0 for p in cluster.processes)  # SIGTERM: drained and exited cleanly
+
+
+def test_transports_give_the_same_logits(reference):
+    model, ids, mask, _ = reference("qwen3_moe")
+    dm = afdc.disaggregate(model, "2A2F")
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    local = dm(ids, attention_mask=mask, position_ids=pos).logits
+    for connector in ("gloo", "shm"):
+        with dm.launch(connector):
+            dm.micro_batches = 2
+            remote = dm(ids, attention_mask=mask, position_ids=pos).logits
+        torch.testing.assert_close(remote[mask.bool()], local[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("connector", ["gloo", "shm"])
+def test_killed_ffn_rank_is_reported_then_rejoins(reference, connector):
+    model, ids, mask, ref = reference("qwen3_moe")
+    dm = afdc.disaggregate(model, "1A2F", connector=connector)
+    timeout = 5.0
+    with dm.launch(timeout=timeout, join_timeout=60) as cluster:
+        assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+        killer = threading.Timer(0.3, cluster.kill, (1,))
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(PeerLost, match=r"ffn rank 1 lost at FFN layer \d+") as err:
+            dm.generate(ids, attention_mask=mask, max_new_tokens=10_000, pad_token_id=0)
+        killer.join()
+        assert time.monotonic() - started < 0.3 + timeout + 5
+        assert err.value.rank == 1 and err.value.layer is not None
+
+        cluster.start(1)  # the attention side is not restarted: it regroups at the next step
+        got = dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+        assert torch.equal(got, ref)
+
+
+def test_ffn_server_from_the_cli(reference, tmp_path):
+    """``afdc serve ART --role ffn`` as a real subprocess; this process is attention rank 0 and hosts the store."""
+    model, ids, mask, ref = reference("qwen3_moe")
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    afdc.compile_model(str(src), "1A1F", tmp_path / "art", progress=False)
+    dm = afdc.load_deployment(tmp_path / "art")
+    address = f"127.0.0.1:{free_port()}"
+    options = RuntimeOptions(connector="gloo", rendezvous=address, token="s3cret", timeout=60)
+    dm.connect(options, host=True)
+    cmd = [sys.executable, "-m", "afdc.cli", "serve", str(tmp_path / "art"), "--role", "ffn", "--rank", "0",
+           "--rendezvous", address, "--token", "s3cret"]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        got = dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+        assert torch.equal(got, ref)
+    finally:
+        dm.disconnect()
+        server.terminate()
+        _, log = server.communicate(timeout=60)
+    assert server.returncode == 0, log
+    assert "serving generation" in log and "stopped" in log
+
+
+def test_cli_serve_errors(tmp_path):
+    from click.testing import CliRunner
+
+    from afdc.cli import main
+
+    result = CliRunner().invoke(
+        main, ["serve", str(tmp_path / "nothing"), "--role", "ffn", "--rendezvous", "127.0.0.1:1"]
+    )
+    assert result.exit_code == 2 and "give the output directory of `afdc compile`" in result.output
+
+
+def test_wrong_token_is_refused_at_rendezvous(caplog):
+    layout, dep = Layout(1, 1), b"\x01" * 8
+    address = f"127.0.0.1:{free_port()}"
+    host = Rendezvous(address, layout, dep, "right", host=True)
+    stranger = Rendezvous(address, layout, dep, "wrong")
+    other_artifact = Rendezvous(address, layout, b"\x02" * 8, "right")
+    def intrude(rdv: Rendezvous) -> None:
+        with contextlib.suppress(PeerLost):  # the intruder never forms a group either
+            rdv.join(1, "", 1.0)
+
+    for intruder in (stranger, other_artifact):
+        threading.Thread(target=intrude, args=(intruder,), daemon=True).start()
+        with caplog.at_level(logging.WARNING), pytest.raises(PeerLost, match="ffn rank 0 lost: did not join"):
+            host.join(0, timeout=1.0)
+        assert "refused ffn rank 0" in caplog.text
+        caplog.clear()
+
+
+def test_shm_server_refuses_strangers_and_keeps_serving(reference, caplog):
+    model, ids, mask, ref = reference("qwen3_moe")
+    dm = afdc.disaggregate(model, "1A1F", connector="shm")
+    with dm.launch(timeout=30) as cluster:
+        assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+        store = cluster.store
+        gen = store.generation()
+        member = json.loads(store.store.get(f"g{gen}/hello/1"))  # FFN rank 0's hello: its socket
+        for hello in (b'{"slot": 0, "generation": %d, "proof": "forged", "ring": "/dev/shm/x"}\n' % gen, b"junk\n"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(10)
+                sock.connect(member["address"])
+                sock.sendall(hello)
+                reply = sock.recv(4096)
+            assert b"error" in reply or reply == b""  # refused with a reason, or dropped when unparseable
+        # the deployment is untouched
+        assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+
+
+def test_server_checks_every_message():
+    """Messages for another artifact, another generation, an unknown layer or of the wrong kind
+    are refused with a reason (the server answers ERROR and keeps serving)."""
+    program = afdc.disaggregate(catalog.build(_entry("llama")), "1A1F").ffn
+    server = FFNServer(program, Layout(1, 1), b"\x07" * 8, RuntimeOptions(rendezvous="127.0.0.1:1"))
+
+    def header(**kw):
+        base = dict(kind=wire.Kind.DATA, deployment=b"\x07" * 8, generation=3, step=1, layer=0, micro_batch=0,
+                    tokens=1, sender=0)
+        return wire.Header(**{**base, **kw})
+
+    assert server._check(header(), 3) == ""
+    assert "another artifact" in server._check(header(deployment=b"\x08" * 8), 3)
+    assert "generation 2" in server._check(header(generation=2), 3)
+    assert "does not exist" in server._check(header(layer=99), 3)
+    assert "DATA" in server._check(header(kind=wire.Kind.RESULT), 3)
+
+
+def test_wire_header_round_trip_and_malformed_input():
+    specs = (wire.TensorSpec(torch.bfloat16, (3, 4096)), wire.TensorSpec(torch.int64, (6,)))
+    h = wire.Header(wire.Kind.DATA, b"abcdefgh", 2, 10, 5, 1, 3, 0, specs, sum(s.nbytes for s in specs))
+    data = h.encode()
+    assert len(data) == wire.HEADER_BYTES and wire.Header.decode(data) == h
+    with pytest.raises(wire.WireError, match="not an afdc message"):
+        wire.Header.decode(b"XXXX" + data[4:])
+    with pytest.raises(wire.WireError, match="wire version"):
+        wire.Header.decode(data[:4] + bytes([99]) + data[5:])
+    with pytest.raises(wire.WireError, match="does not match"):
+        wire.Header.decode(wire.Header(wire.Kind.DATA, b"abcdefgh", 2, 10, 5, 1, 3, 0, specs, 7).encode())
+    with pytest.raises(wire.WireError, match="header of 3 bytes"):
+        wire.Header.decode(b"abc")
+    tensors = [torch.randn(3, 5, dtype=torch.bfloat16), torch.arange(7)]  # an int64 at an odd offset
+    back = wire.unpack(wire.pack(tensors), wire.specs(tensors))
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "gpt2"])
+def test_one_ffn_run_for_several_senders(model_type):
+    """The FFN server's batching: one segment run over the concatenated tokens of several messages
+    equals separate runs (router on the attention side too: top-k ids cross as inputs)."""
+    model = catalog.build(_entry(model_type))
+    dm = afdc.disaggregate(model, "1A1F", router="attn")
+    ffn = dm.ffn
+    captured_inputs = []
+
+    def record(layer, inputs):
+        captured_inputs.append((layer, [t.clone() for t in inputs]))
+        return ffn.run(layer, inputs)
+
+    messages = []
+    for rows, cols in ((2, 5), (1, 3), (3, 1)):
+        captured_inputs.clear()
+        ids = torch.randint(3, model.config.vocab_size, (rows, cols))
+        with torch.no_grad(), connectors.active(connectors.LoopbackConnector(record)):
+            dm.attention(ids, torch.ones_like(ids), torch.arange(cols).expand(rows, cols))
+        messages.append((rows * cols, dict(captured_inputs)))
+    for layer in messages[0][1]:
+        batch = [m[1][layer] for m in messages]
+        tokens = [m[0] for m in messages]
+        together = ffn.run_batch(layer, batch, tokens)
+        for inputs, t, outs in zip(batch, tokens, together):
+            alone = ffn.run(layer, inputs)
+            for a, o in zip(alone, outs):
+                torch.testing.assert_close(o, a.reshape(t, -1), atol=1e-5, rtol=1e-5)
