@@ -4,12 +4,16 @@ from afdc.api import disaggregate
 from afdc.compile import compile_model, load, load_deployment
 from afdc.errors import AfdcError, PlanError, UnsupportedModelError
 from afdc.plan import Plan
+from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.rendezvous import PeerLost
 
 __version__ = "0.1.0"
 __all__ = [
     "AfdcError",
+    "PeerLost",
     "Plan",
     "PlanError",
+    "RuntimeOptions",
     "UnsupportedModelError",
     "__version__",
     "compile_model",

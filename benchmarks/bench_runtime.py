@@ -1,0 +1,182 @@
+"""Distributed runtime benchmarks on this CPU, measured in one run.
+
+(a) Connector round trip: an attention endpoint sends one FFN layer's activations (T tokens of a
+    4096-wide bf16 hidden state) to a real FFN server process and waits for the reply; the server
+    runs an identity segment, so the time is the transport's (headers, copies, wake-ups, the
+    server loop). For T = 1, 16, 256 and each connector: median round-trip latency, throughput
+    (bytes both ways / round trip), and the ratio to the floor: a plain copy of the same bytes
+    into and out of a shared-memory buffer, both ways.
+(b) Greedy decode tokens/s of a ~100M-parameter Qwen3-MoE-shaped model: the FFN side in a server
+    process under 1A1F with m = 1 and m = 2 micro-batches, for each connector, against the
+    monolithic Hugging Face model in this process, as ratios.
+
+Both processes share this machine's cores, so (b) measures overhead, not the AFD speed-up a
+separate FFN pool gives.
+
+Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+import afdc
+from afdc.runtime.exchange import AttentionEndpoint
+from afdc.runtime.launch import LocalCluster
+from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.programs import FFNLayer, FFNProgram
+from afdc.runtime.rendezvous import Layout, Rendezvous
+
+HIDDEN = 4096
+TOKENS = (1, 16, 256)
+CONNECTORS = ("gloo", "shm")
+
+
+def identity_program() -> FFNProgram:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.placeholder("rank")
+    g.output((x,))
+    return FFNProgram([g], [FFNLayer(0, [])], {}, [["first"]], inputs=[[[-1, HIDDEN]]])
+
+
+class _EchoDeployment:
+    """What LocalCluster needs to start one identity FFN server."""
+
+    def __init__(self):
+        self.layout = Layout(1, 1)
+        self.deployment = b"echo0001"
+        self.artifact = None
+        self.ffn_ranks = [identity_program()]
+
+
+def shm_copy_floor(nbytes: int, repeats: int) -> float:
+    """Median seconds to copy ``nbytes`` into a /dev/shm mapping and out again, both ways."""
+    path = Path("/dev/shm") / f"afdc-bench-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(nbytes, 1))
+        mm = mmap.mmap(fd, max(nbytes, 1))
+    finally:
+        os.close(fd)
+        path.unlink()
+    ring = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(2):  # to the FFN side and back
+            ring.copy_(src)
+            ring.clone()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def round_trips(connector: str, repeats: int) -> list[tuple[int, float]]:
+    dep = _EchoDeployment()
+    cluster = LocalCluster(dep, RuntimeOptions(connector=connector, timeout=60, log_interval=0))
+    try:
+        rdv = Rendezvous(cluster.options.rendezvous, dep.layout, dep.deployment, cluster.options.token)
+        endpoint = AttentionEndpoint(0, rdv, cluster.options)
+        results = []
+        for tokens in TOKENS:
+            x = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
+            times = []
+            for i in range(repeats + 10):
+                step = endpoint.begin_step()
+                t = time.perf_counter()
+                endpoint.send(step, 0, 0, tokens, [x])
+                (reply,) = endpoint.wait(step, 0, 0)
+                if i >= 10:  # warm-up
+                    times.append(time.perf_counter() - t)
+                assert torch.equal(reply[0].reshape(x.shape), x)
+            results.append((tokens, statistics.median(times)))
+        endpoint.close()
+        return results
+    finally:
+        cluster.stop()
+
+
+def demo_moe_100m() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=16000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=384,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        num_experts=16, num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def decode_rates(batch: int, new_tokens: int) -> None:
+    model = demo_moe_100m()
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    ids = torch.randint(1, model.config.vocab_size, (batch, 16))
+    mask = torch.ones_like(ids)
+
+    def timed(fn) -> float:
+        fn(2)  # warm-up
+        t = time.perf_counter()
+        fn(new_tokens)
+        return batch * new_tokens / (time.perf_counter() - t)
+
+    def monolith(n):
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+
+    base = timed(monolith)
+    ref = monolith(new_tokens)
+    print(f"\n(b) greedy decode, Qwen3-MoE-shaped {params:.0f}M params, batch {batch}, {new_tokens} new tokens, fp32")
+    print(f"{'setup':<34}{'tokens/s':>10}{'vs monolith':>13}")
+    print(f"{'monolith (HF generate, in-process)':<34}{base:>10.1f}{1.0:>13.2f}")
+    dm = afdc.disaggregate(model, "1A1F")
+    for m in (1, 2):
+        dm.micro_batches = m
+        rate = timed(lambda n: dm.generate(ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0))
+        print(f"{f'afdc in-process loopback, m={m}':<34}{rate:>10.1f}{rate / base:>13.2f}")
+    for connector in CONNECTORS:
+        with dm.launch(connector, log_interval=0):
+            for m in (1, 2):
+                dm.micro_batches = m
+                gen = lambda n: dm.generate(ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0)  # noqa: E731
+                rate = timed(gen)
+                assert torch.equal(gen(new_tokens), ref), "remote decode differs from the monolith"
+                print(f"{f'afdc 1A1F {connector}, m={m}':<34}{rate:>10.1f}{rate / base:>13.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    print(f"afdc {afdc.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")
+    print(f"\n(a) round trip of one FFN layer's activations, [{'T'}, {HIDDEN}] bf16, identity FFN server")
+    print(f"{'connector':<10}{'T':>5}{'bytes':>10}{'rtt us':>10}{'GB/s':>8}{'floor us':>10}{'rtt/floor':>11}")
+    floors = {t: shm_copy_floor(t * HIDDEN * 2, args.repeats) for t in TOKENS}
+    for connector in CONNECTORS:
+        for tokens, rtt in round_trips(connector, args.repeats):
+            nbytes = tokens * HIDDEN * 2
+            floor = floors[tokens]
+            print(
+                f"{connector:<10}{tokens:>5}{nbytes:>10}{rtt * 1e6:>10.0f}{2 * nbytes / rtt / 1e9:>8.2f}"
+                f"{floor * 1e6:>10.1f}{rtt / floor:>11.1f}"
+            )
+    decode_rates(args.batch, args.new_tokens)
+
+
+if __name__ == "__main__":
+    main()
