@@ -14,6 +14,7 @@ import multiprocessing as mp
 import secrets
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Layout, Rendezvous, free_port
@@ -22,7 +23,7 @@ from afdc.runtime.server import serve_program
 log = logging.getLogger("afdc.launch")
 
 
-def serve_artifact(directory: str | Path, rank: int, options: RuntimeOptions, device: str = "cpu") -> None:
+def serve_artifact(directory: str | Path, rank: int, options: RuntimeOptions, device: str = "cpu") -> NoReturn:
     """Run FFN rank ``rank`` of a compiled artifact until stopped (``afdc serve --role ffn``)."""
     from afdc.compile import deployment_of, load
 

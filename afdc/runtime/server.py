@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections import defaultdict
+from typing import NoReturn
 
 import torch
 
+from afdc.errors import AfdcError
 from afdc.runtime import wire
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
@@ -173,8 +178,23 @@ class FFNServer:
             log.warning("ffn rank %d: could not reply to slot %d: %s", self.rank, h.sender, err)
 
 
-def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions) -> None:
-    """Entry point of a launched FFN server process (``afdc serve`` and ``dm.launch()``)."""
+def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions) -> NoReturn:
+    """Entry point of an FFN server process (``afdc serve`` and ``dm.launch()``); exits the process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
-    FFNServer(program, layout, deployment, options).serve()
+    code = 0
+    try:
+        FFNServer(program, layout, deployment, options).serve()
+    except AfdcError as err:
+        print(f"error: {err}", file=sys.stderr)
+        code = 2
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter and C++ static teardown: with daemon threads still parked in torch code
+        # it can abort ("terminate called without an active exception") after a clean stop.
+        os._exit(code)
