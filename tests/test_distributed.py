@@ -183,7 +183,7 @@ def test_shm_server_refuses_strangers_and_keeps_serving(reference, caplog):
     dm = afdc.disaggregate(model, "1A1F", connector="shm")
     with dm.launch(timeout=30) as cluster:
         assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
-        store = cluster.store
+        store = cluster.rendezvous
         gen = store.generation()
         member = json.loads(store.store.get(f"g{gen}/hello/1"))  # FFN rank 0's hello: its socket
         for hello in (b'{"slot": 0, "generation": %d, "proof": "forged", "ring": "/dev/shm/x"}\n' % gen, b"junk\n"):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from afdc.runtime import wire
+
 _LOCAL = threading.local()  # micro-batches run in threads, each with its own connector
 
 
@@ -55,7 +57,7 @@ class LoopbackConnector(Connector):
         if layer in self._pending or layer in self._results:
             raise RuntimeError(f"FFN segment {layer} was sent twice before its results were received")
         self._pending[layer] = tensors
-        self.traffic.to_ffn_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.traffic.to_ffn_bytes += wire.nbytes(tensors)
         self.traffic.messages += 1
 
     def recv(self, layer: int, index: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:

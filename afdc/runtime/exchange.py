@@ -107,17 +107,16 @@ class AttentionEndpoint:
 
     def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor]) -> None:
         assert self.transport is not None
-        header = wire.Header(
+        header = wire.Header.carrying(
             wire.Kind.DATA,
-            self.rendezvous.deployment,
-            self.transport.group.generation,
-            step,
-            layer,
-            micro_batch,
-            tokens,
-            self.slot,
-            wire.specs(tensors),
-            sum(t.numel() * t.element_size() for t in tensors),
+            tensors,
+            deployment=self.rendezvous.deployment,
+            generation=self.transport.group.generation,
+            step=step,
+            layer=layer,
+            micro_batch=micro_batch,
+            tokens=tokens,
+            sender=self.slot,
         )
         with self._cond:
             self._sent_at[(step, layer, micro_batch)] = time.monotonic()
@@ -167,7 +166,7 @@ class RemoteConnector(Connector):
 
     def send(self, layer: int, tensors: list[torch.Tensor]) -> None:
         self.endpoint.send(self.step, layer, self.micro_batch, self.tokens, tensors)
-        self.traffic.to_ffn_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.traffic.to_ffn_bytes += wire.nbytes(tensors)
         self.traffic.messages += 1
 
     def recv(self, layer: int, index: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:

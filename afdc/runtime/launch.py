@@ -41,7 +41,7 @@ class LocalCluster:
             token=options.token or secrets.token_hex(16),
         )
         # hosts the store for the deployment's lifetime; the servers and endpoints are its clients
-        self.store = Rendezvous(self.options.rendezvous, self.layout, dm.deployment, self.options.token, host=True)
+        self.rendezvous = Rendezvous(self.options.rendezvous, self.layout, dm.deployment, self.options.token, host=True)
         self._ctx = mp.get_context("spawn")
         self.processes: list[mp.process.BaseProcess | None] = [None] * self.layout.ffn_ranks
         for rank in range(self.layout.ffn_ranks):
@@ -72,8 +72,8 @@ class LocalCluster:
         out = {}
         for rank in range(self.layout.ffn_ranks):
             key = f"metrics/ffn/{rank}"
-            if self.store.store.check([key]):
-                out[rank] = json.loads(self.store.store.get(key))
+            if self.rendezvous.store.check([key]):
+                out[rank] = json.loads(self.rendezvous.store.get(key))
         return out
 
     def stop(self, timeout: float | None = None) -> None:

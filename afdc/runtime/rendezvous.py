@@ -147,6 +147,10 @@ class Rendezvous:
         """Start a new generation (after a restart or a lost peer); returns its number."""
         return self.store.add("generation", 1)
 
+    def proof(self, generation: int, slot: int) -> str:
+        """What ``slot`` presents for ``generation``: proves the token without sending it."""
+        return _proof(self.token, self.deployment, generation, slot)
+
     def join(
         self,
         slot: int,
@@ -166,7 +170,7 @@ class Rendezvous:
         while True:
             gen = self.generation()
             me = Member(
-                slot, os.getpid(), socket.gethostname(), address, _proof(self.token, self.deployment, gen, slot)
+                slot, os.getpid(), socket.gethostname(), address, self.proof(gen, slot)
             )
             self.store.set(f"g{gen}/hello/{slot}", json.dumps(asdict(me)))
             members = {slot: me}
@@ -203,7 +207,7 @@ class Rendezvous:
             log.warning("refused a malformed hello for slot %d: %s", slot, err)
             self.store.delete_key(key)
             return None
-        if not hmac.compare_digest(member.proof, _proof(self.token, self.deployment, gen, slot)):
+        if not hmac.compare_digest(member.proof, self.proof(gen, slot)):
             role, rank = self.layout.role_rank(slot)
             log.warning(
                 "refused %s rank %d (pid %d on %s): wrong deployment token or another artifact",

@@ -159,17 +159,16 @@ class FFNServer:
         self._reply(transport, h, wire.Kind.ERROR, [torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8)])
 
     def _reply(self, transport: Transport, h: wire.Header, kind: wire.Kind, tensors: list[torch.Tensor]) -> None:
-        header = wire.Header(
+        header = wire.Header.carrying(
             kind,
-            self.deployment,
-            transport.group.generation,
-            h.step,
-            h.layer,
-            h.micro_batch,
-            h.tokens,
-            self.slot,
-            wire.specs(tensors),
-            sum(t.numel() * t.element_size() for t in tensors),
+            tensors,
+            deployment=self.deployment,
+            generation=transport.group.generation,
+            step=h.step,
+            layer=h.layer,
+            micro_batch=h.micro_batch,
+            tokens=h.tokens,
+            sender=self.slot,
         )
         try:
             transport.send(h.sender, header, tensors)

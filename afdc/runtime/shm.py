@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from afdc.runtime import wire
-from afdc.runtime.rendezvous import Group, Rendezvous, _proof
+from afdc.runtime.rendezvous import Group, Rendezvous
 from afdc.runtime.transport import LEFT, Failure, Incoming, Transport, register
 
 log = logging.getLogger("afdc.shm")
@@ -151,7 +151,7 @@ class ShmTransport(Transport):
         ring = self._new_ring()
         try:
             gen = self.group.generation
-            proof = _proof(self.rendezvous.token, self.rendezvous.deployment, gen, self.slot)
+            proof = self.rendezvous.proof(gen, self.slot)
             sock.settimeout(self.timeout)
             _send_line(sock, {"slot": self.slot, "generation": gen, "proof": proof, "ring": str(ring.path)})
             reply = _read_line(sock)
@@ -184,7 +184,7 @@ class ShmTransport(Transport):
                 reason = f"slot {slot} is not an attention rank of this plan"
             elif gen != self.group.generation:
                 reason = f"generation {gen} is not the current one ({self.group.generation})"
-            elif hello.get("proof") != _proof(self.rendezvous.token, self.rendezvous.deployment, gen, slot):
+            elif hello.get("proof") != self.rendezvous.proof(gen, slot):
                 reason = "wrong deployment token or another artifact"
             if reason:
                 log.warning("refused a connection: %s", reason)

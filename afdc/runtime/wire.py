@@ -64,6 +64,11 @@ class Header:
     tensors: tuple[TensorSpec, ...] = field(default=())
     payload_bytes: int = 0
 
+    @classmethod
+    def carrying(cls, kind: Kind, tensors: list[torch.Tensor], **fields) -> Header:
+        """A header describing ``tensors`` as its payload; ``fields`` are the other header fields."""
+        return cls(kind, tensors=specs(tensors), payload_bytes=nbytes(tensors), **fields)
+
     @property
     def key(self) -> tuple[int, int, int]:
         """What a reply answers: (step, layer, micro-batch)."""
@@ -105,7 +110,7 @@ class Header:
             raise WireError(f"malformed header (kind {kind}, {count} tensors)")
         tensors = tuple(_decode_spec(data, _FIXED.size + i * _TENSOR.size) for i in range(count))
         header = cls(Kind(kind), deployment, gen, step, layer, mb, tokens, sender, tensors, payload)
-        if kind != Kind.ERROR and payload != sum(t.nbytes for t in tensors):
+        if payload != sum(t.nbytes for t in tensors):  # an ERROR's reason is a uint8 tensor too
             raise WireError(f"payload of {payload} bytes does not match its tensors {tensors}")
         return header
 
@@ -127,6 +132,10 @@ def _decode_spec(data: bytes, offset: int) -> TensorSpec:
 
 def specs(tensors: list[torch.Tensor]) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
