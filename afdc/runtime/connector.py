@@ -28,6 +28,12 @@ class Traffic:
     to_attn_bytes: int = 0
     messages: int = 0
 
+    @classmethod
+    def total(cls, parts: list[Traffic]) -> Traffic:
+        return cls(
+            sum(t.to_ffn_bytes for t in parts), sum(t.to_attn_bytes for t in parts), sum(t.messages for t in parts)
+        )
+
 
 class Connector(ABC):
     """The attention side's end of the link to the FFN side."""

@@ -20,7 +20,7 @@ from afdc.runtime.connector import Connector
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import reduce_outputs
-from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
+from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.transport import Failure, Incoming, Transport, transport_class
 
 
@@ -49,6 +49,14 @@ class AttentionEndpoint:
         self._errors: dict[tuple, str] = {}
         self._lost: dict[int, str] = {}
         self._sent_at: dict[tuple, float] = {}
+
+    @classmethod
+    def connect(cls, rank: int, layout: Layout, deployment: bytes, options: RuntimeOptions) -> AttentionEndpoint:
+        """Attention rank ``rank``'s endpoint at ``options.rendezvous``; it joins at its first step."""
+        rendezvous = Rendezvous(
+            options.rendezvous, layout, deployment, options.token, connect_timeout=options.join_timeout
+        )
+        return cls(rank, rendezvous, options)
 
     # -- membership --------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,9 +23,10 @@ import torch.utils._pytree as pytree
 from afdc.errors import AfdcError
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
-from afdc.runtime.exchange import AttentionEndpoint, RemoteConnector
+from afdc.runtime.attention_rank import AttentionRank, MicroBatch, run_concurrently
+from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.programs import AttentionProgram, FFNProgram, combine
+from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous
 
 
@@ -88,10 +89,17 @@ class DisaggregatedModel:
         self.artifact = artifact  # the compiled artifact this came from, if any
         self.connector = connector  # the transport launch() uses unless told otherwise
         self.reduce = [self.ffn.reduction(layer) for layer in range(len(self.ffn.layers))]
+        self.ranks = [AttentionRank(i, p, ffn, self.reduce) for i, p in enumerate(attention)]
         self.last_traffic = connectors.Traffic()
-        self.endpoints: list[AttentionEndpoint] | None = None  # None: FFN layers run in-process
         self._store_host: Rendezvous | None = None
         self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def endpoints(self) -> list[AttentionEndpoint] | None:
+        """Each attention rank's link to the FFN servers; None while the FFN layers run in-process."""
+        if self.ranks[0].endpoint is None:
+            return None
+        return [r.endpoint for r in self.ranks]
 
     @property
     def layout(self) -> Layout:
@@ -118,26 +126,13 @@ class DisaggregatedModel:
                 options.rendezvous, self.layout, self.deployment, options.token, host=True,
                 connect_timeout=options.join_timeout,
             )
-        self.endpoints = [
-            AttentionEndpoint(
-                i,
-                Rendezvous(
-                    options.rendezvous,
-                    self.layout,
-                    self.deployment,
-                    options.token,
-                    connect_timeout=options.join_timeout,
-                ),
-                options,
-            )
-            for i in range(len(self.attention_ranks))
-        ]
+        for r in self.ranks:
+            r.endpoint = AttentionEndpoint.connect(r.rank, self.layout, self.deployment, options)
 
     def disconnect(self) -> None:
         """Leave the deployment; the FFN layers run in-process again."""
-        for endpoint in self.endpoints or []:
-            endpoint.close()
-        self.endpoints = None
+        for r in self.ranks:
+            r.close()
 
     @contextlib.contextmanager
     def launch(self, connector: str | None = None, **options) -> Iterator:
@@ -167,50 +162,33 @@ class DisaggregatedModel:
 
     # -- running -------------------------------------------------------------------------------
 
-    def _tasks(self, batch: int) -> list[tuple[int, int, slice]]:
-        """(attention rank, micro-batch, rows) for every non-empty micro-batch, in row order."""
-        tasks = []
-        for rank, rows in enumerate(_split(batch, len(self.attention_ranks))):
+    def _tasks(self, batch: int) -> dict[int, list[tuple[int, slice]]]:
+        """Attention rank -> (micro-batch, rows) of its non-empty micro-batches, in row order."""
+        tasks: dict[int, list[tuple[int, slice]]] = {}
+        for rank, rows in enumerate(_split(batch, len(self.ranks))):
             for mb, sub in enumerate(_split(rows.stop - rows.start, self.micro_batches, rows.start)):
                 if sub.stop > sub.start:
-                    tasks.append((rank, mb, sub))
+                    tasks.setdefault(rank, []).append((mb, sub))
         return tasks
 
-    def _in_parallel(self, calls: list) -> list:
-        if len(calls) == 1:
-            return [calls[0]()]
-        if self._pool is None or self._pool._max_workers < len(calls):
-            self._pool = ThreadPoolExecutor(len(calls), thread_name_prefix="afdc-mb")
-        futures = [self._pool.submit(c) for c in calls]
-        wait(futures)  # every micro-batch is done (or failed) before any error is raised
-        return [f.result() for f in futures]
-
     def _run(self, input_ids, attention_mask, position_ids, caches: dict | None):
+        def run_rank(rank: int, parts: list[tuple[int, slice]]):
+            batches = [
+                MicroBatch(
+                    input_ids[rows], attention_mask[rows], position_ids[rows],
+                    caches[rank, mb] if caches is not None else None,
+                )
+                for mb, rows in parts
+            ]
+            attention = self.ranks[rank]
+            return attention.run(attention.begin_step(), batches)
+
         tasks = self._tasks(input_ids.shape[0])
-        steps: dict[int, int] = {}
-        if self.endpoints is not None:
-            ranks = sorted({rank for rank, _, _ in tasks})
-            begun = self._in_parallel([self.endpoints[r].begin_step for r in ranks])
-            steps = dict(zip(ranks, begun))
-
-        def run(rank: int, mb: int, rows: slice):
-            if self.endpoints is None:
-                link = connectors.LoopbackConnector(functools.partial(combine, self.ffn_ranks))
-            else:
-                tokens = (rows.stop - rows.start) * input_ids.shape[1]
-                link = RemoteConnector(self.endpoints[rank], steps[rank], mb, tokens, self.reduce)
-            cache = caches[rank, mb] if caches is not None else None
-            with torch.no_grad(), connectors.active(link), kv_cache.active(cache):
-                out = self.attention_ranks[rank](input_ids[rows], attention_mask[rows], position_ids[rows])
-            return out, link.traffic
-
-        results = self._in_parallel([functools.partial(run, *t) for t in tasks])
-        self.last_traffic = connectors.Traffic(
-            sum(t.to_ffn_bytes for _, t in results),
-            sum(t.to_attn_bytes for _, t in results),
-            sum(t.messages for _, t in results),
+        results, self._pool = run_concurrently(
+            self._pool, [functools.partial(run_rank, rank, parts) for rank, parts in tasks.items()]
         )
-        return _concat([out for out, _ in results])
+        self.last_traffic = connectors.Traffic.total([t for _, t in results])
+        return _concat([out for outs, _ in results for out in outs])
 
     def __call__(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None, **kwargs
@@ -253,7 +231,11 @@ class DisaggregatedModel:
             attention_mask = torch.ones_like(input_ids)
 
         tasks = self._tasks(input_ids.shape[0])
-        caches = {(rank, mb): kv_cache.KVCache() for rank, mb, _ in tasks} if self.incremental else None
+        caches = (
+            {(rank, mb): kv_cache.KVCache() for rank, parts in tasks.items() for mb, _ in parts}
+            if self.incremental
+            else None
+        )
         tokens, mask = input_ids, attention_mask
         step_ids, step_pos = input_ids, positions_from_mask(mask)
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -1,0 +1,79 @@
+"""One attention rank: its program, its micro-batches, and its way to the FFN side.
+
+Both drivers of the attention side use it: :class:`afdc.runtime.model.DisaggregatedModel`
+(a batch of rows, Hugging Face style) and the vLLM worker (a flat batch of scheduled tokens
+over a paged KV cache). A step's micro-batches run concurrently in threads, each with its own
+connector and KV-cache context, so that while one waits for an FFN layer's result the next
+computes its attention (ping-pong).
+"""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from afdc.runtime import connector as connectors
+from afdc.runtime import kv_cache
+from afdc.runtime.exchange import AttentionEndpoint, RemoteConnector
+from afdc.runtime.programs import AttentionProgram, FFNProgram, combine
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [b, s]
+    attention_mask: torch.Tensor  # [b, kv]
+    position_ids: torch.Tensor  # [b, s]
+    cache: Any = None  # the KV-cache context its attention ops use (None: attend within the call)
+
+
+def run_concurrently(pool: ThreadPoolExecutor | None, calls: list) -> tuple[list, ThreadPoolExecutor | None]:
+    """Run ``calls`` in threads; every call is done (or failed) before any error is raised.
+
+    Returns the results and the pool, grown if it had fewer workers than calls."""
+    if len(calls) == 1:
+        return [calls[0]()], pool
+    if pool is None or pool._max_workers < len(calls):
+        pool = ThreadPoolExecutor(len(calls), thread_name_prefix="afdc-mb")
+    futures = [pool.submit(c) for c in calls]
+    wait(futures)
+    return [f.result() for f in futures], pool
+
+
+class AttentionRank:
+    """``ffn``: the FFN ranks' programs, run in-process until :attr:`endpoint` is set."""
+
+    def __init__(self, rank: int, program: AttentionProgram, ffn: list[FFNProgram], reduce: list[list[str]]):
+        self.rank = rank
+        self.program = program
+        self.ffn = ffn
+        self.reduce = reduce
+        self.endpoint: AttentionEndpoint | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def begin_step(self) -> int:
+        return self.endpoint.begin_step() if self.endpoint is not None else 0
+
+    def run(self, step: int, batches: list[MicroBatch]) -> tuple[list, connectors.Traffic]:
+        """The program's outputs for each micro-batch of step ``step`` (from :meth:`begin_step`),
+        and what crossed the cut."""
+
+        def one(mb: int, batch: MicroBatch):
+            if self.endpoint is None:
+                link = connectors.LoopbackConnector(functools.partial(combine, self.ffn))
+            else:
+                link = RemoteConnector(self.endpoint, step, mb, batch.input_ids.numel(), self.reduce)
+            with torch.no_grad(), connectors.active(link), kv_cache.active(batch.cache):
+                out = self.program(batch.input_ids, batch.attention_mask, batch.position_ids)
+            return out, link.traffic
+
+        results, self._pool = run_concurrently(self._pool, [functools.partial(one, *b) for b in enumerate(batches)])
+        return [out for out, _ in results], connectors.Traffic.total([t for _, t in results])
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
