@@ -90,37 +90,130 @@ def compile_cmd(model, plan_text, output, ffn_parallel, attn_tp, router, micro_b
     )
 
 
-@main.command()
+_VLLM_ARGS = {"ignore_unknown_options": True}
+
+
+@main.command(context_settings=_VLLM_ARGS)
 @click.argument("artifact", type=click.Path(file_okay=False))
 @click.option("--role", type=click.Choice(["ffn", "attn"]), required=True, help="Which role this process runs.")
 @click.option("--rank", type=int, default=0, show_default=True, help="Rank within the role.")
-@click.option("--rendezvous", required=True, help="HOST:PORT of the deployment's store (hosted by attention rank 0).")
-@click.option("--connector", type=click.Choice(["gloo", "shm"]), default="gloo", show_default=True,
-              help="Transport between the roles (shm: same host only).")
+@click.option("--rendezvous", help="HOST:PORT of the deployment's store (hosted by attention rank 0); "
+              "required unless --connector loopback.")
+@click.option("--connector", type=click.Choice(["gloo", "shm", "loopback"]), default="gloo", show_default=True,
+              help="Transport between the roles (shm: same host only; loopback: attention only, the FFN layers "
+                   "run in the attention process, i.e. monolithic).")
 @click.option("--token", default=None, help="Shared deployment secret (default: $AFDC_TOKEN).")
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
-              help="Seconds to reach the rendezvous store.")
+              help="Seconds to reach the rendezvous store and for every rank to join.")
 @click.option("--log-interval", type=float, default=30.0, show_default=True,
-              help="Seconds between metrics log lines (0: never).")
+              help="FFN: seconds between metrics log lines (0: never).")
 @click.option("--device", default="cpu", show_default=True, help="Device the program runs on.")
-def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_timeout, log_interval, device) -> None:
+@click.option("--host", default="127.0.0.1", show_default=True, help="Attention: address the OpenAI server binds.")
+@click.option("--port", type=int, default=8000, show_default=True, help="Attention: port of the OpenAI server.")
+@click.option("--micro-batches", type=int, default=None, help="Attention: micro-batches per step (default: the plan's).")
+@click.option("--kv-cache-mb", type=int, default=256, show_default=True,
+              help="Attention on a CPU device: size of the paged KV cache.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_timeout, log_interval, device, host, port,
+          micro_batches, kv_cache_mb, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
     answers every attention rank, one batched FFN run per layer for all that arrived.
-    """
-    from afdc.runtime.launch import serve_artifact
-    from afdc.runtime.options import RuntimeOptions
 
-    if role == "attn":
-        click.echo("error: the attention role is served inside vLLM's engine, which afdc does not ship yet; "
-                   "run the attention side from Python: afdc.load_deployment(ARTIFACT).connect(...)", err=True)
-        sys.exit(2)
-    options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
-                             join_timeout=join_timeout, log_interval=log_interval)
+    An attention rank is vLLM's OpenAI server (vLLM's scheduler, paged KV blocks, sampling) whose
+    steps run the rank's attention program; attention rank 0 hosts the rendezvous store. Arguments
+    after `--` go to `vllm serve` (e.g. -- --max-num-seqs 64 --enable-prefix-caching).
+    """
+    if connector != "loopback" and not rendezvous:
+        raise click.UsageError("--rendezvous HOST:PORT is required (or --connector loopback for a monolithic attention rank)")
     try:
+        if role == "attn":
+            from afdc.serve.launch import serve_attention
+            from afdc.serve.settings import WorkerSettings
+
+            settings = WorkerSettings(
+                artifact, rank, connector, rendezvous, host_rendezvous=rank == 0 and connector != "loopback",
+                token=token, timeout=timeout, join_timeout=join_timeout, micro_batches=micro_batches,
+                kv_cache_bytes=kv_cache_mb << 20, device=device,
+            )
+            serve_attention(settings, host, port, vllm_args)
+        if connector == "loopback":
+            raise click.UsageError("an FFN rank serves attention ranks over gloo or shm, not loopback")
+        if vllm_args:
+            raise click.UsageError(f"unexpected arguments for an FFN rank: {' '.join(vllm_args)}")
+        from afdc.runtime.launch import serve_artifact
+        from afdc.runtime.options import RuntimeOptions
+
+        options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
+                                 join_timeout=join_timeout, log_interval=log_interval)
         serve_artifact(artifact, rank, options, device)
+    except AfdcError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+
+
+@main.command(context_settings=_VLLM_ARGS)
+@click.argument("artifact", required=False, type=click.Path(file_okay=False))
+@click.option("--demo", is_flag=True, help="Build the tiny demo MoE model, compile it 1A1F and serve it.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the OpenAI servers bind.")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port of attention rank 0 (rank i: +i).")
+@click.option("--connector", type=click.Choice(["shm", "gloo", "loopback"]), default="shm", show_default=True,
+              help="Transport between the roles (loopback: monolithic, no FFN processes).")
+@click.option("--device", default="cpu", show_default=True, help="Device every role runs on.")
+@click.option("--micro-batches", type=int, default=None, help="Micro-batches per step (default: the plan's).")
+@click.option("--kv-cache-mb", type=int, default=256, show_default=True, help="KV cache per attention rank on CPU.")
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
+@click.option("--startup-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds for every role to become ready.")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None,
+              help="Write each role's output to a file there instead of this terminal.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir,
+       vllm_args) -> None:
+    """Start every role of ARTIFACT's plan on this machine and serve the OpenAI API until Ctrl-C.
+
+    Arguments after `--` go to each attention rank's `vllm serve`.
+    """
+    import signal
+    import time
+    from pathlib import Path
+
+    from afdc.runtime.rendezvous import free_port
+    from afdc.serve.launch import Deployment, check_serving_environment
+    from afdc.serve.settings import WorkerSettings
+
+    if demo == (artifact is not None):
+        raise click.UsageError("give either ARTIFACT or --demo")
+    try:
+        check_serving_environment()
+        if demo:
+            from afdc.demo import demo_artifact
+
+            artifact = demo_artifact(say=click.echo)
+        settings = WorkerSettings(
+            str(artifact), connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
+            micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
+        )
+        if log_dir:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+        deployment = Deployment(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None)
+        stop = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.append(True))
+        try:
+            urls = deployment.start(startup_timeout, click.echo)
+            for url in urls:
+                click.echo(f"ready: OpenAI API at {url}/v1")
+            click.echo("Ctrl-C stops every role")
+            while not stop and (gone := deployment.failed()) is None:
+                time.sleep(0.5)
+            if not stop:
+                raise AfdcError(f"role {gone} exited; stopping the others")
+        finally:
+            click.echo("stopping every role")
+            deployment.stop()
     except AfdcError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)

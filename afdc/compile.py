@@ -47,6 +47,12 @@ from afdc.source import empty_model, load_config
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
+# What a serving engine reads besides the programs: the model's config and its tokenizer.
+HF_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+
 
 def _config_sha256(config: PretrainedConfig) -> str:
     return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
@@ -62,7 +68,7 @@ def _checkpoint_dir(source: str, revision: str | None) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:  # the standard Hugging Face cache; honours HF_HUB_OFFLINE
-        return Path(snapshot_download(source, revision=revision, allow_patterns=["*.safetensors", "*.json"]))
+        return Path(snapshot_download(source, revision=revision, allow_patterns=["*.safetensors", *HF_FILES]))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
         raise AfdcError(
             f"cannot get the weights of {source!r} ({err}); download them into the Hugging Face cache, "
@@ -185,6 +191,8 @@ def compile_model(
         # The resharder hashes as it writes; only the small files are hashed here.
         digests = reshard(checkpoint, model, to_stream, dtype=dtype, progress=progress) if to_stream else {}
         written += [rel for rels in files.values() for rel in rels]
+        model_files = _copy_hf_files(checkpoint, tmp) if checkpoint is not None else []
+        written += model_files
 
         ranks = [mf.RankFiles("attn", a, files["attn"]) for a in range(plan.attention_ranks)]
         ranks += [mf.RankFiles("ffn", r, files[f"ffn-{r}"]) for r in range(plan.ffn_ranks)]
@@ -212,9 +220,33 @@ def compile_model(
             ],
             ranks=ranks,
             files=[_file_entry(tmp, rel, digests) for rel in written],
+            model_files=model_files,
         )
         (tmp / mf.MANIFEST).write_text(manifest.to_json())
     return manifest
+
+
+def _copy_hf_files(checkpoint: Path, out: Path) -> list[str]:
+    (out / mf.MODEL_DIR).mkdir()
+    copied = []
+    for name in HF_FILES:
+        if (checkpoint / name).is_file():
+            shutil.copyfile(checkpoint / name, out / mf.MODEL_DIR / name)
+            copied.append(f"{mf.MODEL_DIR}/{name}")
+    return copied
+
+
+def model_dir(directory: str | Path) -> Path:
+    """The artifact's ``model/`` directory (config and tokenizer, for a serving engine), verified."""
+    directory = Path(directory)
+    manifest = mf.read_manifest(directory)
+    if not manifest.model_files:
+        raise mf.ArtifactError(
+            f"{directory} holds no model config and tokenizer ({mf.MODEL_DIR}/): it was compiled without weights "
+            "or by an older afdc; compile it again from the model directory to serve it"
+        )
+    mf.verify(directory, manifest, manifest.model_files)
+    return directory / mf.MODEL_DIR
 
 
 def _file_entry(directory: Path, rel: str, digests: dict[Path, FileDigest]) -> mf.FileEntry:

@@ -40,3 +40,58 @@ def demo_batch(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.ones_like(ids)
     ids[0, :3], mask[0, :3] = 0, 0
     return ids, mask
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def demo_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained offline on a few sentences: any text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        "Attention and feed-forward layers run on separate pools of GPUs.",
+        "The quick brown fox jumps over the lazy dog. Hello world, how are you today?",
+        "Mixture-of-experts models route each token to a few experts out of many.",
+    ] * 50
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def save_demo(directory, seed: int = 0) -> None:
+    """The demo model and its tokenizer, saved as a Hugging Face model directory."""
+    model = demo_model(seed)
+    model.save_pretrained(directory)
+    demo_tokenizer(model.config.vocab_size).save_pretrained(directory)
+
+
+def demo_artifact(cache: str | None = None, say=print):
+    """The demo model saved and compiled 1A1F under ``cache`` (default ``~/.cache/afdc/demo``), once."""
+    import os
+    from pathlib import Path
+
+    from afdc.compile import compile_model
+
+    root = Path(cache or os.environ.get("AFDC_CACHE", Path.home() / ".cache" / "afdc")) / "demo"
+    artifact = root / "artifact-1a1f"
+    if (artifact / "manifest.json").is_file():
+        say(f"using the demo artifact in {artifact}")
+        return artifact
+    say(f"building the demo model (random Qwen3-MoE, 8 experts) and its tokenizer in {root / 'model'}")
+    save_demo(root / "model")
+    say("compiling it for plan 1A1F")
+    compile_model(str(root / "model"), "1A1F", artifact, progress=False, force=True)
+    return artifact

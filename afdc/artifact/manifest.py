@@ -18,6 +18,7 @@ from afdc.plan import Plan
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+MODEL_DIR = "model"  # the model's config and tokenizer files, as a serving engine reads them
 
 
 class ArtifactError(AfdcError):
@@ -95,6 +96,7 @@ class Manifest:
     layers: list[LayerSpec]
     ranks: list[RankFiles]
     files: list[FileEntry] = field(default_factory=list)
+    model_files: list[str] = field(default_factory=list)  # config and tokenizer files under MODEL_DIR
     format_version: int = FORMAT_VERSION
 
     def rank_files(self, role: str, rank: int) -> RankFiles:
@@ -133,6 +135,7 @@ class Manifest:
             ],
             ranks=[RankFiles(**r) for r in d["ranks"]],
             files=[FileEntry(**f) for f in d["files"]],
+            model_files=d.get("model_files", []),
         )
 
 

@@ -1,0 +1,154 @@
+"""Starting the roles of a compiled artifact: one attention server, or every role on this machine.
+
+``afdc serve --role attn`` becomes vLLM's own OpenAI server (``vllm serve``) on the artifact's
+``model/`` directory, with afdc's platform plugin switched on by :class:`WorkerSettings` in the
+environment. ``afdc up`` starts the FFN ranks and the attention ranks of the plan as child
+processes, waits until each attention server answers ``/health``, and stops them all on
+SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from afdc.errors import AfdcError
+from afdc.serve.settings import WorkerSettings
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def check_serving_environment() -> None:
+    """vLLM importable, and none of the CUDA-only packages its requirements pull in on a CPU machine."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise AfdcError('serving needs vLLM: pip install -e ".[serve]" (see the README for a CPU-only machine)')
+    for name in ("torchvision", "torchcodec"):
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            __import__(name)
+        except Exception as err:  # a CUDA build on a CPU machine fails in many ways
+            raise AfdcError(
+                f"{name} is installed but does not import ({str(err).splitlines()[0]}); vLLM imports it when present. "
+                f"afdc does not need it: pip uninstall -y {name}"
+            ) from err
+
+
+def attention_command(
+    settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """The ``vllm serve`` command line and environment of one attention rank."""
+    from afdc.artifact.manifest import read_manifest
+    from afdc.compile import model_dir
+
+    directory = Path(settings.artifact)
+    manifest = read_manifest(directory)
+    manifest.rank_files("attn", settings.rank)  # a clear error for a rank the plan does not have
+    model = model_dir(directory)
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+        "--host", host, "--port", str(port),
+        "--served-model-name", manifest.source.model,
+        "--dtype", _DTYPES.get(manifest.plan.dtype or "", "auto"),
+        *vllm_args,
+    ]
+    return argv, {**os.environ, **settings.to_env()}
+
+
+def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> None:
+    """Become attention rank ``settings.rank``'s OpenAI server (this process is replaced)."""
+    check_serving_environment()
+    argv, env = attention_command(settings, host, port, vllm_args)
+    os.execve(argv[0], argv, env)
+
+
+def wait_healthy(url: str, deadline: float, alive: Callable[[], bool]) -> None:
+    """Poll ``url``/health until it answers 200; ``alive`` says whether the server process still runs."""
+    while True:
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        if not alive():
+            raise AfdcError(f"the server behind {url} exited before it became healthy; its log says why")
+        if time.monotonic() > deadline:
+            raise AfdcError(f"{url} was not healthy within the start-up deadline; raise --startup-timeout")
+        time.sleep(0.5)
+
+
+@dataclass
+class Deployment:
+    """Every role of one artifact's plan as child processes of this one."""
+
+    artifact: Path
+    settings: WorkerSettings  # the attention ranks' settings (rank filled in per rank)
+    host: str = "127.0.0.1"
+    port: int = 8000  # attention rank i serves on port + i
+    vllm_args: Sequence[str] = ()
+    log_dir: Path | None = None  # each role's output goes to a file there; None: this terminal
+
+    def __post_init__(self) -> None:
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def urls(self, attention_ranks: int) -> list[str]:
+        return [f"http://{self.host}:{self.port + i}" for i in range(attention_ranks)]
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else None  # noqa: SIM115 (lives with the child)
+        self.processes[name] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+
+    def start(self, startup_timeout: float, say: Callable[[str], None]) -> list[str]:
+        from afdc.artifact.manifest import read_manifest
+
+        plan = read_manifest(self.artifact).plan
+        s = self.settings
+        env = {**os.environ, "AFDC_TOKEN": s.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
+        if s.connector != "loopback":
+            for r in range(plan.ffn_ranks):
+                say(f"starting FFN rank {r} of {plan.ffn_ranks}")
+                self._spawn(f"ffn-{r}", [
+                    sys.executable, "-m", "afdc.cli", "serve", str(self.artifact), "--role", "ffn", "--rank", str(r),
+                    "--rendezvous", s.rendezvous, "--connector", s.connector, "--timeout", str(s.timeout),
+                    "--join-timeout", str(s.join_timeout), "--device", s.device,
+                ], env)
+        urls = self.urls(plan.attention_ranks)
+        for a, url in enumerate(urls):
+            say(f"starting attention rank {a} of {plan.attention_ranks} (vLLM engine) on {url}")
+            settings = replace(s, rank=a, host_rendezvous=a == 0 and s.connector != "loopback", token=None)
+            argv, _ = attention_command(settings, self.host, self.port + a, self.vllm_args)
+            self._spawn(f"attn-{a}", argv, {**env, **settings.to_env()})
+        deadline = time.monotonic() + startup_timeout
+        for a, url in enumerate(urls):
+            proc = self.processes[f"attn-{a}"]
+            wait_healthy(url, deadline, lambda proc=proc: proc.poll() is None)
+            say(f"attention rank {a} is ready")
+        return urls
+
+    def failed(self) -> str | None:
+        """The first role whose process has exited, if any."""
+        return next((name for name, p in self.processes.items() if p.poll() is not None), None)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the attention servers first (they finish their requests), then the FFN ranks."""
+        order = sorted(self.processes, key=lambda n: not n.startswith("attn"))
+        for name in order:
+            proc = self.processes[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,105 @@
+"""afdc's out-of-tree vLLM platform: it points vLLM's engine at afdc's worker.
+
+It is registered under the ``vllm.platform_plugins`` entry point and is active only in
+processes started by ``afdc serve --role attn`` (which set :data:`afdc.serve.settings.ENV`),
+so installing afdc never changes how vLLM runs anything else. The same platform serves a CPU
+and a GPU device: only the device queries differ, the worker's code path does not.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from afdc.serve.settings import WorkerSettings, active
+
+WORKER = "afdc.serve.worker.AfdcWorker"
+
+
+def register() -> str | None:
+    """The ``vllm.platform_plugins`` entry point."""
+    return "afdc.serve.platform.AfdcPlatform" if active() else None
+
+
+def _device() -> torch.device:
+    return torch.device(WorkerSettings.from_env().device if active() else "cpu")
+
+
+class AfdcPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name = device_type = _device().type
+    dispatch_key = device_type.upper()
+    dist_backend = "gloo"
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        # afdc's worker runs the compiled attention program itself: no vLLM model, no vLLM
+        # compilation or CUDA graphs, one worker in the engine-core process
+        parallel = vllm_config.parallel_config
+        parallel.worker_cls = WORKER
+        parallel.distributed_executor_backend = "uni"
+        vllm_config.model_config.enforce_eager = True
+        vllm_config.compilation_config.mode = CompilationMode.NONE
+        vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        vllm_config.scheduler_config.async_scheduling = False
+        if vllm_config.cache_config.block_size is None:
+            vllm_config.cache_config.block_size = 16
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        device = _device()
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        device = _device()
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        return WorkerSettings.from_env().kv_cache_bytes
+
+    @classmethod
+    def is_cpu(cls) -> bool:
+        # vLLM's shutdown empties the accelerator cache unless told this is a CPU
+        return _device().type == "cpu"
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        """afdc runs its own programs: vLLM's compiled kernels (``vllm._C``) are never loaded."""
+
+    @classmethod
+    def get_attn_backend_cls(cls, *args, **kwargs) -> str:
+        raise NotImplementedError("afdc's worker owns attention; no vLLM attention backend is used")
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        device = device or _device()
+        return float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0.0
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        from afdc.serve.sampling import refuse_unsupported
+
+        refuse_unsupported(params)

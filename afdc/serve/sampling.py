@@ -1,0 +1,89 @@
+"""Sampling for the afdc worker: vLLM's own sampler, fed the metadata of one step's requests.
+
+vLLM's :class:`~vllm.v1.sample.sampler.Sampler` does greedy, temperature, top-k/top-p,
+seeded generators, penalties and logprobs as vLLM does them; this module only builds its
+:class:`~vllm.v1.sample.metadata.SamplingMetadata` from the requests' ``SamplingParams``.
+Parameters that vLLM implements as stateful logits processors are refused up front with a
+400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.sampling_params import SamplingParams, SamplingType
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
+
+# SamplingParams field -> its "off" value; afdc's worker does not apply these yet
+_UNSUPPORTED = {
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "prompt_logprobs": None,
+    "thinking_token_budget": None,
+}
+
+
+def refuse_unsupported(params) -> None:
+    """Raise ``ValueError`` (an HTTP 400 from vLLM's server) for what the worker cannot apply."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError("afdc serves text generation only (no pooling or embedding requests)")
+    used = [name for name, off in _UNSUPPORTED.items() if getattr(params, name, off) not in (off, [], {})]
+    if used:
+        raise ValueError(f"afdc's vLLM worker does not support {', '.join(used)} yet; leave them unset")
+
+
+@dataclass
+class SamplingRequest:
+    """What the sampler needs of one request."""
+
+    params: SamplingParams
+    prompt: list[int]
+    output: list[int]  # sampled so far (a live list)
+    generator: torch.Generator | None
+
+
+def new_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.sampling_type != SamplingType.RANDOM_SEED:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def sampling_metadata(requests: list[SamplingRequest], vocab: int, device: torch.device) -> SamplingMetadata:
+    """Metadata for sampling one token per request, rows in ``requests`` order."""
+    params = [r.params for r in requests]
+    greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+    penalties = [p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1 for p in params]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    logprobs = [vocab if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
+
+    def tensor(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    prompts = None
+    if any(penalties):
+        width = max(len(r.prompt) for r in requests)
+        # vocab pads, as vLLM does: it is no token id
+        prompts = tensor([r.prompt + [vocab] * (width - len(r.prompt)) for r in requests], torch.int64)
+    return SamplingMetadata(
+        temperature=None if all(greedy) else tensor([0.0 if g else p.temperature for g, p in zip(greedy, params)]),
+        all_greedy=all(greedy),
+        all_random=not any(greedy),
+        top_p=tensor([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
+        top_k=tensor(top_k, torch.int32) if any(k < vocab for k in top_k) else None,
+        generators={i: r.generator for i, r in enumerate(requests) if r.generator is not None},
+        max_num_logprobs=max(logprobs) if logprobs else None,
+        no_penalties=not any(penalties),
+        prompt_token_ids=prompts,
+        frequency_penalties=tensor([p.frequency_penalty for p in params]),
+        presence_penalties=tensor([p.presence_penalty for p in params]),
+        repetition_penalties=tensor([p.repetition_penalty for p in params]),
+        output_token_ids=[r.output for r in requests] if any(penalties) else [],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )

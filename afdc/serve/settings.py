@@ -1,0 +1,42 @@
+"""What the attention role's vLLM worker needs to know, handed to it through the environment.
+
+vLLM starts the worker in its own engine-core process; the settings travel as one JSON
+environment variable, whose presence is also what turns afdc's vLLM platform plugin on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+ENV = "AFDC_SERVE_SETTINGS"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    artifact: str  # the compiled artifact directory
+    rank: int = 0  # attention rank
+    connector: str = "gloo"  # "gloo", "shm", or "loopback": the FFN layers run in this process (monolithic)
+    rendezvous: str | None = None  # HOST:PORT of the deployment's store
+    host_rendezvous: bool = False  # this rank hosts the store (attention rank 0 when started by hand)
+    token: str | None = None  # the deployment secret; None: $AFDC_TOKEN
+    timeout: float = 30.0  # seconds an FFN reply may take
+    join_timeout: float = 60.0  # seconds to wait for every FFN rank to join
+    micro_batches: int | None = None  # None: the artifact's plan
+    kv_cache_bytes: int = 256 << 20  # KV pool on a CPU device (on a GPU: what vLLM's memory profile allows)
+    device: str = "cpu"
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV: json.dumps(asdict(self))}
+
+    @classmethod
+    def from_env(cls) -> WorkerSettings:
+        raw = os.environ.get(ENV)
+        if raw is None:
+            raise RuntimeError(f"${ENV} is not set: the afdc worker runs only under `afdc serve --role attn`")
+        return cls(**json.loads(raw))
+
+
+def active() -> bool:
+    return ENV in os.environ

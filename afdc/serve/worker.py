@@ -1,0 +1,293 @@
+"""afdc's vLLM worker: it executes each step vLLM's scheduler hands it with afdc's programs.
+
+vLLM's engine core calls it in this order: ``init_device``, ``load_model``,
+``get_kv_cache_spec``, ``determine_available_memory``, ``initialize_from_config``, then per
+step ``execute_model(scheduler_output)`` and ``sample_tokens(grammar_output)``.
+
+A step runs the attention program of this attention rank on the step's flat token batch over
+a paged KV cache laid out on vLLM's block tables (:mod:`afdc.runtime.paged`), its requests
+split into micro-batches that ping-pong with the FFN ranks (:class:`AttentionRank`). With the
+``loopback`` connector the FFN programs run in this process: the monolithic baseline served
+by the same worker. Sampling is vLLM's own sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.structured_output.utils import apply_grammar_bitmask
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from afdc.artifact import manifest as mf
+from afdc.compile import deployment_of, load
+from afdc.errors import UnsupportedModelError
+from afdc.runtime.attention_rank import AttentionRank, MicroBatch
+from afdc.runtime.exchange import AttentionEndpoint
+from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.paged import PagedBatch, PagedKVStore, SlotSpec, attention_slots
+from afdc.runtime.rendezvous import Rendezvous
+from afdc.serve.sampling import SamplingRequest, new_generator, sampling_metadata
+from afdc.serve.settings import WorkerSettings
+
+logger = logging.getLogger("vllm.afdc.worker")  # vLLM prints plugin logs under its own hierarchy
+
+
+def layer_name(slot: int) -> str:
+    return f"afdc.attention.{slot}"
+
+
+@dataclass
+class Request:
+    """What the worker remembers of a request between steps (vLLM sends only the changes)."""
+
+    id: str
+    tokens: list[int]  # prompt, then the sampled tokens
+    prompt_len: int
+    sampling: SamplingRequest
+    block_ids: list[int]
+    computed: int  # tokens whose keys and values are in the cache
+    scheduled: int = 0  # tokens run in the current step
+    output: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.output = self.sampling.output
+
+
+def _slots(module: torch.fx.GraphModule) -> list[SlotSpec]:
+    """The paged-cache slots of a loaded attention program, whose graph carries no shapes: a
+    fake-tensor run over a few tokens (past keys included) gives them."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        inputs = (torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), torch.arange(2, 5)[None])
+    FakeTensorProp(module, mode).propagate(*inputs)
+    return attention_slots(module.graph)
+
+
+def _micro_batches(sizes: list[int], parts: int) -> list[slice]:
+    """Contiguous groups of requests with about equal token counts, none empty."""
+    total, bounds, acc = sum(sizes), [0], 0
+    for i, n in enumerate(sizes):
+        acc += n
+        if len(bounds) < parts and acc >= total * len(bounds) / parts and i + 1 < len(sizes):
+            bounds.append(i + 1)
+    bounds.append(len(sizes))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+class AfdcWorker(WorkerBase):
+    def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
+                 is_driver_worker: bool = False, **kwargs):
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.settings = WorkerSettings.from_env()
+        self.requests: dict[str, Request] = {}
+        self.sampler = Sampler()
+        self._pending: tuple | None = None  # (scheduler output, requests, last-token logits) awaiting sampling
+        self._store_host: Rendezvous | None = None
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        self.device = torch.device(self.settings.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        s = self.settings
+        directory = Path(s.artifact)
+        manifest = mf.read_manifest(directory)
+        if not manifest.incremental_decode:
+            raise UnsupportedModelError(
+                "this model's token mixers are not all attention (its decode recomputes the prefix): "
+                "it cannot run on a paged KV cache; use afdc.disaggregate / dm.generate instead"
+            )
+        program = load(directory, "attn", s.rank, self.device)
+        reduce = [manifest.segments[lay.segment].reduce for lay in manifest.layers]
+        in_process = s.connector == "loopback"
+        ffn = [load(directory, "ffn", r, self.device) for r in range(manifest.plan.ffn_ranks)] if in_process else []
+        self.attention = AttentionRank(s.rank, program, ffn, reduce)
+        self.slots: list[SlotSpec] = _slots(program.module)
+        self.micro_batches = s.micro_batches or manifest.plan.micro_batches
+        self.dtype = next((p.dtype for p in program.parameters() if p.is_floating_point()), torch.float32)
+        if not in_process:
+            layout, deployment = deployment_of(directory)
+            options = RuntimeOptions(
+                connector=s.connector, rendezvous=s.rendezvous, token=s.token, timeout=s.timeout,
+                join_timeout=s.join_timeout,
+            )
+            if s.host_rendezvous:
+                self._store_host = Rendezvous(
+                    s.rendezvous, layout, deployment, s.token, host=True, connect_timeout=s.join_timeout
+                )
+            self.attention.endpoint = AttentionEndpoint.connect(s.rank, layout, deployment, options)
+        logger.info(
+            "afdc: attention rank %d of %s loaded (%d attention layers, %d micro-batches, FFN %s)",
+            s.rank, directory, len(self.slots), self.micro_batches,
+            "in this process" if in_process else f"over {s.connector} at {s.rendezvous}",
+        )
+
+    def get_model(self) -> torch.nn.Module:
+        return self.attention.program
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        block_size = self.vllm_config.cache_config.block_size
+        specs = {
+            layer_name(i): FullAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=s.kv_heads,
+                head_size=s.head_dim,
+                head_size_v=s.value_dim,
+                dtype=self.dtype,
+                # vLLM keeps every block of a sliding or chunked layer (one cache group); the
+                # window is applied by the attention op
+                sliding_window=s.window if s.window and not s.chunked else None,
+                attention_chunk_size=s.window if s.chunked else None,
+            )
+            for i, s in enumerate(self.slots)
+        }
+        pages = {spec.page_size_bytes for spec in specs.values()}
+        if len(pages) > 1:
+            raise UnsupportedModelError(
+                "the model's attention layers have different KV shapes (heads x head size): vLLM would need "
+                "one KV-cache group per shape, which afdc's worker does not lay out yet"
+            )
+        return specs
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["NHD"]
+
+    def determine_available_memory(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.cache_config.gpu_memory_utilization)
+        return self.settings.kv_cache_bytes
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.block_size = self.vllm_config.cache_config.block_size
+        self.store = PagedKVStore(
+            self.slots, kv_cache_config.num_blocks, self.block_size, self.dtype, self.device
+        )
+        logger.info("afdc: KV cache of %d blocks x %d tokens", kv_cache_config.num_blocks, self.block_size)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(0.0, 0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def _update(self, so) -> None:
+        """Apply what the scheduler changed: finished, new, resumed and continuing requests."""
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        if so.new_block_ids_to_zero:
+            self.store.zero_blocks(so.new_block_ids_to_zero)
+        if so.kv_cache_block_copies:
+            self.store.copy_blocks([(c.src_block_id, c.dst_block_id) for c in so.kv_cache_block_copies])
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            prompt = list(new.prompt_token_ids)
+            sampling = SamplingRequest(params, prompt, [], new_generator(params, self.device))
+            self.requests[new.req_id] = Request(
+                new.req_id, list(prompt), len(prompt), sampling, list(new.block_ids[0]), new.num_computed_tokens
+            )
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            r = self.requests[rid]
+            r.computed = cached.num_computed_tokens[i]
+            keep = cached.num_output_tokens[i]
+            del r.tokens[r.prompt_len + keep:]
+            del r.output[keep:]
+            blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                r.block_ids = list(blocks[0])
+            elif blocks is not None:
+                r.block_ids.extend(blocks[0])
+        for rid, groups in (so.block_table_updates or {}).items():
+            self.requests[rid].block_ids = list(groups[0])
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        so = scheduler_output
+        self._update(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        scheduled = [self.requests[rid] for rid in so.num_scheduled_tokens]
+        for r in scheduled:
+            r.scheduled = so.num_scheduled_tokens[r.id]
+        groups = _micro_batches([r.scheduled for r in scheduled], self.micro_batches)
+        outputs, _ = self.attention.run(self.attention.begin_step(), [self._micro_batch(scheduled[g]) for g in groups])
+        last = torch.cat([
+            out.logits[0, torch.tensor([r.scheduled for r in scheduled[g]]).cumsum(0) - 1]
+            for g, out in zip(groups, outputs)
+        ])
+        self._pending = (so, scheduled, last)
+        return None
+
+    def _micro_batch(self, requests: list[Request]) -> MicroBatch:
+        ids = torch.tensor([t for r in requests for t in r.tokens[r.computed:r.computed + r.scheduled]])[None]
+        width = max(len(r.block_ids) for r in requests)
+        table = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in requests])
+        computed = torch.tensor([r.computed for r in requests])
+        paged = PagedBatch(self.store, table, computed, torch.tensor([r.scheduled for r in requests]))
+        ids = ids.to(self.device)
+        return MicroBatch(ids, torch.ones_like(ids), paged.positions, paged)
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        so, scheduled, logits = self._pending
+        self._pending = None
+        if grammar_output is not None:
+            apply_grammar_bitmask(so, grammar_output, _Batch([r.id for r in scheduled]), logits)
+        # a chunk that stops short of the request's known tokens samples nothing; its seeded
+        # generator must not advance either
+        complete = [r.computed + r.scheduled >= len(r.tokens) for r in scheduled]
+        saved = {i: r.sampling.generator.get_state() for i, r in enumerate(scheduled)
+                 if not complete[i] and r.sampling.generator is not None}
+        metadata = sampling_metadata([r.sampling for r in scheduled], logits.shape[-1], self.device)
+        out = self.sampler(logits, metadata)
+        for i, state in saved.items():
+            scheduled[i].sampling.generator.set_state(state)
+        tokens = out.sampled_token_ids[:, 0].tolist()
+        sampled: list[list[int]] = []
+        for r, token, done in zip(scheduled, tokens, complete):
+            if done:
+                r.tokens.append(token)
+                r.output.append(token)
+            sampled.append([token] if done else [])
+        return ModelRunnerOutput(
+            req_ids=[r.id for r in scheduled],
+            req_id_to_index={r.id: i for i, r in enumerate(scheduled)},
+            sampled_token_ids=sampled,
+            logprobs=out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None,
+        )
+
+    # -- the rest of vLLM's worker interface -------------------------------------------------
+
+    def take_draft_token_ids(self):
+        return None
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self.model_config.max_model_len = max_model_len
+
+    def reset_encoder_cache(self) -> None:
+        """No encoder: text decoders only."""
+
+    def execute_dummy_batch(self) -> None:
+        """Nothing to keep warm: every step runs the same programs."""
+
+    def shutdown(self) -> None:
+        self.attention.close()
+
+
+@dataclass
+class _Batch:
+    """The one thing vLLM's grammar-bitmask helper reads of a model runner's batch."""
+
+    req_ids: list[str]
