@@ -111,7 +111,8 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
 @click.option("--device", default="cpu", show_default=True, help="Device the program runs on.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Attention: address the OpenAI server binds.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Attention: port of the OpenAI server.")
-@click.option("--micro-batches", type=int, default=None, help="Attention: micro-batches per step (default: the plan's).")
+@click.option("--micro-batches", type=int, default=None,
+              help="Attention: micro-batches per step (default: the plan's).")
 @click.option("--kv-cache-mb", type=int, default=256, show_default=True,
               help="Attention on a CPU device: size of the paged KV cache.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
@@ -127,7 +128,9 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
     after `--` go to `vllm serve` (e.g. -- --max-num-seqs 64 --enable-prefix-caching).
     """
     if connector != "loopback" and not rendezvous:
-        raise click.UsageError("--rendezvous HOST:PORT is required (or --connector loopback for a monolithic attention rank)")
+        raise click.UsageError(
+            "--rendezvous HOST:PORT is required (or --connector loopback for a monolithic attention rank)"
+        )
     try:
         if role == "attn":
             from afdc.serve.launch import serve_attention

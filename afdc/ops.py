@@ -80,13 +80,15 @@ def attention(
 ) -> torch.Tensor:
     """One attention call site. ``slot`` names its KV-cache entry in the active cache.
 
-    ``window`` (0: none) is the sliding-window or chunk size this call's mask was built with:
-    the mask is what is applied; the window tells cost models and paged kernels how many
-    cached keys a query can reach.
+    With a cache active (:mod:`afdc.runtime.kv_cache`) the cache stores the call's keys and values
+    and computes the attention: the contiguous cache applies ``mask``, a paged cache over a flat
+    batch of requests ignores it and attends per request. ``window`` (0: none) is the
+    sliding-window or chunk size this call's mask was built with: it tells cost models and paged
+    kernels how many cached keys a query can reach.
     """
     cache = _kv_cache.current()
     if cache is not None:
-        k, v = cache.update(slot, k, v)
+        return cache.attend(slot, q, k, v, mask, scale, softcap, sinks, window)
     return reference_attention(q, k, v, mask, scale, softcap, sinks)
 
 

@@ -1,9 +1,11 @@
 """The attention side's KV cache, reached by the attention op through a context.
 
 The captured attention program has no cache in its graph: each attention call site carries a
-constant ``slot`` and the op appends the step's keys and values to that slot of the active
-cache (the same idea as vLLM's forward context). Without an active cache the op attends over
-the keys of the current call only, which is prefill from scratch.
+constant ``slot`` and the op hands the call to the active cache (the same idea as vLLM's forward
+context), which stores the step's keys and values in that slot and computes the attention.
+Without an active cache the op attends over the keys of the current call only, which is prefill
+from scratch. :class:`KVCache` is the contiguous cache of ``dm.generate``;
+:class:`afdc.runtime.paged.PagedBatch` is the paged one a serving engine drives.
 """
 
 from __future__ import annotations
@@ -11,10 +13,36 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
+from afdc import ops  # ops imports this module: use ops.* only at call time
+
 _LOCAL = threading.local()  # micro-batches run in threads, each with its own cache
+
+
+class AttentionCache(Protocol):
+    """What the attention op hands its call to while the cache is active.
+
+    ``attend`` stores ``k``/``v`` (``[b, hk, s, d]``) in ``slot`` and returns the attention of ``q``
+    (``[b, hq, s, d]``) over everything cached for the slot, ``[b, s, hq, dv]``. ``mask`` and
+    ``window`` are the call's own; a cache that knows better where each query's keys are (a paged
+    cache over a flat batch of requests) may ignore them.
+    """
+
+    def attend(
+        self,
+        slot: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float,
+        sinks: torch.Tensor | None,
+        window: int,
+    ) -> torch.Tensor: ...
 
 
 class KVCache:
@@ -35,14 +63,19 @@ class KVCache:
         self._keys[slot], self._values[slot] = key, value
         return key, value
 
+    def attend(self, slot, q, k, v, mask, scale, softcap, sinks, window) -> torch.Tensor:
+        """The queries are the last ``s`` of the cached keys, and the call's mask covers them all."""
+        k, v = self.update(slot, k, v)
+        return ops.reference_attention(q, k, v, mask, scale, softcap, sinks)
 
-def current() -> KVCache | None:
+
+def current() -> AttentionCache | None:
     return getattr(_LOCAL, "cache", None)
 
 
 @contextlib.contextmanager
-def active(cache: KVCache | None) -> Iterator[None]:
-    """Make ``cache`` the one attention ops read and extend (``None``: no cache)."""
+def active(cache: AttentionCache | None) -> Iterator[None]:
+    """Make ``cache`` the one attention ops hand their calls to (``None``: no cache)."""
     if cache is None:
         yield
         return

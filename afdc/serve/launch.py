@@ -77,10 +77,12 @@ def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: S
 def wait_healthy(url: str, deadline: float, alive: Callable[[], bool]) -> None:
     """Poll ``url``/health until it answers 200; ``alive`` says whether the server process still runs."""
     while True:
-        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
+        with (
+            contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+            urllib.request.urlopen(f"{url}/health", timeout=5) as r,
+        ):
+            if r.status == 200:
+                return
         if not alive():
             raise AfdcError(f"the server behind {url} exited before it became healthy; its log says why")
         if time.monotonic() > deadline:

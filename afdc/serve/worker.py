@@ -13,6 +13,7 @@ by the same worker. Sampling is vLLM's own sampler.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,7 +80,7 @@ def _micro_batches(sizes: list[int], parts: int) -> list[slice]:
         if len(bounds) < parts and acc >= total * len(bounds) / parts and i + 1 < len(sizes):
             bounds.append(i + 1)
     bounds.append(len(sizes))
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 class AfdcWorker(WorkerBase):

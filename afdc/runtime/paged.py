@@ -1,0 +1,378 @@
+"""A vLLM-style paged KV cache for the attention side.
+
+A serving engine's scheduler hands each step a flat run of tokens from many requests (prefills,
+prefill chunks after a prefix-cache hit or an earlier chunk, single-token decodes) and, per
+request, a block table naming the fixed-size cache blocks that hold its keys and values. The
+attention program runs on that flat batch as one sequence (``input_ids [1, T]``, the tokens'
+own positions as ``position_ids``) with a :class:`PagedBatch` as the active cache
+(``kv_cache.active``). Each ``afdc::attention`` call then writes its keys and values into the
+blocks and attends per request over the cached keys.
+
+The graph's mask is ignored there: it is causal over the whole flat batch, wrong across
+requests. Which keys a query reaches comes from the slot's :class:`SlotSpec` instead, and
+:func:`attention_slots` derives it by running each call site's mask computation, refusing
+masks the paged path cannot reproduce rather than serving a silently different model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx as fx
+
+from afdc.errors import UnsupportedModelError
+from afdc.ops import reference_attention
+
+_ATTENTION = torch.ops.afdc.attention.default
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """One attention call site's cache entry, and which keys its queries reach.
+
+    A query at position ``p`` reaches the keys at positions ``<= p``; with a ``window`` only
+    those in ``(p - window, p]`` (sliding window, transformers' ``kv > q - window``), or with
+    ``chunked`` only those in ``p``'s chunk ``[p // window * window, p]`` (Llama 4's chunked
+    attention). The two are told apart by the mask, not by the window size, which is the same
+    constant in the graph either way.
+    """
+
+    kv_heads: int
+    head_dim: int  # of queries and keys
+    value_dim: int
+    window: int = 0  # 0: no window
+    chunked: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunked and self.window <= 0:
+            raise ValueError("chunked attention needs a chunk size (window > 0)")
+
+    def allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Whether the query at ``q_pos`` attends to the key at ``k_pos`` (broadcast)."""
+        ok = k_pos <= q_pos
+        if self.chunked:
+            return ok & (k_pos // self.window == q_pos // self.window)
+        if self.window:
+            return ok & (k_pos > q_pos - self.window)
+        return ok
+
+
+# -- reading the slots off the attention graph ----------------------------------------------------
+
+
+def attention_slots(graph: fx.Graph) -> list[SlotSpec]:
+    """The :class:`SlotSpec` of every ``afdc::attention`` call in ``graph``, in slot order.
+
+    ``graph`` is a captured or attention-program graph (``dm.attention.module.graph``). Raises
+    :class:`UnsupportedModelError` for what the paged path cannot serve. It cannot tell from the
+    graph whether other token mixers (convolutions, recurrences) run inline; those models have
+    ``dm.incremental == False`` and must be refused by the caller.
+    """
+    nodes = list(graph.find_nodes(op="call_function", target=_ATTENTION))
+    if not nodes:
+        raise UnsupportedModelError(
+            "the graph has no afdc attention op (the model has no attention, or hard-codes it inline): nothing to page"
+        )
+    _check_incremental(graph)
+    specs: dict[int, SlotSpec] = {}
+    for node in nodes:
+        q, k, v, mask, slot, _scale, _softcap, _sinks, window = node.args
+        if slot < 0:
+            raise UnsupportedModelError(
+                "an attention call has no cache slot (slot -1: it was not numbered at capture), "
+                "so its keys and values have nowhere to go in a paged cache"
+            )
+        if slot in specs:
+            raise UnsupportedModelError(f"attention slot {slot} is used by two calls; a paged cache needs one each")
+        kv_heads, head_dim = _concrete(k, slot, "keys")
+        value_heads, value_dim = _concrete(v, slot, "values")
+        if value_heads != kv_heads or q.meta["val"].shape[1] % kv_heads:
+            raise UnsupportedModelError(
+                f"attention slot {slot}: {q.meta['val'].shape[1]} query heads over {kv_heads} key and "
+                f"{value_heads} value heads is not grouped-query attention"
+            )
+        specs[slot] = _reach(graph, mask, window, SlotSpec(kv_heads, head_dim, value_dim), slot)
+    if sorted(specs) != list(range(len(specs))):
+        raise UnsupportedModelError(f"attention slots {sorted(specs)} are not numbered 0..{len(specs) - 1}")
+    return [specs[s] for s in range(len(specs))]
+
+
+def _check_incremental(graph: fx.Graph) -> None:
+    inputs = {n.target: n.meta["val"] for n in graph.find_nodes(op="placeholder")}
+    if str(inputs["input_ids"].shape[1]) == str(inputs["attention_mask"].shape[1]):
+        raise UnsupportedModelError(
+            "the graph ties the key length to the token count (captured non-incremental: decode "
+            "recomputes the prefix), so it keeps state outside the KV cache that paging cannot hold"
+        )
+
+
+def _concrete(node: fx.Node, slot: int, what: str) -> tuple[int, int]:
+    heads, dim = node.meta["val"].shape[1], node.meta["val"].shape[3]
+    if not isinstance(heads, int) or not isinstance(dim, int):
+        raise UnsupportedModelError(f"attention slot {slot}: the {what}' head count or size is not fixed")
+    return heads, dim
+
+
+def _reach(graph: fx.Graph, mask: fx.Node | None, window: int, spec: SlotSpec, slot: int) -> SlotSpec:
+    """``spec`` with the window the call's mask applies, found by running the mask's computation
+    for 3 queries at the end of ``2 * window + 3`` keys, where causal, sliding-window and chunked
+    masks all differ (for ``window >= 2``; at 1 the last two coincide)."""
+    if mask is None:  # the op's default: causal with the queries at the end
+        return spec
+    kv = 2 * window + 3
+    q_pos, k_pos = torch.arange(kv - 3, kv)[:, None], torch.arange(kv)
+    try:
+        allowed = _run_mask(graph, mask, q_pos.shape[0], kv)
+    except Exception as err:
+        raise UnsupportedModelError(f"attention slot {slot}: could not evaluate its mask ({err})") from err
+    if allowed.dtype != torch.bool:
+        allowed = allowed == 0  # additive: 0 attends, a large negative value does not
+    candidates = [replace(spec, window=window), replace(spec, window=window, chunked=True)] if window else []
+    for candidate in [*candidates, spec]:
+        if bool((allowed.cpu() == candidate.allowed(q_pos, k_pos)).all()):
+            return candidate
+    raise UnsupportedModelError(
+        f"attention slot {slot}: its mask is neither causal nor a sliding window or chunk of {window} "
+        "over positions; the paged cache, which ignores the graph's mask, cannot reproduce it"
+    )
+
+
+def _run_mask(graph: fx.Graph, mask: fx.Node, queries: int, keys: int) -> torch.Tensor:
+    """Evaluate the nodes ``mask`` depends on for one unpadded row of ``queries`` tokens at the
+    end of ``keys`` positions."""
+    needed, stack = set(), [mask]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    sub, env = fx.Graph(), {}
+    for node in graph.nodes:
+        if node in needed:
+            env[node] = sub.node_copy(node, env.__getitem__)
+    sub.output(env[mask])
+    device = next(iter(graph.find_nodes(op="placeholder"))).meta["val"].device
+    device = torch.device("cpu") if device.type == "meta" else device
+    inputs = {
+        "input_ids": torch.zeros(1, queries, dtype=torch.long, device=device),
+        "attention_mask": torch.ones(1, keys, dtype=torch.long, device=device),
+        "position_ids": torch.arange(keys - queries, keys, device=device)[None],
+    }
+    module = fx.GraphModule(graph.owning_module or torch.nn.Module(), sub)
+    return module(*(inputs[n.target] for n in sub.find_nodes(op="placeholder")))
+
+
+# -- the cache ------------------------------------------------------------------------------------
+
+
+class PagedKVStore:
+    """Per slot, keys ``[num_blocks, block_size, kv_heads, head_dim]`` and values
+    ``[num_blocks, block_size, kv_heads, value_dim]``.
+
+    A block id names the same block in every slot, as vLLM's block tables do. ``kv`` hands over
+    existing ``(keys, values)`` per slot (a serving engine's own allocation; they must be
+    contiguous over blocks and block positions, vLLM's layout); otherwise zeroed tensors of
+    ``dtype`` on ``device`` are allocated.
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[SlotSpec],
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ):
+        self.slots = tuple(slots)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        if kv is None:
+            kv = [
+                tuple(torch.zeros(self._shape(s, dim), dtype=dtype, device=device) for dim in (s.head_dim, s.value_dim))
+                for s in self.slots
+            ]
+        if len(kv) != len(self.slots):
+            raise ValueError(f"{len(kv)} key/value pairs for {len(self.slots)} slots")
+        self.keys = [k for k, _ in kv]
+        self.values = [v for _, v in kv]
+        self.dtype, self.device = self.keys[0].dtype, self.keys[0].device
+        for i, (s, k, v) in enumerate(zip(self.slots, self.keys, self.values)):
+            self._check(k, self._shape(s, s.head_dim), f"slot {i} keys")
+            self._check(v, self._shape(s, s.value_dim), f"slot {i} values")
+        # [num_blocks * block_size, heads, dim] views: a token's cache slot indexes them directly
+        self._flat_keys = [k.view(-1, *k.shape[2:]) for k in self.keys]
+        self._flat_values = [v.view(-1, *v.shape[2:]) for v in self.values]
+
+    def _shape(self, spec: SlotSpec, dim: int) -> tuple[int, ...]:
+        return (self.num_blocks, self.block_size, spec.kv_heads, dim)
+
+    def _check(self, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+        if tuple(t.shape) != shape or t.dtype != self.dtype or t.device != self.device:
+            raise ValueError(
+                f"{what}: expected {shape} {self.dtype} on {self.device}, got {tuple(t.shape)} {t.dtype} on {t.device}"
+            )
+        if t.stride(0) != self.block_size * t.stride(1):
+            raise ValueError(f"{what}: blocks and block positions must be contiguous (one token slot index)")
+
+    def write(self, slot: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``[T, kv_heads, dim]`` keys and values at token slots ``slot_mapping`` ``[T]``."""
+        self._flat_keys[slot].index_copy_(0, slot_mapping, key.to(self.dtype))
+        self._flat_values[slot].index_copy_(0, slot_mapping, value.to(self.dtype))
+
+    def read(self, slot: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at token slots ``index`` (any shape ``S``): ``[*S, kv_heads, dim]``."""
+        return self._flat_keys[slot][index], self._flat_values[slot][index]
+
+    def zero_blocks(self, block_ids: torch.Tensor | Sequence[int]) -> None:
+        """Clear blocks in every slot (e.g. freshly allocated ones)."""
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        for t in (*self.keys, *self.values):
+            t.index_fill_(0, ids, 0)
+
+    def copy_blocks(self, pairs: torch.Tensor | Sequence[tuple[int, int]]) -> None:
+        """Copy block ``src`` to ``dst`` for each ``(src, dst)`` in every slot (copy-on-write of a
+        shared, partly filled block). Sources are read before any destination is written."""
+        src, dst = torch.as_tensor(pairs, dtype=torch.long, device=self.device).reshape(-1, 2).unbind(1)
+        for t in (*self.keys, *self.values):
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+
+class PagedBatch:
+    """One step (or one micro-batch of a step) over a :class:`PagedKVStore`: the context to make
+    active with ``kv_cache.active`` while the attention program runs on the step's tokens.
+
+    ``block_table [R, max_blocks]`` holds request ``r``'s block ids, ``context_lens [R]`` how many
+    of its tokens are cached already (prefix-cache hits, earlier chunks, decoded tokens), and
+    ``query_lens [R]`` (each >= 1) how many it has in this step. The step's ``T`` tokens are
+    request 0's, then request 1's, ...; token ``i`` of request ``r`` sits at position
+    ``context_lens[r] + i``. Run the program on ``input_ids [1, T]``, ``attention_mask =
+    ones [1, T]`` and ``position_ids =`` :attr:`positions`.
+
+    The index tensors every layer uses are built here once; the only host sync is for the
+    step's sizes.
+    """
+
+    def __init__(
+        self, store: PagedKVStore, block_table: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor
+    ):
+        device = store.device
+        self.store = store
+        self.block_table = block_table.to(device, torch.long)
+        self.context_lens = context_lens.to(device, torch.long)
+        self.query_lens = query_lens.to(device, torch.long)
+        self.seq_lens = self.context_lens + self.query_lens
+        q_lens, ctx_lens = self.query_lens, self.context_lens
+        sizes = torch.stack([q_lens.sum(), q_lens.max(), self.seq_lens.max(), q_lens.min(), ctx_lens.min()])
+        self.num_tokens, self.max_query_len, self.max_seq_len, min_query, min_context = sizes.tolist()
+        self._check(min_query, min_context)
+        requests, bs, max_q = self.query_lens.shape[0], store.block_size, self.max_query_len
+
+        request = torch.repeat_interleave(
+            torch.arange(requests, device=device), self.query_lens, output_size=self.num_tokens
+        )
+        offset = torch.arange(self.num_tokens, device=device) - (self.query_lens.cumsum(0) - self.query_lens)[request]
+        positions = self.context_lens[request] + offset
+        self.positions = positions[None]  # [1, T]: the program's position_ids
+        self.slot_mapping = self.block_table[request, positions // bs] * bs + positions % bs  # [T]
+        self._query_index = request * max_q + offset  # token -> row of the padded [R * max_q] queries
+
+        k_pos = torch.arange(self.max_seq_len, device=device)
+        key_valid = k_pos < self.seq_lens[:, None]
+        # pad keys point at slot 0 and are zeroed after the gather: unwritten cache memory could
+        # hold NaN, which a masked-out key still spreads through softmax and the value product
+        self._key_index = torch.where(key_valid, self.block_table[:, k_pos // bs] * bs + k_pos % bs, 0)
+        self._key_pad = ~key_valid[..., None, None]
+        q_pos = self.context_lens[:, None] + torch.arange(max_q, device=device)
+        self._masks = {  # per distinct reach, [R, 1, max_q, max_kv]
+            _reach_key(s): s.allowed(q_pos[:, None, :, None], k_pos) for s in set(store.slots)
+        }
+        self._kernel = paged_attention_impl(device.type)
+
+    def _check(self, min_query: int, min_context: int) -> None:
+        requests = self.query_lens.shape[0]
+        if self.context_lens.shape != (requests,) or self.block_table.shape[0] != requests:
+            raise ValueError(
+                f"{requests} query lengths, {tuple(self.context_lens.shape)} context lengths and "
+                f"{tuple(self.block_table.shape)} block table rows: one each per request"
+            )
+        if min_query < 1 or min_context < 0:
+            raise ValueError("every request needs at least one token this step and no negative context")
+        if self.block_table.shape[1] * self.store.block_size < self.max_seq_len:
+            raise ValueError(
+                f"a request reaches {self.max_seq_len} tokens; {self.block_table.shape[1]} blocks of "
+                f"{self.store.block_size} do not hold them"
+            )
+
+    def attend(self, slot, q, k, v, mask, scale, softcap, sinks, window) -> torch.Tensor:
+        """The ``kv_cache`` entry point: store the step's keys and values, attend per request.
+
+        ``mask`` and ``window`` are ignored; the slot's :class:`SlotSpec` says what each query
+        reaches. ``q`` is ``[1, hq, T, d]``; returns ``[1, T, hq, dv]``.
+        """
+        if q.shape[0] != 1 or q.shape[2] != self.num_tokens:
+            raise ValueError(
+                f"a paged step runs its {self.num_tokens} tokens as one flat row; the attention got "
+                f"queries {tuple(q.shape)}"
+            )
+        self.store.write(slot, self.slot_mapping, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        return self._kernel(self, slot, q, scale, softcap, sinks)
+
+    # the padded per-request layout the torch implementation attends in
+
+    def padded_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``[1, hq, T, d]`` -> ``[R, hq, max_q, d]``, zeros past each request's tokens."""
+        tokens = q[0].transpose(0, 1)
+        padded = tokens.new_zeros(self.query_lens.shape[0] * self.max_query_len, *tokens.shape[1:])
+        padded[self._query_index] = tokens
+        return padded.unflatten(0, (-1, self.max_query_len)).transpose(1, 2)
+
+    def padded_keys(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's cached keys and values, ``[R, hk, max_kv, d]``, zeros past its length."""
+        keys, values = self.store.read(slot, self._key_index)
+        return tuple(t.masked_fill(self._key_pad, 0).transpose(1, 2) for t in (keys, values))
+
+    def mask(self, slot: int) -> torch.Tensor:
+        """``[R, 1, max_q, max_kv]``: which cached keys each (padded) query attends to."""
+        return self._masks[_reach_key(self.store.slots[slot])]
+
+    def unpad(self, out: torch.Tensor) -> torch.Tensor:
+        """``[R, max_q, hq, dv]`` -> the flat ``[1, T, hq, dv]``."""
+        return out.flatten(0, 1)[self._query_index][None]
+
+
+def _reach_key(spec: SlotSpec) -> tuple[int, bool]:
+    return spec.window, spec.chunked
+
+
+# -- kernels --------------------------------------------------------------------------------------
+
+# (batch, slot, q [1, hq, T, d], scale, softcap, sinks) -> [1, T, hq, dv], called once the step's
+# keys and values are in the store; reads what it needs from the batch (block table, lengths,
+# slot_mapping, the slot's SlotSpec) and the store's tensors.
+PagedAttention = Callable[[PagedBatch, int, torch.Tensor, float, float, torch.Tensor | None], torch.Tensor]
+
+_KERNELS: dict[str, PagedAttention] = {}
+
+
+def torch_paged_attention(
+    batch: PagedBatch, slot: int, q: torch.Tensor, scale: float, softcap: float, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """The default on every device: gather each request's keys into a padded batch and run
+    :func:`afdc.ops.reference_attention` on it with a per-request mask."""
+    keys, values = batch.padded_keys(slot)
+    out = reference_attention(
+        batch.padded_queries(q), keys.to(q.dtype), values.to(q.dtype), batch.mask(slot), scale, softcap, sinks
+    )
+    return batch.unpad(out)
+
+
+def register_paged_attention(device_type: str, kernel: PagedAttention) -> None:
+    """Use ``kernel`` for batches whose store is on ``device_type`` (e.g. a Triton kernel for
+    ``"cuda"``); batches built afterwards pick it up."""
+    _KERNELS[device_type] = kernel
+
+
+def paged_attention_impl(device_type: str) -> PagedAttention:
+    return _KERNELS.get(device_type, torch_paged_attention)

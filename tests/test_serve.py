@@ -1,0 +1,222 @@
+"""Serving under vLLM with real servers: the official ``openai`` client against ``afdc up``.
+
+Greedy completions and chat completions (streamed too) equal ``dm.generate`` of the same
+artifact, for a dense and a MoE model under 1A1F and 2A2F; a small KV pool exercises prefix
+caching and preemption; 200 requests with 32 in flight all complete; bad requests get a 400.
+Skipped where vLLM is not installed (``pip install -e ".[serve]"``); CI installs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+import afdc  # noqa: E402
+from afdc.compile import compile_model  # noqa: E402
+from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
+from afdc.runtime.rendezvous import free_port  # noqa: E402
+from afdc.serve.launch import Deployment  # noqa: E402
+from afdc.serve.settings import WorkerSettings  # noqa: E402
+
+NEW_TOKENS = 6
+PROMPTS = [[5, 17, 99, 230], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300], [42], [260, 261, 262, 263, 264, 265]]
+STARTUP = 240.0
+
+
+def _save_dense(directory: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    demo_tokenizer(config.vocab_size).save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    _save_dense(root / "dense")
+    save_demo(root / "moe")
+    return root
+
+
+def _artifact(models: Path, kind: str, plan: str) -> Path:
+    out = models / f"{kind}-{plan}"
+    if not out.exists():
+        compile_model(str(models / kind), plan, out, progress=False)
+    return out
+
+
+def _reference(artifact: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """Greedy tokens of the same artifact run by afdc's own runtime (no eos: the requests ignore it)."""
+    dm = afdc.load_deployment(artifact)
+    out = []
+    for p in prompts:  # one by one: no padding, as the server sees them
+        ids = torch.tensor([p])
+        out.append(dm.generate(ids, max_new_tokens=new_tokens, eos_token_id=[])[0, len(p):].tolist())
+    return out
+
+
+@contextlib.contextmanager
+def _serving(artifact: Path, connector: str, tmp: Path, vllm_args: tuple[str, ...] = ()):
+    settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}", timeout=60)
+    d = Deployment(artifact, settings, port=free_port(), vllm_args=("--max-model-len", "128", *vllm_args),
+                   log_dir=tmp)
+    try:
+        urls = d.start(STARTUP, print)
+        yield [openai.OpenAI(base_url=f"{u}/v1", api_key="none", timeout=120) for u in urls]
+    finally:
+        d.stop()
+
+
+def _complete(client, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    model = client.models.list().data[0].id
+    r = client.completions.create(
+        model=model, prompt=prompt, max_tokens=n, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length"
+    return _token_ids(client, r.choices[0].logprobs.tokens)
+
+
+def _token_ids(client, tokens: list[str]) -> list[int]:
+    """Completion logprobs name tokens as ``token_id:N`` when asked (vLLM's return_tokens_as_token_ids)."""
+    return [int(re.fullmatch(r"token_id:(\d+)", t).group(1)) for t in tokens]
+
+
+@pytest.mark.parametrize(("kind", "plan", "connector"), [("dense", "1A1F", "shm"), ("dense", "2A2F", "gloo"),
+                                                          ("moe", "2A2F", "shm")])
+def test_completions_and_chat_equal_afdc_generate(models, tmp_path, kind, plan, connector):
+    artifact = _artifact(models, kind, plan)
+    ref = _reference(artifact, PROMPTS)
+    tokenizer = demo_tokenizer()
+    chat = [{"role": "user", "content": "Hello, how are you today?"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    chat_ids = tokenizer(text, add_special_tokens=False).input_ids
+    chat_ref = tokenizer.decode(_reference(artifact, [chat_ids])[0], skip_special_tokens=True)
+    with _serving(artifact, connector, tmp_path, ("--return-tokens-as-token-ids",)) as clients:
+        # concurrent requests, spread over the attention ranks: they share vLLM batches
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda i: _complete(clients[i % len(clients)], PROMPTS[i]), range(len(PROMPTS))))
+        assert got == ref
+        for client in clients:
+            model = client.models.list().data[0].id
+            kwargs = dict(model=model, messages=chat, max_tokens=NEW_TOKENS, temperature=0,
+                          extra_body={"ignore_eos": True, "skip_special_tokens": True})
+            text = client.chat.completions.create(**kwargs).choices[0].message.content
+            streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                stream=True, **kwargs) if c.choices)
+            assert text == streamed == chat_ref
+
+
+def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
+    """A KV pool of 10 blocks of 16 tokens for 8 concurrent 40-token requests sharing a 32-token
+    prefix: vLLM must reuse cached prefix blocks and preempt requests, and outputs stay the same."""
+    artifact = _artifact(models, "moe", "1A1F")
+    prefix = list(range(100, 132))
+    prompts = [prefix + [200 + i] * (1 + i % 4) for i in range(8)]
+    ref = _reference(artifact, prompts, 12)
+    args = ("--return-tokens-as-token-ids", "--enable-prefix-caching", "--block-size", "16",
+            "--num-gpu-blocks-override", "10", "--max-num-seqs", "8")
+    with _serving(artifact, "shm", tmp_path, args) as (client,):
+        _complete(client, prompts[0], 12)  # fills the prefix blocks
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: _complete(client, p, 12), prompts))
+        metrics = urllib.request.urlopen(str(client.base_url).removesuffix("/v1/") + "/metrics").read().decode()
+    assert got == ref
+
+    def counter(name: str) -> float:
+        return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", metrics, re.M))
+
+    assert counter("vllm:prefix_cache_hits_total") > 0
+    assert counter("vllm:num_preemptions_total") > 0
+
+
+def test_load_and_bad_requests(models, tmp_path):
+    artifact = _artifact(models, "moe", "1A1F")
+    with _serving(artifact, "shm", tmp_path, ("--max-num-seqs", "32")) as (client,):
+        model = client.models.list().data[0].id
+        g = torch.Generator().manual_seed(0)
+
+        def one(i: int):
+            prompt = torch.randint(3, 500, (int(torch.randint(1, 24, (1,), generator=g)),), generator=g).tolist()
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0.8, seed=i,
+                                          extra_body={"ignore_eos": True})
+            return r.choices[0].finish_reason, r.usage.completion_tokens
+
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(one, range(200)))
+        assert results == [("length", 4)] * 200
+
+        with pytest.raises(openai.BadRequestError, match=r"maximum context length|max_model_len|longer than"):
+            client.completions.create(model=model, prompt=[5] * 200, max_tokens=4)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=model, prompt=[5, 6], max_tokens=4, temperature=-1)
+        with pytest.raises(openai.BadRequestError, match="min_p"):
+            client.completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body={"min_p": 0.1})
+
+
+def test_up_demo_serves_the_demo_model(tmp_path):
+    """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model."""
+    port = free_port()
+    env = {**os.environ, "AFDC_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "afdc.cli", "up", "--demo", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+         "--", "--max-model-len", "128", "--return-tokens-as-token-ids"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready:") or proc.poll() is not None:
+                break
+        assert f"ready: OpenAI API at http://127.0.0.1:{port}/v1" in "".join(lines), "".join(lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
+        artifact = tmp_path / "cache" / "demo" / "artifact-1a1f"
+        assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, "".join(lines) + out
+    assert "stopping every role" in out
+
+
+def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "afdc.cli", "serve", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    r = serve(str(tmp_path / "nothing"), "--role", "attn", "--connector", "loopback")
+    assert r.returncode == 2 and "is not a directory" in r.stderr
+    artifact = _artifact(models, "dense", "1A1F")
+    r = serve(str(artifact), "--role", "attn", "--rank", "3", "--rendezvous", "127.0.0.1:1")
+    assert r.returncode == 2 and "1 attn ranks (0..0); rank 3 is not one" in r.stderr
+    r = serve(str(artifact), "--role", "attn")
+    assert r.returncode == 2 and "--rendezvous" in r.stderr
+    plan_only = tmp_path / "plan-only"
+    compile_model(str(models / "dense" / "config.json"), "1A1F", plan_only, weights=False, progress=False)
+    r = serve(str(plan_only), "--role", "attn", "--connector", "loopback")
+    assert r.returncode == 2 and "no model config and tokenizer" in r.stderr
+
+
+def test_settings_round_trip_through_the_environment(monkeypatch):
+    s = WorkerSettings("/a", rank=1, connector="shm", rendezvous="h:1", micro_batches=2)
+    for k, v in s.to_env().items():
+        monkeypatch.setenv(k, v)
+    assert WorkerSettings.from_env() == s
