@@ -86,7 +86,7 @@ def demo_artifact(cache: str | None = None, say=print):
     from afdc.compile import compile_model
 
     root = Path(cache or os.environ.get("AFDC_CACHE", Path.home() / ".cache" / "afdc")) / "demo"
-    artifact = root / "artifact-1a1f"
+    artifact = root / "afdc-demo"  # the served model name
     if (artifact / "manifest.json").is_file():
         say(f"using the demo artifact in {artifact}")
         return artifact

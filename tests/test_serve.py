@@ -125,18 +125,19 @@ def test_completions_and_chat_equal_afdc_generate(models, tmp_path, kind, plan, 
 
 
 def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
-    """A KV pool of 10 blocks of 16 tokens for 8 concurrent 40-token requests sharing a 32-token
-    prefix: vLLM must reuse cached prefix blocks and preempt requests, and outputs stay the same."""
+    """A KV pool of 10 blocks of 16 tokens for 8 concurrent requests sharing a 32-token prefix,
+    each growing past 48 tokens while decoding: vLLM must reuse the cached prefix blocks and
+    preempt requests to free blocks, and the outputs stay the same."""
     artifact = _artifact(models, "moe", "1A1F")
     prefix = list(range(100, 132))
     prompts = [prefix + [200 + i] * (1 + i % 4) for i in range(8)]
-    ref = _reference(artifact, prompts, 12)
+    ref = _reference(artifact, prompts, 24)
     args = ("--return-tokens-as-token-ids", "--enable-prefix-caching", "--block-size", "16",
             "--num-gpu-blocks-override", "10", "--max-num-seqs", "8")
     with _serving(artifact, "shm", tmp_path, args) as (client,):
-        _complete(client, prompts[0], 12)  # fills the prefix blocks
+        _complete(client, prompts[0], 24)  # fills the prefix blocks
         with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda p: _complete(client, p, 12), prompts))
+            got = list(pool.map(lambda p: _complete(client, p, 24), prompts))
         metrics = urllib.request.urlopen(str(client.base_url).removesuffix("/v1/") + "/metrics").read().decode()
     assert got == ref
 
@@ -188,7 +189,8 @@ def test_up_demo_serves_the_demo_model(tmp_path):
                 break
         assert f"ready: OpenAI API at http://127.0.0.1:{port}/v1" in "".join(lines), "".join(lines)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
-        artifact = tmp_path / "cache" / "demo" / "artifact-1a1f"
+        artifact = tmp_path / "cache" / "demo" / "afdc-demo"
+        assert client.models.list().data[0].id == "afdc-demo"
         assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
     finally:
         proc.send_signal(signal.SIGINT)

@@ -60,7 +60,7 @@ def attention_command(
     argv = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
         "--host", host, "--port", str(port),
-        "--served-model-name", manifest.source.model,
+        "--served-model-name", directory.resolve().name,
         "--dtype", _DTYPES.get(manifest.plan.dtype or "", "auto"),
         *vllm_args,
     ]

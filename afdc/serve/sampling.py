@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, SamplingType
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
@@ -29,12 +30,14 @@ _UNSUPPORTED = {
 
 
 def refuse_unsupported(params) -> None:
-    """Raise ``ValueError`` (an HTTP 400 from vLLM's server) for what the worker cannot apply."""
+    """Raise vLLM's validation error (an HTTP 400) for what the worker cannot apply."""
     if not isinstance(params, SamplingParams):
-        raise ValueError("afdc serves text generation only (no pooling or embedding requests)")
+        raise VLLMValidationError("afdc serves text generation only (no pooling or embedding requests)")
     used = [name for name, off in _UNSUPPORTED.items() if getattr(params, name, off) not in (off, [], {})]
     if used:
-        raise ValueError(f"afdc's vLLM worker does not support {', '.join(used)} yet; leave them unset")
+        raise VLLMValidationError(
+            f"afdc's vLLM worker does not support {', '.join(used)} yet; leave them unset", parameter=used[0]
+        )
 
 
 @dataclass
