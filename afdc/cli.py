@@ -210,10 +210,14 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
             for url in urls:
                 click.echo(f"ready: OpenAI API at {url}/v1")
             click.echo("Ctrl-C stops every role")
-            while not stop and (gone := deployment.failed()) is None:
+            while not stop:
+                gone = deployment.failed()
+                if gone is not None and not gone.startswith("ffn"):
+                    raise AfdcError(f"{gone} exited; stopping the other roles")
+                if gone is not None:  # stateless: the attention ranks regroup with the new process
+                    click.echo(f"{gone} exited (code {deployment.processes[gone].returncode}); restarting it")
+                    deployment.restart(gone)
                 time.sleep(0.5)
-            if not stop:
-                raise AfdcError(f"role {gone} exited; stopping the others")
         finally:
             click.echo("stopping every role")
             deployment.stop()

@@ -14,6 +14,8 @@ import re
 import signal
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +30,7 @@ import afdc  # noqa: E402
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
 from afdc.runtime.rendezvous import free_port  # noqa: E402
-from afdc.serve.launch import Deployment  # noqa: E402
+from afdc.serve.launch import Deployment, wait_healthy  # noqa: E402
 from afdc.serve.settings import WorkerSettings  # noqa: E402
 
 NEW_TOKENS = 6
@@ -80,7 +82,7 @@ def _serving(artifact: Path, connector: str, tmp: Path, vllm_args: tuple[str, ..
                    log_dir=tmp)
     try:
         urls = d.start(STARTUP, print)
-        yield [openai.OpenAI(base_url=f"{u}/v1", api_key="none", timeout=120) for u in urls]
+        yield [openai.OpenAI(base_url=f"{u}/v1", api_key="none", timeout=120) for u in urls], d
     finally:
         d.stop()
 
@@ -109,7 +111,7 @@ def test_completions_and_chat_equal_afdc_generate(models, tmp_path, kind, plan, 
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     chat_ids = tokenizer(text, add_special_tokens=False).input_ids
     chat_ref = tokenizer.decode(_reference(artifact, [chat_ids])[0], skip_special_tokens=True)
-    with _serving(artifact, connector, tmp_path, ("--return-tokens-as-token-ids",)) as clients:
+    with _serving(artifact, connector, tmp_path, ("--return-tokens-as-token-ids",)) as (clients, _):
         # concurrent requests, spread over the attention ranks: they share vLLM batches
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda i: _complete(clients[i % len(clients)], PROMPTS[i]), range(len(PROMPTS))))
@@ -134,7 +136,7 @@ def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
     ref = _reference(artifact, prompts, 24)
     args = ("--return-tokens-as-token-ids", "--enable-prefix-caching", "--block-size", "16",
             "--num-gpu-blocks-override", "10", "--max-num-seqs", "8")
-    with _serving(artifact, "shm", tmp_path, args) as (client,):
+    with _serving(artifact, "shm", tmp_path, args) as ((client,), _):
         _complete(client, prompts[0], 24)  # fills the prefix blocks
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda p: _complete(client, p, 24), prompts))
@@ -150,7 +152,7 @@ def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
 
 def test_load_and_bad_requests(models, tmp_path):
     artifact = _artifact(models, "moe", "1A1F")
-    with _serving(artifact, "shm", tmp_path, ("--max-num-seqs", "32")) as (client,):
+    with _serving(artifact, "shm", tmp_path, ("--max-num-seqs", "32")) as ((client,), _):
         model = client.models.list().data[0].id
         g = torch.Generator().manual_seed(0)
 
@@ -170,6 +172,31 @@ def test_load_and_bad_requests(models, tmp_path):
             client.completions.create(model=model, prompt=[5, 6], max_tokens=4, temperature=-1)
         with pytest.raises(openai.BadRequestError, match="min_p"):
             client.completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body={"min_p": 0.1})
+
+
+def test_ffn_rank_lost_mid_request(models, tmp_path):
+    """SIGKILL the FFN rank while a request decodes: that request ends with a 503 naming the
+    lost rank, /health is 503 until the rank is restarted, then requests are served again."""
+    artifact = _artifact(models, "moe", "1A1F")
+    ref = _reference(artifact, [PROMPTS[0]])[0]
+    with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",)) as ((client,), d):
+        client = client.with_options(max_retries=0)
+        model = client.models.list().data[0].id
+        url = str(client.base_url).removesuffix("/v1/")
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(client.completions.create, model=model, prompt=PROMPTS[0], max_tokens=120,
+                               temperature=0, extra_body={"ignore_eos": True})
+            time.sleep(1.0)
+            d.processes["ffn-0"].kill()
+            with pytest.raises(openai.APIStatusError) as lost:
+                long.result(timeout=60)
+        assert lost.value.status_code == 503 and "ffn rank 0" in str(lost.value)
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"{url}/health")
+        assert health.value.code == 503 and b"ffn rank 0" in health.value.read()
+        d.restart("ffn-0")
+        wait_healthy(url, time.monotonic() + STARTUP, lambda: True)
+        assert _complete(client, PROMPTS[0]) == ref
 
 
 def test_up_demo_serves_the_demo_model(tmp_path):

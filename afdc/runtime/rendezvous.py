@@ -220,5 +220,14 @@ class Rendezvous:
             return None
         return member
 
+    def report_health(self, role: str, rank: int, problem: str) -> None:
+        """Publish what keeps ``role`` rank ``rank`` from serving ("" once it serves again)."""
+        self.store.set(f"health/{role}/{rank}", problem)
+
+    def health(self, role: str, rank: int) -> str:
+        """The problem ``role`` rank ``rank`` last reported; "" when healthy or never reported."""
+        key = f"health/{role}/{rank}"
+        return self.store.get(key).decode() if self.store.check([key]) else ""
+
     def prefixed(self, generation: int, name: str) -> dist.Store:
         return dist.PrefixStore(f"g{generation}/{name}/", self.store)

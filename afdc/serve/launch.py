@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from afdc.errors import AfdcError
+from afdc.serve.health import MIDDLEWARE
 from afdc.serve.settings import WorkerSettings
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -62,6 +63,7 @@ def attention_command(
         "--host", host, "--port", str(port),
         "--served-model-name", directory.resolve().name,
         "--dtype", _DTYPES.get(manifest.plan.dtype or "", "auto"),
+        "--middleware", MIDDLEWARE,
         *vllm_args,
     ]
     return argv, {**os.environ, **settings.to_env()}
@@ -103,13 +105,21 @@ class Deployment:
 
     def __post_init__(self) -> None:
         self.processes: dict[str, subprocess.Popen] = {}
+        self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
 
     def urls(self, attention_ranks: int) -> list[str]:
         return [f"http://{self.host}:{self.port + i}" for i in range(attention_ranks)]
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else None  # noqa: SIM115 (lives with the child)
+        out = open(self.log_dir / f"{name}.log", "a") if self.log_dir else None  # noqa: SIM115 (lives with the child)
         self.processes[name] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        self._commands[name] = (argv, env)
+
+    def restart(self, name: str) -> None:
+        """Start role ``name`` (e.g. ``ffn-0``) again after it exited; the attention ranks regroup with it."""
+        if self.processes[name].poll() is None:
+            raise AfdcError(f"{name} is still running")
+        self._spawn(name, *self._commands[name])
 
     def start(self, startup_timeout: float, say: Callable[[str], None]) -> list[str]:
         from afdc.artifact.manifest import read_manifest

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.paged import PagedBatch, PagedKVStore, SlotSpec, attention_slots
-from afdc.runtime.rendezvous import Rendezvous
+from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
 from afdc.serve.sampling import SamplingRequest, new_generator, sampling_metadata
 from afdc.serve.settings import WorkerSettings
 
@@ -92,6 +93,7 @@ class AfdcWorker(WorkerBase):
         self.sampler = Sampler()
         self._pending: tuple | None = None  # (scheduler output, requests, last-token logits) awaiting sampling
         self._store_host: Rendezvous | None = None
+        self._problem = ""  # what keeps this rank from serving, as last reported
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -224,13 +226,40 @@ class AfdcWorker(WorkerBase):
         for r in scheduled:
             r.scheduled = so.num_scheduled_tokens[r.id]
         groups = _micro_batches([r.scheduled for r in scheduled], self.micro_batches)
-        outputs, _ = self.attention.run(self.attention.begin_step(), [self._micro_batch(scheduled[g]) for g in groups])
+        outputs = self._run([self._micro_batch(scheduled[g]) for g in groups])
         last = torch.cat([
             out.logits[0, torch.tensor([r.scheduled for r in scheduled[g]]).cumsum(0) - 1]
             for g, out in zip(groups, outputs)
         ])
         self._pending = (so, scheduled, last)
         return None
+
+    def _run(self, batches: list[MicroBatch]) -> list:
+        """Run the step; while an FFN rank is lost, report it and run the step again once the rank
+        is back. A rerun rewrites the same cache slots with the same keys and values, so a step cut
+        short at any layer is safe to repeat. The HTTP side (:mod:`afdc.serve.health`) fails the
+        requests meanwhile with a 503 naming the problem; their aborts reach the scheduler after."""
+        deadline = time.monotonic() + self.settings.recovery_timeout
+        while True:
+            try:
+                outputs, _ = self.attention.run(self.attention.begin_step(), batches)
+            except (PeerLost, RendezvousError) as err:
+                if time.monotonic() > deadline:
+                    raise
+                self._report(str(err))
+                time.sleep(self.settings.timeout / 10)
+                continue
+            self._report("")
+            return outputs
+
+    def _report(self, problem: str) -> None:
+        if problem != self._problem:
+            if problem:
+                logger.error("afdc: attention rank %d cannot serve: %s; retrying", self.settings.rank, problem)
+            else:
+                logger.info("afdc: attention rank %d reaches every FFN rank again", self.settings.rank)
+            self.attention.endpoint.rendezvous.report_health("attn", self.settings.rank, problem)
+            self._problem = problem
 
     def _micro_batch(self, requests: list[Request]) -> MicroBatch:
         ids = torch.tensor([t for r in requests for t in r.tokens[r.computed:r.computed + r.scheduled]])[None]
