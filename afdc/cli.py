@@ -161,7 +161,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
 @click.argument("artifact", required=False, type=click.Path(file_okay=False))
 @click.option("--demo", is_flag=True, help="Build the tiny demo MoE model, compile it 1A1F and serve it.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the OpenAI servers bind.")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port of attention rank 0 (rank i: +i).")
+@click.option("--port", type=int, default=8000, show_default=True,
+              help="Port of the OpenAI API (several attention ranks serve on the next ports, behind a router).")
 @click.option("--connector", type=click.Choice(["shm", "gloo", "loopback"]), default="shm", show_default=True,
               help="Transport between the roles (loopback: monolithic, no FFN processes).")
 @click.option("--device", default="cpu", show_default=True, help="Device every role runs on.")
@@ -206,9 +207,8 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.append(True))
         try:
-            urls = deployment.start(startup_timeout, click.echo)
-            for url in urls:
-                click.echo(f"ready: OpenAI API at {url}/v1")
+            url = deployment.start(startup_timeout, click.echo)
+            click.echo(f"ready: OpenAI API at {url}/v1")
             click.echo("Ctrl-C stops every role")
             while not stop:
                 gone = deployment.failed()

@@ -81,8 +81,8 @@ def _serving(artifact: Path, connector: str, tmp: Path, vllm_args: tuple[str, ..
     d = Deployment(artifact, settings, port=free_port(), vllm_args=("--max-model-len", "128", *vllm_args),
                    log_dir=tmp)
     try:
-        urls = d.start(STARTUP, print)
-        yield [openai.OpenAI(base_url=f"{u}/v1", api_key="none", timeout=120) for u in urls], d
+        url = d.start(STARTUP, print)
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120), d
     finally:
         d.stop()
 
@@ -111,19 +111,22 @@ def test_completions_and_chat_equal_afdc_generate(models, tmp_path, kind, plan, 
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     chat_ids = tokenizer(text, add_special_tokens=False).input_ids
     chat_ref = tokenizer.decode(_reference(artifact, [chat_ids])[0], skip_special_tokens=True)
-    with _serving(artifact, connector, tmp_path, ("--return-tokens-as-token-ids",)) as (clients, _):
-        # concurrent requests, spread over the attention ranks: they share vLLM batches
+    with _serving(artifact, connector, tmp_path, ("--return-tokens-as-token-ids",)) as (client, _):
+        # concurrent requests: they share vLLM batches, and under 2A2F the router spreads them
         with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda i: _complete(clients[i % len(clients)], PROMPTS[i]), range(len(PROMPTS))))
-        assert got == ref
-        for client in clients:
-            model = client.models.list().data[0].id
-            kwargs = dict(model=model, messages=chat, max_tokens=NEW_TOKENS, temperature=0,
-                          extra_body={"ignore_eos": True, "skip_special_tokens": True})
-            text = client.chat.completions.create(**kwargs).choices[0].message.content
-            streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                stream=True, **kwargs) if c.choices)
-            assert text == streamed == chat_ref
+            got = list(pool.map(lambda p: _complete(client, p), PROMPTS * 2))
+        assert got == ref * 2
+        model = client.models.list().data[0].id
+        kwargs = dict(model=model, messages=chat, max_tokens=NEW_TOKENS, temperature=0,
+                      extra_body={"ignore_eos": True, "skip_special_tokens": True})
+        text = client.chat.completions.create(**kwargs).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            stream=True, **kwargs) if c.choices)
+        assert text == streamed == chat_ref
+        if plan == "2A2F":  # both attention ranks served some of the requests
+            for rank in range(2):
+                log = (tmp_path / f"attn-{rank}.log").read_text()
+                assert log.count("POST /v1/completions") > 0, f"attention rank {rank} got no request"
 
 
 def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
@@ -136,7 +139,7 @@ def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
     ref = _reference(artifact, prompts, 24)
     args = ("--return-tokens-as-token-ids", "--enable-prefix-caching", "--block-size", "16",
             "--num-gpu-blocks-override", "10", "--max-num-seqs", "8")
-    with _serving(artifact, "shm", tmp_path, args) as ((client,), _):
+    with _serving(artifact, "shm", tmp_path, args) as (client, _):
         _complete(client, prompts[0], 24)  # fills the prefix blocks
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda p: _complete(client, p, 24), prompts))
@@ -152,7 +155,7 @@ def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
 
 def test_load_and_bad_requests(models, tmp_path):
     artifact = _artifact(models, "moe", "1A1F")
-    with _serving(artifact, "shm", tmp_path, ("--max-num-seqs", "32")) as ((client,), _):
+    with _serving(artifact, "shm", tmp_path, ("--max-num-seqs", "32")) as (client, _):
         model = client.models.list().data[0].id
         g = torch.Generator().manual_seed(0)
 
@@ -179,7 +182,7 @@ def test_ffn_rank_lost_mid_request(models, tmp_path):
     lost rank, /health is 503 until the rank is restarted, then requests are served again."""
     artifact = _artifact(models, "moe", "1A1F")
     ref = _reference(artifact, [PROMPTS[0]])[0]
-    with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",)) as ((client,), d):
+    with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",)) as (client, d):
         client = client.with_options(max_retries=0)
         model = client.models.list().data[0].id
         url = str(client.base_url).removesuffix("/v1/")

@@ -99,16 +99,13 @@ class Deployment:
     artifact: Path
     settings: WorkerSettings  # the attention ranks' settings (rank filled in per rank)
     host: str = "127.0.0.1"
-    port: int = 8000  # attention rank i serves on port + i
+    port: int = 8000  # the OpenAI API (with several attention ranks, rank i serves on port + 1 + i)
     vllm_args: Sequence[str] = ()
     log_dir: Path | None = None  # each role's output goes to a file there; None: this terminal
 
     def __post_init__(self) -> None:
         self.processes: dict[str, subprocess.Popen] = {}
         self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
-
-    def urls(self, attention_ranks: int) -> list[str]:
-        return [f"http://{self.host}:{self.port + i}" for i in range(attention_ranks)]
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         out = open(self.log_dir / f"{name}.log", "a") if self.log_dir else None  # noqa: SIM115 (lives with the child)
@@ -121,7 +118,8 @@ class Deployment:
             raise AfdcError(f"{name} is still running")
         self._spawn(name, *self._commands[name])
 
-    def start(self, startup_timeout: float, say: Callable[[str], None]) -> list[str]:
+    def start(self, startup_timeout: float, say: Callable[[str], None]) -> str:
+        """Start every role and wait until the OpenAI API answers; returns its URL."""
         from afdc.artifact.manifest import read_manifest
 
         plan = read_manifest(self.artifact).plan
@@ -135,18 +133,27 @@ class Deployment:
                     "--rendezvous", s.rendezvous, "--connector", s.connector, "--timeout", str(s.timeout),
                     "--join-timeout", str(s.join_timeout), "--device", s.device,
                 ], env)
-        urls = self.urls(plan.attention_ranks)
-        for a, url in enumerate(urls):
-            say(f"starting attention rank {a} of {plan.attention_ranks} (vLLM engine) on {url}")
+        # one rank serves on --port itself; several serve beside it, behind a router on --port
+        ports = [self.port] if plan.attention_ranks == 1 else [self.port + 1 + a for a in range(plan.attention_ranks)]
+        for a, port in enumerate(ports):
+            say(f"starting attention rank {a} of {plan.attention_ranks} (vLLM engine) on port {port}")
             settings = replace(s, rank=a, host_rendezvous=a == 0 and s.connector != "loopback", token=None)
-            argv, _ = attention_command(settings, self.host, self.port + a, self.vllm_args)
+            argv, _ = attention_command(settings, self.host, port, self.vllm_args)
             self._spawn(f"attn-{a}", argv, {**env, **settings.to_env()})
         deadline = time.monotonic() + startup_timeout
-        for a, url in enumerate(urls):
+        for a, port in enumerate(ports):
             proc = self.processes[f"attn-{a}"]
-            wait_healthy(url, deadline, lambda proc=proc: proc.poll() is None)
+            wait_healthy(f"http://{self.host}:{port}", deadline, lambda proc=proc: proc.poll() is None)
             say(f"attention rank {a} is ready")
-        return urls
+        url = f"http://{self.host}:{self.port}"
+        if len(ports) > 1:
+            backends = [a for port in ports for a in ("--backend", f"http://{self.host}:{port}")]
+            self._spawn("router", [sys.executable, "-m", "afdc.serve.router", "--host", self.host,
+                                   "--port", str(self.port), *backends], env)
+            router = self.processes["router"]
+            wait_healthy(url, deadline, lambda: router.poll() is None)
+            say(f"router on port {self.port} sends each request to the attention rank with the fewest in flight")
+        return url
 
     def failed(self) -> str | None:
         """The first role whose process has exited, if any."""

@@ -1,0 +1,102 @@
+"""Serving benchmark on this CPU, measured in one run: the demo model behind vLLM's OpenAI server.
+
+The same afdc worker serves the demo model (random Qwen3-MoE, 4 layers of 8 experts) three
+ways: monolithic (``--connector loopback``: the FFN programs run in the attention process), and
+AFD 1A1F with its FFN rank in a server process over shared memory, with m = 1 and m = 2
+micro-batches. For each, ``--requests`` streamed completions of ``--tokens`` output tokens
+each, ``--concurrency`` in flight, give output tokens/s and the p50/p99 time per output token
+(TPOT: the gap between a request's first and last token over its tokens); the AFD rows are
+printed as ratios to the monolithic one.
+
+Both roles share this machine's cores, so this measures afdc's serving overhead, not the
+per-GPU gain a separate FFN pool gives.
+
+Run:  python benchmarks/bench_serve.py [--requests 64] [--concurrency 16] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import torch
+
+from afdc.compile import compile_model
+from afdc.demo import save_demo
+from afdc.runtime.rendezvous import free_port
+from afdc.serve.launch import Deployment
+from afdc.serve.settings import WorkerSettings
+
+CONFIGS = [("monolithic", "loopback", 1), ("AFD 1A1F m=1", "shm", 1), ("AFD 1A1F m=2", "shm", 2)]
+
+
+def _one(client, model: str, prompt: list[int], tokens: int) -> tuple[float, int]:
+    """(TPOT in seconds, output tokens) of one streamed completion."""
+    stamps = []
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text is not None:
+            stamps.append(time.perf_counter())
+    return (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1), len(stamps)
+
+
+def measure(artifact: Path, connector: str, micro_batches: int, args) -> dict:
+    settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}",
+                              micro_batches=micro_batches)
+    logs = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
+    d = Deployment(artifact, settings, port=free_port(), log_dir=logs,
+                   vllm_args=("--max-model-len", "256", "--max-num-seqs", str(args.concurrency)))
+    try:
+        (url,) = d.start(300, lambda _: None)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300)
+        model = client.models.list().data[0].id
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 500, (args.prompt,), generator=g).tolist() for _ in range(args.requests)]
+        with ThreadPoolExecutor(args.concurrency) as pool:  # warm-up: one wave
+            list(pool.map(lambda p: _one(client, model, p, 4), prompts[: args.concurrency]))
+            start = time.perf_counter()
+            results = list(pool.map(lambda p: _one(client, model, p, args.tokens), prompts))
+            wall = time.perf_counter() - start
+    finally:
+        d.stop()
+    tpots = sorted(t for t, _ in results)
+    return {
+        "tokens_per_s": sum(n for _, n in results) / wall,
+        "tpot_p50_ms": statistics.median(tpots) * 1e3,
+        "tpot_p99_ms": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] * 1e3,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
+    save_demo(root / "model")
+    artifact = root / "afdc-demo"
+    compile_model(str(root / "model"), "1A1F", artifact, progress=False)
+
+    rows = {name: measure(artifact, connector, m, args) for name, connector, m in CONFIGS}
+    base = rows["monolithic"]
+    print(f"demo model, {args.requests} requests x {args.tokens} tokens, {args.concurrency} in flight, "
+          f"prompt {args.prompt} tokens, CPU ({torch.get_num_threads()} threads)")
+    print(f"{'':14} {'tok/s':>8} {'p50 TPOT ms':>12} {'p99 TPOT ms':>12}   ratios to monolithic (tok/s, p50, p99)")
+    for name, r in rows.items():
+        ratios = "" if r is base else (
+            f"   {r['tokens_per_s'] / base['tokens_per_s']:.2f}  {r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}"
+            f"  {r['tpot_p99_ms'] / base['tpot_p99_ms']:.2f}"
+        )
+        print(f"{name:14} {r['tokens_per_s']:8.1f} {r['tpot_p50_ms']:12.1f} {r['tpot_p99_ms']:12.1f}{ratios}")
+
+
+if __name__ == "__main__":
+    main()
