@@ -241,6 +241,9 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
     assert r.returncode == 2 and "1 attn ranks (0..0); rank 3 is not one" in r.stderr
     r = serve(str(artifact), "--role", "attn")
     assert r.returncode == 2 and "--rendezvous" in r.stderr
+    r = serve(str(_artifact(models, "dense", "2A2F")), "--role", "attn", "--rank", "1",
+              "--rendezvous", f"127.0.0.1:{free_port()}", "--join-timeout", "2")
+    assert r.returncode == 2 and "cannot reach the rendezvous store" in r.stderr
     plan_only = tmp_path / "plan-only"
     compile_model(str(models / "dense" / "config.json"), "1A1F", plan_only, weights=False, progress=False)
     r = serve(str(plan_only), "--role", "attn", "--connector", "loopback")

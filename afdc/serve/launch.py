@@ -73,7 +73,18 @@ def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: S
     """Become attention rank ``settings.rank``'s OpenAI server (this process is replaced)."""
     check_serving_environment()
     argv, env = attention_command(settings, host, port, vllm_args)
+    if settings.connector != "loopback" and not settings.host_rendezvous:
+        _probe_rendezvous(settings)  # here, rather than as a trace from inside vLLM's engine
     os.execve(argv[0], argv, env)
+
+
+def _probe_rendezvous(settings: WorkerSettings) -> None:
+    """Reach the deployment's store within ``join_timeout`` (TCPStore retries with backoff)."""
+    from afdc.compile import deployment_of
+    from afdc.runtime.rendezvous import Rendezvous
+
+    layout, deployment = deployment_of(settings.artifact)
+    Rendezvous(settings.rendezvous, layout, deployment, settings.token, connect_timeout=settings.join_timeout)
 
 
 def wait_healthy(url: str, deadline: float, alive: Callable[[], bool]) -> None:
