@@ -169,6 +169,14 @@ def test_load_and_bad_requests(models, tmp_path):
             results = list(pool.map(one, range(200)))
         assert results == [("length", 4)] * 200
 
+        # vLLM's structured output (grammar bitmask applied by the worker) and seeded sampling
+        r = client.completions.create(model=model, prompt="Hello", max_tokens=12,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+        assert re.fullmatch("[0-9]{3}", r.choices[0].text), r.choices[0].text
+        seeded = [client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=1.0, seed=7,
+                                            extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
+        assert seeded[0] == seeded[1]
+
         with pytest.raises(openai.BadRequestError, match=r"maximum context length|max_model_len|longer than"):
             client.completions.create(model=model, prompt=[5] * 200, max_tokens=4)
         with pytest.raises(openai.BadRequestError):

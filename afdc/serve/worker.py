@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,16 +51,11 @@ class Request:
     """What the worker remembers of a request between steps (vLLM sends only the changes)."""
 
     id: str
-    tokens: list[int]  # prompt, then the sampled tokens
-    prompt_len: int
+    tokens: list[int]  # prompt, then the sampled tokens (also in ``sampling.output``)
     sampling: SamplingRequest
     block_ids: list[int]
     computed: int  # tokens whose keys and values are in the cache
     scheduled: int = 0  # tokens run in the current step
-    output: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.output = self.sampling.output
 
 
 def _slots(module: torch.fx.GraphModule) -> list[SlotSpec]:
@@ -200,15 +195,15 @@ class AfdcWorker(WorkerBase):
             prompt = list(new.prompt_token_ids)
             sampling = SamplingRequest(params, prompt, [], new_generator(params, self.device))
             self.requests[new.req_id] = Request(
-                new.req_id, list(prompt), len(prompt), sampling, list(new.block_ids[0]), new.num_computed_tokens
+                new.req_id, list(prompt), sampling, list(new.block_ids[0]), new.num_computed_tokens
             )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             r = self.requests[rid]
             r.computed = cached.num_computed_tokens[i]
             keep = cached.num_output_tokens[i]
-            del r.tokens[r.prompt_len + keep:]
-            del r.output[keep:]
+            del r.tokens[len(r.sampling.prompt) + keep:]
+            del r.sampling.output[keep:]
             blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 r.block_ids = list(blocks[0])
@@ -289,7 +284,7 @@ class AfdcWorker(WorkerBase):
         for r, token, done in zip(scheduled, tokens, complete):
             if done:
                 r.tokens.append(token)
-                r.output.append(token)
+                r.sampling.output.append(token)
             sampled.append([token] if done else [])
         return ModelRunnerOutput(
             req_ids=[r.id for r in scheduled],
