@@ -188,6 +188,8 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
     from afdc.serve.launch import Deployment, check_serving_environment
     from afdc.serve.settings import WorkerSettings
 
+    if demo and artifact is not None:  # `up --demo -- ARGS`: click fills the optional ARTIFACT first
+        artifact, vllm_args = None, (artifact, *vllm_args)
     if demo == (artifact is not None):
         raise click.UsageError("give either ARTIFACT or --demo")
     try:
