@@ -53,7 +53,7 @@ def measure(artifact: Path, connector: str, micro_batches: int, args) -> dict:
     d = Deployment(artifact, settings, port=free_port(), log_dir=logs,
                    vllm_args=("--max-model-len", "256", "--max-num-seqs", str(args.concurrency)))
     try:
-        (url,) = d.start(300, lambda _: None)
+        url = d.start(300, lambda _: None)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300)
         model = client.models.list().data[0].id
         g = torch.Generator().manual_seed(0)
