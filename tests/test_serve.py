@@ -22,11 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 import afdc  # noqa: E402
+from afdc.cli import main  # noqa: E402
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
 from afdc.runtime.rendezvous import free_port  # noqa: E402
@@ -101,32 +103,52 @@ def _token_ids(client, tokens: list[str]) -> list[int]:
     return [int(re.fullmatch(r"token_id:(\d+)", t).group(1)) for t in tokens]
 
 
-@pytest.mark.parametrize(("kind", "plan", "connector"), [("dense", "1A1F", "shm"), ("dense", "2A2F", "gloo"),
-                                                          ("moe", "2A2F", "shm")])
-def test_completions_and_chat_equal_afdc_generate(models, tmp_path, kind, plan, connector):
-    artifact = _artifact(models, kind, plan)
+def _check_completions_and_chat(client, artifact: Path) -> None:
+    """Greedy completions (concurrent: they share vLLM batches) and a chat completion, plain and
+    streamed, equal afdc's own greedy generation of the same artifact."""
     ref = _reference(artifact, PROMPTS)
     tokenizer = demo_tokenizer()
     chat = [{"role": "user", "content": "Hello, how are you today?"}]
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     chat_ids = tokenizer(text, add_special_tokens=False).input_ids
     chat_ref = tokenizer.decode(_reference(artifact, [chat_ids])[0], skip_special_tokens=True)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: _complete(client, p), PROMPTS * 2))
+    assert got == ref * 2
+    model = client.models.list().data[0].id
+    kwargs = dict(model=model, messages=chat, max_tokens=NEW_TOKENS, temperature=0,
+                  extra_body={"ignore_eos": True, "skip_special_tokens": True})
+    text = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        stream=True, **kwargs) if c.choices)
+    assert text == streamed == chat_ref
+
+
+@pytest.mark.parametrize(("kind", "plan", "connector"), [("dense", "1A1F", "shm"), ("dense", "2A2F", "gloo"),
+                                                          ("moe", "2A2F", "shm")])
+def test_completions_and_chat_equal_afdc_generate(models, tmp_path, kind, plan, connector):
+    artifact = _artifact(models, kind, plan)
     with _serving(artifact, connector, tmp_path, ("--return-tokens-as-token-ids",)) as (client, _):
-        # concurrent requests: they share vLLM batches, and under 2A2F the router spreads them
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda p: _complete(client, p), PROMPTS * 2))
-        assert got == ref * 2
-        model = client.models.list().data[0].id
-        kwargs = dict(model=model, messages=chat, max_tokens=NEW_TOKENS, temperature=0,
-                      extra_body={"ignore_eos": True, "skip_special_tokens": True})
-        text = client.chat.completions.create(**kwargs).choices[0].message.content
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            stream=True, **kwargs) if c.choices)
-        assert text == streamed == chat_ref
-        if plan == "2A2F":  # both attention ranks served some of the requests
-            for rank in range(2):
-                log = (tmp_path / f"attn-{rank}.log").read_text()
-                assert log.count("POST /v1/completions") > 0, f"attention rank {rank} got no request"
+        _check_completions_and_chat(client, artifact)
+    if plan == "2A2F":  # the router spread the requests over both attention ranks
+        for rank in range(2):
+            log = (tmp_path / f"attn-{rank}.log").read_text()
+            assert log.count("POST /v1/completions") > 0, f"attention rank {rank} got no request"
+
+
+@pytest.fixture(scope="module")
+def moe_server(models, tmp_path_factory):
+    """The MoE model under 1A1F over shared memory, shared by the tests below (the FFN-kill
+    drill last: it leaves the deployment serving again)."""
+    artifact = _artifact(models, "moe", "1A1F")
+    args = ("--return-tokens-as-token-ids", "--max-num-seqs", "32")
+    with _serving(artifact, "shm", tmp_path_factory.mktemp("moe-1a1f"), args) as (client, d):
+        yield artifact, client, d
+
+
+def test_moe_1a1f_completions_and_chat(moe_server):
+    artifact, client, _ = moe_server
+    _check_completions_and_chat(client, artifact)
 
 
 def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
@@ -153,61 +175,81 @@ def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
     assert counter("vllm:num_preemptions_total") > 0
 
 
-def test_load_and_bad_requests(models, tmp_path):
-    artifact = _artifact(models, "moe", "1A1F")
-    with _serving(artifact, "shm", tmp_path, ("--max-num-seqs", "32")) as (client, _):
-        model = client.models.list().data[0].id
-        g = torch.Generator().manual_seed(0)
+def test_load_and_bad_requests(moe_server):
+    _, client, _ = moe_server
+    model = client.models.list().data[0].id
+    g = torch.Generator().manual_seed(0)
 
-        def one(i: int):
-            prompt = torch.randint(3, 500, (int(torch.randint(1, 24, (1,), generator=g)),), generator=g).tolist()
-            r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0.8, seed=i,
-                                          extra_body={"ignore_eos": True})
-            return r.choices[0].finish_reason, r.usage.completion_tokens
+    def one(i: int):
+        prompt = torch.randint(3, 500, (int(torch.randint(1, 24, (1,), generator=g)),), generator=g).tolist()
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0.8, seed=i,
+                                      extra_body={"ignore_eos": True})
+        return r.choices[0].finish_reason, r.usage.completion_tokens
 
-        with ThreadPoolExecutor(32) as pool:
-            results = list(pool.map(one, range(200)))
-        assert results == [("length", 4)] * 200
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(200)))
+    assert results == [("length", 4)] * 200
 
-        # vLLM's structured output (grammar bitmask applied by the worker) and seeded sampling
-        r = client.completions.create(model=model, prompt="Hello", max_tokens=12,
-                                      extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
-        assert re.fullmatch("[0-9]{3}", r.choices[0].text), r.choices[0].text
-        seeded = [client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=1.0, seed=7,
-                                            extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
-        assert seeded[0] == seeded[1]
+    # vLLM's structured output (grammar bitmask applied by the worker) and seeded sampling
+    r = client.completions.create(model=model, prompt="Hello", max_tokens=12,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", r.choices[0].text), r.choices[0].text
+    seeded = [client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=1.0, seed=7,
+                                        extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
 
-        with pytest.raises(openai.BadRequestError, match=r"maximum context length|max_model_len|longer than"):
-            client.completions.create(model=model, prompt=[5] * 200, max_tokens=4)
-        with pytest.raises(openai.BadRequestError):
-            client.completions.create(model=model, prompt=[5, 6], max_tokens=4, temperature=-1)
-        with pytest.raises(openai.BadRequestError, match="min_p"):
-            client.completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body={"min_p": 0.1})
+    with pytest.raises(openai.BadRequestError, match=r"maximum context length|max_model_len|longer than"):
+        client.completions.create(model=model, prompt=[5] * 200, max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=[5, 6], max_tokens=4, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body={"prompt_logprobs": 1})
 
 
-def test_ffn_rank_lost_mid_request(models, tmp_path):
+def test_sampling_parameters_take_effect(moe_server):
+    """vLLM's logits processors and masks, driven by the worker: each parameter changes the output
+    the way it says."""
+    _, client, _ = moe_server
+    model = client.models.list().data[0].id
+    prompt = [5, 17, 99, 230]
+
+    def tokens(n: int = 8, **extra) -> tuple[list[int], str]:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=n, logprobs=0,
+                                      temperature=extra.pop("temperature", 0), extra_body=extra)
+        return _token_ids(client, r.choices[0].logprobs.tokens), r.choices[0].finish_reason
+
+    greedy, _ = tokens(ignore_eos=True)
+    assert tokens(ignore_eos=True, logit_bias={"77": 100}, temperature=1.0)[0] == [77] * 8
+    assert set(tokens(ignore_eos=True, allowed_token_ids=[5, 6])[0]) <= {5, 6}
+    assert tokens(ignore_eos=True, min_p=1.0, temperature=1.0)[0] == greedy  # only the top token survives
+    out, reason = tokens(logit_bias={"77": 100}, stop_token_ids=[77], min_tokens=5)
+    assert reason == "stop" and 77 not in out[:5] and len(out) <= 6
+    first = demo_tokenizer().decode([greedy[0]])
+    assert tokens(ignore_eos=True, bad_words=[first])[0][0] != greedy[0]
+
+
+def test_ffn_rank_lost_mid_request(moe_server):
     """SIGKILL the FFN rank while a request decodes: that request ends with a 503 naming the
     lost rank, /health is 503 until the rank is restarted, then requests are served again."""
-    artifact = _artifact(models, "moe", "1A1F")
+    artifact, client, d = moe_server
     ref = _reference(artifact, [PROMPTS[0]])[0]
-    with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",)) as (client, d):
-        client = client.with_options(max_retries=0)
-        model = client.models.list().data[0].id
-        url = str(client.base_url).removesuffix("/v1/")
-        with ThreadPoolExecutor(1) as pool:
-            long = pool.submit(client.completions.create, model=model, prompt=PROMPTS[0], max_tokens=120,
-                               temperature=0, extra_body={"ignore_eos": True})
-            time.sleep(1.0)
-            d.processes["ffn-0"].kill()
-            with pytest.raises(openai.APIStatusError) as lost:
-                long.result(timeout=60)
-        assert lost.value.status_code == 503 and "ffn rank 0" in str(lost.value)
-        with pytest.raises(urllib.error.HTTPError) as health:
-            urllib.request.urlopen(f"{url}/health")
-        assert health.value.code == 503 and b"ffn rank 0" in health.value.read()
-        d.restart("ffn-0")
-        wait_healthy(url, time.monotonic() + STARTUP, lambda: True)
-        assert _complete(client, PROMPTS[0]) == ref
+    client = client.with_options(max_retries=0)
+    model = client.models.list().data[0].id
+    url = str(client.base_url).removesuffix("/v1/")
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(client.completions.create, model=model, prompt=PROMPTS[0], max_tokens=120,
+                           temperature=0, extra_body={"ignore_eos": True})
+        time.sleep(1.0)
+        d.processes["ffn-0"].kill()
+        with pytest.raises(openai.APIStatusError) as lost:
+            long.result(timeout=60)
+    assert lost.value.status_code == 503 and "ffn rank 0" in str(lost.value)
+    with pytest.raises(urllib.error.HTTPError) as health:
+        urllib.request.urlopen(f"{url}/health")
+    assert health.value.code == 503 and b"ffn rank 0" in health.value.read()
+    d.restart("ffn-0")
+    wait_healthy(url, time.monotonic() + STARTUP, lambda: True)
+    assert _complete(client, PROMPTS[0]) == ref
 
 
 def test_up_demo_serves_the_demo_model(tmp_path):
@@ -238,24 +280,24 @@ def test_up_demo_serves_the_demo_model(tmp_path):
 
 
 def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
-    def serve(*args):
-        return subprocess.run([sys.executable, "-m", "afdc.cli", "serve", *args], capture_output=True, text=True,
-                              timeout=120)
+    def serve(*args):  # in-process: every case fails before `afdc serve` would become vLLM's server
+        result = CliRunner().invoke(main, ["serve", *args])
+        return result.exit_code, result.output
 
-    r = serve(str(tmp_path / "nothing"), "--role", "attn", "--connector", "loopback")
-    assert r.returncode == 2 and "is not a directory" in r.stderr
+    code, out = serve(str(tmp_path / "nothing"), "--role", "attn", "--connector", "loopback")
+    assert code == 2 and "is not a directory" in out
     artifact = _artifact(models, "dense", "1A1F")
-    r = serve(str(artifact), "--role", "attn", "--rank", "3", "--rendezvous", "127.0.0.1:1")
-    assert r.returncode == 2 and "1 attn ranks (0..0); rank 3 is not one" in r.stderr
-    r = serve(str(artifact), "--role", "attn")
-    assert r.returncode == 2 and "--rendezvous" in r.stderr
-    r = serve(str(_artifact(models, "dense", "2A2F")), "--role", "attn", "--rank", "1",
-              "--rendezvous", f"127.0.0.1:{free_port()}", "--join-timeout", "2")
-    assert r.returncode == 2 and "cannot reach the rendezvous store" in r.stderr
+    code, out = serve(str(artifact), "--role", "attn", "--rank", "3", "--rendezvous", "127.0.0.1:1")
+    assert code == 2 and "1 attn ranks (0..0); rank 3 is not one" in out
+    code, out = serve(str(artifact), "--role", "attn")
+    assert code == 2 and "--rendezvous" in out
+    code, out = serve(str(_artifact(models, "dense", "2A2F")), "--role", "attn", "--rank", "1",
+                      "--rendezvous", f"127.0.0.1:{free_port()}", "--join-timeout", "2")
+    assert code == 2 and "cannot reach the rendezvous store" in out
     plan_only = tmp_path / "plan-only"
     compile_model(str(models / "dense" / "config.json"), "1A1F", plan_only, weights=False, progress=False)
-    r = serve(str(plan_only), "--role", "attn", "--connector", "loopback")
-    assert r.returncode == 2 and "no model config and tokenizer" in r.stderr
+    code, out = serve(str(plan_only), "--role", "attn", "--connector", "loopback")
+    assert code == 2 and "no model config and tokenizer" in out
 
 
 def test_settings_round_trip_through_the_environment(monkeypatch):

@@ -1,10 +1,12 @@
-"""Sampling for the afdc worker: vLLM's own sampler, fed the metadata of one step's requests.
+"""Sampling for the afdc worker: vLLM's own sampler and logits processors, over one step's requests.
 
-vLLM's :class:`~vllm.v1.sample.sampler.Sampler` does greedy, temperature, top-k/top-p,
-seeded generators, penalties and logprobs as vLLM does them; this module only builds its
-:class:`~vllm.v1.sample.metadata.SamplingMetadata` from the requests' ``SamplingParams``.
-Parameters that vLLM implements as stateful logits processors are refused up front with a
-400 rather than silently ignored.
+vLLM's :class:`~vllm.v1.sample.sampler.Sampler` does greedy, temperature, top-k/top-p, seeded
+generators, penalties, allowed and bad words and logprobs; its built-in logits processors
+(``min_p``, ``logit_bias``, ``min_tokens``) and any custom ones configured on the server are
+kept in step with the batch through vLLM's ``BatchUpdate`` protocol. This module only builds the
+:class:`~vllm.v1.sample.metadata.SamplingMetadata` from the requests' ``SamplingParams``, which
+vLLM's persistent input batch would otherwise do. What the worker cannot apply is refused up
+front with a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -14,19 +16,13 @@ from dataclasses import dataclass
 import torch
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, SamplingType
-from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors, build_logitsprocs
 from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
 
 # SamplingParams field -> its "off" value; afdc's worker does not apply these yet
-_UNSUPPORTED = {
-    "min_p": 0.0,
-    "min_tokens": 0,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-    "prompt_logprobs": None,
-    "thinking_token_budget": None,
-}
+_UNSUPPORTED = {"prompt_logprobs": None, "thinking_token_budget": None}
 
 
 def refuse_unsupported(params) -> None:
@@ -56,7 +52,35 @@ def new_generator(params: SamplingParams, device: torch.device) -> torch.Generat
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
-def sampling_metadata(requests: list[SamplingRequest], vocab: int, device: torch.device) -> SamplingMetadata:
+class StepSampler:
+    """Samples one token per request of a step, rows in the order the requests are given."""
+
+    def __init__(self, vllm_config, device: torch.device):
+        self.device = device
+        self.sampler = Sampler()
+        self.logitsprocs = build_logitsprocs(
+            vllm_config, device, False, False, vllm_config.model_config.logits_processors or ()
+        )
+        self._rows = 0  # rows of the previous step, as the logits processors hold them
+
+    def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
+        # every row is (re)added at its index each step and the rows past this step's are removed:
+        # the processors keep no state that the params and the live output lists do not give back
+        update = BatchUpdate(
+            batch_size=len(requests),
+            removed=list(range(len(requests), self._rows)),
+            added=[(i, r.params, r.prompt, r.output) for i, r in enumerate(requests)],
+            moved=[],
+        )
+        for processor in self.logitsprocs.all:
+            processor.update_state(update)
+        self._rows = len(requests)
+        return self.sampler(logits, sampling_metadata(requests, logits.shape[-1], self.device, self.logitsprocs))
+
+
+def sampling_metadata(
+    requests: list[SamplingRequest], vocab: int, device: torch.device, logitsprocs: LogitsProcessors
+) -> SamplingMetadata:
     """Metadata for sampling one token per request, rows in ``requests`` order."""
     params = [r.params for r in requests]
     greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
@@ -67,6 +91,14 @@ def sampling_metadata(requests: list[SamplingRequest], vocab: int, device: torch
     def tensor(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
 
+    allowed = None
+    if any(p.allowed_token_ids for p in params):
+        allowed = torch.zeros(len(params), vocab, dtype=torch.bool, device=device)  # True: not allowed
+        for i, p in enumerate(params):
+            if p.allowed_token_ids:
+                allowed[i] = True
+                allowed[i, p.allowed_token_ids] = False
+    bad_words = {i: p.bad_words_token_ids for i, p in enumerate(params) if p.bad_words_token_ids}
     prompts = None
     if any(penalties):
         width = max(len(r.prompt) for r in requests)
@@ -85,8 +117,8 @@ def sampling_metadata(requests: list[SamplingRequest], vocab: int, device: torch
         frequency_penalties=tensor([p.frequency_penalty for p in params]),
         presence_penalties=tensor([p.presence_penalty for p in params]),
         repetition_penalties=tensor([p.repetition_penalty for p in params]),
-        output_token_ids=[r.output for r in requests] if any(penalties) else [],
-        allowed_token_ids_mask=None,
-        bad_words_token_ids={},
-        logitsprocs=LogitsProcessors(),
+        output_token_ids=[r.output for r in requests] if any(penalties) or bad_words else [],
+        allowed_token_ids_mask=allowed,
+        bad_words_token_ids=bad_words,
+        logitsprocs=logitsprocs,
     )

@@ -24,7 +24,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
@@ -36,7 +35,7 @@ from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.paged import PagedBatch, PagedKVStore, SlotSpec, attention_slots
 from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
-from afdc.serve.sampling import SamplingRequest, new_generator, sampling_metadata
+from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
 
 logger = logging.getLogger("vllm.afdc.worker")  # vLLM prints plugin logs under its own hierarchy
@@ -85,7 +84,6 @@ class AfdcWorker(WorkerBase):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.settings = WorkerSettings.from_env()
         self.requests: dict[str, Request] = {}
-        self.sampler = Sampler()
         self._pending: tuple | None = None  # (scheduler output, requests, last-token logits) awaiting sampling
         self._store_host: Rendezvous | None = None
         self._problem = ""  # what keeps this rank from serving, as last reported
@@ -96,6 +94,7 @@ class AfdcWorker(WorkerBase):
         self.device = torch.device(self.settings.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.sampler = StepSampler(self.vllm_config, self.device)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         s = self.settings
@@ -275,8 +274,7 @@ class AfdcWorker(WorkerBase):
         complete = [r.computed + r.scheduled >= len(r.tokens) for r in scheduled]
         saved = {i: r.sampling.generator.get_state() for i, r in enumerate(scheduled)
                  if not complete[i] and r.sampling.generator is not None}
-        metadata = sampling_metadata([r.sampling for r in scheduled], logits.shape[-1], self.device)
-        out = self.sampler(logits, metadata)
+        out = self.sampler(logits, [r.sampling for r in scheduled])
         for i, state in saved.items():
             scheduled[i].sampling.generator.set_state(state)
         tokens = out.sampled_token_ids[:, 0].tolist()
