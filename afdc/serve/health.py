@@ -33,14 +33,7 @@ class HealthGate:
 
     def _read(self) -> str:
         if self._rendezvous is None:
-            from afdc.compile import deployment_of
-            from afdc.runtime.rendezvous import Rendezvous
-
-            layout, deployment = deployment_of(self.settings.artifact)
-            self._rendezvous = Rendezvous(
-                self.settings.rendezvous, layout, deployment, self.settings.token,
-                connect_timeout=self.settings.join_timeout,
-            )
+            self._rendezvous = self.settings.open_rendezvous()
         return self._rendezvous.health("attn", self.settings.rank)
 
     async def problem(self) -> str:

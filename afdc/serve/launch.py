@@ -47,10 +47,8 @@ def check_serving_environment() -> None:
             ) from err
 
 
-def attention_command(
-    settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()
-) -> tuple[list[str], dict[str, str]]:
-    """The ``vllm serve`` command line and environment of one attention rank."""
+def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> list[str]:
+    """The ``vllm serve`` command line of one attention rank (its environment adds ``settings.to_env()``)."""
     from afdc.artifact.manifest import read_manifest
     from afdc.compile import model_dir
 
@@ -66,25 +64,17 @@ def attention_command(
         "--middleware", MIDDLEWARE,
         *vllm_args,
     ]
-    return argv, {**os.environ, **settings.to_env()}
+    return argv
 
 
 def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> None:
     """Become attention rank ``settings.rank``'s OpenAI server (this process is replaced)."""
     check_serving_environment()
-    argv, env = attention_command(settings, host, port, vllm_args)
+    argv = attention_command(settings, host, port, vllm_args)
     if settings.connector != "loopback" and not settings.host_rendezvous:
-        _probe_rendezvous(settings)  # here, rather than as a trace from inside vLLM's engine
-    os.execve(argv[0], argv, env)
-
-
-def _probe_rendezvous(settings: WorkerSettings) -> None:
-    """Reach the deployment's store within ``join_timeout`` (TCPStore retries with backoff)."""
-    from afdc.compile import deployment_of
-    from afdc.runtime.rendezvous import Rendezvous
-
-    layout, deployment = deployment_of(settings.artifact)
-    Rendezvous(settings.rendezvous, layout, deployment, settings.token, connect_timeout=settings.join_timeout)
+        # reach the store here (TCPStore retries with backoff), rather than fail as a trace from vLLM's engine
+        settings.open_rendezvous()
+    os.execve(argv[0], argv, {**os.environ, **settings.to_env()})
 
 
 def wait_healthy(url: str, deadline: float, alive: Callable[[], bool]) -> None:
@@ -149,7 +139,7 @@ class Deployment:
         for a, port in enumerate(ports):
             say(f"starting attention rank {a} of {plan.attention_ranks} (vLLM engine) on port {port}")
             settings = replace(s, rank=a, host_rendezvous=a == 0 and s.connector != "loopback", token=None)
-            argv, _ = attention_command(settings, self.host, port, self.vllm_args)
+            argv = attention_command(settings, self.host, port, self.vllm_args)
             self._spawn(f"attn-{a}", argv, {**env, **settings.to_env()})
         deadline = time.monotonic() + startup_timeout
         for a, port in enumerate(ports):

@@ -31,6 +31,15 @@ class WorkerSettings:
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}
 
+    def open_rendezvous(self, host: bool = False):
+        """This deployment's rendezvous store, reached (or hosted) within ``join_timeout``."""
+        from afdc.compile import deployment_of
+        from afdc.runtime.rendezvous import Rendezvous
+
+        layout, deployment = deployment_of(self.artifact)
+        return Rendezvous(self.rendezvous, layout, deployment, self.token, host=host,
+                          connect_timeout=self.join_timeout)
+
     @classmethod
     def from_env(cls) -> WorkerSettings:
         raw = os.environ.get(ENV)

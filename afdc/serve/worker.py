@@ -120,9 +120,7 @@ class AfdcWorker(WorkerBase):
                 join_timeout=s.join_timeout,
             )
             if s.host_rendezvous:
-                self._store_host = Rendezvous(
-                    s.rendezvous, layout, deployment, s.token, host=True, connect_timeout=s.join_timeout
-                )
+                self._store_host = s.open_rendezvous(host=True)
             self.attention.endpoint = AttentionEndpoint.connect(s.rank, layout, deployment, options)
         logger.info(
             "afdc: attention rank %d of %s loaded (%d attention layers, %d micro-batches, FFN %s)",
