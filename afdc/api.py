@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from afdc import capture as capture_mod
 from afdc.capture import CapturedGraph
 from afdc.errors import PlanError, UnsupportedModelError
-from afdc.partition.shard import FFNParallel, ShardedSegment, Split, shard_segment, single_rank
+from afdc.partition.shard import FFNParallel, ShardedSegment, Split, data_parallel, shard_segment, single_rank
 from afdc.partition.split import SegmentBinding, partition
 from afdc.passes import graph_facts as gf
 from afdc.passes.aliasing import split_writes
@@ -29,7 +29,7 @@ from afdc.plan import Plan
 from afdc.report import Report, layer_report
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.model import DisaggregatedModel
-from afdc.runtime.programs import AttentionProgram, FFNLayer, FFNProgram
+from afdc.runtime.programs import AttentionProgram, FFNLayer, FFNProgram, row_major
 
 
 @dataclass
@@ -70,15 +70,43 @@ def _cut(captured: CapturedGraph, placement: RouterPlacement) -> tuple[CapturedG
     return captured, classification, select_cuts(graph, classification, params, placement)
 
 
-def _shard(segments: list[fx.Graph], layers: list[SegmentBinding], labels: list[str], plan: Plan):
+def _shard(segments: list[fx.Graph], layers: list[SegmentBinding], labels: list[str], plan: Plan, tokens):
     if plan.ffn_ranks == 1:
         return [single_rank(g) for g in segments]
     mode = FFNParallel.TP if plan.ffn_parallel == "tp" else FFNParallel.EP
     first = {b.segment: (labels[i], b.weights) for i, b in reversed(list(enumerate(layers)))}
-    sharded = [shard_segment(g, mode, plan.ffn_ranks, *first[i]) for i, g in enumerate(segments)]
+    sharded = [_shard_one(g, mode, plan, tokens, *first[i]) for i, g in enumerate(segments)]
     if plan.ffn_parallel == "ep" and not any(s.experts for seg in sharded for s in seg.splits):
         raise PlanError("--ffn-parallel ep: the model has no expert weights to partition (a dense model); use tp")
     return sharded
+
+
+def _shard_one(graph: fx.Graph, mode: FFNParallel, plan: Plan, tokens, label: str, names: list[str]) -> ShardedSegment:
+    """One segment over the plan's FFN ranks; under ``--dense-ffn replicate`` a segment without
+    experts is kept whole and its tokens are shared out, when its rows can be split by token."""
+    replicate = plan.dense_ffn == "replicate" and _rows_split(graph, tokens)
+    if replicate and mode is FFNParallel.TP:
+        return data_parallel(graph)
+    try:
+        sharded = shard_segment(graph, mode, plan.ffn_ranks, label, names)
+    except PlanError:
+        if replicate and not _stacked_weights(graph):  # a dense layer need not split to be replicated
+            return data_parallel(graph)
+        raise
+    return data_parallel(graph) if replicate and sharded.describe() != "ep" else sharded
+
+
+def _stacked_weights(graph: fx.Graph) -> bool:
+    """Whether the segment has weights of rank 3 or more (stacked experts)."""
+    return any(n.name.startswith("w") and n.meta["val"].dim() >= 3 for n in graph.find_nodes(op="placeholder"))
+
+
+def _rows_split(graph: fx.Graph, tokens) -> bool:
+    """Whether every input and output of the segment is token-major ([b, s, ...] or [b*s, ...]),
+    so that each FFN rank can take a contiguous range of the tokens."""
+    (output,) = graph.find_nodes(op="output")
+    values = [n for n in graph.find_nodes(op="placeholder") if n.name.startswith("x")] + list(output.args[0])
+    return all(row_major(gf.token_layout(v, tokens)) for v in values if isinstance(v, fx.Node))
 
 
 def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
@@ -100,7 +128,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     part = partition(graph, cuts)
     for lr, binding in zip(layers_report, part.layers):
         lr.segment = binding.segment
-    segments = _shard(part.segments, part.layers, [lr.module for lr in layers_report], plan)
+    segments = _shard(part.segments, part.layers, [lr.module for lr in layers_report], plan, tokens)
     inputs = [
         [gf.token_layout(n, tokens) for n in seg.graph.find_nodes(op="placeholder")[len(seg.splits) : -1]]
         for seg in segments

@@ -53,6 +53,9 @@ def inspect(model: str | None, demo: bool, plan: str, router: str, as_json: bool
 @click.option("-o", "--output", required=True, type=click.Path(), help="Artifact directory to write.")
 @click.option("--ffn-parallel", type=click.Choice(["auto", "ep", "tp"]), default="auto", show_default=True,
               help="How the FFN ranks split each FFN layer: experts (ep), weight shards (tp); auto: ep for MoE.")
+@click.option("--dense-ffn", type=click.Choice(["tp", "replicate"]), default="tp", show_default=True,
+              help="Dense FFN layers: sharded over the FFN ranks (tp), or whole on each rank, which serves its "
+                   "own share of the tokens (replicate).")
 @click.option("--attn-tp", type=int, default=1, show_default=True, help="Tensor parallelism inside an attention rank.")
 @click.option("--router", type=click.Choice(["ffn", "attn"]), default="ffn", show_default=True,
               help="Which side runs the MoE router.")
@@ -64,8 +67,8 @@ def inspect(model: str | None, demo: bool, plan: str, router: str, as_json: bool
 @click.option("--revision", default=None, help="Hub revision of MODEL.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def compile_cmd(model, plan_text, output, ffn_parallel, attn_tp, router, micro_batches, dtype, no_weights, revision,
-                force, quiet) -> None:
+def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, router, micro_batches, dtype, no_weights,
+                revision, force, quiet) -> None:
     """Compile MODEL (hub id, model directory or config file) into a deployable artifact.
 
     The model is captured on the meta device; with weights, the checkpoint is streamed into one
@@ -74,8 +77,8 @@ def compile_cmd(model, plan_text, output, ffn_parallel, attn_tp, router, micro_b
     from afdc.compile import compile_model
 
     try:
-        plan = afdc.Plan.parse(plan_text, ffn_parallel=ffn_parallel, attention_tp=attn_tp, router=router,
-                               micro_batches=micro_batches, dtype=dtype)
+        plan = afdc.Plan.parse(plan_text, ffn_parallel=ffn_parallel, dense_ffn=dense_ffn, attention_tp=attn_tp,
+                               router=router, micro_batches=micro_batches, dtype=dtype)
         manifest = compile_model(model, plan, output, weights=not no_weights, revision=revision, force=force,
                                  progress=not quiet)
     except AfdcError as err:

@@ -10,8 +10,13 @@
     process under 1A1F with m = 1 and m = 2 micro-batches, for each connector, against the
     monolithic Hugging Face model in this process, as ratios.
 
-Both processes share this machine's cores, so (b) measures overhead, not the AFD speed-up a
-separate FFN pool gives.
+(c) Dense FFN layers over 2 FFN ranks (shm, m = 1), a ~100M-parameter Llama-shaped model:
+    ``--dense-ffn tp`` (every rank gets every token and returns a partial sum) against
+    ``replicate`` (each rank serves its own share of the tokens): bytes exchanged per generated
+    token and tokens/s, as ratios replicate / tp.
+
+The processes share this machine's cores, so (b) and (c) measure overhead, not the AFD speed-up
+a separate FFN pool gives.
 
 Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8]
 """
@@ -156,6 +161,37 @@ def decode_rates(batch: int, new_tokens: int) -> None:
                 print(f"{f'afdc 1A1F {connector}, m={m}':<34}{rate:>10.1f}{rate / base:>13.2f}")
 
 
+def dense_placement(batch: int, new_tokens: int) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=16000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, cfg.vocab_size, (batch, 16))
+    mask = torch.ones_like(ids)
+    print(f"\n(c) dense FFN layers over 2 FFN ranks (1A2F shm, m=1), Llama-shaped, batch {batch}, "
+          f"{new_tokens} new tokens")
+    print(f"{'--dense-ffn':<12}{'bytes/token':>13}{'tokens/s':>10}")
+    measured = {}
+    for dense in ("tp", "replicate"):
+        dm = afdc.disaggregate(model, "1A2F", connector="shm", dense_ffn=dense)
+        with dm.launch(log_interval=0):
+            dm.generate(ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0)  # warm-up
+            (before,) = dm.metrics()
+            t = time.perf_counter()
+            dm.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0)
+            rate = batch * new_tokens / (time.perf_counter() - t)
+            (after,) = dm.metrics()
+        moved = sum(after[k] - before[k] for k in ("bytes_sent", "bytes_received")) / (batch * new_tokens)
+        measured[dense] = (moved, rate)
+        print(f"{dense:<12}{moved:>13,.0f}{rate:>10.1f}")
+    (tp_bytes, tp_rate), (rep_bytes, rep_rate) = measured["tp"], measured["replicate"]
+    print(f"{'ratio':<12}{rep_bytes / tp_bytes:>13.2f}{rep_rate / tp_rate:>10.2f}   (replicate / tp)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200)
@@ -176,6 +212,7 @@ def main() -> None:
                 f"{floor * 1e6:>10.1f}{rtt / floor:>11.1f}"
             )
     decode_rates(args.batch, args.new_tokens)
+    dense_placement(args.batch, args.new_tokens)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,37 @@ def test_tensor_parallel_dense_and_experts(saved, tmp_path):
     torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
 
 
+def test_replicated_dense_layers(saved, tmp_path):
+    """--dense-ffn replicate: every FFN rank file holds the dense layers whole (any F, here 3 for a
+    hidden size of 64), MoE layers stay expert-parallel, and the artifact matches the monolith."""
+    for model_type, plan in (("llama", "1A3F"), ("deepseek_v3", "2A2F")):
+        model, src = saved(model_type)
+        out = tmp_path / model_type
+        result = CliRunner().invoke(
+            main, ["compile", str(src), "--plan", plan, "--dense-ffn", "replicate", "-o", str(out), "--quiet"]
+        )
+        assert result.exit_code == 0, result.output
+        manifest = read_manifest(out)
+        assert manifest.plan.dense_ffn == "replicate"
+        kinds = {(lay.kind, lay.ffn_split) for lay in manifest.layers}
+        assert kinds == ({("dense", "dp")} if model_type == "llama" else {("dense", "dp"), ("moe", "ep")})
+        state = model.state_dict()
+        dense = [w for lay in manifest.layers if lay.ffn_split == "dp" for w in lay.weights if w in state]
+        for rank in range(manifest.plan.ffn_ranks):
+            files = [out / f for f in manifest.rank_files("ffn", rank).weights]
+            held = {}
+            for path in files:
+                with safe_open(path, "pt") as f:
+                    names = set(f.keys()) & set(dense)
+                    held |= {name: f.get_tensor(name) for name in names}
+            assert held.keys() == set(dense)
+            assert all(torch.equal(held[name], state[name]) for name in dense)
+        ids, mask = _batch(model.config.vocab_size)
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = afdc.load_deployment(out).generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+        assert torch.equal(got, ref)
+
+
 def test_plan_errors(saved, tmp_path):
     _, dense = saved("llama")
     _, moe = saved("qwen3_moe")
@@ -139,6 +170,8 @@ def test_plan_errors(saved, tmp_path):
         afdc.Plan.parse("2A2F", attention_tp=2)
     with pytest.raises(afdc.PlanError, match="--ffn-parallel"):
         afdc.Plan.parse("2A2F", ffn_parallel="dp")
+    with pytest.raises(afdc.PlanError, match="--dense-ffn 'dp' is not one of tp, replicate"):
+        afdc.Plan.parse("2A2F", dense_ffn="dp")
     assert not any(tmp_path.iterdir())  # nothing half-written
 
 

@@ -55,18 +55,20 @@ def reference():
 
 
 # (model, plan, options): a dense model and two MoE models (routed only; shared experts and a dense
-# first layer), M:N plans with EP and TP, the router on either side, both transports.
+# first layer), M:N plans with EP and TP, the router on either side, both transports; dense layers
+# replicated with each FFN rank serving its share of the tokens (3 ranks need not divide any size).
 CASES = [
     ("llama", "1A1F", {}, "gloo"),
     ("llama", "2A1F", {}, "gloo"),
     ("llama", "1A2F", {}, "gloo"),
-    ("llama", "3A2F", {}, "shm"),
+    ("llama", "3A2F", {"dense_ffn": "replicate"}, "shm"),
+    ("llama", "1A3F", {"dense_ffn": "replicate"}, "gloo"),
     ("qwen3_moe", "1A1F", {}, "shm"),
     ("qwen3_moe", "2A1F", {"router": "attn"}, "gloo"),
     ("qwen3_moe", "1A2F", {"ffn_parallel": "ep"}, "gloo"),
     ("qwen3_moe", "1A2F", {"ffn_parallel": "tp"}, "gloo"),
     ("qwen3_moe", "2A2F", {"router": "attn"}, "shm"),
-    ("qwen3_moe", "2A2F", {"router": "attn"}, "gloo"),
+    ("deepseek_v3", "2A2F", {"router": "attn", "dense_ffn": "replicate"}, "gloo"),
     ("qwen3_moe", "3A2F", {}, "gloo"),
     ("deepseek_v3", "1A2F", {"router": "attn"}, "gloo"),
     ("deepseek_v3", "2A2F", {"ffn_parallel": "tp"}, "shm"),
@@ -90,6 +92,20 @@ def test_generation_across_processes_matches_monolith(reference, model_type, pla
     assert sorted(served) == list(range(dm.layout.ffn_ranks))
     assert all(s["batch_tokens"]["count"] > 0 and s["bytes_received"] > 0 for s in served.values())
     assert all(p.exitcode == 0 for p in cluster.processes)  # SIGTERM: drained and exited cleanly
+
+
+def test_replicated_dense_layers_send_each_token_once(reference):
+    """Under --dense-ffn tp every FFN rank gets every token and returns a partial sum; replicated,
+    each rank gets its own share of the tokens: F times fewer bytes each way, the same tokens."""
+    model, ids, mask, ref = reference("llama")
+    moved = {}
+    for dense in ("tp", "replicate"):
+        dm = afdc.disaggregate(model, "1A2F", connector="shm", dense_ffn=dense)
+        with dm.launch(timeout=60):
+            assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+            (snap,) = dm.metrics()
+        moved[dense] = (snap["bytes_sent"], snap["bytes_received"])
+    assert moved["tp"][0] == 2 * moved["replicate"][0] and moved["tp"][1] == 2 * moved["replicate"][1], moved
 
 
 def test_transports_give_the_same_logits(reference):

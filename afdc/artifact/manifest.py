@@ -15,6 +15,7 @@ from pathlib import Path
 from afdc.errors import AfdcError
 from afdc.partition.shard import Split
 from afdc.plan import Plan
+from afdc.runtime.programs import Dispatch
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -39,7 +40,7 @@ class Crossing:
     name: str
     shape_per_token: list[int] | None
     dtype: str
-    reduce: str = ""  # FFN outputs: how the FFN ranks' copies combine ("sum" or "first")
+    reduce: str = ""  # FFN outputs: how the FFN ranks' copies combine ("sum", "first" or "rows")
 
 
 @dataclass
@@ -66,6 +67,10 @@ class SegmentSpec:
     @classmethod
     def from_dict(cls, d: dict) -> SegmentSpec:
         return cls(d["program"], [Split(**s) for s in d["splits"]], d["reduce"], d["inputs"])
+
+    @property
+    def dispatch(self) -> Dispatch:
+        return Dispatch(tuple(self.reduce), tuple(self.inputs))
 
 
 @dataclass

@@ -129,14 +129,18 @@ class Split:
 @dataclass
 class ShardedSegment:
     """A segment graph taking ``(weights..., inputs..., rank)``, how each rank holds each weight,
-    and how the attention side combines the ranks' outputs (``sum`` or ``first``)."""
+    and how the attention side combines the ranks' outputs: ``sum`` of partial results, the
+    ``first`` rank's copy, or ``rows`` (every rank holds the whole segment and serves its own
+    share of the tokens)."""
 
     graph: fx.Graph
     splits: list[Split]
     reduce: list[str]
 
     def describe(self) -> str:
-        """``ep``, ``tp`` or ``replicated``: how the FFN ranks share this segment's work."""
+        """``ep``, ``tp``, ``dp`` or ``replicated``: how the FFN ranks share this segment's work."""
+        if self.reduce and all(how == "rows" for how in self.reduce):
+            return "dp"
         if any(s.experts for s in self.splits):
             return "ep"
         return "tp" if any(s.dim is not None for s in self.splits) else "replicated"
@@ -596,6 +600,12 @@ def single_rank(graph: fx.Graph) -> ShardedSegment:
     outputs = len(next(n for n in graph.nodes if n.op == "output").args[0])
     unchanged = _rewrite(graph, _Propagation(graph, FFNParallel.TP, 1, {}), 1)
     return ShardedSegment(unchanged, [Split()] * len(_weight_inputs(graph)), ["first"] * outputs)
+
+
+def data_parallel(graph: fx.Graph) -> ShardedSegment:
+    """The segment whole on every FFN rank, each serving its own share of the tokens."""
+    whole = single_rank(graph)
+    return replace(whole, reduce=["rows"] * len(whole.reduce))
 
 
 def shard_segment(

@@ -19,7 +19,7 @@ import torch
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
 from afdc.runtime.exchange import AttentionEndpoint, RemoteConnector
-from afdc.runtime.programs import AttentionProgram, FFNProgram, combine
+from afdc.runtime.programs import AttentionProgram, Dispatch, FFNProgram, combine
 
 
 @dataclass
@@ -46,11 +46,11 @@ def run_concurrently(pool: ThreadPoolExecutor | None, calls: list) -> tuple[list
 class AttentionRank:
     """``ffn``: the FFN ranks' programs, run in-process until :attr:`endpoint` is set."""
 
-    def __init__(self, rank: int, program: AttentionProgram, ffn: list[FFNProgram], reduce: list[list[str]]):
+    def __init__(self, rank: int, program: AttentionProgram, ffn: list[FFNProgram], dispatch: list[Dispatch]):
         self.rank = rank
         self.program = program
         self.ffn = ffn
-        self.reduce = reduce
+        self.dispatch = dispatch  # per FFN layer
         self.endpoint: AttentionEndpoint | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -65,7 +65,7 @@ class AttentionRank:
             if self.endpoint is None:
                 link = connectors.LoopbackConnector(functools.partial(combine, self.ffn))
             else:
-                link = RemoteConnector(self.endpoint, step, mb, batch.input_ids.numel(), self.reduce)
+                link = RemoteConnector(self.endpoint, step, mb, batch.input_ids.numel(), self.dispatch)
             with torch.no_grad(), connectors.active(link), kv_cache.active(batch.cache):
                 out = self.program(batch.input_ids, batch.attention_mask, batch.position_ids)
             return out, link.traffic

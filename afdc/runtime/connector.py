@@ -74,6 +74,8 @@ class LoopbackConnector(Connector):
         if results is None or results[index] is None:
             raise RuntimeError(f"FFN segment {layer} output {index} was received before it was sent")
         out, results[index] = results[index], None
+        if shape is not None:
+            out = out.reshape(shape)  # a layer served by rows comes back as [tokens, per-token...]
         self.traffic.to_attn_bytes += out.numel() * out.element_size()
         if all(r is None for r in results):
             del self._results[layer]

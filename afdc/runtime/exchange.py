@@ -19,7 +19,7 @@ from afdc.runtime import wire
 from afdc.runtime.connector import Connector
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.programs import reduce_outputs
+from afdc.runtime.programs import Dispatch, Share
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.transport import Failure, Incoming, Transport, transport_class
 
@@ -113,7 +113,8 @@ class AttentionEndpoint:
 
     # -- exchange ----------------------------------------------------------------------------
 
-    def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor]) -> None:
+    def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor], ffn_rank: int):
+        """Send one message to FFN rank ``ffn_rank`` (a micro-batch's layer may go to several)."""
         assert self.transport is not None
         header = wire.Header.carrying(
             wire.Kind.DATA,
@@ -127,30 +128,31 @@ class AttentionEndpoint:
             sender=self.slot,
         )
         with self._cond:
-            self._sent_at[(step, layer, micro_batch)] = time.monotonic()
-        for peer in self.ffn_slots:
-            try:
-                self.transport.send(peer, header, tensors)
-            except (RuntimeError, OSError) as err:
-                self._fail(peer, layer, f"send failed: {err}")
-            self.metrics.sent(header.payload_bytes)
+            self._sent_at.setdefault((step, layer, micro_batch), time.monotonic())
+        peer = self.ffn_slots[ffn_rank]
+        try:
+            self.transport.send(peer, header, tensors)
+        except (RuntimeError, OSError) as err:
+            self._fail(peer, layer, f"send failed: {err}")
+        self.metrics.sent(header.payload_bytes)
 
-    def wait(self, step: int, layer: int, micro_batch: int) -> list[list[torch.Tensor]]:
-        """Every FFN rank's outputs for this message, in FFN-rank order."""
+    def wait(self, step: int, layer: int, micro_batch: int, ffn_ranks: list[int]) -> list[list[torch.Tensor]]:
+        """The outputs of each of ``ffn_ranks`` for this message, in that order."""
         key = (step, layer, micro_batch)
+        peers = [self.ffn_slots[r] for r in ffn_ranks]
         deadline = time.monotonic() + self.options.timeout
         with self._cond:
             while True:
-                for peer in self.ffn_slots:
+                for peer in peers:
                     if (key, peer) in self._errors:
                         _, rank = self.layout.role_rank(peer)
                         raise PeerLost("ffn", rank, f"refused the message: {self._errors[key, peer]}", layer)
                     if peer in self._lost:
                         self._fail(peer, layer, f"its link broke ({self._lost[peer]})")
-                missing = [p for p in self.ffn_slots if (key, p) not in self._results]
+                missing = [p for p in peers if (key, p) not in self._results]
                 if not missing:
                     self.metrics.exchange_ms.observe((time.monotonic() - self._sent_at.pop(key)) * 1e3)
-                    return [self._results.pop((key, p)) for p in self.ffn_slots]
+                    return [self._results.pop((key, p)) for p in peers]
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._fail(missing[0], layer, f"no reply within {self.options.timeout:g} s (step {step})")
@@ -164,25 +166,35 @@ class AttentionEndpoint:
 
 
 class RemoteConnector(Connector):
-    """One micro-batch's connector for one step: sends through the endpoint, combines the replies."""
+    """One micro-batch's connector for one step: sends each layer's inputs to the FFN ranks that
+    serve them (:class:`Dispatch`) and combines their replies."""
 
-    def __init__(self, endpoint: AttentionEndpoint, step: int, micro_batch: int, tokens: int, reduce: list[list[str]]):
+    def __init__(self, endpoint: AttentionEndpoint, step: int, micro_batch: int, tokens: int, dispatch: list[Dispatch]):
         super().__init__()
         self.endpoint, self.step, self.micro_batch, self.tokens = endpoint, step, micro_batch, tokens
-        self.reduce = reduce
-        self._replies: dict[int, list[list[torch.Tensor]]] = {}  # layer -> per FFN rank, its outputs
+        self.dispatch = dispatch
+        self._shares: dict[int, list[Share]] = {}  # layer -> where its tokens went
+        self._replies: dict[int, list[list[torch.Tensor]]] = {}  # layer -> per share, its outputs
 
     def send(self, layer: int, tensors: list[torch.Tensor]) -> None:
-        self.endpoint.send(self.step, layer, self.micro_batch, self.tokens, tensors)
-        self.traffic.to_ffn_bytes += wire.nbytes(tensors)
+        dispatch = self.dispatch[layer]
+        shares = self._shares[layer] = dispatch.shares(self.tokens, len(self.endpoint.ffn_slots))
+        for share in shares:
+            part = dispatch.take(tensors, share, self.tokens)
+            self.endpoint.send(self.step, layer, self.micro_batch, share.stop - share.start, part, share.rank)
+            self.traffic.to_ffn_bytes += wire.nbytes(part)
         self.traffic.messages += 1
 
     def recv(self, layer: int, index: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        shares = self._shares[layer]
         if layer not in self._replies:
-            self._replies[layer] = self.endpoint.wait(self.step, layer, self.micro_batch)
+            self._replies[layer] = self.endpoint.wait(self.step, layer, self.micro_batch, [s.rank for s in shares])
             self.traffic.messages += 1
         # a batched FFN run replies with [tokens, per-token...]: each rank's part takes the program's shape
-        parts = [[reply[index] if shape is None else reply[index].reshape(shape)] for reply in self._replies[layer]]
-        (out,) = reduce_outputs(parts, [self.reduce[layer][index]])
-        self.traffic.to_attn_bytes += out.numel() * out.element_size()
+        replies = [reply[index] for reply in self._replies[layer]]
+        if shape is not None and not self.dispatch[layer].by_rows:
+            replies = [r.reshape(shape) for r in replies]
+        out = self.dispatch[layer].combine(index, replies, shares)
+        out = out if shape is None else out.reshape(shape)
+        self.traffic.to_attn_bytes += sum(r.numel() * r.element_size() for r in replies)
         return out

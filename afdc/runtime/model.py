@@ -61,8 +61,8 @@ def _split(n: int, parts: int, start: int = 0) -> list[slice]:
 
 class DisaggregatedModel:
     """``attention_ranks[i]`` is attention rank i (it runs its share of the batch's rows);
-    ``ffn_ranks[j]`` is FFN rank j (every FFN layer runs on all of them and their outputs are
-    combined by ``reduce``, per FFN layer)."""
+    ``ffn_ranks[j]`` is FFN rank j (each FFN layer's tokens go to the ranks its
+    :class:`~afdc.runtime.programs.Dispatch` names and their outputs are combined)."""
 
     def __init__(
         self,
@@ -88,8 +88,8 @@ class DisaggregatedModel:
         self.deployment = deployment  # the id every rank of a launched deployment checks
         self.artifact = artifact  # the compiled artifact this came from, if any
         self.connector = connector  # the transport launch() uses unless told otherwise
-        self.reduce = [self.ffn.reduction(layer) for layer in range(len(self.ffn.layers))]
-        self.ranks = [AttentionRank(i, p, ffn, self.reduce) for i, p in enumerate(attention)]
+        dispatch = [self.ffn.dispatch(layer) for layer in range(len(self.ffn.layers))]
+        self.ranks = [AttentionRank(i, p, ffn, dispatch) for i, p in enumerate(attention)]
         self.last_traffic = connectors.Traffic()
         self._store_host: Rendezvous | None = None
         self._pool: ThreadPoolExecutor | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,17 @@ TokenLayout = list[int]
 
 def _at_tokens(layout: TokenLayout, tokens: int) -> list[int]:
     return [d if d >= 0 else -d * tokens for d in layout]
+
+
+def row_major(layout: TokenLayout | None) -> bool:
+    """Whether a tensor of this layout is one row per token ([1, T, ...] or [T, ...]), so that a
+    contiguous range of tokens is a contiguous range of rows."""
+    return layout is not None and next((d for d in layout if d != 1), None) == -1
+
+
+def _rows(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``tensor`` as ``[tokens, per-token elements]``."""
+    return tensor.reshape(tokens, tensor.numel() // max(tokens, 1))
 
 
 class FFNProgram(torch.nn.Module):
@@ -98,11 +110,12 @@ class FFNProgram(torch.nn.Module):
             )
             for i, lay in enumerate(layouts)
         ]
-        outputs = [o.reshape(total, o.numel() // max(total, 1)) for o in self.run(layer, batched)]
+        outputs = [_rows(o, total) for o in self.run(layer, batched)]
         return [list(parts) for parts in zip(*(o.split(tokens) for o in outputs))]
 
-    def reduction(self, layer: int) -> list[str]:
-        return self.reduce[self.layers[layer].segment]
+    def dispatch(self, layer: int) -> Dispatch:
+        segment = self.layers[layer].segment
+        return Dispatch(tuple(self.reduce[segment]), tuple(self.inputs[segment]))
 
     def parameter_names(self) -> list[str]:
         return sorted(self._parameters_owned)
@@ -111,15 +124,71 @@ class FFNProgram(torch.nn.Module):
         return [self._weights[n] for n in names]
 
 
-def reduce_outputs(per_rank: list[list[torch.Tensor]], reduce: list[str]) -> list[torch.Tensor]:
-    """Combine the FFN ranks' outputs: partial results add up (in rank order), replicated ones
-    come from rank 0."""
-    return [
-        functools.reduce(torch.add, [out[i] for out in per_rank]) if how == "sum" else per_rank[0][i]
-        for i, how in enumerate(reduce)
-    ]
+@dataclass(frozen=True)
+class Share:
+    """The tokens [start, stop) of a message that FFN rank ``rank`` serves."""
+
+    rank: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How one FFN layer's inputs go out to the FFN ranks and how their replies combine.
+
+    ``reduce`` (per output) is ``sum`` (each rank returns a partial result for every token),
+    ``first`` (rank 0's copy is the result, so only rank 0 is asked) or ``rows`` (each rank holds
+    the whole layer and serves a contiguous share of the tokens).
+    """
+
+    reduce: tuple[str, ...]
+    inputs: tuple[TokenLayout | None, ...]
+
+    @property
+    def by_rows(self) -> bool:
+        return bool(self.reduce) and all(how == "rows" for how in self.reduce)
+
+    def shares(self, tokens: int, ranks: int) -> list[Share]:
+        if self.by_rows:
+            bounds = [r * tokens // ranks for r in range(ranks + 1)]
+            shares = [Share(r, lo, hi) for r, (lo, hi) in enumerate(itertools.pairwise(bounds)) if hi > lo]
+            return shares or [Share(0, 0, 0)]  # an empty micro-batch still gets its (empty) reply
+        if all(how == "first" for how in self.reduce):
+            return [Share(0, 0, tokens)]
+        return [Share(r, 0, tokens) for r in range(ranks)]
+
+    def take(self, inputs: list[torch.Tensor], share: Share, tokens: int) -> list[torch.Tensor]:
+        """The inputs ``share`` gets out of a message of ``tokens`` tokens."""
+        if not self.by_rows:
+            return inputs
+        count = share.stop - share.start
+        return [
+            _rows(x, tokens)[share.start : share.stop].reshape(_at_tokens(lay, count))
+            for x, lay in zip(inputs, self.inputs)
+        ]
+
+    def tokens(self, inputs: list[torch.Tensor]) -> int:
+        """The token count of a message (only ``rows`` dispatch needs it; others answer 0)."""
+        if not self.by_rows:
+            return 0
+        return inputs[0].numel() // math.prod(abs(d) for d in self.inputs[0])
+
+    def combine(self, index: int, replies: list[torch.Tensor], shares: list[Share]) -> torch.Tensor:
+        """Output ``index`` from each share's reply (in ``shares`` order); ``rows`` come back as
+        ``[tokens, per-token elements]`` for the receiver to reshape."""
+        how = self.reduce[index]
+        if how == "rows":
+            return torch.cat([_rows(r, s.stop - s.start) for r, s in zip(replies, shares)])
+        if how == "first":
+            return replies[0]
+        return functools.reduce(torch.add, replies)  # partial results, added in rank order
 
 
 def combine(programs: list[FFNProgram], layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run FFN layer ``layer`` on every FFN rank and combine the ranks' outputs."""
-    return reduce_outputs([p.run(layer, inputs) for p in programs], programs[0].reduction(layer))
+    """Run FFN layer ``layer`` in-process on the FFN ranks it goes to and combine their outputs."""
+    dispatch = programs[0].dispatch(layer)
+    tokens = dispatch.tokens(inputs)
+    shares = dispatch.shares(tokens, len(programs))
+    replies = [programs[s.rank].run(layer, dispatch.take(inputs, s, tokens)) for s in shares]
+    return [dispatch.combine(i, [r[i] for r in replies], shares) for i in range(len(replies[0]))]

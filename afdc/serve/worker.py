@@ -106,10 +106,10 @@ class AfdcWorker(WorkerBase):
                 "it cannot run on a paged KV cache; use afdc.disaggregate / dm.generate instead"
             )
         program = load(directory, "attn", s.rank, self.device)
-        reduce = [manifest.segments[lay.segment].reduce for lay in manifest.layers]
+        dispatch = [manifest.segments[lay.segment].dispatch for lay in manifest.layers]
         in_process = s.connector == "loopback"
         ffn = [load(directory, "ffn", r, self.device) for r in range(manifest.plan.ffn_ranks)] if in_process else []
-        self.attention = AttentionRank(s.rank, program, ffn, reduce)
+        self.attention = AttentionRank(s.rank, program, ffn, dispatch)
         self.slots: list[SlotSpec] = _slots(program.module)
         self.micro_batches = s.micro_batches or manifest.plan.micro_batches
         self.dtype = next((p.dtype for p in program.parameters() if p.is_floating_point()), torch.float32)
