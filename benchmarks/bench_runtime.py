@@ -99,8 +99,8 @@ def round_trips(connector: str, repeats: int) -> list[tuple[int, float]]:
             for i in range(repeats + 10):
                 step = endpoint.begin_step()
                 t = time.perf_counter()
-                endpoint.send(step, 0, 0, tokens, [x])
-                (reply,) = endpoint.wait(step, 0, 0)
+                endpoint.send(step, 0, 0, tokens, [x], 0)
+                (reply,) = endpoint.wait(step, 0, 0, [0])
                 if i >= 10:  # warm-up
                     times.append(time.perf_counter() - t)
                 assert torch.equal(reply[0].reshape(x.shape), x)

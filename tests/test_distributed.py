@@ -277,3 +277,28 @@ def test_one_ffn_run_for_several_senders(model_type):
             alone = ffn.run(layer, inputs)
             for a, o in zip(alone, outs):
                 torch.testing.assert_close(o, a.reshape(t, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_memory_ring_reuses_its_start_and_never_overwrites_unread_bytes(tmp_path):
+    """The sender places each payload where no unread byte lies: back at the ring's start once the
+    receiver has drained it, after the unread ones otherwise, never wrapping inside a payload."""
+    from afdc.runtime.shm import _Ring
+
+    ring = _Ring(tmp_path / "ring", 100, create=True)
+    reader = _Ring(tmp_path / "ring", 0, create=False)
+    start = ring.reserve(60, 1.0, "reader")
+    assert start == 0
+    ring.write(0, memoryview(bytes(range(60))))
+    ring.head = 60
+    with pytest.raises(ConnectionError, match="reader has not consumed its ring"):
+        ring.reserve(50, 0.05, "reader")  # 60 unread bytes + 50 do not fit in 100
+    assert ring.reserve(40, 1.0, "reader") == 60  # fits behind the unread bytes
+    assert torch.equal(reader.read(0, 60), torch.arange(60, dtype=torch.uint8))
+    reader.tail = 60  # drained: the next payload starts over at the beginning (of the next lap)
+    assert ring.tail == 60 and ring.reserve(90, 1.0, "reader") == 100
+    ring.head, reader.tail = 130, 100  # 30 unread bytes at [0, 30) of this lap
+    assert ring.reserve(70, 1.0, "reader") == 130  # [30, 100): fits without wrapping
+    with pytest.raises(ConnectionError):
+        ring.reserve(71, 0.05, "reader")  # would wrap, and the next lap's start is still unread
+    reader.tail = 130
+    assert ring.reserve(71, 1.0, "reader") == 200

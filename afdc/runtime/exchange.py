@@ -1,14 +1,16 @@
 """The attention side of the distributed runtime: one endpoint per attention rank.
 
-The endpoint joins the deployment, sends each micro-batch's FFN inputs to every FFN rank and
-collects their replies. A demultiplexing thread files replies by (step, layer, micro-batch) and
-FFN rank, so micro-batches can wait for their own results in any order. A reply that does not
+The endpoint joins the deployment, sends each micro-batch's FFN inputs to the FFN ranks that
+serve them and collects their replies. The transport's receiver threads file each reply by
+(step, layer, micro-batch) and FFN rank as it lands, so micro-batches can wait for their own
+results in any order. A reply that does not
 come within the timeout, or an FFN rank whose link breaks, raises :class:`afdc.PeerLost`
 naming the rank and the layer; the next step regroups (a restarted FFN rank is picked up then).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
@@ -49,6 +51,7 @@ class AttentionEndpoint:
         self._errors: dict[tuple, str] = {}
         self._lost: dict[int, str] = {}
         self._sent_at: dict[tuple, float] = {}
+        self._generation = -1  # of the transport whose deliveries are filed
 
     @classmethod
     def connect(cls, rank: int, layout: Layout, deployment: bytes, options: RuntimeOptions) -> AttentionEndpoint:
@@ -80,36 +83,38 @@ class AttentionEndpoint:
         group = self.rendezvous.join(self.slot, cls.address(self.rendezvous, self.slot), self.options.join_timeout)
         with self._cond:
             self._lost.clear()
+        self._generation = group.generation
+        file = functools.partial(self._file, group.generation)
         try:
-            transport = cls(self.rendezvous, group, self.slot, "attn", timeout=self.options.timeout)
+            transport = cls(self.rendezvous, group, self.slot, "attn", timeout=self.options.timeout, deliver=file)
         except (RuntimeError, OSError) as err:
             self._broken = True
             raise RendezvousError(
                 f"attention rank {self.rank} could not reach the FFN ranks (generation {group.generation}): {err}"
             ) from err
-        threading.Thread(target=self._demux, args=(transport,), daemon=True, name=f"afdc-demux-{self.rank}").start()
         self.transport, self._broken = transport, False
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-            self.transport.inbox.put(None)  # ends its demux thread
             self.transport = None
 
-    def _demux(self, transport: Transport) -> None:
-        while (item := transport.inbox.get()) is not None:
-            with self._cond:
-                if isinstance(item, Failure):
-                    self._lost[item.peer] = item.reason
-                elif isinstance(item, Incoming):
-                    h = item.header
-                    key = (h.key, h.sender)
-                    self.metrics.received(h.payload_bytes)
-                    if h.kind == wire.Kind.ERROR:
-                        self._errors[key] = bytes(item.tensors[0].numpy()).decode(errors="replace")
-                    else:
-                        self._results[key] = item.tensors
-                self._cond.notify_all()
+    def _file(self, generation: int, item: Incoming | Failure) -> None:
+        """File what a receiver thread got; what a left generation's threads still deliver is dropped."""
+        with self._cond:
+            if generation != self._generation:
+                return
+            if isinstance(item, Failure):
+                self._lost[item.peer] = item.reason
+            else:
+                h = item.header
+                key = (h.key, h.sender)
+                self.metrics.received(h.payload_bytes)
+                if h.kind == wire.Kind.ERROR:
+                    self._errors[key] = bytes(item.tensors[0].numpy()).decode(errors="replace")
+                else:
+                    self._results[key] = item.tensors
+            self._cond.notify_all()
 
     # -- exchange ----------------------------------------------------------------------------
 

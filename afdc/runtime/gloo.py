@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from afdc.runtime import wire
 from afdc.runtime.rendezvous import Group, Rendezvous
-from afdc.runtime.transport import LEFT, Failure, Incoming, Transport, register
+from afdc.runtime.transport import LEFT, Deliver, Failure, Incoming, Transport, register
 
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _NO_DEADLINE = datetime.timedelta(days=365)  # see the module docstring: receives cannot be abandoned
@@ -32,8 +32,16 @@ _NO_DEADLINE = datetime.timedelta(days=365)  # see the module docstring: receive
 
 @register("gloo")
 class GlooTransport(Transport):
-    def __init__(self, rendezvous: Rendezvous, group: Group, slot: int, role: str, timeout: float = 60.0):
-        super().__init__(rendezvous, group, slot, role)
+    def __init__(
+        self,
+        rendezvous: Rendezvous,
+        group: Group,
+        slot: int,
+        role: str,
+        timeout: float = 60.0,
+        deliver: Deliver | None = None,
+    ):
+        super().__init__(rendezvous, group, slot, role, deliver)
         store = rendezvous.prefixed(group.generation, "gloo")
         self.pg = dist.ProcessGroupGloo(store, slot, self.layout.world, datetime.timedelta(seconds=timeout))
         self._locks = {p: threading.Lock() for p in self.layout.peers(role)}
@@ -61,16 +69,16 @@ class GlooTransport(Transport):
                 self.pg.recv([head], peer, _HEADER_TAG).wait(_NO_DEADLINE)
                 header = wire.Header.decode(head.numpy().tobytes())
                 if header.kind == wire.Kind.BYE:
-                    self.inbox.put(Failure(peer, LEFT))
+                    self.deliver(Failure(peer, LEFT))
                     return
                 payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
                 if header.payload_bytes:
                     self.pg.recv([payload], peer, _PAYLOAD_TAG).wait(_NO_DEADLINE)
             except (RuntimeError, wire.WireError) as err:
                 if not self._closed:
-                    self.inbox.put(Failure(peer, str(err)))
+                    self.deliver(Failure(peer, str(err)))
                 return
-            self.inbox.put(Incoming(header, wire.unpack(payload, header.tensors)))
+            self.deliver(Incoming(header, wire.unpack(payload, header.tensors)))
 
     def _release(self) -> None:
         self._closed = True

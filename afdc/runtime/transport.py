@@ -1,7 +1,8 @@
 """Transports: one rank's message links to its peers for one rendezvous generation.
 
 A transport sends typed messages (:mod:`afdc.runtime.wire`) to a peer slot and delivers what
-arrives from any peer into one inbox, from receiver threads. A peer that drops its link or
+arrives from any peer, from receiver threads: into one inbox, or straight to a ``deliver``
+callback (the attention side files replies as they land, one thread hand-off fewer). A peer that drops its link or
 sends something malformed shows up in the inbox as a :class:`Failure`; the transport itself
 never raises on the receiving side. Transports are chosen by name from :data:`REGISTRY`.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import queue
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +40,17 @@ class Failure:
     reason: str
 
 
+Deliver = Callable[["Incoming | Failure"], None]
+
+
 class Transport(ABC):
-    def __init__(self, rendezvous: Rendezvous, group: Group, slot: int, role: str):
+    def __init__(self, rendezvous: Rendezvous, group: Group, slot: int, role: str, deliver: Deliver | None = None):
         self.rendezvous = rendezvous
         self.group = group
         self.slot = slot
         self.role = role
         self.inbox: queue.Queue[Incoming | Failure] = queue.Queue()
+        self.deliver: Deliver = deliver or self.inbox.put
 
     @property
     def layout(self) -> Layout:
