@@ -98,6 +98,23 @@ def _(q, k, v, mask, slot, scale, softcap, sinks, window):
     return q.new_empty((b, s, hq, v.shape[-1]))
 
 
+@torch.library.custom_op("afdc::sampled_rows", mutates_args=())
+def sampled_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """The token rows of ``hidden [1, T, ...]`` whose logits are wanted.
+
+    All of them, unless the active cache context lists ``last_rows`` (a serving step samples each
+    request's last token only: the LM head then runs on R rows, not on every prefill token).
+    """
+    cache = _kv_cache.current()
+    rows = getattr(cache, "last_rows", None)
+    return hidden.clone() if rows is None else hidden.index_select(1, rows)
+
+
+@sampled_rows.register_fake
+def _(hidden):
+    return hidden.new_empty((hidden.shape[0], torch.library.get_ctx().new_dynamic_size(), *hidden.shape[2:]))
+
+
 # -- connector ops -------------------------------------------------------------------------------
 
 

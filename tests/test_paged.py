@@ -3,6 +3,7 @@ against the Hugging Face model, driven the way a vLLM worker drives the attentio
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -16,6 +17,7 @@ from transformers.masking_utils import (
 
 import afdc
 from afdc.ops import reference_attention
+from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
 from afdc.runtime.paged import PagedBatch, PagedKVStore, SlotSpec, attention_slots
@@ -154,8 +156,10 @@ class _Request:
         self.logits: list[torch.Tensor] = []  # at each step that ended at its last known token
 
 
-def _step(dm, store: PagedKVStore, schedule: dict[_Request, int]) -> None:
-    """One engine step over the flat batch of ``schedule``'s tokens; greedy next tokens."""
+def _step(dm, program, store: PagedKVStore, schedule: dict[_Request, int]) -> None:
+    """One engine step of ``program`` over the flat batch of ``schedule``'s tokens; greedy next
+    tokens. A program with ``afdc::sampled_rows`` returns the requests' last rows only."""
+    rows_only = bool(program.module.graph.find_nodes(op="call_function", target=torch.ops.afdc.sampled_rows.default))
     reqs = list(schedule)
     ids = torch.tensor([t for r, n in schedule.items() for t in r.tokens[r.done : r.done + n]])
     width = max(len(r.blocks) for r in reqs)
@@ -164,17 +168,26 @@ def _step(dm, store: PagedKVStore, schedule: dict[_Request, int]) -> None:
     batch = PagedBatch(store, table, torch.tensor([r.done for r in reqs]), lens)
     link = connectors.LoopbackConnector(functools.partial(combine, dm.ffn_ranks))
     with torch.no_grad(), connectors.active(link), kv_cache.active(batch):
-        logits = dm.attention_ranks[0](ids[None], torch.ones_like(ids)[None], batch.positions).logits[0]
-    for r, last in zip(reqs, (lens.cumsum(0) - 1).tolist()):
+        logits = program(ids[None], torch.ones_like(ids)[None], batch.positions).logits[0]
+    assert logits.shape[0] == (len(reqs) if rows_only else len(ids))
+    for i, (r, last) in enumerate(zip(reqs, (lens.cumsum(0) - 1).tolist())):
         r.done += schedule[r]
         if r.done == len(r.tokens):
-            r.logits.append(logits[last])
-            r.tokens.append(int(logits[last].argmax()))
+            row = logits[i if rows_only else last]
+            r.logits.append(row)
+            r.tokens.append(int(row.argmax()))
 
 
-@pytest.mark.parametrize("model_type", list(MODELS))
-def test_served_model_matches_transformers(model_type):
+@pytest.mark.parametrize(("model_type", "rows_only"), [(m, m == "gemma2") for m in MODELS] + [("llama", True)])
+def test_served_model_matches_transformers(model_type, rows_only):
+    """vLLM-style steps (chunked prefill, prefix sharing, decode) against transformers; with
+    ``rows_only`` the LM head runs on each request's last token only (the serving worker's
+    program, gemma2's soft-capping after it included)."""
     model, dm = _served(model_type)
+    program = copy.deepcopy(dm.attention_ranks[0])
+    if rows_only:
+        assert sample_rows_only(program.module, program.out_spec)
+    step = functools.partial(_step, dm, program)
     slots = attention_slots(dm.attention.module.graph)
     window = {"llama": 0, "gemma2": 4, "llama4_text": 4}[model_type]
     assert [(s.window, s.chunked) for s in slots] == [(window, model_type == "llama4_text"), (0, False)]
@@ -184,15 +197,15 @@ def test_served_model_matches_transformers(model_type):
     free = torch.randperm(16, generator=gen).tolist()
     prompts = {n: torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 6, 7)}
     a, b, c = (_Request(p, [free.pop() for _ in range(4)]) for p in prompts.values())
-    _step(dm, store, {a: 5, b: 6})  # A's prefill in two chunks
-    _step(dm, store, {a: 4, b: 1, c: 7})
+    step(store, {a: 5, b: 6})  # A's prefill in two chunks
+    step(store, {a: 4, b: 1, c: 7})
     # D shares A's first 6 tokens: A's first block, and a copy of its second (D overwrites its end)
     d = _Request([*a.tokens[:6], 7, 8, 9, 10], [a.blocks[0], free.pop(), free.pop(), free.pop()])
     store.copy_blocks([(a.blocks[1], d.blocks[1])])
     d.done = 6
-    _step(dm, store, {a: 1, b: 1, c: 1, d: 4})
+    step(store, {a: 1, b: 1, c: 1, d: 4})
     for _ in range(2):
-        _step(dm, store, {r: 1 for r in (a, b, c, d)})
+        step(store, {r: 1 for r in (a, b, c, d)})
 
     for r in (a, b, c, d):
         new = len(r.tokens) - r.prompt

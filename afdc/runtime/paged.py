@@ -275,6 +275,7 @@ class PagedBatch:
         offset = torch.arange(self.num_tokens, device=device) - (self.query_lens.cumsum(0) - self.query_lens)[request]
         positions = self.context_lens[request] + offset
         self.positions = positions[None]  # [1, T]: the program's position_ids
+        self.last_rows = self.query_lens.cumsum(0) - 1  # each request's last token: where it samples
         self.slot_mapping = self.block_table[request, positions // bs] * bs + positions % bs  # [T]
         self._query_index = request * max_q + offset  # token -> row of the padded [R * max_q] queries
 

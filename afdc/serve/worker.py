@@ -30,6 +30,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from afdc.artifact import manifest as mf
 from afdc.compile import deployment_of, load
 from afdc.errors import UnsupportedModelError
+from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions
@@ -111,6 +112,8 @@ class AfdcWorker(WorkerBase):
         ffn = [load(directory, "ffn", r, self.device) for r in range(manifest.plan.ffn_ranks)] if in_process else []
         self.attention = AttentionRank(s.rank, program, ffn, dispatch)
         self.slots: list[SlotSpec] = _slots(program.module)
+        # logits for each request's last token only (the step samples nothing else)
+        self.rows_only = sample_rows_only(program.module, program.out_spec)
         self.micro_batches = s.micro_batches or manifest.plan.micro_batches
         self.dtype = next((p.dtype for p in program.parameters() if p.is_floating_point()), torch.float32)
         if not in_process:
@@ -219,12 +222,15 @@ class AfdcWorker(WorkerBase):
             r.scheduled = so.num_scheduled_tokens[r.id]
         groups = _micro_batches([r.scheduled for r in scheduled], self.micro_batches)
         outputs = self._run([self._micro_batch(scheduled[g]) for g in groups])
-        last = torch.cat([
-            out.logits[0, torch.tensor([r.scheduled for r in scheduled[g]]).cumsum(0) - 1]
-            for g, out in zip(groups, outputs)
-        ])
+        last = torch.cat([self._last_logits(out.logits, scheduled[g]) for g, out in zip(groups, outputs)])
         self._pending = (so, scheduled, last)
         return None
+
+    def _last_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each request's logits at its last scheduled token."""
+        if self.rows_only:
+            return logits[0]  # the program computed those rows only
+        return logits[0, torch.tensor([r.scheduled for r in requests]).cumsum(0) - 1]
 
     def _run(self, batches: list[MicroBatch]) -> list:
         """Run the step; while an FFN rank is lost, report it and run the step again once the rank
