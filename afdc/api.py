@@ -82,14 +82,18 @@ def _shard(segments: list[fx.Graph], layers: list[SegmentBinding], labels: list[
 
 
 def _shard_one(graph: fx.Graph, mode: FFNParallel, plan: Plan, tokens, label: str, names: list[str]) -> ShardedSegment:
-    """One segment over the plan's FFN ranks. Under ``--dense-ffn replicate`` a layer without
-    experts is kept whole and its tokens are shared out (when its rows can be split by token),
-    and a MoE layer keeps its shared experts whole on every rank."""
-    if plan.dense_ffn == "replicate":
-        if _rows_split(graph, tokens) and (mode is FFNParallel.TP or not _stacked_weights(graph)):
+    """One segment over the plan's FFN ranks; under ``--dense-ffn replicate`` a segment without
+    experts is kept whole and its tokens are shared out, when its rows can be split by token."""
+    replicate = plan.dense_ffn == "replicate" and _rows_split(graph, tokens)
+    if replicate and mode is FFNParallel.TP:
+        return data_parallel(graph)
+    try:
+        sharded = shard_segment(graph, mode, plan.ffn_ranks, label, names)
+    except PlanError:
+        if replicate and not _stacked_weights(graph):  # a dense layer need not split to be replicated
             return data_parallel(graph)
-        return shard_segment(graph, mode, plan.ffn_ranks, label, names, replicate_dense=True)
-    return shard_segment(graph, mode, plan.ffn_ranks, label, names)
+        raise
+    return data_parallel(graph) if replicate and sharded.describe() != "ep" else sharded
 
 
 def _stacked_weights(graph: fx.Graph) -> bool:

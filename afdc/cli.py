@@ -54,8 +54,8 @@ def inspect(model: str | None, demo: bool, plan: str, router: str, as_json: bool
 @click.option("--ffn-parallel", type=click.Choice(["auto", "ep", "tp"]), default="auto", show_default=True,
               help="How the FFN ranks split each FFN layer: experts (ep), weight shards (tp); auto: ep for MoE.")
 @click.option("--dense-ffn", type=click.Choice(["tp", "replicate"]), default="tp", show_default=True,
-              help="Dense FFN layers and shared experts: sharded over the FFN ranks (tp), or whole on each "
-                   "rank, which runs them on its own share of the tokens (replicate).")
+              help="Dense FFN layers: sharded over the FFN ranks (tp), or whole on each rank, which serves its "
+                   "own share of the tokens (replicate).")
 @click.option("--attn-tp", type=int, default=1, show_default=True, help="Tensor parallelism inside an attention rank.")
 @click.option("--router", type=click.Choice(["ffn", "attn"]), default="ffn", show_default=True,
               help="Which side runs the MoE router.")

@@ -10,9 +10,9 @@ from afdc.errors import PlanError
 _PLAN = re.compile(r"^\s*(\d+)\s*[aA]\s*(\d+)\s*[fF]\s*$")
 
 FFN_PARALLEL = ("auto", "ep", "tp")  # auto: ep for mixture-of-experts models, tp for dense ones
-# How the F ranks hold what is not a routed expert (dense FFN layers, shared experts): "tp" shards
-# those weights; "replicate" keeps them whole on every rank, and each rank runs them on its own
-# share of the tokens (a dense layer then needs no partial sums: F times less traffic).
+# How the F ranks hold the FFN layers that have no experts (dense layers): "tp" shards their
+# weights and every rank sees every token; "replicate" keeps them whole on every rank and gives
+# each rank its own share of the tokens (no partial sums: F times less traffic, F times the memory).
 DENSE_FFN = ("tp", "replicate")
 ROUTERS = ("ffn", "attn")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -23,7 +23,7 @@ class Plan:
     attention_ranks: int
     ffn_ranks: int
     ffn_parallel: str = "auto"  # how the FFN ranks split each FFN layer: "ep", "tp" or "auto"
-    dense_ffn: str = "tp"  # how the FFN ranks hold dense layers and shared experts: "tp" or "replicate"
+    dense_ffn: str = "tp"  # how the FFN ranks hold dense FFN layers: "tp" or "replicate"
     attention_tp: int = 1  # tensor parallelism inside one attention rank
     router: str = "ffn"  # which side computes the MoE router ("attn" sends top-k ids and weights)
     micro_batches: int = 1  # micro-batches the attention side ping-pongs per step

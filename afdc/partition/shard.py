@@ -4,9 +4,7 @@ Tensor parallel (``tp``) splits weights along their intermediate dimension: the 
 that read the segment's input are split by output column, the ones that read a split value by
 input row, and each rank returns a partial sum. Expert parallel (``ep``) gives each rank E/F of
 the stacked expert weights; a rank computes only its experts' rows and zeros elsewhere, again a
-partial sum. Under ``ep`` the rest of a MoE segment (shared experts, dense layers) is ``tp``,
-or kept whole on every rank with ``replicate_dense`` (its terms then shared out by token rows,
-see :mod:`afdc.partition.rows`).
+partial sum. Under ``ep`` the rest of a MoE segment (shared experts, dense layers) is ``tp``.
 
 Which weights to split is found by propagating, through the segment graph, how each value is
 laid out over the ranks (:class:`Layout`). A weight is split on its first use as a matmul
@@ -19,7 +17,6 @@ does not fit ends up replicated (or refused under ``ep``), never wrong.
 from __future__ import annotations
 
 import enum
-import functools
 import math
 import operator
 from collections.abc import Sequence
@@ -29,7 +26,6 @@ import torch
 import torch.fx as fx
 
 from afdc.errors import PlanError
-from afdc.partition.rows import RowShares, RowTerm, row_local
 from afdc.passes import graph_facts as gf
 
 
@@ -198,7 +194,6 @@ class _Propagation:
     mode: FFNParallel
     ranks: int
     decided: dict[int, Split]
-    replicate_dense: bool = False  # weights other than experts stay whole on every rank
     env: dict[fx.Node, Layout | list[Layout]] = field(default_factory=dict)
     # (node, arg position, list index or None) -> a full size that each rank holds 1/ranks of
     local_sizes: dict[tuple[fx.Node, int, int | None], int] = field(default_factory=dict)
@@ -407,7 +402,7 @@ class _Propagation:
                 lb = self._decide(lb, k_dim(map_b), la.blocks)
             elif self.mode is FFNParallel.EP and "e" in map_b.values() and la.kind in _ROW_WISE:
                 lb = self._decide(lb, next(d for d, m in map_b.items() if m == "e"), experts=True)
-            elif la.replicated and not self.replicate_dense:
+            elif la.replicated:
                 column = max(d for d, m in map_b.items() if isinstance(m, int))
                 lb = self._decide(lb, column)
             else:
@@ -603,7 +598,7 @@ class _Propagation:
 def single_rank(graph: fx.Graph) -> ShardedSegment:
     """The segment for a plan with one FFN rank: unchanged, plus the (unused) rank input."""
     outputs = len(next(n for n in graph.nodes if n.op == "output").args[0])
-    unchanged = _rewrite(graph, _Propagation(graph, FFNParallel.TP, 1, {}), 1, {})
+    unchanged = _rewrite(graph, _Propagation(graph, FFNParallel.TP, 1, {}), 1)
     return ShardedSegment(unchanged, [Split()] * len(_weight_inputs(graph)), ["first"] * outputs)
 
 
@@ -614,18 +609,10 @@ def data_parallel(graph: fx.Graph) -> ShardedSegment:
 
 
 def shard_segment(
-    graph: fx.Graph,
-    mode: FFNParallel,
-    ranks: int,
-    label: str = "",
-    names: list[str] | None = None,
-    replicate_dense: bool = False,
+    graph: fx.Graph, mode: FFNParallel, ranks: int, label: str = "", names: list[str] | None = None
 ) -> ShardedSegment:
     """Decide how ``ranks`` FFN ranks hold the segment's weights and rewrite it to run on one rank.
 
-    ``replicate_dense`` keeps every weight but the experts whole on every rank (shared experts
-    replicated); their terms are then shared out by token rows, and where a term cannot be
-    (it is not computed row by row) the segment is sharded as without it.
     ``label`` (the layer) and ``names`` (its weights) only name things in errors.
     """
     weights = _weight_inputs(graph)
@@ -633,7 +620,7 @@ def shard_segment(
     decided: dict[int, Split] = {}
     reasons: list[str] = []
     for _ in range(4 * len(weights) + 4):
-        prop = _Propagation(graph, mode, ranks, dict(decided), replicate_dense)
+        prop = _Propagation(graph, mode, ranks, dict(decided))
         try:
             reduce = prop.run()
         except _NeedBlocks as need:
@@ -654,18 +641,13 @@ def shard_segment(
             reasons.append(conflict.reason)
             continue
         splits = [prop.decided.get(i, Split()) for i in range(len(weights))]
-        if replicate_dense and not any(s.experts for s in splits):
-            return shard_segment(graph, mode, ranks, label, names)  # no experts: nothing to keep apart from
         if all(s.dim is None for s in splits) and any(w.meta["val"].dim() >= 2 for w in weights):
             raise PlanError(
                 f"{label}: the FFN cannot be split over {ranks} ranks ({'; then '.join(dict.fromkeys(reasons))}); "
                 "use one FFN rank"
             )
         _check_divisible(names, weights, splits, ranks, label)
-        by_rows = _row_terms(graph, prop, ranks)
-        if replicate_dense and len(by_rows) < sum(pos >= 0 for pos in prop.lead_only.values()):
-            return shard_segment(graph, mode, ranks, label, names)  # a replicated term only rank 0 would compute
-        return ShardedSegment(_rewrite(graph, prop, ranks, by_rows), splits, reduce)
+        return ShardedSegment(_rewrite(graph, prop, ranks), splits, reduce)
     raise AssertionError("sharding did not settle")
 
 
@@ -681,29 +663,17 @@ def _check_divisible(names: list[str], weights: list[fx.Node], splits: list[Spli
             raise PlanError(f"{label}: {ranks} FFN ranks do not divide {what}; use {fix}")
 
 
-def _row_terms(graph: fx.Graph, prop: _Propagation, ranks: int) -> dict[fx.Node, RowTerm]:
-    """The adds whose replicated term is computed row by row, so the ranks can share it out by
-    token rows (rows.py), with that term's nodes and the token rows they read."""
-    if ranks == 1:
-        return {}
-    found = {n: row_local(graph, n.args[pos]) for n, pos in prop.lead_only.items() if pos >= 0}
-    return {n: local for n, local in found.items() if local is not None}
-
-
-def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int, by_rows: dict[fx.Node, RowTerm]) -> fx.Graph:
-    """The segment as one rank runs it: local sizes, local experts, replicated addends shared out
-    by token rows (``by_rows``) or else counted on rank 0 only."""
+def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int) -> fx.Graph:
+    """The segment as one rank runs it: local sizes, local experts, rank-0-only addends."""
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    rank = shares = None
-    sliced = {m: term.reads for term in by_rows.values() for m in term.nodes}
+    rank = None
     for node in graph.nodes:
         if node.op == "output":
             new.output(fx.map_arg(node.args[0], env.get))
             continue
-        lookup = functools.partial(_mapped, env, shares, sliced.get(node, ()))
-        args, kwargs = fx.map_arg(node.args, lookup), fx.map_arg(node.kwargs, lookup)
+        args, kwargs = fx.map_arg(node.args, env.get), fx.map_arg(node.kwargs, env.get)
         for (n, pos, i), full in prop.local_sizes.items():
             if n is node:
                 args = list(args)
@@ -723,6 +693,7 @@ def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int, by_rows: dict[fx.N
             else:
                 target, args = torch.ops.afdc.gather_local.default, (args[0], args[1][0], first)
         if node in prop.lead_only:
+            lead = new.call_function(operator.eq, (rank, 0))
             pos = prop.lead_only[node]
             if pos == -1:  # a bias after a row split: add it once
                 bias_pos = 0 if name == "addmm" else 2
@@ -730,30 +701,19 @@ def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int, by_rows: dict[fx.N
                 args = tuple(a for i, a in enumerate(args) if i != bias_pos)
                 target = torch.ops.aten.mm.default if name == "addmm" else torch.ops.aten.linear.default
                 out = new.call_function(target, args, kwargs)
-                scaled = new.call_function(torch.ops.aten.mul.Tensor, (bias, new.call_function(operator.eq, (rank, 0))))
+                scaled = new.call_function(torch.ops.aten.mul.Tensor, (bias, lead))
                 env[node] = new.call_function(torch.ops.aten.add.Tensor, (out, scaled))
                 env[node].meta = dict(node.meta)
                 continue
             args = list(args)
-            if node in by_rows:
-                like = by_rows[node].like
-                args[pos] = shares.pad(args[pos], node.args[pos], env[like], like)
-            else:
-                lead = new.call_function(operator.eq, (rank, 0))
-                args[pos] = new.call_function(torch.ops.aten.mul.Tensor, (args[pos], lead))
+            args[pos] = new.call_function(torch.ops.aten.mul.Tensor, (args[pos], lead))
             args = tuple(args)
         env[node] = new.create_node(node.op, target, args, kwargs, name=node.name)
         env[node].meta = dict(node.meta)
         if node is placeholders[-1]:
             rank = new.placeholder("rank")
-            shares = RowShares(new, rank, ranks)
     new.lint()
     return new
-
-
-def _mapped(env: dict[fx.Node, fx.Node], shares: RowShares | None, sliced: Sequence[fx.Node], arg: fx.Node):
-    """``arg`` in the rewritten graph; this rank's rows of it when it is one of ``sliced``."""
-    return shares.slice(env[arg], arg) if arg in sliced else env[arg]
 
 
 def _experts_operand(node: fx.Node, prop: _Propagation) -> int | None:
