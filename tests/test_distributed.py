@@ -54,9 +54,10 @@ def reference():
     return get
 
 
-# (model, plan, options): a dense model and two MoE models (routed only; shared experts and a dense
-# first layer), M:N plans with EP and TP, the router on either side, both transports; dense layers
-# replicated with each FFN rank serving its share of the tokens (3 ranks need not divide any size).
+# (model, plan, options): a dense model and three MoE models (routed only; shared experts and a dense
+# first layer; a gated shared expert), M:N plans with EP and TP, the router on either side, both
+# transports; dense layers replicated with each FFN rank serving its share of the tokens (3 ranks
+# need not divide any size).
 CASES = [
     ("llama", "1A1F", {}, "gloo"),
     ("llama", "2A1F", {}, "gloo"),
@@ -70,6 +71,7 @@ CASES = [
     ("qwen3_moe", "2A2F", {"router": "attn"}, "shm"),
     ("deepseek_v3", "2A2F", {"router": "attn", "dense_ffn": "replicate"}, "gloo"),
     ("qwen3_moe", "3A2F", {}, "gloo"),
+    ("qwen2_moe", "2A2F", {}, "shm"),  # a gated shared expert, added on rank 0 only
     ("deepseek_v3", "1A2F", {"router": "attn"}, "gloo"),
     ("deepseek_v3", "2A2F", {"ffn_parallel": "tp"}, "shm"),
     ("deepseek_v3", "3A2F", {"ffn_parallel": "ep"}, "gloo"),
