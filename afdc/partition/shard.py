@@ -159,18 +159,11 @@ class _NeedBlocks(Exception):
 
 
 _ZERO_AT_ZERO = {"silu", "gelu", "relu", "tanh", "neg", "erf", "abs", "leaky_relu", "elu", "sqrt", "sin"}
-# Captured in eval mode, where dropout is the identity.
-_IDENTITY = {"to", "_to_copy", "type_as", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "dropout"}
 _ADD = {"add", "add_", "sub", "sub_"}
 _MUL = {"mul", "mul_"}
 _DIV = {"div", "div_"}
 _GROUPED = {"grouped_mm_fallback", "_grouped_mm", "grouped_mm"}  # transformers' fallback, torch's kernels
 _CONTRACTIONS = {"linear", "mm", "bmm", "matmul", "addmm", *_GROUPED}
-
-
-def _name(node: fx.Node) -> str:
-    target = node.target
-    return target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
 
 
 def _weight_inputs(graph: fx.Graph) -> list[fx.Node]:
@@ -207,7 +200,7 @@ class _Propagation:
                 self.env[node] = R if i is None else self._weight(i, node)
             elif node.op == "call_function":
                 self.env[node] = self._visit(node)
-                if _name(node).endswith("_") and node.args and isinstance(node.args[0], fx.Node):
+                if gf.op_name(node).endswith("_") and node.args and isinstance(node.args[0], fx.Node):
                     self.env[node.args[0]] = self.env[node]  # in-place: the written tensor now has this layout
             elif node.op == "output":
                 return [self._reduction(o) for o in node.args[0]]
@@ -251,7 +244,7 @@ class _Propagation:
     # -- ops -------------------------------------------------------------------------------------
 
     def _visit(self, node: fx.Node):
-        name = _name(node)
+        name = gf.op_name(node)
         if node.target is operator.getitem:
             parent = self.env[node.args[0]]
             return parent[node.args[1]] if isinstance(parent, list) else self._get(node.args[0])
@@ -268,7 +261,7 @@ class _Propagation:
             return self._replicated_outputs(node)
         if node.target is not None and torch.Tag.pointwise in getattr(node.target, "tags", ()):
             return self._pointwise(node, name)
-        if name in _IDENTITY:
+        if name in gf.IDENTITY_OPS:
             return self._pointwise(node, name)
         if name in ("view", "reshape", "_unsafe_view", "flatten", "expand", "unsqueeze", "squeeze"):
             return self._reshape(node)
@@ -287,7 +280,7 @@ class _Propagation:
         return [R] * len(val) if isinstance(val, (tuple, list)) else R
 
     def _scalar(self, node: fx.Node) -> Layout:
-        if _name(node) == "sym_size":
+        if gf.op_name(node) == "sym_size":
             lay = self._get(node.args[0])
             if lay.kind in (Kind.SPLIT, Kind.EXPERTS) and node.args[1] % len(_shape(node.args[0])) == lay.dim:
                 raise _Conflict(lay.blame, "the size of a split dimension is read")
@@ -321,7 +314,7 @@ class _Propagation:
         return Layout(Kind.OWNED_ONLY, blame=blame)
 
     def _zero_at_zero(self, name: str, args) -> bool:
-        if name in _ZERO_AT_ZERO or name in _IDENTITY or name in _MUL or name in _DIV:
+        if name in _ZERO_AT_ZERO or name in gf.IDENTITY_OPS or name in _MUL or name in _DIV:
             return True
         if name == "clamp":
             lo, hi = [*args[1:], None, None][:2]
@@ -333,7 +326,7 @@ class _Propagation:
         return False
 
     def _pointwise_partial(self, node, name, tensors, lays, blame) -> Layout:
-        linear_in_first = name in _MUL or name in _DIV or name in _IDENTITY or name == "neg"
+        linear_in_first = name in _MUL or name in _DIV or name in gf.IDENTITY_OPS or name == "neg"
         partial = [lay.kind in (Kind.PARTIAL, Kind.OWNED) for lay in lays]
         if name in _ADD:
             for t, is_partial in zip(tensors, partial):
@@ -566,7 +559,7 @@ class _Propagation:
             lay = lays[0]
             if lay.kind is not Kind.SPLIT:
                 return lay
-            if _name(node) == "cat" and lay.dim != dim:
+            if gf.op_name(node) == "cat" and lay.dim != dim:
                 return lay
         raise _Conflict(_union(lays), f"{node.format_node()} joins values laid out differently")
 
@@ -580,7 +573,7 @@ class _Propagation:
             return Layout(Kind.PARTIAL, blame=lay.blame)
         if lay.kind is Kind.SPLIT:
             if lay.dim in dims:
-                if _name(node) == "sum":
+                if gf.op_name(node) == "sum":
                     return Layout(Kind.PARTIAL, blame=lay.blame)
             else:
                 return replace(lay, dim=lay.dim - (0 if keep else sum(d < lay.dim for d in dims)))
@@ -683,7 +676,7 @@ def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int) -> fx.Graph:
                     args[pos] = [*args[pos][:i], full // ranks, *args[pos][i + 1 :]]
                 args = tuple(args)
         target = node.target
-        name = _name(node)
+        name = gf.op_name(node)
         experts = _experts_operand(node, prop)
         if experts is not None:
             first = new.call_function(operator.mul, (rank, experts))
@@ -718,7 +711,7 @@ def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int) -> fx.Graph:
 
 def _experts_operand(node: fx.Node, prop: _Propagation) -> int | None:
     """The local expert count when ``node`` reads expert-parallel weights, else None."""
-    name = _name(node)
+    name = gf.op_name(node)
     if name in _GROUPED:
         operand = node.args[1]
     elif name == "index" and isinstance(node.args[0], fx.Node):

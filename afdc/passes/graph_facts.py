@@ -25,6 +25,16 @@ def is_op(node: fx.Node, *packets) -> bool:
     return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in packets
 
 
+# Ops that pass their input through unchanged in eval mode (dropout included): shape and values kept.
+IDENTITY_OPS = {"to", "_to_copy", "type_as", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "dropout"}
+
+
+def op_name(node: fx.Node) -> str:
+    """The aten op a node calls, without namespace or overload (``linear``); "" for anything else."""
+    target = node.target
+    return target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
+
+
 def ancestors(graph: fx.Graph) -> dict[fx.Node, int]:
     """Each node's strict ancestors as a bitset over the graph's node order."""
     index = {n: i for i, n in enumerate(graph.nodes)}

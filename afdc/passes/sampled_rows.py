@@ -17,13 +17,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-_IDENTITY = {"to", "_to_copy", "type_as", "clone", "contiguous", "alias", "detach"}
+from afdc.passes.graph_facts import IDENTITY_OPS, op_name
+
 _HEADS = {"linear", "mm", "matmul"}
-
-
-def _name(node: fx.Node) -> str:
-    target = node.target
-    return target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
 
 
 def _logits(graph: fx.Graph, out_spec: pytree.TreeSpec) -> fx.Node | None:
@@ -37,7 +33,7 @@ def _logits(graph: fx.Graph, out_spec: pytree.TreeSpec) -> fx.Node | None:
 
 
 def _is_weight(node) -> bool:
-    while isinstance(node, fx.Node) and _name(node) in ("t", "transpose", "permute", *_IDENTITY):
+    while isinstance(node, fx.Node) and op_name(node) in ("t", "transpose", "permute", *IDENTITY_OPS):
         node = node.args[0]
     return isinstance(node, fx.Node) and node.op == "get_attr"
 
@@ -47,10 +43,10 @@ def lm_head(graph: fx.Graph, out_spec: pytree.TreeSpec) -> fx.Node | None:
     (every value on the way used by the next one only, so nothing else sees fewer rows)."""
     node = _logits(graph, out_spec)
     while isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1:
-        name = _name(node)
+        name = op_name(node)
         if name in _HEADS:
             return node if _is_weight(node.args[1]) else None
-        pointwise = torch.Tag.pointwise in getattr(node.target, "tags", ()) or name in _IDENTITY
+        pointwise = torch.Tag.pointwise in getattr(node.target, "tags", ()) or name in IDENTITY_OPS
         inputs = [a for a in node.all_input_nodes if a.op != "get_attr"]
         if not pointwise or len(inputs) != 1:
             return None
