@@ -189,7 +189,7 @@ def disaggregate(
     """Split ``model`` into attention and FFN programs for ``plan`` joined by a connector.
 
     ``plan`` is ``"xAyF"`` or a :class:`Plan`; keyword options (``ffn_parallel``,
-    ``micro_batches``, ...) refine it. Every rank runs in this process until ``dm.launch()``
+    ``micro_batches``, ``backend``, ...) refine it. Every rank runs in this process until ``dm.launch()``
     moves the FFN ranks to processes (``connector`` picks the transport, ``"gloo"`` or
     ``"shm"``). The result is a drop-in for the model's own call.
     Raises :class:`afdc.UnsupportedModelError` when the model cannot be split; it never returns
@@ -207,6 +207,9 @@ def disaggregate(
         )
         for r in range(built.plan.ffn_ranks)
     ]
+    attention.use_backend(built.plan.backend)
+    for program in ffn:
+        program.use_backend(built.plan.backend)
     return DisaggregatedModel(
         [attention] * built.plan.attention_ranks,
         ffn,

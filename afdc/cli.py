@@ -63,12 +63,15 @@ def inspect(model: str | None, demo: bool, plan: str, router: str, as_json: bool
               help="Micro-batches the attention side ping-pongs per step (recorded for the runtime).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Weights and activations dtype (default: the model's own).")
+@click.option("--backend", type=click.Choice(afdc.plan.BACKENDS), default="auto", show_default=True,
+              help="What runs the programs: afdc's Triton kernels + Inductor, Inductor, or eager "
+                   "(auto: afdc on a GPU, eager on a CPU). afdc serve --backend overrides it.")
 @click.option("--no-weights", is_flag=True, help="Compile the plan only: programs and manifest, no weight files.")
 @click.option("--revision", default=None, help="Hub revision of MODEL.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, router, micro_batches, dtype, no_weights,
-                revision, force, quiet) -> None:
+def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, router, micro_batches, dtype, backend,
+                no_weights, revision, force, quiet) -> None:
     """Compile MODEL (hub id, model directory or config file) into a deployable artifact.
 
     The model is captured on the meta device; with weights, the checkpoint is streamed into one
@@ -78,7 +81,7 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
 
     try:
         plan = afdc.Plan.parse(plan_text, ffn_parallel=ffn_parallel, dense_ffn=dense_ffn, attention_tp=attn_tp,
-                               router=router, micro_batches=micro_batches, dtype=dtype)
+                               router=router, micro_batches=micro_batches, dtype=dtype, backend=backend)
         manifest = compile_model(model, plan, output, weights=not no_weights, revision=revision, force=force,
                                  progress=not quiet)
     except AfdcError as err:
@@ -118,9 +121,11 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
               help="Attention: micro-batches per step (default: the plan's).")
 @click.option("--kv-cache-mb", type=int, default=256, show_default=True,
               help="Attention on a CPU device: size of the paged KV cache.")
+@click.option("--backend", type=click.Choice(afdc.plan.BACKENDS), default=None,
+              help="What runs the programs (default: the artifact's): afdc kernels + Inductor, Inductor, eager.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_timeout, log_interval, device, host, port,
-          micro_batches, kv_cache_mb, vllm_args) -> None:
+          micro_batches, kv_cache_mb, backend, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -142,7 +147,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
             settings = WorkerSettings(
                 artifact, rank, connector, rendezvous, host_rendezvous=rank == 0 and connector != "loopback",
                 token=token, timeout=timeout, join_timeout=join_timeout, micro_batches=micro_batches,
-                kv_cache_bytes=kv_cache_mb << 20, device=device,
+                kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
             )
             serve_attention(settings, host, port, vllm_args)
         if connector == "loopback":
@@ -154,7 +159,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
 
         options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
                                  join_timeout=join_timeout, log_interval=log_interval)
-        serve_artifact(artifact, rank, options, device)
+        serve_artifact(artifact, rank, options, device, backend)
     except AfdcError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
@@ -176,9 +181,11 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
               help="Seconds for every role to become ready.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Write each role's output to a file there instead of this terminal.")
+@click.option("--backend", type=click.Choice(afdc.plan.BACKENDS), default=None,
+              help="What runs the programs (default: the artifact's): afdc kernels + Inductor, Inductor, eager.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir,
-       vllm_args) -> None:
+       backend, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine and serve the OpenAI API until Ctrl-C.
 
     Arguments after `--` go to each attention rank's `vllm serve`.
@@ -203,7 +210,7 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
             artifact = demo_artifact(say=click.echo)
         settings = WorkerSettings(
             str(artifact), connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
-            micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
+            micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
         )
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)

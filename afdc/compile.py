@@ -275,14 +275,19 @@ def _load_weights(directory: Path, manifest: mf.Manifest, role: str, rank: int, 
 
 
 def load(
-    directory: str | Path, role: str, rank: int = 0, device: str | torch.device = "cpu"
+    directory: str | Path, role: str, rank: int = 0, device: str | torch.device = "cpu", backend: str | None = None
 ) -> AttentionProgram | FFNProgram:
     """Rank ``rank`` of role ``attn`` or ``ffn`` of a compiled artifact, with only its own weights,
-    on ``device``.
+    on ``device``, run by ``backend`` (default: the one the artifact was compiled with).
 
     The manifest's format version and the SHA-256 of every file this rank reads are checked first.
     """
-    directory, device = Path(directory), torch.device(device)
+    program = _load(Path(directory), role, rank, torch.device(device))
+    program.use_backend(backend or mf.read_manifest(Path(directory)).plan.backend)
+    return program
+
+
+def _load(directory: Path, role: str, rank: int, device: torch.device) -> AttentionProgram | FFNProgram:
     manifest = mf.read_manifest(directory)
     manifest.rank_files(role, rank)  # a clear error for a role or rank the plan does not have
     weights = _load_weights(directory, manifest, role, rank, device)
@@ -312,15 +317,15 @@ def deployment_of(directory: str | Path) -> tuple[Layout, bytes]:
 
 
 def load_deployment(
-    directory: str | Path, device: str | torch.device = "cpu", connector: str = "gloo"
+    directory: str | Path, device: str | torch.device = "cpu", connector: str = "gloo", backend: str | None = None
 ) -> DisaggregatedModel:
     """Every rank of an artifact in this process, joined by the loopback connector;
     ``dm.launch()`` moves the FFN ranks to server processes over ``connector``."""
     directory = Path(directory)
     manifest = mf.read_manifest(directory)
     plan = manifest.plan
-    attention = [load(directory, "attn", a, device) for a in range(plan.attention_ranks)]
-    ffn = [load(directory, "ffn", r, device) for r in range(plan.ffn_ranks)]
+    attention = [load(directory, "attn", a, device, backend) for a in range(plan.attention_ranks)]
+    ffn = [load(directory, "ffn", r, device, backend) for r in range(plan.ffn_ranks)]
     return DisaggregatedModel(
         attention,
         ffn,

@@ -16,6 +16,7 @@ FFN_PARALLEL = ("auto", "ep", "tp")  # auto: ep for mixture-of-experts models, t
 DENSE_FFN = ("tp", "replicate")
 ROUTERS = ("ffn", "attn")
 DTYPES = ("bf16", "fp16", "fp32")
+BACKENDS = ("auto", "afdc", "inductor", "eager")  # afdc.codegen.backend says what each runs
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Plan:
     router: str = "ffn"  # which side computes the MoE router ("attn" sends top-k ids and weights)
     micro_batches: int = 1  # micro-batches the attention side ping-pongs per step
     dtype: str | None = None  # weights and activations; None keeps the model's own
+    backend: str = "auto"  # what runs the programs: afdc's kernels + Inductor, Inductor, eager
 
     def __post_init__(self) -> None:
         if self.attention_ranks < 1 or self.ffn_ranks < 1:
@@ -35,6 +37,7 @@ class Plan:
         _choice("--ffn-parallel", self.ffn_parallel, FFN_PARALLEL)
         _choice("--router", self.router, ROUTERS)
         _choice("--dense-ffn", self.dense_ffn, DENSE_FFN)
+        _choice("--backend", self.backend, BACKENDS)
         if self.dtype is not None:
             _choice("--dtype", self.dtype, DTYPES)
         if self.micro_batches < 1:

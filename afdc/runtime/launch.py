@@ -23,12 +23,14 @@ from afdc.runtime.server import serve_program
 log = logging.getLogger("afdc.launch")
 
 
-def serve_artifact(directory: str | Path, rank: int, options: RuntimeOptions, device: str = "cpu") -> NoReturn:
+def serve_artifact(
+    directory: str | Path, rank: int, options: RuntimeOptions, device: str = "cpu", backend: str | None = None
+) -> NoReturn:
     """Run FFN rank ``rank`` of a compiled artifact until stopped (``afdc serve --role ffn``)."""
     from afdc.compile import deployment_of, load
 
     layout, deployment = deployment_of(directory)
-    serve_program(load(directory, "ffn", rank, device), layout, deployment, options)
+    serve_program(load(directory, "ffn", rank, device, backend), layout, deployment, options)
 
 
 class LocalCluster:
@@ -53,7 +55,8 @@ class LocalCluster:
         if old is not None and old.is_alive():
             raise RuntimeError(f"FFN rank {rank} is still running (pid {old.pid}); kill it first")
         if self.dm.artifact is not None:
-            target, args = serve_artifact, (self.dm.artifact, rank, self.options)
+            program = self.dm.ffn_ranks[rank]
+            target, args = serve_artifact, (self.dm.artifact, rank, self.options, "cpu", program.backend)
         else:
             target, args = serve_program, (self.dm.ffn_ranks[rank], self.layout, self.dm.deployment, self.options)
         proc = self._ctx.Process(target=target, args=args, name=f"afdc-ffn-{rank}", daemon=True)

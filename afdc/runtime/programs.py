@@ -5,11 +5,47 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+
+from afdc.codegen import backend as backends
+
+
+class _Lowered:
+    """A graph module and what runs it under a backend, lowered at first use (in the process
+    that runs it: FFN programs are sent to server processes before they run) and once, though
+    the micro-batches' threads may all call at the same time."""
+
+    def __init__(self, module: fx.GraphModule, name: str):
+        self.module = module
+        self.name = name
+        self.backend = "eager"
+        self._run: Callable | None = module
+        self._lock = threading.Lock()
+
+    def use(self, backend: str, device: torch.device) -> None:
+        self.backend = backends.resolve(backend, device)
+        self._run = self.module if self.backend == "eager" else None
+
+    def __call__(self, *args):
+        if self._run is None:
+            with self._lock:
+                if self._run is None:
+                    self._run = backends.lower(self.module, self.backend, self.name)
+        return self._run(*args)
+
+    def __getstate__(self):
+        return {"module": self.module, "name": self.name, "backend": self.backend}
+
+    def __setstate__(self, state):
+        self.__init__(state["module"], state["name"])
+        self.backend = state["backend"]
+        self._run = self.module if self.backend == "eager" else None
 
 
 class AttentionProgram(torch.nn.Module):
@@ -23,6 +59,7 @@ class AttentionProgram(torch.nn.Module):
         super().__init__()
         self.module = module
         self.out_spec = out_spec
+        self._lowered = _Lowered(module, "attention program")
 
     @classmethod
     def from_graph(cls, graph: fx.Graph, attrs: dict[str, torch.Tensor], out_spec: pytree.TreeSpec):
@@ -30,8 +67,15 @@ class AttentionProgram(torch.nn.Module):
         return cls(fx.GraphModule({name: attrs[name] for name in used}, graph), out_spec)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
-        flat = self.module(input_ids, attention_mask, position_ids)
+        flat = self._lowered(input_ids, attention_mask, position_ids)
         return pytree.tree_unflatten(list(flat), self.out_spec)
+
+    def use_backend(self, backend: str) -> None:
+        """Run under ``backend`` (:mod:`afdc.codegen.backend`) from the next call on; rewrite
+        ``module``'s graph (as the serving passes do) before this, not after."""
+        tensors = itertools.chain(self.module.parameters(), self.module.buffers())
+        self._lowered = _Lowered(self.module, "attention program")
+        self._lowered.use(backend, next((t.device for t in tensors), torch.device("cpu")))
 
     def parameter_names(self) -> list[str]:
         return [name for name, _ in self.module.named_parameters()]
@@ -82,6 +126,8 @@ class FFNProgram(torch.nn.Module):
     ):
         super().__init__()
         self.segments = torch.nn.ModuleList(fx.GraphModule(torch.nn.Module(), g) for g in segments)
+        self._lowered = [_Lowered(s, f"FFN segment {i}") for i, s in enumerate(self.segments)]
+        self.backend = "eager"  # what use_backend asked for
         self.layers = layers
         self.reduce = reduce
         self.rank = rank
@@ -91,8 +137,17 @@ class FFNProgram(torch.nn.Module):
 
     def run(self, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.layers[layer]
-        outputs = self.segments[binding.segment](*(self._weights[w] for w in binding.weights), *inputs, self.rank)
+        outputs = self._lowered[binding.segment](*(self._weights[w] for w in binding.weights), *inputs, self.rank)
         return list(outputs)
+
+    def use_backend(self, backend: str) -> None:
+        """Run every segment under ``backend`` (:mod:`afdc.codegen.backend`); segments are lowered
+        at their first run, on the device of this rank's weights."""
+        self.backend = backend
+        device = next((w.device for w in self._weights.values()), torch.device("cpu"))
+        self._lowered = [_Lowered(s, f"FFN segment {i}") for i, s in enumerate(self.segments)]
+        for lowered in self._lowered:
+            lowered.use(backend, device)
 
     def run_batch(self, layer: int, messages: list[list[torch.Tensor]], tokens: list[int]) -> list[list[torch.Tensor]]:
         """Run FFN layer ``layer`` once over the tokens of several messages, then split the outputs.

@@ -133,6 +133,7 @@ class Deployment:
                     sys.executable, "-m", "afdc.cli", "serve", str(self.artifact), "--role", "ffn", "--rank", str(r),
                     "--rendezvous", s.rendezvous, "--connector", s.connector, "--timeout", str(s.timeout),
                     "--join-timeout", str(s.join_timeout), "--device", s.device,
+                    *(["--backend", s.backend] if s.backend else []),
                 ], env)
         # one rank serves on --port itself; several serve beside it, behind a router on --port
         ports = [self.port] if plan.attention_ranks == 1 else [self.port + 1 + a for a in range(plan.attention_ranks)]

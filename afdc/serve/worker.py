@@ -106,14 +106,16 @@ class AfdcWorker(WorkerBase):
                 "this model's token mixers are not all attention (its decode recomputes the prefix): "
                 "it cannot run on a paged KV cache; use afdc.disaggregate / dm.generate instead"
             )
-        program = load(directory, "attn", s.rank, self.device)
+        program = load(directory, "attn", s.rank, self.device, backend="eager")
         dispatch = [manifest.segments[lay.segment].dispatch for lay in manifest.layers]
         in_process = s.connector == "loopback"
-        ffn = [load(directory, "ffn", r, self.device) for r in range(manifest.plan.ffn_ranks)] if in_process else []
+        ffn = [load(directory, "ffn", r, self.device, s.backend) for r in range(manifest.plan.ffn_ranks)]
+        ffn = ffn if in_process else []
         self.attention = AttentionRank(s.rank, program, ffn, dispatch)
         self.slots: list[SlotSpec] = _slots(program.module)
         # logits for each request's last token only (the step samples nothing else)
         self.rows_only = sample_rows_only(program.module, program.out_spec)
+        program.use_backend(s.backend or manifest.plan.backend)  # lowered after the graph is final
         self.micro_batches = s.micro_batches or manifest.plan.micro_batches
         self.dtype = next((p.dtype for p in program.parameters() if p.is_floating_point()), torch.float32)
         if not in_process:

@@ -1,0 +1,71 @@
+"""Which code runs a program's graph: ``eager``, ``inductor``, or ``afdc``.
+
+``afdc`` substitutes afdc's kernels where a pass recognizes their computation (fused MoE and
+its routing, residual-add + RMSNorm / LayerNorm, activation-and-multiply) and hands the rest of
+the graph to Inductor; ``inductor`` is Inductor alone; ``eager`` runs the FX graph as captured.
+``auto`` is ``afdc`` on a GPU and ``eager`` on a CPU, where Triton has no backend and Inductor's
+C++ build costs more than it saves on small batches.
+
+The substituted ops are custom ops whose fake kernels Inductor traces through as single nodes;
+each runs its Triton kernel where Triton runs (CUDA, or the interpreter) and its PyTorch
+reference elsewhere, so every backend is correct on every device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from afdc.passes.fuse_activation import fuse_activations
+from afdc.passes.fuse_moe import fuse_moe
+from afdc.passes.fuse_norms import fuse_norms
+from afdc.passes.fusion import FusionReport
+from afdc.plan import BACKENDS
+
+logger = logging.getLogger("afdc.backend")
+
+def resolve(backend: str, device: torch.device) -> str:
+    """The backend ``backend`` means on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "afdc" if device.type == "cuda" else "eager"
+    return backend
+
+
+def register_kernels() -> None:
+    """Import the kernel modules, which define the ``afdc::`` ops the passes put in."""
+    from afdc.codegen import act_mul, fused_moe, layer_norm, moe_routing, rms_norm  # noqa: F401
+
+
+def substitute_kernels(graph: fx.Graph) -> FusionReport:
+    """Every kernel substitution, in place; MoE first, since it takes the experts' activation in."""
+    register_kernels()
+    report = fuse_moe(graph)
+    report.merge(fuse_activations(graph))
+    return report.merge(fuse_norms(graph))
+
+
+def copy_module(module: fx.GraphModule) -> fx.GraphModule:
+    """A module with its own copy of ``module``'s graph (the same weights), to rewrite freely."""
+    graph = fx.Graph()
+    graph._codegen = module.graph._codegen
+    graph.output(graph.graph_copy(module.graph, {}))
+    return fx.GraphModule(module, graph)
+
+
+def lower(module: fx.GraphModule, backend: str, name: str = "program") -> Callable:
+    """What runs ``module`` under ``backend`` (already resolved); ``module`` itself is unchanged."""
+    if backend == "eager":
+        return module
+    if backend == "afdc":
+        module = copy_module(module)
+        report = substitute_kernels(module.graph)
+        module.recompile()
+        logger.info("afdc backend: %s: %s afdc kernels, %d candidates left to Inductor",
+                    name, report.fused or "no", len(report.skipped))
+    # Token counts vary every step: compile for symbolic sizes at once rather than after a recompile.
+    return torch.compile(module, backend="inductor", dynamic=True)

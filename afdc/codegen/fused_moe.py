@@ -1,0 +1,351 @@
+"""The routed experts of an MoE layer, fused: Triton kernels, PyTorch reference, custom op.
+
+The weights are transformers' fused expert parameters: ``gate_up_proj`` [E, 2I, H] (gate rows
+first, then up rows) and ``down_proj`` [E, H, I]. A rank may hold a slice of the experts
+(``first_expert`` onwards, expert parallelism); a token's choices of experts held elsewhere add
+exactly zero, so the ranks' outputs sum to the whole layer's.
+
+The kernels follow vLLM's fused_moe:
+
+1. align (:func:`align_pairs`): the (token, k) pairs are sorted by local expert and each expert's
+   run is padded to a multiple of BLOCK_M, so that a block of rows belongs to one expert. This is
+   a handful of torch ops on the device (scatter_add, argsort, cumsum, searchsorted), sized for the
+   worst case so that nothing waits on the host; blocks past the end are marked and exit at once.
+2. gate-up GEMM: a program multiplies one block of rows by one BLOCK_N column tile of both the
+   gate and the up weights, and stores ``act(gate) * up`` from its fp32 accumulators: the [rows, 2I]
+   projection never reaches memory.
+3. down GEMM: the same blocks times the down weights, scaled by the routing weight in the epilogue,
+   one fp32 row per (token, k) pair.
+4. combine: the sum over k of a token's pair rows (a torch sum).
+
+The pair rows are kept in fp32 and summed before one rounding to the output dtype; the
+intermediate ``act(gate) * up`` is rounded to the weights' dtype, the input of the down GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from afdc.codegen.triton_support import interpreting, jit, launches, next_power_of_2, tl
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def _check(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor, activation: str
+) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
+    experts, two_inter, hidden = w_gate_up.shape
+    if x.dim() != 2 or x.shape[1] != hidden or two_inter % 2:
+        raise ValueError(f"fused_moe: x {tuple(x.shape)} does not fit gate_up_proj {tuple(w_gate_up.shape)}")
+    if tuple(w_down.shape) != (experts, hidden, two_inter // 2):
+        raise ValueError(
+            f"fused_moe: down_proj {tuple(w_down.shape)} does not fit gate_up_proj {tuple(w_gate_up.shape)}"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} is not [tokens, top_k] for x {tuple(x.shape)}")
+
+
+def _activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(gate)
+    if activation == "gelu":
+        return F.gelu(gate)
+    return F.gelu(gate, approximate="tanh")
+
+
+def fused_moe_reference(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    activation: str,
+) -> torch.Tensor:
+    """transformers' expert loop over the local experts, rounding where the kernels do."""
+    _check(x, w_gate_up, w_down, topk_ids, activation)
+    inter = w_down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = topk_ids.long() - first_expert
+    held = (local >= 0) & (local < w_gate_up.shape[0])
+    for e in local[held].unique().tolist():
+        tokens, slots = torch.where(local == e)
+        gate_up = F.linear(x[tokens].to(w_gate_up.dtype), w_gate_up[e]).float()
+        hidden = (_activate(gate_up[:, :inter], activation) * gate_up[:, inter:]).to(w_down.dtype)
+        y = F.linear(hidden, w_down[e]).float() * topk_weights[tokens, slots, None].float()
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)
+
+
+def align_pairs(
+    topk_ids: torch.Tensor, first_expert: int, num_local_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, k) pairs of the local experts sorted by expert, each expert's run padded to a
+    multiple of ``block_m``: ``(sorted_pairs, block_experts)``.
+
+    ``sorted_pairs`` holds pair ids ``token * top_k + k``, with ``topk_ids.numel()`` in padding
+    rows; ``block_experts[b]`` is the local expert of rows ``[b * block_m, (b + 1) * block_m)``,
+    -1 for the blocks past the last expert's run. Both are sized for the worst case, not for the
+    actual routing, so that no op waits on the device (and CUDA graphs can hold them).
+    """
+    ids = topk_ids.reshape(-1).long()
+    num_pairs = ids.numel()
+    local = ids - first_expert
+    held = (local >= 0) & (local < num_local_experts)
+    # other ranks' pairs get the extra key num_local_experts: they sort last and are dropped
+    key = torch.where(held, local, num_local_experts)
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+
+    # every expert with pairs wastes under one block in padding, and at most num_pairs experts have pairs
+    max_blocks = -(-num_pairs // block_m) + min(num_local_experts, num_pairs)
+    max_rows = max_blocks * block_m
+    blocks = (counts[:-1] + block_m - 1) // block_m
+    padded_end = torch.cumsum(blocks, 0) * block_m
+    padded_start = torch.cat([padded_end - blocks * block_m, padded_end.new_full((1,), max_rows)])
+    rank = torch.arange(num_pairs, device=ids.device) - (torch.cumsum(counts, 0) - counts)[sorted_key]
+    # dropped pairs all land on one spare row past the end, cut off below
+    dest = torch.where(sorted_key < num_local_experts, padded_start[sorted_key] + rank, max_rows)
+    sorted_pairs = torch.full((max_rows + 1,), num_pairs, dtype=torch.long, device=ids.device)
+    sorted_pairs = sorted_pairs.scatter_(0, dest, order)[:max_rows]
+
+    block_start = torch.arange(max_blocks, device=ids.device) * block_m
+    # a block's expert is the first whose padded run ends past the block's start (empty runs never do)
+    block_experts = torch.searchsorted(padded_end, block_start, right=True)
+    block_experts = torch.where(block_experts < num_local_experts, block_experts, -1).to(torch.int32)
+    return sorted_pairs, block_experts
+
+
+def default_block_sizes(num_pairs: int, num_local_experts: int, hidden: int, inter: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` after vLLM's untuned defaults.
+
+    Decode batches give each expert a few rows, where a 16-row block wastes least padding and the
+    wide K tile keeps the weight reads long; larger batches take 64-row blocks. Tiles never exceed
+    the (power-of-2 rounded) matrix sizes, nor go under the 16 that ``tl.dot`` needs.
+    """
+    few_rows = num_pairs <= 16 * max(num_local_experts, 1)
+    block_m, block_n, block_k = (16, 32, 64) if few_rows else (64, 64, 32)
+    smallest = max(16, next_power_of_2(min(hidden, inter)))
+    return block_m, min(block_n, smallest), min(block_k, smallest)
+
+
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wh,
+    stride_op,
+    ACTIVATION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows_ok = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + (pairs // top_k)[:, None] * stride_xt + ks[None, :] * stride_xh
+    # [BLOCK_K, BLOCK_N] tiles of W^T (x @ W^T), over the gate rows and, inter rows down, the up rows
+    gate_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wh
+    up_ptrs = gate_ptrs + inter * stride_wn
+    # tl.full and spelled-out sigmoids, not tl.zeros and tl.sigmoid: those are @triton.jit functions
+    # made when triton is imported, which the interpreter cannot call unless TRITON_INTERPRET was set then.
+    gate = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+    up = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks_ok = ks < hidden - k0
+        a = tl.load(x_ptrs, mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
+        wg = tl.load(gate_ptrs, mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
+        wu = tl.load(up_ptrs, mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
+        a = a.to(wg.dtype)  # as transformers casts the input to the weights' dtype
+        if UPCAST:
+            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        gate = tl.dot(a, wg, gate, input_precision=PRECISION)
+        up = tl.dot(a, wu, up, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xh
+        gate_ptrs += BLOCK_K * stride_wh
+        up_ptrs += BLOCK_K * stride_wh
+
+    if ACTIVATION == "silu":
+        act = gate / (1.0 + tl.exp(-gate))
+    elif ACTIVATION == "gelu":
+        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))  # 1/sqrt(2)
+    else:
+        # 0.5 * (1 + tanh(z)) == sigmoid(2z): the tanh form without a tanh; 1.5957... is 2 * sqrt(2/pi)
+        act = gate / (1.0 + tl.exp(-1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)))
+    out_ptrs = out_ptr + pairs[:, None] * stride_op + cols[None, :]
+    tl.store(out_ptrs, (act * up).to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+def _down_kernel(
+    h_ptr,
+    w_ptr,
+    weights_ptr,
+    out_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    stride_hp,
+    stride_we,
+    stride_wh,
+    stride_wi,
+    stride_op,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows_ok = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+
+    h_ptrs = h_ptr + pairs[:, None] * stride_hp + ks[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wh + ks[:, None] * stride_wi
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks_ok = ks < inter - k0
+        a = tl.load(h_ptrs, mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wi
+
+    routing = tl.load(weights_ptr + pairs, mask=rows_ok, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + pairs[:, None] * stride_op + cols[None, :]
+    tl.store(out_ptrs, acc * routing[:, None], mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    activation: str,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """:func:`fused_moe` by the Triton kernels; block sizes default to :func:`default_block_sizes`."""
+    _check(x, w_gate_up, w_down, topk_ids, activation)
+    tokens, hidden = x.shape
+    num_local, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    num_pairs = topk_ids.numel()
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    default_m, default_n, default_k = default_block_sizes(num_pairs, num_local, hidden, inter)
+    block_m, block_n, block_k = block_m or default_m, block_n or default_n, block_k or default_k
+
+    sorted_pairs, block_experts = align_pairs(topk_ids, first_expert, num_local, block_m)
+    # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those bits: it gets fp32
+    # operands. fp32 runs in full precision ("ieee"), as torch's matmul does unless TF32 is enabled.
+    upcast = interpreting()
+    precision = "ieee" if upcast or w_gate_up.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16
+    hidden_states = torch.empty(num_pairs, inter, dtype=w_down.dtype, device=x.device)
+    jit(_gate_up_kernel)[(block_experts.numel(), -(-inter // block_n))](
+        x,
+        w_gate_up,
+        hidden_states,
+        sorted_pairs,
+        block_experts,
+        num_pairs,
+        topk_ids.shape[1],
+        hidden,
+        inter,
+        x.stride(0),
+        x.stride(1),
+        *w_gate_up.stride(),
+        hidden_states.stride(0),
+        ACTIVATION=activation,
+        UPCAST=upcast,
+        PRECISION=precision,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    # pairs of other ranks' experts are never written: they stay zero
+    pair_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    jit(_down_kernel)[(block_experts.numel(), -(-hidden // block_n))](
+        hidden_states,
+        w_down,
+        topk_weights.reshape(-1).contiguous(),
+        pair_out,
+        sorted_pairs,
+        block_experts,
+        num_pairs,
+        hidden,
+        inter,
+        hidden_states.stride(0),
+        *w_down.stride(),
+        pair_out.stride(0),
+        UPCAST=upcast,
+        PRECISION=precision,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return pair_out.view(tokens, -1, hidden).sum(dim=1).to(x.dtype)
+
+
+@torch.library.custom_op("afdc::fused_moe", mutates_args=())
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    activation: str,
+) -> torch.Tensor:
+    """``sum_k topk_weights[t, k] * expert(x[t])`` over the choices of the local experts
+    ``[first_expert, first_expert + E_local)``: ``down(act(gate(x)) * up(x))`` with ``w_gate_up``
+    [E_local, 2I, H] (gate rows, then up rows) and ``w_down`` [E_local, H, I]. Other experts'
+    choices add zero. ``activation`` is one of :data:`ACTIVATIONS`; the result has x's dtype.
+    """
+    args = (x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation)
+    if launches(x, w_gate_up, w_down, topk_weights, topk_ids):
+        return fused_moe_triton(*args)
+    return fused_moe_reference(*args)
+
+
+@fused_moe.register_fake
+def _(x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation):
+    _check(x, w_gate_up, w_down, topk_ids, activation)
+    return torch.empty_like(x)

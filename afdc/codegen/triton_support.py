@@ -1,0 +1,77 @@
+"""When afdc's Triton kernels run, and how they are JIT-compiled.
+
+Triton is optional (the ``kernels`` extra; GPU installs of torch bring it). A kernel launches on
+CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (Triton's interpreter: slow, for
+tests on tiny shapes). Everywhere else each op runs its PyTorch reference, so a program that uses
+afdc's ops is correct on any machine.
+
+``TRITON_INTERPRET`` must be set before ``triton`` is imported: Triton wraps its own library
+functions (``tl.sum``, ``tl.max``) for the interpreter at import. Kernel files define their
+kernels as plain Python with ``from __future__ import annotations`` (Triton reads
+``tl.constexpr`` from the annotation's text) and wrap them with :func:`jit` at first launch, so
+importing afdc never compiles or imports anything a CPU install lacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the kernels extra is not installed: every op runs its reference
+    triton = None
+    tl = None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available() -> bool:
+    """Whether Triton is installed."""
+    return triton is not None
+
+
+def launches(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel runs on these tensors (else the op runs its PyTorch reference)."""
+    if triton is None or not tensors:
+        return False
+    devices = {t.device.type for t in tensors}
+    return devices == {"cuda"} or (devices == {"cpu"} and interpreting())
+
+
+# The interpreter keeps the launch grid in globals: two threads (micro-batches) launching at
+# once would read each other's grid, so interpreted launches take turns. GPU launches do not.
+_interpreter = threading.Lock()
+
+
+class _Kernel:
+    def __init__(self, fn: Callable):
+        self.jitted = triton.jit(fn)
+
+    def __getitem__(self, grid) -> Callable:
+        launch = self.jitted[grid]
+        if not interpreting():
+            return launch
+
+        def one_at_a_time(*args, **kwargs):
+            with _interpreter:
+                return launch(*args, **kwargs)
+
+        return one_at_a_time
+
+
+@functools.cache
+def jit(fn: Callable) -> _Kernel:
+    """``triton.jit(fn)``, made once per kernel at its first launch; ``jit(fn)[grid](...)``."""
+    return _Kernel(fn)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()

@@ -1,0 +1,96 @@
+"""What the kernel-substitution passes share: walking a matched chain and swapping it for one op.
+
+A substitution pass finds a computation structurally (by ops and data flow, never by module
+name), checks every condition that makes the kernel exact, and only then rewrites. Anything
+short of an exact match raises :class:`NoMatch` with the reason; the pass logs it and leaves the
+nodes alone, so a pattern it does not know costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from afdc.passes.graph_facts import op_name
+
+logger = logging.getLogger("afdc.fusion")
+
+
+class NoMatch(Exception):
+    """A candidate that is not exactly the pattern; the message says why."""
+
+
+@dataclass
+class FusionReport:
+    """How many of each kernel a pass put in, and the candidates it left alone (with why)."""
+
+    fused: dict[str, int] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+    def add(self, kind: str) -> None:
+        self.fused[kind] = self.fused.get(kind, 0) + 1
+
+    def merge(self, other: FusionReport) -> FusionReport:
+        for kind, count in other.fused.items():
+            self.fused[kind] = self.fused.get(kind, 0) + count
+        self.skipped += other.skipped
+        return self
+
+
+def expect(condition: bool, reason: str) -> None:
+    if not condition:
+        raise NoMatch(reason)
+
+
+def arg(node: fx.Node, index: int, name: str, default=None):
+    """Argument ``index`` of ``node``, given by position or as keyword ``name``."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def only_user(node: fx.Node) -> fx.Node:
+    """The single user of ``node`` (a pattern's inner values must not be read elsewhere)."""
+    expect(len(node.users) == 1, f"{node.name} is used outside the pattern")
+    return next(iter(node.users))
+
+
+def val(node) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def float_cast(node) -> bool:
+    """A cast to float32 (exact for the half types the kernels read and widen themselves)."""
+    return (
+        isinstance(node, fx.Node)
+        and op_name(node) in ("to", "_to_copy", "type_as")
+        and val(node) is not None
+        and val(node).dtype == torch.float32
+    )
+
+
+def strip_float_casts(node):
+    while float_cast(node) and val(node.args[0]) is not None and val(node.args[0]).is_floating_point():
+        node = node.args[0]
+    return node
+
+
+def run_matches(graph: fx.Graph, kind: str, anchors: list[fx.Node], rewrite: Callable[[fx.Node], None]) -> FusionReport:
+    """``rewrite`` each anchor that matches; log and keep the others."""
+    report = FusionReport()
+    for anchor in anchors:
+        if anchor not in set(graph.nodes):  # erased by an earlier rewrite
+            continue
+        try:
+            rewrite(anchor)
+        except NoMatch as why:
+            report.skipped.append(f"{kind} at {anchor.name}: {why}")
+            logger.debug("afdc backend: %s at %s left to Inductor: %s", kind, anchor.name, why)
+        else:
+            report.add(kind)
+    return report

@@ -1,0 +1,19 @@
+import os
+import sys
+
+import pytest
+import torch
+
+# Triton wraps its own library functions (tl.sum, tl.max, ...) for the interpreter only when
+# TRITON_INTERPRET is set at its import, so it is set before anything imports triton: afdc's
+# kernels then run in the interpreter on this CPU-only test machine.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def triton_interpret():
+    """Run afdc's Triton kernels: on the GPU when there is one, else in Triton's interpreter."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]')")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does it)")
