@@ -53,16 +53,14 @@ def _act_mul_kernel(
     mask = cols < n_cols
     g = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    # Sigmoids spelled out: tl.sigmoid is a @triton.jit function, which the interpreter cannot call
-    # unless TRITON_INTERPRET was set before triton was imported; tl.exp is a builtin.
     if ACTIVATION == "silu":
-        a = g / (1.0 + tl.exp(-g))
+        a = g * tl.sigmoid(g)
     elif ACTIVATION == "gelu":
         a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))  # 1/sqrt(2)
     else:
         # 0.5 * (1 + tanh(z)) == sigmoid(2z): the tanh form without a tanh, and without the
         # cancellation of computing tanh as 2 * sigmoid(2z) - 1. 1.5957... is 2 * sqrt(2/pi).
-        a = g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+        a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
     tl.store(out_ptr + row * n_cols + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 

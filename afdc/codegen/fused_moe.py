@@ -171,10 +171,8 @@ def _gate_up_kernel(
     # [BLOCK_K, BLOCK_N] tiles of W^T (x @ W^T), over the gate rows and, inter rows down, the up rows
     gate_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wh
     up_ptrs = gate_ptrs + inter * stride_wn
-    # tl.full and spelled-out sigmoids, not tl.zeros and tl.sigmoid: those are @triton.jit functions
-    # made when triton is imported, which the interpreter cannot call unless TRITON_INTERPRET was set then.
-    gate = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
-    up = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         ks_ok = ks < hidden - k0
         a = tl.load(x_ptrs, mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
@@ -190,12 +188,12 @@ def _gate_up_kernel(
         up_ptrs += BLOCK_K * stride_wh
 
     if ACTIVATION == "silu":
-        act = gate / (1.0 + tl.exp(-gate))
+        act = gate * tl.sigmoid(gate)
     elif ACTIVATION == "gelu":
         act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))  # 1/sqrt(2)
     else:
         # 0.5 * (1 + tanh(z)) == sigmoid(2z): the tanh form without a tanh; 1.5957... is 2 * sqrt(2/pi)
-        act = gate / (1.0 + tl.exp(-1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)))
+        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
     out_ptrs = out_ptr + pairs[:, None] * stride_op + cols[None, :]
     tl.store(out_ptrs, (act * up).to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
@@ -233,7 +231,7 @@ def _down_kernel(
 
     h_ptrs = h_ptr + pairs[:, None] * stride_hp + ks[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wh + ks[:, None] * stride_wi
-    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks_ok = ks < inter - k0
         a = tl.load(h_ptrs, mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)

@@ -66,11 +66,10 @@ def _layer_norm_kernel(
         summed = (x + r).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * n_cols + cols, summed, mask=mask)
         x = summed.to(tl.float32)
-    # tl.reduce, not tl.sum, for the interpreter: see the rms_norm kernel.
-    mean = tl.reduce(x, 0, tl.standard._sum_combine) / n_cols
+    mean = tl.sum(x, 0) / n_cols
     # Padding columns must not count in the variance: they would add mean**2 each.
     centered = tl.where(mask, x - mean, 0.0)
-    var = tl.reduce(centered * centered, 0, tl.standard._sum_combine) / n_cols
+    var = tl.sum(centered * centered, 0) / n_cols
     y = centered * tl.math.rsqrt(var + eps)
     if HAS_WEIGHT:
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)

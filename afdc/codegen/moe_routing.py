@@ -103,9 +103,6 @@ def _moe_route_kernel(
 ):
     # One program per token, its experts held as a [group, expert in group] tile: group sizes need
     # not be powers of two (DeepSeek-V2: 160 experts in 8 groups), so each axis is padded alone.
-    # Reductions are tl.reduce with tl.standard's combine functions and sigmoids are spelled out:
-    # tl.max, tl.sum, tl.sigmoid are @triton.jit functions made when triton is imported, which the
-    # interpreter cannot call unless TRITON_INTERPRET was set by then; tl.reduce it patches per launch.
     token = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, BLOCK_G)
     members = tl.arange(0, BLOCK_E)
@@ -114,10 +111,10 @@ def _moe_route_kernel(
 
     x = tl.load(logits_ptr + token * logits_row_stride + experts, mask=valid, other=float("-inf")).to(tl.float32)
     if SIGMOID:
-        scores = 1.0 / (1.0 + tl.exp(-x))
+        scores = tl.sigmoid(x)
     else:
-        e = tl.exp(x - tl.reduce(x, None, tl.standard._elementwise_max))
-        scores = e / tl.reduce(e, None, tl.standard._sum_combine)
+        e = tl.exp(x - tl.max(x))
+        scores = e / tl.sum(e)
     scores = tl.where(valid, scores, 0.0)
     choice = scores
     if HAS_BIAS:
@@ -125,18 +122,18 @@ def _moe_route_kernel(
     choice = tl.where(valid, choice, float("-inf"))
 
     if GROUPED:
-        best = tl.reduce(choice, 1, tl.standard._elementwise_max)
+        best = tl.max(choice, 1)
         if TOP2_SUM:
             # the runner-up: the best again with the first position holding the best left out
             first = tl.where(choice == best[:, None], members[None, :], BLOCK_E)
-            first = tl.reduce(first, 1, tl.standard._elementwise_min)
+            first = tl.min(first, 1)
             second = tl.where(members[None, :] == first[:, None], float("-inf"), choice)
-            best += tl.reduce(second, 1, tl.standard._elementwise_max)
+            best += tl.max(second, 1)
         group_free = groups < n_group
         kept = groups < 0
         for _ in range(topk_group):
-            top = tl.reduce(tl.where(group_free, best, float("-inf")), 0, tl.standard._elementwise_max)
-            pick = tl.reduce(tl.where(group_free & (best == top), groups, BLOCK_G), 0, tl.standard._elementwise_min)
+            top = tl.max(tl.where(group_free, best, float("-inf")), 0)
+            pick = tl.min(tl.where(group_free & (best == top), groups, BLOCK_G), 0)
             kept = kept | (groups == pick)
             group_free = group_free & (groups != pick)
         choice = tl.where(kept[:, None], choice, float("-inf"))
@@ -144,19 +141,19 @@ def _moe_route_kernel(
     # top_k rounds of argmax; ties go to the lowest expert id. A taken expert leaves `free` rather
     # than being set to -inf, so a round among -inf choices still picks an untaken expert.
     slots = tl.arange(0, BLOCK_K)
-    weights = tl.full([BLOCK_K], 0.0, dtype=tl.float32)
-    ids = tl.full([BLOCK_K], 0, dtype=tl.int64)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
     free = valid
     for k in range(top_k):
-        top = tl.reduce(tl.where(free, choice, float("-inf")), None, tl.standard._elementwise_max)
+        top = tl.max(tl.where(free, choice, float("-inf")))
         pick = tl.where(free & (choice == top), experts, BLOCK_G * BLOCK_E)
-        pick = tl.reduce(pick, None, tl.standard._elementwise_min)
-        weight = tl.reduce(tl.where(experts == pick, scores, 0.0), None, tl.standard._sum_combine)
+        pick = tl.min(pick)
+        weight = tl.sum(tl.where(experts == pick, scores, 0.0))
         weights = tl.where(slots == k, weight, weights)
         ids = tl.where(slots == k, pick.to(tl.int64), ids)
         free = free & (experts != pick)
     if RENORMALIZE:
-        weights = weights / (tl.reduce(weights, 0, tl.standard._sum_combine) + 1e-20)
+        weights = weights / (tl.sum(weights, 0) + 1e-20)
     out = slots < top_k
     tl.store(weights_ptr + token * top_k + slots, weights * routed_scaling, mask=out)
     tl.store(ids_ptr + token * top_k + slots, ids, mask=out)

@@ -113,10 +113,7 @@ def _rms_norm_kernel(
         summed = (x + r).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * n_cols + cols, summed, mask=mask)
         x = summed.to(tl.float32)
-    # tl.reduce with tl.sum's combine function rather than tl.sum: tl.sum is a @triton.jit function
-    # made when triton is imported, which the interpreter cannot call unless TRITON_INTERPRET was
-    # already set then; tl.reduce is a builtin that it patches at each launch.
-    rstd = tl.math.rsqrt(tl.reduce(x * x, 0, tl.standard._sum_combine) / n_cols + eps)
+    rstd = tl.math.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
     y = x * rstd
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)

@@ -28,6 +28,7 @@ from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from afdc.artifact import manifest as mf
+from afdc.codegen.backend import resolve as resolve_backend
 from afdc.compile import deployment_of, load
 from afdc.errors import UnsupportedModelError
 from afdc.passes.sampled_rows import sample_rows_only
@@ -115,7 +116,12 @@ class AfdcWorker(WorkerBase):
         self.slots: list[SlotSpec] = _slots(program.module)
         # logits for each request's last token only (the step samples nothing else)
         self.rows_only = sample_rows_only(program.module, program.out_spec)
-        program.use_backend(s.backend or manifest.plan.backend)  # lowered after the graph is final
+        backend = s.backend or manifest.plan.backend
+        program.use_backend(backend)  # lowered after the graph is final
+        if resolve_backend(backend, self.device) == "afdc" and self.device.type == "cuda":
+            from afdc.codegen import paged_attention
+
+            paged_attention.register()  # decode steps attend through afdc's Triton kernel
         self.micro_batches = s.micro_batches or manifest.plan.micro_batches
         self.dtype = next((p.dtype for p in program.parameters() if p.is_floating_point()), torch.float32)
         if not in_process:

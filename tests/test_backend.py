@@ -1,0 +1,143 @@
+"""The ``afdc`` backend: kernel substitution on captured programs, checked against the monolith.
+
+The kernels run in Triton's interpreter here (tests/conftest.py), so these tests run the real
+Triton code paths, on tiny models.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import afdc
+from afdc.codegen import backend as backends
+from afdc.errors import PlanError
+from afdc.runtime.model import positions_from_mask
+from models_supported import catalog
+
+pytestmark = pytest.mark.usefixtures("triton_interpret")
+
+_KERNEL_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "act_mul", "fused_moe", "moe_route"}
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    return ids, mask
+
+
+def _kernels(module: torch.fx.GraphModule) -> collections.Counter:
+    return collections.Counter(
+        n.target._opname for n in module.graph.nodes
+        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "afdc"
+        and n.target._opname in _KERNEL_OPS
+    )
+
+
+def _substitute(dm) -> collections.Counter:
+    """Put afdc's kernels into every program of ``dm`` and run them eagerly (no Inductor), so the
+    kernels alone are what changes against the monolith; returns the kernels put in."""
+    found = collections.Counter()
+    attention = dm.attention_ranks[0]
+    attention.module = backends.copy_module(attention.module)
+    backends.substitute_kernels(attention.module.graph)
+    attention.module.recompile()
+    attention.use_backend("eager")
+    found += _kernels(attention.module)
+    for program in dm.ffn_ranks:
+        for i, segment in enumerate(program.segments):
+            program.segments[i] = backends.copy_module(segment)
+            backends.substitute_kernels(program.segments[i].graph)
+            program.segments[i].recompile()
+        program.use_backend("eager")
+    return found + sum((_kernels(s) for s in dm.ffn_ranks[0].segments), collections.Counter())
+
+
+# What each model's programs must end up with: the residual add fused into every norm but the
+# first, the gated MLP's activation, the MoE block and its softmax router.
+EXPECTED = {
+    "llama": {"add_rms_norm": 4, "rms_norm": 1, "act_mul": 1},
+    "gemma2": {"add_rms_norm": 4, "rms_norm": 5, "act_mul": 1},  # Gemma's (1 + w) norms
+    "gpt2": {"add_layer_norm": 4, "layer_norm": 1},
+    "qwen3_moe": {"add_rms_norm": 4, "rms_norm": 5, "fused_moe": 1, "moe_route": 1},  # + q/k norms
+    "deepseek_v3": {"add_rms_norm": 6, "rms_norm": 7, "fused_moe": 1, "act_mul": 2},  # grouped router kept
+}
+
+
+@pytest.mark.parametrize("model_type", list(EXPECTED))
+def test_substituted_kernels_match_the_monolith(model_type):
+    model = catalog.build(catalog.entry(model_type))
+    dm = afdc.disaggregate(model, "1A1F")
+    assert _substitute(dm) == collections.Counter(EXPECTED[model_type])
+
+    ids, mask = _batch(model.config.vocab_size)
+    pos = positions_from_mask(mask)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = dm(ids, attention_mask=mask, position_ids=pos).logits
+        valid = mask.bool()
+        torch.testing.assert_close(got[valid], ref[valid], atol=1e-4, rtol=1e-4)
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=3), want)
+
+
+def test_afdc_backend_expert_parallel_with_micro_batches():
+    """``--backend afdc`` end to end: kernels in, Inductor for the rest, 1A2F expert-parallel
+    (each rank's fused MoE computes only its experts), two micro-batches on two threads."""
+    model = catalog.build(catalog.entry("qwen3_moe"))
+    dm = afdc.disaggregate(model, "1A2F", ffn_parallel="ep", micro_batches=2, backend="afdc")
+    ids, mask = _batch(model.config.vocab_size)
+    pos = positions_from_mask(mask)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = dm(ids, attention_mask=mask, position_ids=pos).logits
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], ref[valid], atol=1e-4, rtol=1e-4)
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=3), want)
+    for program in dm.ffn_ranks:
+        assert all(type(s._run).__name__ == "OptimizedModule" for s in program._lowered)  # Inductor ran them
+
+
+def test_near_misses_are_left_alone():
+    """A norm over the wrong dim, an activation that is not multiplied, experts in another layout
+    (gpt-oss: interleaved gate/up with biases): nothing is substituted and the reason is kept."""
+
+    class NearMiss(torch.nn.Module):
+        def forward(self, x):
+            h = x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6)  # over tokens, not features
+            return torch.nn.functional.silu(h) + x
+
+    graph = torch.export.export(NearMiss(), (torch.randn(4, 8),)).graph
+    report = backends.substitute_kernels(graph)
+    assert report.fused == {}
+    assert any("not over the last dim" in s for s in report.skipped)
+    assert any("not multiplied" in s for s in report.skipped)
+
+    model = catalog.build(catalog.entry("gpt_oss"))
+    dm = afdc.disaggregate(model, "1A1F")
+    segment = backends.copy_module(dm.ffn_ranks[0].segments[0])
+    report = backends.substitute_kernels(segment.graph)
+    assert "fused_moe" not in report.fused and any(s.startswith("fused_moe") for s in report.skipped)
+
+
+def test_backend_option():
+    assert backends.resolve("auto", torch.device("cpu")) == "eager"
+    assert backends.resolve("auto", torch.device("cuda")) == "afdc"
+    with pytest.raises(PlanError, match="--backend 'tensorrt' is not one of auto, afdc, inductor, eager"):
+        afdc.Plan.parse("1A1F", backend="tensorrt")
+
+
+def test_artifact_records_the_backend_and_load_overrides_it(tmp_path):
+    model = catalog.build(catalog.entry("llama"))
+    model.save_pretrained(tmp_path / "src")
+    out = tmp_path / "art"
+    manifest = afdc.compile_model(str(tmp_path / "src"), afdc.Plan.parse("1A1F", backend="inductor"), out,
+                                  progress=False)
+    assert manifest.plan.backend == "inductor"
+    assert afdc.load(out, "ffn", 0).backend == "inductor"
+    assert afdc.load(out, "ffn", 0, backend="eager").backend == "eager"
