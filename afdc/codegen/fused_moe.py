@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from afdc.codegen import autotune
 from afdc.codegen.triton_support import interpreting, jit, launches, next_power_of_2, tl
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -247,6 +248,16 @@ def _down_kernel(
     tl.store(out_ptrs, acc * routing[:, None], mask=rows_ok[:, None] & cols_ok[None, :])
 
 
+# Tile shapes worth timing (vLLM's tuned configs cluster here); clamped to the matrix sizes.
+_CANDIDATES = [(16, 32, 64), (16, 64, 64), (16, 128, 64), (32, 64, 64), (32, 128, 64), (64, 64, 32),
+               (64, 128, 32), (64, 128, 64), (128, 128, 32), (128, 256, 64)]
+
+
+def candidate_block_sizes(hidden: int, inter: int) -> list[tuple[int, int, int]]:
+    smallest = max(16, next_power_of_2(min(hidden, inter)))
+    return list(dict.fromkeys((m, min(n, smallest), min(k, smallest)) for m, n, k in _CANDIDATES))
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -260,7 +271,8 @@ def fused_moe_triton(
     block_n: int | None = None,
     block_k: int | None = None,
 ) -> torch.Tensor:
-    """:func:`fused_moe` by the Triton kernels; block sizes default to :func:`default_block_sizes`."""
+    """:func:`fused_moe` by the Triton kernels. Block sizes not given are tuned for this device and
+    shape (:mod:`afdc.codegen.autotune`, on by default on CUDA) or else :func:`default_block_sizes`."""
     _check(x, w_gate_up, w_down, topk_ids, activation)
     tokens, hidden = x.shape
     num_local, two_inter, _ = w_gate_up.shape
@@ -268,6 +280,15 @@ def fused_moe_triton(
     num_pairs = topk_ids.numel()
     if num_pairs == 0:
         return torch.zeros_like(x)
+    if block_m is block_n is block_k is None and autotune.enabled(x):
+        args = (x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation)
+        key = autotune.TuneKey.of("fused_moe", w_gate_up, (next_power_of_2(num_pairs), num_local, hidden, inter))
+        block_m, block_n, block_k = autotune.tuner().best(
+            key,
+            candidate_block_sizes(hidden, inter),
+            lambda tiles: fused_moe_triton(*args, block_m=tiles[0], block_n=tiles[1], block_k=tiles[2]),
+            x,
+        )
     default_m, default_n, default_k = default_block_sizes(num_pairs, num_local, hidden, inter)
     block_m, block_n, block_k = block_m or default_m, block_n or default_n, block_k or default_k
 
