@@ -64,7 +64,7 @@ EXPECTED = {
     "gemma2": {"add_rms_norm": 4, "rms_norm": 5, "act_mul": 1},  # Gemma's (1 + w) norms
     "gpt2": {"add_layer_norm": 4, "layer_norm": 1},
     "qwen3_moe": {"add_rms_norm": 4, "rms_norm": 5, "fused_moe": 1, "moe_route": 1},  # + q/k norms
-    "deepseek_v3": {"add_rms_norm": 6, "rms_norm": 7, "fused_moe": 1, "act_mul": 2},  # grouped router kept
+    "deepseek_v3": {"add_rms_norm": 6, "rms_norm": 7, "fused_moe": 1, "moe_route": 1, "act_mul": 2},  # grouped router
 }
 
 

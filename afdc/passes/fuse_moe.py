@@ -19,7 +19,16 @@ import torch
 import torch.fx as fx
 
 from afdc.passes.fuse_activation import activation_of
-from afdc.passes.fusion import FusionReport, arg, expect, only_user, run_matches, strip_float_casts, val
+from afdc.passes.fusion import (
+    FusionReport,
+    arg,
+    erase_unused,
+    expect,
+    only_user,
+    run_matches,
+    strip_float_casts,
+    val,
+)
 from afdc.passes.graph_facts import op_name
 
 _GROUPED = ("grouped_mm_fallback", "_grouped_mm", "grouped_mm", "grouped_mm_local")
@@ -29,9 +38,9 @@ def fuse_moe(graph: fx.Graph) -> FusionReport:
     """Replace every exactly matched MoE expert block and softmax top-k router in ``graph``."""
     grouped = [n for n in graph.nodes if op_name(n) in _GROUPED]
     report = run_matches(graph, "fused_moe", grouped, lambda n: _rewrite_experts(graph, n))
-    report.merge(run_matches(graph, "moe_route", [n for n in graph.nodes if op_name(n) == "topk"],
-                             lambda n: _rewrite_router(graph, n)))
-    graph.eliminate_dead_code()
+    # last top-k first: a grouped router's final top-k takes its group top-ks with it
+    routers = [n for n in reversed(graph.nodes) if op_name(n) == "topk"]
+    report.merge(run_matches(graph, "moe_route", routers, lambda n: _rewrite_router(graph, n)))
     graph.lint()
     return report
 
@@ -150,13 +159,13 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
         )
     fused.meta = dict(total.meta)
     total.replace_all_uses_with(fused)
-    chain = [total, per_choice, unsort, inverse, scale, unsqueeze, picked, down, down_in, product]
-    for node in dict.fromkeys(chain):  # down_in is product when nothing casts between
-        if not node.users:
-            graph.erase_node(node)
+    erase_unused(graph, [total])
 
 
 def _rewrite_router(graph: fx.Graph, topk: fx.Node) -> None:
+    if op_name(topk.args[0]) == "masked_fill":
+        _rewrite_grouped_router(graph, topk)
+        return
     probs, k = topk.args[0], topk.args[1]
     expect(op_name(probs) == "softmax" and len(probs.users) == 1, "top-k of something other than a softmax")
     logits = probs.args[0]
@@ -170,5 +179,80 @@ def _rewrite_router(graph: fx.Graph, topk: fx.Node) -> None:
         )
     route.meta = dict(topk.meta)
     topk.replace_all_uses_with(route)
-    graph.erase_node(topk)
-    graph.erase_node(probs)
+    erase_unused(graph, [topk])
+
+
+def _getitem_of(node, index: int) -> fx.Node:
+    expect(isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == index,
+           f"{getattr(node, 'name', node)} is not output {index} of a tuple")
+    return node.args[0]
+
+
+def _group_mask(mask: fx.Node, choice: fx.Node, experts: int) -> tuple[int, int]:
+    """DeepSeek-V3's group limit, read back from the mask it builds: ``~(scatter of the best
+    groups' ids, expanded to their experts)`` over groups scored by their top-2 sum. Returns
+    ``(n_group, topk_group)``."""
+    expect(op_name(mask) == "bitwise_not", "the mask is not the complement of the kept groups")
+    flat = strip_float_casts(mask.args[0])
+    if op_name(flat) in ("to", "_to_copy"):
+        flat = flat.args[0]
+    expect(op_name(flat) in ("reshape", "view") and list(flat.args[1]) == [-1, experts], "mask not over experts")
+    expand = flat.args[0]
+    expect(op_name(expand) == "expand" and op_name(expand.args[0]) == "unsqueeze", "groups not expanded to experts")
+    kept = expand.args[0].args[0]
+    expect(op_name(kept) in ("scatter", "scatter_") and kept.args[1] == 1 and kept.args[3] == 1, "not a group mask")
+    expect(op_name(kept.args[0]) == "zeros_like", "the kept groups are not marked on zeros")
+    best = _getitem_of(kept.args[2], 1)
+    expect(op_name(best) == "topk" and arg(best, 2, "dim", -1) == -1, "groups not chosen by top-k")
+    group_scores = best.args[0]
+    expect(kept.args[0].args[0] is group_scores, "the mask is not shaped like the group scores")
+    expect(op_name(group_scores) == "sum" and list(group_scores.args[1]) == [-1], "a group's score is not a sum")
+    top2 = _getitem_of(group_scores.args[0], 0)
+    expect(op_name(top2) == "topk" and top2.args[1] == 2 and arg(top2, 2, "dim", -1) == -1, "not the top-2 sum")
+    grouped = top2.args[0]
+    expect(op_name(grouped) in ("view", "reshape") and grouped.args[0] is choice, "groups are not of the choices")
+    n_group, per_group = list(grouped.args[1])[-2:]
+    expect(n_group * per_group == experts, "groups do not tile the experts")
+    return n_group, best.args[1]
+
+
+def _rewrite_grouped_router(graph: fx.Graph, topk: fx.Node) -> None:
+    """DeepSeek-V3's router: sigmoid scores, a per-expert bias for the choice only, the best
+    ``topk_group`` of ``n_group`` groups by their top-2 sum, top-k, weights gathered from the
+    unbiased scores, renormalized (+1e-20) and scaled."""
+    masked, k = topk.args[0], topk.args[1]
+    choice, mask, fill = masked.args
+    expect(fill == float("-inf"), "other groups are not excluded with -inf")
+    expect(op_name(choice) == "add" and len(choice.args) == 2, "the choice is not score + bias")
+    scores, bias = choice.args
+    expect(op_name(scores) == "sigmoid" and val(scores).dtype == torch.float32, "scores are not float32 sigmoids")
+    experts = val(scores).shape[-1]
+    expect(val(scores).dim() == 2 and tuple(val(bias).shape) == (experts,), "bias is not one per expert")
+    n_group, topk_group = _group_mask(mask, choice, experts)
+    ids = next((u for u in topk.users if u.args[1] == 1), None)
+    expect(ids is not None and all(u.args[1] == 1 for u in topk.users), "the top-k values are used")
+    picked = [u for u in ids.users if op_name(u) == "gather"]
+    expect(len(picked) == 1 and picked[0].args[:2] == (scores, 1), "weights not gathered from the scores")
+    weights = picked[0]
+    total = next((u for u in weights.users if op_name(u) == "sum"), None)
+    expect(total is not None and len(weights.users) == 2, "weights not renormalized")
+    eps = only_user(total)
+    division = only_user(eps)
+    expect(op_name(eps) == "add" and eps.args[1] == 1e-20 and op_name(division) in ("div", "div_")
+           and division.args == (weights, eps), "not weights / (sum + 1e-20)")
+    scaled = only_user(division)
+    expect(op_name(scaled) == "mul" and isinstance(scaled.args[1], (int, float)), "weights not scaled")
+    with graph.inserting_before(topk):
+        route = graph.call_function(
+            torch.ops.afdc.moe_route.default,
+            (scores.args[0], k, "sigmoid", True, n_group, topk_group, "top2_sum", bias, float(scaled.args[1])),
+        )
+        new_weights = graph.call_function(operator.getitem, (route, 0))
+        new_ids = graph.call_function(operator.getitem, (route, 1))
+    route.meta["val"] = (val(scaled), val(ids))
+    new_weights.meta, new_ids.meta = dict(scaled.meta), dict(ids.meta)
+    scaled.replace_all_uses_with(new_weights)
+    ids.replace_all_uses_with(new_ids)
+    for node in (scaled, division, eps, total, weights):  # division is in place on weights, read by total
+        graph.erase_node(node)
+    erase_unused(graph, [ids, topk, scores])

@@ -80,11 +80,32 @@ def strip_float_casts(node):
     return node
 
 
+def erase_unused(graph: fx.Graph, nodes) -> None:
+    """Erase ``nodes`` and then their inputs, as far as nothing else reads them.
+
+    Unlike dead-code elimination this also erases in-place ops of a matched chain (the unsort's
+    ``index_put_``, a group mask's ``scatter_``), but only where the tensor they write is read by
+    nothing else, so no live value loses a write.
+    """
+    stack, erased = list(nodes), set()
+    while stack:
+        node = stack.pop()
+        if node in erased or node.users or node.op != "call_function":
+            continue
+        name = op_name(node)
+        if name.endswith("_") and isinstance(node.args[0], fx.Node) and len(node.args[0].users) > 1:
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        erased.add(node)
+        stack += inputs
+
+
 def run_matches(graph: fx.Graph, kind: str, anchors: list[fx.Node], rewrite: Callable[[fx.Node], None]) -> FusionReport:
     """``rewrite`` each anchor that matches; log and keep the others."""
     report = FusionReport()
     for anchor in anchors:
-        if anchor not in set(graph.nodes):  # erased by an earlier rewrite
+        if anchor not in set(graph.nodes):  # erased with an earlier match
             continue
         try:
             rewrite(anchor)
