@@ -24,12 +24,13 @@ from afdc.passes.aliasing import split_writes
 from afdc.passes.classify import Classification, classify
 from afdc.passes.cleanup import strip_assertions
 from afdc.passes.cut import Cut, RouterPlacement, select_cuts
+from afdc.passes.expert_routing import expert_routing
 from afdc.passes.portable import portable
 from afdc.plan import Plan
 from afdc.report import Report, layer_report
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.model import DisaggregatedModel
-from afdc.runtime.programs import AttentionProgram, FFNLayer, FFNProgram, row_major
+from afdc.runtime.programs import AttentionProgram, ExpertRouting, FFNLayer, FFNProgram, row_major
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Built:
     incremental: bool
     report: Report
     inputs: list[list[list[int] | None]]  # per segment, per input: its token layout (FFNProgram)
+    routing: list[ExpertRouting | None]  # per segment: tokens sent only to their experts' ranks
 
     def attention_names(self) -> list[str]:
         return sorted({n.target for n in self.attention_graph.nodes if n.op == "get_attr"})
@@ -133,6 +135,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         [gf.token_layout(n, tokens) for n in seg.graph.find_nodes(op="placeholder")[len(seg.splits) : -1]]
         for seg in segments
     ]
+    routing = [expert_routing(s.graph, tokens) if s.describe() == "ep" else None for s in segments]
     for lr, binding in zip(layers_report, part.layers):
         lr.ffn_split = segments[binding.segment].describe()
 
@@ -159,6 +162,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         incremental,
         report,
         inputs,
+        routing,
     )
 
 
@@ -171,6 +175,7 @@ def ffn_program(built: Built, weights: dict[str, torch.Tensor], rank: int) -> FF
         [s.reduce for s in built.segments],
         rank,
         built.inputs,
+        built.routing,
     )
 
 

@@ -172,7 +172,7 @@ def compile_model(
             rel = f"programs/ffn_segment_{i}.py"
             write_program(seg.graph, tmp / rel)
             written.append(rel)
-            segments.append(mf.SegmentSpec(rel, seg.splits, seg.reduce, built.inputs[i]))
+            segments.append(mf.SegmentSpec(rel, seg.splits, seg.reduce, built.inputs[i], built.routing[i]))
 
         files: dict[str, list[str]] = {}
         to_stream = []
@@ -305,6 +305,7 @@ def _load(directory: Path, role: str, rank: int, device: torch.device) -> Attent
         [s.reduce for s in manifest.segments],
         rank,
         [s.inputs for s in manifest.segments],
+        [s.routing for s in manifest.segments],
     )
 
 

@@ -24,6 +24,8 @@ eager reference (column "check"); a mismatch is printed, not hidden.
 
 Timing: CUDA events around each call, after --warmup untimed calls (which also compile); the L2 cache
 is flushed (a 256 MB write, outside the events) before each timed call; the median of --repeats.
+afdc's fused MoE tunes its tile sizes on CUDA by default (afdc.codegen.autotune; AFDC_AUTOTUNE=0 turns
+it off): the tuning runs in the first, untimed call of each shape, and the header says which cache it used.
 
 The reference loops over the experts hit with data-dependent shapes (unique, where, tolist), so Dynamo
 breaks its graph there and Inductor compiles the pieces between the breaks: its figure is what
@@ -70,7 +72,7 @@ ACTIVATIONS = {
 }
 TOL = {"atol": 2e-2, "rtol": 2e-2}  # bf16 outputs, fp32 accumulation in a different order
 # --smoke: tiny shapes the interpreter runs in seconds; sizes are multiples of no block size
-SMOKE_TOKENS = (1, 48)  # 1: 16-row blocks; 48 tokens x top-3 > 16 x 8 experts: 64-row blocks
+SMOKE_TOKENS = (48,)  # x top-3 (Qwen, DeepSeek): 64-row blocks; x top-2 (Mixtral): 16-row blocks
 SMOKE_MOE = {"hidden": 40, "inter": 24, "experts": 8, "top_k": 3}
 SMOKE_ROWS = ((5, 72),)
 
@@ -210,7 +212,7 @@ def run_impl(impl: str, fn: Callable | None, expected, timer: CudaTimer | None, 
     failing implementation does not lose the rest of the run.
     """
     if fn is None:
-        return Run(impl, check="n/a", note=why_na)
+        return Run(impl, check="n/a", note=why_na[:160])
     try:
         ok, worst = check(fn(), expected)
         if strict and not ok:
@@ -226,6 +228,20 @@ def run_impl(impl: str, fn: Callable | None, expected, timer: CudaTimer | None, 
             torch.cuda.empty_cache()
         first_line = str(err).strip().splitlines()[0][:100] if str(err).strip() else ""
         return Run(impl, check="error", note=f"{type(err).__name__}: {first_line}")
+
+
+def autotune_state(device: str) -> str:
+    """Whether afdc tunes the fused MoE's tile sizes here (afdc.codegen.autotune, AFDC_AUTOTUNE), and its cache."""
+    try:
+        from afdc.codegen import autotune
+
+        if not autotune.enabled(torch.empty(0, device=device)):
+            return "off (default block sizes)"
+        path = Path(autotune.tuner().path)
+        cached = "read from" if path.is_file() else "new:"
+        return f"on, tuned in the first (untimed) call of each shape bucket; cache {cached} {path}"
+    except Exception as err:  # afdc without the autotune module, or a changed one
+        return f"unknown ({type(err).__name__}: {err})"
 
 
 def compiled(fn: Callable) -> Callable:
@@ -348,8 +364,8 @@ def bench_moe_model(shape: MoeShape, tokens_list, timer, device, strict: bool, s
                     "note": r.note,
                 }
             )
-        del x, ids, weights, expected, ref_c
-    del w_gate_up, w_down, hf_fn
+        del x, ids, weights, args, expected, ref_c
+    del w_gate_up, w_down, hf_fn  # DeepSeek-V3's are 22.5 GB: give them back before the next model
     torch.compiler.reset()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -531,8 +547,9 @@ def smoke(args, device: str, shapes: list[MoeShape]) -> int:
     row_rows = []
     if not args.skip_norm:
         row_rows = bench_rows(SMOKE_ROWS, None, device, strict=True, skip_compile=args.skip_compile)
-        for r in row_rows:
-            print(f"  {r['op']} {r['tokens']}x{r['hidden']}: {r['impl']} {r['check']}")
+        for case in dict.fromkeys((r["op"], r["tokens"], r["hidden"]) for r in row_rows):
+            done = [f"{r['impl']} {r['check']}" for r in row_rows if (r["op"], r["tokens"], r["hidden"]) == case]
+            print(f"  {case[0]} {case[1]}x{case[2]}: {', '.join(done)}")
     # the report paths too, silently: tables, targets and JSON of untimed rows, and the peak lookup
     with contextlib.redirect_stdout(io.StringIO()):
         print_moe(moe_rows, None, None)
@@ -633,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         print("  note: the table's figures are for the SXM part; pass --peak-tflops / --hbm-gbps for this card")
     if peak is None or hbm is None:
         print("  fractions of peak are printed as '-': pass --peak-tflops and --hbm-gbps")
+    tuning = autotune_state(device)
+    print(f"afdc fused MoE tile sizes: autotune {tuning}")
     timer = CudaTimer(args.warmup, args.repeats, args.flush_mb)
     print(
         f"timing: CUDA events, {args.warmup} warm-up calls, median of {args.repeats}, "
@@ -650,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_bf16_flops": peak,
         "hbm_bytes_per_s": hbm,
         "profile": profile.name if profile else None,
+        "fused_moe_autotune": tuning,
         "settings": {"warmup": args.warmup, "repeats": args.repeats, "flush_mb": args.flush_mb},
         "moe": [],
         "rows": [],

@@ -17,6 +17,7 @@ from afdc.artifact.checkpoint import CheckpointError
 from afdc.artifact.manifest import ArtifactError, read_manifest
 from afdc.cli import main
 from afdc.errors import AfdcError
+from afdc.runtime.programs import ExpertRouting
 from models_supported import catalog
 
 # One architecture per family of models_supported (MoE: three routing styles, plus renamed experts).
@@ -107,6 +108,19 @@ def test_expert_parallel_rank_files_hold_their_experts(saved, tmp_path, model_ty
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     got = afdc.load_deployment(tmp_path / "art").generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
     assert torch.equal(got, ref)
+
+
+def test_expert_routing_is_recorded_and_served_from_the_artifact(saved, tmp_path):
+    model, src = saved("qwen3_moe")
+    out = tmp_path / "art"
+    manifest = afdc.compile_model(str(src), afdc.Plan.parse("1A2F", router="attn"), out, progress=False)
+    assert [s.routing for s in manifest.segments] == [ExpertRouting(input=1, per_rank=2, top_k=2)]
+    assert read_manifest(out).segments[0].dispatch.experts == manifest.segments[0].routing
+    dm = afdc.load_deployment(out)
+    ids, mask = _batch(model.config.vocab_size)
+    ref, pos = _reference(model, ids, mask)
+    got = dm(ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
 
 
 def test_tensor_parallel_dense_and_experts(saved, tmp_path):

@@ -21,6 +21,7 @@ import afdc
 from afdc.runtime import connector as connectors
 from afdc.runtime import wire
 from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.programs import Dispatch, ExpertRouting
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, free_port
 from afdc.runtime.server import FFNServer
 from models_supported import catalog
@@ -108,6 +109,39 @@ def test_replicated_dense_layers_send_each_token_once(reference):
             (snap,) = dm.metrics()
         moved[dense] = (snap["bytes_sent"], snap["bytes_received"])
     assert moved["tp"][0] == 2 * moved["replicate"][0] and moved["tp"][1] == 2 * moved["replicate"][1], moved
+
+
+def test_tokens_go_only_to_their_experts_ranks(reference):
+    """Router on the attention side, 1A4F, one expert per rank: a token chose 2 of the 4 experts,
+    so it is sent to exactly 2 ranks (with its hidden state and router scores) instead of all 4,
+    and 2 partial results come back instead of 4; the tokens are the monolith's."""
+    model, ids, mask, ref = reference("qwen3_moe")
+    hidden, experts = model.config.hidden_size, model.config.num_experts
+    moved = {}
+    for router in ("ffn", "attn"):
+        dm = afdc.disaggregate(model, "1A4F", connector="shm", router=router, micro_batches=2)
+        assert [r is not None for r in dm.ffn.routing] == [router == "attn"]
+        with dm.launch(timeout=60):
+            assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+            (snap,) = dm.metrics()
+        moved[router] = (snap["bytes_sent"], snap["bytes_received"])
+    # per token and layer: broadcast sends hidden to 4 ranks; routed sends hidden + scores to 2
+    assert moved["attn"][0] * 4 * hidden == moved["ffn"][0] * 2 * (hidden + experts), moved
+    assert moved["attn"][1] * 2 == moved["ffn"][1], moved
+
+
+def test_expert_routing_keeps_every_tied_choice():
+    """Scores tied at the k-th place: every tied expert's rank gets the token (a superset of any
+    tie-break the FFN side's top-k makes), and replies add back into the rows they came from."""
+    routing = ExpertRouting(input=1, per_rank=1, top_k=1)
+    scores = torch.tensor([[0.5, 0.5, 0.0], [0.1, 0.2, 0.7], [0.0, 0.0, 0.0]])
+    assert routing.ranks_of(scores, 3).tolist() == [[True, True, False], [False, False, True], [True, True, True]]
+    dispatch = Dispatch(("sum",), ([-1, 2], [-1, 3]), routing)
+    hidden = torch.arange(6.0).reshape(3, 2)
+    shares = dispatch.shares([hidden, scores], 3, 3)
+    assert [(s.rank, s.rows.tolist()) for s in shares] == [(0, [0, 2]), (1, [0, 2]), (2, [1, 2])]
+    replies = [dispatch.take([hidden, scores], s, 3)[0] * (s.rank + 1) for s in shares]
+    assert torch.equal(dispatch.combine(0, replies, shares), hidden * torch.tensor([[3.0], [3.0], [6.0]]))
 
 
 def test_transports_give_the_same_logits(reference):

@@ -15,7 +15,7 @@ from pathlib import Path
 from afdc.errors import AfdcError
 from afdc.partition.shard import Split
 from afdc.plan import Plan
-from afdc.runtime.programs import Dispatch
+from afdc.runtime.programs import Dispatch, ExpertRouting
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -63,14 +63,16 @@ class SegmentSpec:
     splits: list[Split]  # per weight input: how the FFN ranks hold it
     reduce: list[str]  # per output
     inputs: list[list[int] | None]  # per activation input: shape at batch 1 and T tokens (-k: k*T)
+    routing: ExpertRouting | None = None  # expert-parallel: tokens go only to their experts' ranks
 
     @classmethod
     def from_dict(cls, d: dict) -> SegmentSpec:
-        return cls(d["program"], [Split(**s) for s in d["splits"]], d["reduce"], d["inputs"])
+        routing = ExpertRouting(**d["routing"]) if d.get("routing") else None
+        return cls(d["program"], [Split(**s) for s in d["splits"]], d["reduce"], d["inputs"], routing)
 
     @property
     def dispatch(self) -> Dispatch:
-        return Dispatch(tuple(self.reduce), tuple(self.inputs))
+        return Dispatch(tuple(self.reduce), tuple(self.inputs), self.routing)
 
 
 @dataclass

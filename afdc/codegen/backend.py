@@ -36,14 +36,8 @@ def resolve(backend: str, device: torch.device) -> str:
     return backend
 
 
-def register_kernels() -> None:
-    """Import the kernel modules, which define the ``afdc::`` ops the passes put in."""
-    from afdc.codegen import act_mul, fused_moe, layer_norm, moe_routing, rms_norm  # noqa: F401
-
-
 def substitute_kernels(graph: fx.Graph) -> FusionReport:
     """Every kernel substitution, in place; MoE first, since it takes the experts' activation in."""
-    register_kernels()
     report = fuse_moe(graph)
     report.merge(fuse_activations(graph))
     return report.merge(fuse_norms(graph))

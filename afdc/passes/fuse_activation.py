@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from afdc.codegen import act_mul as _act_mul_op  # noqa: F401 (defines the op this pass emits)
 from afdc.passes.fusion import FusionReport, arg, expect, only_user, run_matches, val
 from afdc.passes.graph_facts import op_name
 

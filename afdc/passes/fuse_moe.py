@@ -18,6 +18,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from afdc.codegen import fused_moe as _fused_moe_op  # noqa: F401 (defines the ops this pass emits)
+from afdc.codegen import moe_routing as _moe_route_op  # noqa: F401
 from afdc.passes.fuse_activation import activation_of
 from afdc.passes.fusion import (
     FusionReport,
@@ -111,7 +113,7 @@ def _sorted_pairs(rows: fx.Node, offs: fx.Node) -> tuple[fx.Node, fx.Node, fx.No
     hist = cumsum.args[0]
     expect(op_name(hist) == "histc", "offsets do not count experts")
     counted = hist.args[0]
-    if op_name(counted) in ("to", "_to_copy"):  # histc counts floats; ids below 2**24 are exact
+    while op_name(counted) in ("to", "_to_copy"):  # histc counts floats; ids below 2**24 are exact
         counted = counted.args[0]
     expect(counted.target is operator.getitem and counted.args == (sort, 0), "the count is not of the sorted ids")
     bins, low, high = (arg(hist, i, name) for i, name in ((1, "bins"), (2, "min"), (3, "max")))

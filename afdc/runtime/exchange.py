@@ -183,10 +183,10 @@ class RemoteConnector(Connector):
 
     def send(self, layer: int, tensors: list[torch.Tensor]) -> None:
         dispatch = self.dispatch[layer]
-        shares = self._shares[layer] = dispatch.shares(self.tokens, len(self.endpoint.ffn_slots))
+        shares = self._shares[layer] = dispatch.shares(tensors, self.tokens, len(self.endpoint.ffn_slots))
         for share in shares:
             part = dispatch.take(tensors, share, self.tokens)
-            self.endpoint.send(self.step, layer, self.micro_batch, share.stop - share.start, part, share.rank)
+            self.endpoint.send(self.step, layer, self.micro_batch, share.count, part, share.rank)
             self.traffic.to_ffn_bytes += wire.nbytes(part)
         self.traffic.messages += 1
 
@@ -197,7 +197,7 @@ class RemoteConnector(Connector):
             self.traffic.messages += 1
         # a batched FFN run replies with [tokens, per-token...]: each rank's part takes the program's shape
         replies = [reply[index] for reply in self._replies[layer]]
-        if shape is not None and not self.dispatch[layer].by_rows:
+        if shape is not None and not self.dispatch[layer].partial_rows:
             replies = [r.reshape(shape) for r in replies]
         out = self.dispatch[layer].combine(index, replies, shares)
         out = out if shape is None else out.reshape(shape)

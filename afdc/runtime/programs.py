@@ -7,7 +7,7 @@ import itertools
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -123,6 +123,7 @@ class FFNProgram(torch.nn.Module):
         reduce: list[list[str]],
         rank: int = 0,
         inputs: list[list[TokenLayout | None]] | None = None,
+        routing: list[ExpertRouting | None] | None = None,
     ):
         super().__init__()
         self.segments = torch.nn.ModuleList(fx.GraphModule(torch.nn.Module(), g) for g in segments)
@@ -132,6 +133,7 @@ class FFNProgram(torch.nn.Module):
         self.reduce = reduce
         self.rank = rank
         self.inputs = inputs if inputs is not None else [[None] for _ in segments]
+        self.routing = routing if routing is not None else [None for _ in segments]
         self._weights = weights
         self._parameters_owned = {n for n, w in weights.items() if isinstance(w, torch.nn.Parameter)}
 
@@ -170,7 +172,7 @@ class FFNProgram(torch.nn.Module):
 
     def dispatch(self, layer: int) -> Dispatch:
         segment = self.layers[layer].segment
-        return Dispatch(tuple(self.reduce[segment]), tuple(self.inputs[segment]))
+        return Dispatch(tuple(self.reduce[segment]), tuple(self.inputs[segment]), self.routing[segment])
 
     def parameter_names(self) -> list[str]:
         return sorted(self._parameters_owned)
@@ -180,12 +182,43 @@ class FFNProgram(torch.nn.Module):
 
 
 @dataclass(frozen=True)
+class ExpertRouting:
+    """Which tokens an expert-parallel FFN rank needs: those choosing one of its experts.
+
+    Set for a segment that is, output for output, one fused MoE over rows of its inputs (checked
+    on its graph, :mod:`afdc.passes.expert_routing`), so a rank's result for a token that chose
+    none of its experts is exactly zero and the token need not be sent. Input ``input`` holds each
+    token's expert ids, or with ``top_k`` its router scores, whose ``top_k`` largest are chosen;
+    rank r holds experts ``[r * per_rank, (r + 1) * per_rank)``.
+    """
+
+    input: int
+    per_rank: int
+    top_k: int | None = None
+
+    def ranks_of(self, key: torch.Tensor, ranks: int) -> torch.Tensor:
+        """``[tokens, ranks]``: whether each token needs each rank. With scores, every expert
+        scoring at least the k-th largest counts as chosen: a superset of any tie-break the FFN
+        side's own top-k makes, and a rank sent a token it does not use adds zero for it."""
+        if self.top_k is None:
+            hit = torch.zeros(key.shape[0], ranks, dtype=torch.bool, device=key.device)
+            return hit.scatter_(1, (key.long() // self.per_rank).clamp(0, ranks - 1), True)
+        kth = key.topk(self.top_k, dim=-1).values[:, -1:]
+        return (key >= kth).view(key.shape[0], ranks, self.per_rank).any(-1)
+
+
+@dataclass(frozen=True)
 class Share:
-    """The tokens [start, stop) of a message that FFN rank ``rank`` serves."""
+    """The tokens a message sends FFN rank ``rank``: ``[start, stop)``, or the rows ``rows``."""
 
     rank: int
     start: int
     stop: int
+    rows: torch.Tensor | None = field(default=None, compare=False)
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start if self.rows is None else self.rows.numel()
 
 
 @dataclass(frozen=True)
@@ -194,17 +227,31 @@ class Dispatch:
 
     ``reduce`` (per output) is ``sum`` (each rank returns a partial result for every token),
     ``first`` (rank 0's copy is the result, so only rank 0 is asked) or ``rows`` (each rank holds
-    the whole layer and serves a contiguous share of the tokens).
+    the whole layer and serves a contiguous share of the tokens). With ``experts``, a ``sum``
+    layer's tokens go only to the ranks holding experts they chose, and each rank's partial
+    results are added into the rows it was sent.
     """
 
     reduce: tuple[str, ...]
     inputs: tuple[TokenLayout | None, ...]
+    experts: ExpertRouting | None = None
 
     @property
     def by_rows(self) -> bool:
         return bool(self.reduce) and all(how == "rows" for how in self.reduce)
 
-    def shares(self, tokens: int, ranks: int) -> list[Share]:
+    @property
+    def partial_rows(self) -> bool:
+        """Whether replies hold some of the message's tokens, as ``[tokens, per-token...]``."""
+        return self.by_rows or self.experts is not None
+
+    def shares(self, inputs: list[torch.Tensor], tokens: int, ranks: int) -> list[Share]:
+        if self.experts is not None:
+            key = _rows(inputs[self.experts.input], tokens)
+            needed = self.experts.ranks_of(key, ranks)
+            shares = [Share(r, 0, tokens, needed[:, r].nonzero().flatten()) for r in range(ranks)]
+            shares = [s for s in shares if s.count]
+            return shares or [Share(0, 0, 0, needed.new_zeros(0, dtype=torch.long))]
         if self.by_rows:
             bounds = [r * tokens // ranks for r in range(ranks + 1)]
             shares = [Share(r, lo, hi) for r, (lo, hi) in enumerate(itertools.pairwise(bounds)) if hi > lo]
@@ -215,17 +262,14 @@ class Dispatch:
 
     def take(self, inputs: list[torch.Tensor], share: Share, tokens: int) -> list[torch.Tensor]:
         """The inputs ``share`` gets out of a message of ``tokens`` tokens."""
-        if not self.by_rows:
+        if not self.partial_rows:
             return inputs
-        count = share.stop - share.start
-        return [
-            _rows(x, tokens)[share.start : share.stop].reshape(_at_tokens(lay, count))
-            for x, lay in zip(inputs, self.inputs)
-        ]
+        rows = slice(share.start, share.stop) if share.rows is None else share.rows
+        return [_rows(x, tokens)[rows].reshape(_at_tokens(lay, share.count)) for x, lay in zip(inputs, self.inputs)]
 
     def tokens(self, inputs: list[torch.Tensor]) -> int:
-        """The token count of a message (only ``rows`` dispatch needs it; others answer 0)."""
-        if not self.by_rows:
+        """The token count of a message (only dispatch by rows needs it; others answer 0)."""
+        if not self.partial_rows:
             return 0
         return inputs[0].numel() // math.prod(abs(d) for d in self.inputs[0])
 
@@ -233,6 +277,13 @@ class Dispatch:
         """Output ``index`` from each share's reply (in ``shares`` order); ``rows`` come back as
         ``[tokens, per-token elements]`` for the receiver to reshape."""
         how = self.reduce[index]
+        if self.experts is not None:
+            tokens = shares[0].stop  # every expert share spans the whole message
+            parts = [_rows(r, s.count) for r, s in zip(replies, shares)]
+            out = parts[0].new_zeros(tokens, parts[0].shape[1])
+            for part, share in zip(parts, shares):  # in rank order, as the sum of whole replies would
+                out.index_add_(0, share.rows, part)
+            return out
         if how == "rows":
             return torch.cat([_rows(r, s.stop - s.start) for r, s in zip(replies, shares)])
         if how == "first":
@@ -244,6 +295,6 @@ def combine(programs: list[FFNProgram], layer: int, inputs: list[torch.Tensor]) 
     """Run FFN layer ``layer`` in-process on the FFN ranks it goes to and combine their outputs."""
     dispatch = programs[0].dispatch(layer)
     tokens = dispatch.tokens(inputs)
-    shares = dispatch.shares(tokens, len(programs))
+    shares = dispatch.shares(inputs, tokens, len(programs))
     replies = [programs[s.rank].run(layer, dispatch.take(inputs, s, tokens)) for s in shares]
     return [dispatch.combine(i, [r[i] for r in replies], shares) for i in range(len(replies[0]))]
