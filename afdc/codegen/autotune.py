@@ -43,8 +43,13 @@ class TuneKey:
 
     @classmethod
     def of(cls, kernel: str, like: torch.Tensor, shape: Sequence[int]) -> TuneKey:
-        device = torch.cuda.get_device_name(like.device) if like.is_cuda else like.device.type
+        device = _cuda_name(like.device.index or 0) if like.is_cuda else like.device.type
         return cls(kernel, device, str(like.dtype).removeprefix("torch."), tuple(int(s) for s in shape))
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)  # asked once: the key is built at every launch
 
 
 def enabled(like: torch.Tensor) -> bool:
