@@ -22,7 +22,7 @@ import torch.fx as fx
 from afdc.passes.fuse_activation import fuse_activations
 from afdc.passes.fuse_moe import fuse_moe
 from afdc.passes.fuse_norms import fuse_norms
-from afdc.passes.fusion import FusionReport
+from afdc.passes.fusion import FusionReport, copy_graph
 from afdc.plan import BACKENDS
 
 logger = logging.getLogger("afdc.backend")
@@ -45,10 +45,7 @@ def substitute_kernels(graph: fx.Graph) -> FusionReport:
 
 def copy_module(module: fx.GraphModule) -> fx.GraphModule:
     """A module with its own copy of ``module``'s graph (the same weights), to rewrite freely."""
-    graph = fx.Graph()
-    graph._codegen = module.graph._codegen
-    graph.output(graph.graph_copy(module.graph, {}))
-    return fx.GraphModule(module, graph)
+    return fx.GraphModule(module, copy_graph(module.graph))
 
 
 def lower(module: fx.GraphModule, backend: str, name: str = "program") -> Callable:

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from afdc.passes import graph_facts as gf
 from afdc.passes.fuse_moe import fuse_moe
-from afdc.passes.fusion import val
+from afdc.passes.fusion import copy_graph, val
 from afdc.runtime.programs import ExpertRouting, row_major
 
 _PASS_THROUGH = {"view", "reshape", "to", "_to_copy", "contiguous", "clone"}
@@ -86,8 +86,7 @@ def _routing_key(ids, inputs: list[fx.Node]) -> tuple[int, int | None] | None:
 def expert_routing(graph: fx.Graph, tokens) -> ExpertRouting | None:
     """How to send a sharded EP segment's tokens only to their experts' ranks, or None when the
     graph does not prove it exact. ``tokens`` are the capture's token symbols."""
-    copy = fx.Graph()
-    copy.output(copy.graph_copy(graph, {}))
+    copy = copy_graph(graph)
     fuse_moe(copy)
     placeholders = copy.find_nodes(op="placeholder")
     inputs = [p for p in placeholders if p.name.startswith("x")]

@@ -41,6 +41,14 @@ class FusionReport:
         return self
 
 
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A graph of the same nodes, to rewrite without touching ``graph``."""
+    copy = fx.Graph()
+    copy._codegen = graph._codegen
+    copy.output(copy.graph_copy(graph, {}))
+    return copy
+
+
 def expect(condition: bool, reason: str) -> None:
     if not condition:
         raise NoMatch(reason)
