@@ -263,10 +263,13 @@ def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
 @click.option("--tpot-ms", type=float, default=50.0, show_default=True, help="Time-per-output-token target (ms).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "int8"]), default="bf16", show_default=True)
 @click.option("--weight-dtype", type=click.Choice(["bf16", "fp8", "int8"]), default="bf16", show_default=True)
+@click.option("--dense-ffn", type=click.Choice(["tp", "replicate"]), default="tp", show_default=True,
+              help="How the FFN GPUs hold dense FFN layers (as afdc compile --dense-ffn).")
 @click.option("--hw-file", type=click.Path(dir_okay=False), help="Extra hardware profiles (JSON, same schema).")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-token cost and the plan as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw throughput vs context and A:F ratio.")
-def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, hw_file, as_json, plot_path) -> None:
+def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense_ffn, hw_file, as_json,
+         plot_path) -> None:
     """Per-token decode cost of MODEL and a recommended AFD deployment against the monolithic one.
 
     MODEL (hub id, model directory or config.json) is built on the meta device: no weights are read.
@@ -284,7 +287,7 @@ def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, hw_fi
 
         def plan_at(ctx: int) -> planner.PlanResult:
             facts = planner.model_facts(dm, ctx, weight_dtype, kv_dtype, name=model, layers=layers)
-            return planner.plan(facts, hw_a, hw_f, tpot_ms)
+            return planner.plan(facts, hw_a, hw_f, tpot_ms, planner.Assumptions(dense_ffn=dense_ffn))
 
         result = plan_at(context)
         click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))

@@ -64,6 +64,10 @@ class Assumptions:
     # largest A:F ratio and FFN pool multiple searched
     max_attention_per_ffn_gpu: int = 64
     ffn_pool_multiples: tuple[int, ...] = (1, 2, 4, 8)
+    # how the FFN GPUs hold a dense FFN layer (the plan's --dense-ffn): "tp" splits its weights
+    # and sends every token to every GPU; "replicate" keeps it whole on each GPU and sends each
+    # token to one of them
+    dense_ffn: str = "tp"
 
 
 # --------------------------------------------------------------------------- model facts
@@ -282,30 +286,30 @@ def local_experts(layer: LayerFacts, gpus: int) -> float:
     return max(layer.experts / gpus, 1.0)
 
 
-def ffn_bytes_per_gpu(layer: LayerFacts, gpus: int) -> float:
+def ffn_bytes_per_gpu(layer: LayerFacts, gpus: int, dense: str = "tp") -> float:
     """FFN weights one of ``gpus`` GPUs holds: experts split (EP), shared experts and router
-    replicated on every GPU, a dense FFN split (TP)."""
+    replicated on every GPU, a dense FFN split (TP) or whole (``dense="replicate"``)."""
     if not layer.moe:
-        return layer.ffn_fixed_bytes / gpus
+        return layer.ffn_fixed_bytes if dense == "replicate" else layer.ffn_fixed_bytes / gpus
     return layer.ffn_fixed_bytes + math.ceil(local_experts(layer, gpus)) * layer.expert_bytes
 
 
-def ffn_read_per_gpu(layer: LayerFacts, gpus: int, tokens: float) -> float:
+def ffn_read_per_gpu(layer: LayerFacts, gpus: int, tokens: float, dense: str = "tp") -> float:
     """FFN weight bytes one GPU reads for a micro-batch of ``tokens`` tokens (all attention GPUs)."""
     if not layer.moe:
-        return layer.ffn_fixed_bytes / gpus
+        return ffn_bytes_per_gpu(layer, gpus, dense)
     # a replicated expert sees only its share of the tokens
     share = min(1.0, layer.experts / gpus)
     hit = expected_distinct(local_experts(layer, gpus), layer.top_k / layer.experts, tokens * share)
     return layer.ffn_fixed_bytes + hit * layer.expert_bytes
 
 
-def fan_out(layer: LayerFacts, gpus: int) -> float:
+def fan_out(layer: LayerFacts, gpus: int, dense: str = "tp") -> float:
     """FFN GPUs one token's hidden state goes to: the distinct ranks holding its top-k experts
-    (the gate's choice travels with the token, as in MegaScale-Infer's M2N), or every rank of a
-    tensor-parallel dense FFN."""
+    (the gate's choice travels with the token, as in MegaScale-Infer's M2N), every rank of a
+    tensor-parallel dense FFN, or one rank of a replicated one."""
     if not layer.moe:
-        return float(gpus)
+        return 1.0 if dense == "replicate" else float(gpus)
     return expected_distinct(gpus, 1 / gpus, layer.top_k)
 
 
@@ -325,7 +329,7 @@ def ffn_time(
     """One layer's FFN on one of ``gpus`` GPUs for a micro-batch of ``tokens`` tokens in all,
     assuming the tokens spread evenly over the GPUs."""
     compute = tokens * layer.ffn_flops / gpus / (hw.flops(weight_dtype) * a.compute_efficiency)
-    memory = ffn_read_per_gpu(layer, gpus, tokens) / (hw.hbm_bandwidth * a.hbm_efficiency)
+    memory = ffn_read_per_gpu(layer, gpus, tokens, a.dense_ffn) / (hw.hbm_bandwidth * a.hbm_efficiency)
     return max(compute, memory)
 
 
@@ -406,7 +410,7 @@ def _afd_layer(facts, hw_a, hw_f, x, y, b, a: Assumptions) -> tuple[list[tuple[i
     for layer in facts.layers:
         t_a = attention_time(layer, hw_a, facts.weight_dtype, b, a)
         t_f = ffn_time(layer, hw_f, facts.weight_dtype, y, x * b, a)
-        copies = b * fan_out(layer, y)  # hidden states one attention GPU sends per micro-batch
+        copies = b * fan_out(layer, y, a.dense_ffn)  # hidden states one attention GPU sends per micro-batch
         to_ffn = _m2n_time(copies * layer.to_ffn_bytes, x / y, bw_a, bw_f, a)
         to_attn = _m2n_time(copies * layer.to_attn_bytes, x / y, bw_a, bw_f, a)
         rows.append((layer.count, t_a, t_f, to_ffn, to_attn))
@@ -452,7 +456,7 @@ def mono_step(facts: ModelFacts, hw: HardwareProfile, gpus: int, batch: int, a: 
         for layer in facts.layers:
             t_a = attention_time(layer, hw, facts.weight_dtype, b, a)
             t_f = ffn_time(layer, hw, facts.weight_dtype, gpus, gpus * b, a)
-            remote = fan_out(layer, gpus) * (gpus - 1) / gpus  # the local rank costs no transfer
+            remote = fan_out(layer, gpus, a.dense_ffn) * (gpus - 1) / gpus  # the local rank costs no transfer
             bw = link * a.network_efficiency
             rows.append(
                 (layer.count, t_a, t_f, b * layer.to_ffn_bytes * remote / bw, b * layer.to_attn_bytes * remote / bw)
@@ -487,15 +491,15 @@ def ffn_gpus_needed(facts: ModelFacts, hw: HardwareProfile, a: Assumptions, spar
     """Fewest GPUs that hold the FFN weights (with ``spare`` bytes left on each); None if none do."""
     room = usable_memory(hw, a) - spare
     for gpus in range(1, 4097):
-        if sum(layer.count * ffn_bytes_per_gpu(layer, gpus) for layer in facts.layers) <= room:
+        if ffn_memory(facts, gpus, a) <= room:
             return gpus
         if gpus > 2 * max((layer.experts for layer in facts.layers), default=1) and gpus > 64:
             break  # replicated experts and shared experts no longer shrink
     return None
 
 
-def ffn_memory(facts: ModelFacts, gpus: int) -> float:
-    return sum(layer.count * ffn_bytes_per_gpu(layer, gpus) for layer in facts.layers)
+def ffn_memory(facts: ModelFacts, gpus: int, a: Assumptions) -> float:
+    return sum(layer.count * ffn_bytes_per_gpu(layer, gpus, a.dense_ffn) for layer in facts.layers)
 
 
 def _cost(tokens_per_s: float, dollars_per_hour: float | None) -> float | None:
@@ -539,11 +543,11 @@ def afd_deployment(facts, hw_a, hw_f, x: int, y: int, target: float, a: Assumpti
         return None
     point = afd_step(facts, hw_a, hw_f, x, y, batch, a)
     link = _link(hw_a, hw_f, x + y)[0]
-    return _deployment("afd", hw_a, hw_f, x, y, batch, cap, point, link, facts, ffn_memory(facts, y))
+    return _deployment("afd", hw_a, hw_f, x, y, batch, cap, point, link, facts, ffn_memory(facts, y, a))
 
 
 def mono_deployment(facts, hw, gpus: int, target: float, a: Assumptions) -> Deployment | None:
-    fmem = ffn_memory(facts, gpus)
+    fmem = ffn_memory(facts, gpus, a)
     cap = attention_batch_memory(facts, hw, a, fmem)
     batch = largest(lambda b: mono_step(facts, hw, gpus, b, a).tpot <= target, cap)
     if batch == 0:
@@ -646,7 +650,7 @@ def balance(facts, hw_a, hw_f, y: int, batch: float, a: Assumptions) -> Balance:
 
     per_token = sum(layer.count * layer.ffn_flops for layer in facts.layers)
     compute_ratio = t_a * hw_f.flops(facts.weight_dtype) * a.compute_efficiency / (batch * per_token)
-    read = sum(layer.count * ffn_read_per_gpu(layer, y, 1e12) for layer in facts.layers)
+    read = sum(layer.count * ffn_read_per_gpu(layer, y, 1e12, a.dense_ffn) for layer in facts.layers)
     read_ms = read / (hw_f.hbm_bandwidth * a.hbm_efficiency) * 1e3
     lo, hi = 1 / 64, 1024.0
     ratio = None

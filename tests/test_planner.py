@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
@@ -25,6 +26,9 @@ from afdc.planner import (
     ModelFacts,
     afd_step,
     balance,
+    fan_out,
+    ffn_bytes_per_gpu,
+    ffn_read_per_gpu,
     model_facts,
     plan,
     require_matplotlib,
@@ -261,6 +265,21 @@ def test_micro_batches_follow_megascale_rule_and_layer_time_follows_simulator():
     # with a slow link the transfers are the slowest stage and m is capped
     slow = afd_step(_toy_facts(count=1, to_ffn=10_000.0), TOY, TOY, x=1, y=1, batch=8, a=EXACT)
     assert slow.micro_batches == EXACT.max_micro_batches and slow.needed > slow.micro_batches
+
+
+def test_replicated_dense_ffn_trades_memory_and_weight_reads_for_traffic():
+    # a dense FFN of 4 GB over y = 4 GPUs: split, each holds and reads 1 GB and every token goes
+    # to all 4; replicated, each holds and reads 4 GB and a token goes to one of them
+    facts = _toy_facts(count=1, ffn_fixed_bytes=4e9)
+    (layer,) = facts.layers
+    assert (ffn_bytes_per_gpu(layer, 4), fan_out(layer, 4)) == (1e9, 4.0)
+    assert (ffn_bytes_per_gpu(layer, 4, "replicate"), fan_out(layer, 4, "replicate")) == (4e9, 1.0)
+    assert ffn_read_per_gpu(layer, 4, 64, "replicate") == 4e9
+    tp = afd_step(facts, TOY, TOY, x=1, y=4, batch=8, a=EXACT)
+    rep = afd_step(facts, TOY, TOY, x=1, y=4, batch=8, a=replace(EXACT, dense_ffn="replicate"))
+    # times are per micro-batch (batch / m tokens): a quarter of the bytes for the same tokens
+    assert rep.times.to_ffn * rep.micro_batches == pytest.approx(tp.times.to_ffn * tp.micro_batches / 4)
+    assert rep.times.ffn > tp.times.ffn  # each GPU reads the whole layer
 
 
 def test_plan_prefers_memory_or_tpot_and_compares_monolithic():
