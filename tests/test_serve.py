@@ -28,6 +28,7 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 import afdc  # noqa: E402
+from afdc.artifact.manifest import read_manifest  # noqa: E402
 from afdc.cli import main  # noqa: E402
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
@@ -60,10 +61,10 @@ def models(tmp_path_factory):
     return root
 
 
-def _artifact(models: Path, kind: str, plan: str) -> Path:
-    out = models / f"{kind}-{plan}"
+def _artifact(models: Path, kind: str, plan: str, **options) -> Path:
+    out = models / "-".join([kind, plan, *(f"{k}={v}" for k, v in sorted(options.items()))])
     if not out.exists():
-        compile_model(str(models / kind), plan, out, progress=False)
+        compile_model(str(models / kind), afdc.Plan.parse(plan, **options), out, progress=False)
     return out
 
 
@@ -78,8 +79,9 @@ def _reference(artifact: Path, prompts: list[list[int]], new_tokens: int = NEW_T
 
 
 @contextlib.contextmanager
-def _serving(artifact: Path, connector: str, tmp: Path, vllm_args: tuple[str, ...] = ()):
-    settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}", timeout=60)
+def _serving(artifact: Path, connector: str, tmp: Path, vllm_args: tuple[str, ...] = (), backend: str | None = None):
+    settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}", timeout=60,
+                              backend=backend)
     d = Deployment(artifact, settings, port=free_port(), vllm_args=("--max-model-len", "128", *vllm_args),
                    log_dir=tmp)
     try:
@@ -134,6 +136,21 @@ def test_completions_and_chat_equal_afdc_generate(models, tmp_path, kind, plan, 
         for rank in range(2):
             log = (tmp_path / f"attn-{rank}.log").read_text()
             assert log.count("POST /v1/completions") > 0, f"attention rank {rank} got no request"
+
+
+def test_afdc_backend_and_expert_routing_under_vllm(models, tmp_path):
+    """The GPU default path on this CPU: every program lowered by the afdc backend (kernels in
+    Triton's interpreter, Inductor for the rest) in the vLLM worker and the FFN servers, with the
+    router on the attention side so each token goes only to its experts' FFN ranks; the tokens are
+    those of the eager runtime."""
+    artifact = _artifact(models, "moe", "1A2F", router="attn")
+    assert read_manifest(artifact).segments[0].routing is not None
+    with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",), backend="afdc") as (client, _):
+        ref = _reference(artifact, PROMPTS[:2])
+        assert [_complete(client, p) for p in PROMPTS[:2]] == ref
+    assert "micro-batches, backend afdc, FFN over shm" in (tmp_path / "attn-0.log").read_text()
+    for rank in range(2):  # each FFN server lowered its segment with afdc's fused MoE in it
+        assert "FFN segment 0: {'fused_moe': 1} afdc kernels" in (tmp_path / f"ffn-{rank}.log").read_text()
 
 
 @pytest.fixture(scope="module")

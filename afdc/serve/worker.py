@@ -134,8 +134,8 @@ class AfdcWorker(WorkerBase):
                 self._store_host = s.open_rendezvous(host=True)
             self.attention.endpoint = AttentionEndpoint.connect(s.rank, layout, deployment, options)
         logger.info(
-            "afdc: attention rank %d of %s loaded (%d attention layers, %d micro-batches, FFN %s)",
-            s.rank, directory, len(self.slots), self.micro_batches,
+            "afdc: attention rank %d of %s loaded (%d attention layers, %d micro-batches, backend %s, FFN %s)",
+            s.rank, directory, len(self.slots), self.micro_batches, resolve_backend(backend, self.device),
             "in this process" if in_process else f"over {s.connector} at {s.rendezvous}",
         )
 
