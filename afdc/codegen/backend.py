@@ -48,12 +48,34 @@ def copy_module(module: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(module, copy_graph(module.graph))
 
 
-def lower(module: fx.GraphModule, backend: str, name: str = "program") -> Callable:
-    """What runs ``module`` under ``backend`` (already resolved); ``module`` itself is unchanged."""
+def annotate(module: fx.GraphModule, args: tuple) -> None:
+    """Give a program read back from an artifact (its nodes carry no values) the fake values the
+    passes read, propagated from ``args`` with every activation size symbolic (weights ``w*``
+    keep theirs), so that no check passes by the coincidence of one call's sizes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(specialize_zero_one=False), allow_non_fake_inputs=True)
+    fakes = []
+    for node, value in zip(module.graph.find_nodes(op="placeholder"), args):
+        if isinstance(value, torch.Tensor):
+            how = DimDynamic.STATIC if node.name.startswith("w") else DimDynamic.DYNAMIC
+            context = StatelessSymbolicContext(dynamic_sizes=[how] * value.dim())
+            value = mode.from_tensor(value, symbolic_context=context)
+        fakes.append(value)
+    FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes)
+
+
+def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tuple = ()) -> Callable:
+    """What runs ``module`` under ``backend`` (already resolved), first called with ``args``;
+    ``module`` itself is unchanged."""
     if backend == "eager":
         return module
     if backend == "afdc":
         module = copy_module(module)
+        if any("val" not in n.meta for n in module.graph.find_nodes(op="placeholder")):
+            annotate(module, args)
         report = substitute_kernels(module.graph)
         module.recompile()
         logger.info("afdc backend: %s: %s afdc kernels, %d candidates left to Inductor",

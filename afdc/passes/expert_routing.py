@@ -21,7 +21,7 @@ import torch.fx as fx
 from afdc.passes import graph_facts as gf
 from afdc.passes.fuse_moe import fuse_moe
 from afdc.passes.fusion import copy_graph, val
-from afdc.runtime.programs import ExpertRouting, row_major
+from afdc.runtime.programs import ExpertRouting, row_major, token_major
 
 _PASS_THROUGH = {"view", "reshape", "to", "_to_copy", "contiguous", "clone"}
 # ops that compute each token's row from that row alone, given reductions over the last dim only
@@ -93,7 +93,7 @@ def expert_routing(graph: fx.Graph, tokens) -> ExpertRouting | None:
     rank = placeholders[-1]
     (output,) = copy.find_nodes(op="output")
     outs = output.args[0]
-    if len(outs) != 1 or not all(row_major(gf.token_layout(n, tokens)) for n in [*inputs, outs[0]]):
+    if len(outs) != 1 or not all(token_major(gf.token_layout(n, tokens)) for n in [*inputs, outs[0]]):
         return None
     moe = _source(outs[0])
     if gf.op_name(moe) != "fused_moe" or moe.target.namespace != "afdc":

@@ -93,6 +93,27 @@ def _gated(up_proj: fx.Node) -> tuple[fx.Node, str]:
     return product, activation
 
 
+def _per_token(flat, k: int, what: str):
+    """``[tokens, k]`` of a flat tensor of (token, choice) pairs: the tensor it was flattened from,
+    or the flat tensor itself (a segment input when the cut crosses after the flatten), which
+    :func:`_as_pairs` views as ``[tokens, k]`` once the match is certain. Pair ``p`` belongs to
+    token ``p // k``: the gather by ``pair // k`` says so."""
+    if op_name(flat) in ("reshape", "view") and list(flat.args[1]) == [-1]:
+        expect(tuple(val(flat.args[0]).shape[1:]) == (k,), f"{what} are not [tokens, {k}]")
+        return flat.args[0]
+    expect(val(flat) is not None and val(flat).dim() == 1, f"{what} are not a flat run of pairs")
+    return flat
+
+
+def _as_pairs(graph: fx.Graph, node: fx.Node, k: int, before: fx.Node) -> fx.Node:
+    if val(node).dim() == 2:
+        return node
+    with graph.inserting_before(before):
+        view = graph.call_function(torch.ops.aten.view.default, (node, [-1, k]))
+    view.meta["val"] = val(node).view(-1, k)
+    return view
+
+
 def _sorted_pairs(rows: fx.Node, offs: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int]:
     """From the gathered rows back to ``(x, top-k ids, the sort's permutation, k)``, checking that
     ``offs`` counts the same sorted ids into one bin per expert."""
@@ -104,10 +125,8 @@ def _sorted_pairs(rows: fx.Node, offs: fx.Node) -> tuple[fx.Node, fx.Node, fx.No
     expect(perm.target is operator.getitem and op_name(perm.args[0]) == "sort" and perm.args[1] == 1,
            "pairs not in sorted order")
     sort = perm.args[0]
-    flat = sort.args[0]
-    expect(op_name(flat) in ("reshape", "view") and list(flat.args[1]) == [-1], "the sort is not over all choices")
-    ids = flat.args[0]
-    expect(tuple(val(ids).shape[1:]) == (k,) and val(x).dim() == 2, "ids are not [tokens, k]")
+    ids = _per_token(sort.args[0], k, "expert ids")
+    expect(val(x).dim() == 2, "rows are not gathered from [tokens, hidden]")
     cumsum = offs
     expect(op_name(cumsum) == "cumsum", "offsets are not a running count")
     hist = cumsum.args[0]
@@ -138,9 +157,7 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     expect(op_name(unsqueeze) == "unsqueeze" and unsqueeze.args[1] in (-1, 1), "not a per-row routing weight")
     picked = unsqueeze.args[0]
     expect(op_name(picked) == "index" and list(picked.args[1]) == [perm], "routing weights not in sorted order")
-    flat_weights = picked.args[0]
-    expect(op_name(flat_weights) in ("reshape", "view") and list(flat_weights.args[1]) == [-1], "weights not flat")
-    weights = flat_weights.args[0]
+    weights = _per_token(picked.args[0], k, "routing weights")
     expect(val(weights).shape == val(ids).shape, "routing weights and ids differ in shape")
 
     unsort = only_user(scale)
@@ -155,6 +172,7 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     expect(val(total).dtype == val(x).dtype, "the layer's output dtype differs from its input's")
     expect(val(w_gate_up).shape[0] == val(w_down).shape[0], "gate/up and down hold different experts")
 
+    weights, ids = _as_pairs(graph, weights, k, total), _as_pairs(graph, ids, k, total)
     with graph.inserting_before(total):
         fused = graph.call_function(
             torch.ops.afdc.fused_moe.default, (x, w_gate_up, w_down, weights, ids, first, activation)

@@ -36,7 +36,7 @@ class _Lowered:
         if self._run is None:
             with self._lock:
                 if self._run is None:
-                    self._run = backends.lower(self.module, self.backend, self.name)
+                    self._run = backends.lower(self.module, self.backend, self.name, args)
         return self._run(*args)
 
     def __getstate__(self):
@@ -99,6 +99,12 @@ def row_major(layout: TokenLayout | None) -> bool:
     """Whether a tensor of this layout is one row per token ([1, T, ...] or [T, ...]), so that a
     contiguous range of tokens is a contiguous range of rows."""
     return layout is not None and next((d for d in layout if d != 1), None) == -1
+
+
+def token_major(layout: TokenLayout | None) -> bool:
+    """Whether a tensor of this layout holds each token's elements together (``[T, ...]``, or a
+    flat ``[k*T]`` run of k per token), so that its ``[tokens, per-token]`` view splits by token."""
+    return layout is not None and next((d for d in layout if d != 1), 0) < 0
 
 
 def _rows(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
