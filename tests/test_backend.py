@@ -16,10 +16,9 @@ from afdc.codegen import backend as backends
 from afdc.errors import PlanError
 from afdc.runtime.model import positions_from_mask
 from models_supported import catalog
+from models_supported.kernels import substitute_eagerly
 
 pytestmark = pytest.mark.usefixtures("triton_interpret")
-
-_KERNEL_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "act_mul", "fused_moe", "moe_route"}
 
 
 def _batch(vocab: int):
@@ -28,34 +27,6 @@ def _batch(vocab: int):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
     return ids, mask
-
-
-def _kernels(module: torch.fx.GraphModule) -> collections.Counter:
-    return collections.Counter(
-        n.target._opname for n in module.graph.nodes
-        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "afdc"
-        and n.target._opname in _KERNEL_OPS
-    )
-
-
-def _substitute(dm) -> collections.Counter:
-    """Put afdc's kernels into every program of ``dm`` and run them eagerly (no Inductor), so the
-    kernels alone are what changes against the monolith; returns the kernels put in."""
-    found = collections.Counter()
-    attention = dm.attention_ranks[0]
-    attention.module = backends.copy_module(attention.module)
-    backends.substitute_kernels(attention.module.graph)
-    attention.module.recompile()
-    attention.use_backend("eager")
-    found += _kernels(attention.module)
-    for program in dm.ffn_ranks:
-        for i, segment in enumerate(program.segments):
-            program.segments[i] = backends.copy_module(segment)
-            backends.substitute_kernels(program.segments[i].graph)
-            program.segments[i].recompile()
-        program.use_backend("eager")
-    return found + sum((_kernels(s) for s in dm.ffn_ranks[0].segments), collections.Counter())
-
 
 # What each model's programs must end up with: the residual add fused into every norm but the
 # first, the gated MLP's activation, the MoE block and its softmax router.
@@ -72,7 +43,7 @@ EXPECTED = {
 def test_substituted_kernels_match_the_monolith(model_type):
     model = catalog.build(catalog.entry(model_type))
     dm = afdc.disaggregate(model, "1A1F")
-    assert _substitute(dm) == collections.Counter(EXPECTED[model_type])
+    assert substitute_eagerly(dm) == collections.Counter(EXPECTED[model_type])
 
     ids, mask = _batch(model.config.vocab_size)
     pos = positions_from_mask(mask)
