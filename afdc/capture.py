@@ -35,6 +35,9 @@ INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
 # refusing is better than a silently wrong model.
 _UNSUPPORTED_ATTENTION_KWARGS = ("position_bias", "indices", "sinks")
 
+# torch.export's message when the sequence dim alone was specialized (not its relation to kv)
+_SEQ_ONLY = "Constraints violated (seq)!"
+
 _slots: list[Iterator[int]] = []
 # mask tensor id -> (mask, the sliding-window or chunk size it was built with), within one capture;
 # holding the mask keeps its id from being reused
@@ -190,6 +193,8 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     errors = []
     with _afdc_attention(model), torch.no_grad():
         for mode in ("incremental", "tied", "static"):
+            if mode == "tied" and errors and _SEQ_ONLY in errors[-1]:
+                continue  # the token count itself specialized: tying the key length to it cannot help
             try:
                 ep = _export(model, mode, functional)
                 return _to_get_attr_graph(ep, mode == "incremental", _canonical_names(model))
