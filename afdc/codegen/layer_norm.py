@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from afdc.codegen.rms_norm import as_rows, check_residual, check_row_param, present, row_block, row_num_warps
+from afdc.codegen.rms_norm import (
+    as_rows,
+    check_residual,
+    check_row_param,
+    present,
+    row_block,
+    row_num_warps,
+    row_outputs,
+)
 from afdc.codegen.triton_support import jit, launches, tl
 
 # -- reference -----------------------------------------------------------------------------------
@@ -90,10 +98,7 @@ def _launch(
     width = x.shape[-1]
     check_row_param("layer_norm", "weight", weight, width)
     check_row_param("layer_norm", "bias", bias, width)
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    summed = None
-    if residual is not None:
-        summed = torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
+    out, summed = row_outputs(x, residual, out_dtype)
     if x.numel() == 0:
         return out, summed
     x2 = as_rows(x)

@@ -53,6 +53,16 @@ def check_residual(op: str, x: torch.Tensor, residual: torch.Tensor) -> None:
         raise ValueError(f"{op}: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
 
 
+def row_outputs(
+    x: torch.Tensor, residual: torch.Tensor | None, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A norm kernel's outputs, shaped like ``x``: the normed rows, and with a residual its sum
+    with ``x`` (in the dtype torch's add would give it)."""
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    summed = None if residual is None else torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
+    return out, summed
+
+
 def present(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """The tensors that are not None (optional weights and biases), for :func:`launches`."""
     return tuple(t for t in tensors if t is not None)
@@ -132,10 +142,7 @@ def _launch(
     """Run the kernel; returns ``(normed, summed)``, ``summed`` None without a residual."""
     width = x.shape[-1]
     check_row_param("rms_norm", "weight", weight, width)
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    summed = None
-    if residual is not None:
-        summed = torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
+    out, summed = row_outputs(x, residual, out_dtype)
     if x.numel() == 0:
         return out, summed
     x2 = as_rows(x)
