@@ -17,7 +17,15 @@ from transformers import PreTrainedModel
 from afdc import capture as capture_mod
 from afdc.capture import CapturedGraph
 from afdc.errors import PlanError, UnsupportedModelError
-from afdc.partition.shard import FFNParallel, ShardedSegment, Split, data_parallel, shard_segment, single_rank
+from afdc.partition.shard import (
+    FFNParallel,
+    ShardedSegment,
+    Split,
+    data_parallel,
+    shard_attention,
+    shard_segment,
+    single_rank,
+)
 from afdc.partition.split import SegmentBinding, partition
 from afdc.passes import graph_facts as gf
 from afdc.passes.aliasing import split_writes
@@ -25,12 +33,14 @@ from afdc.passes.classify import Classification, classify
 from afdc.passes.cleanup import strip_assertions
 from afdc.passes.cut import Cut, RouterPlacement, select_cuts
 from afdc.passes.expert_routing import expert_routing
+from afdc.passes.fusion import copy_graph
 from afdc.passes.portable import portable
 from afdc.plan import Plan
 from afdc.report import Report, layer_report
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.model import DisaggregatedModel
 from afdc.runtime.programs import AttentionProgram, ExpertRouting, FFNLayer, FFNProgram, row_major
+from afdc.runtime.tensor_parallel import TensorParallelAttention
 
 
 @dataclass
@@ -47,9 +57,24 @@ class Built:
     report: Report
     inputs: list[list[list[int] | None]]  # per segment, per input: its token layout (FFNProgram)
     routing: list[ExpertRouting | None]  # per segment: tokens sent only to their experts' ranks
+    attention_splits: dict[str, Split]  # --attn-tp: how the TP ranks hold attention weights (absent: whole)
 
     def attention_names(self) -> list[str]:
         return sorted({n.target for n in self.attention_graph.nodes if n.op == "get_attr"})
+
+    def attention_weights(self, tp_rank: int) -> dict[str, torch.Tensor]:
+        """The attention-side tensors TP rank ``tp_rank`` holds (all of them at ``--attn-tp 1``)."""
+        tp = self.plan.attention_tp
+        return {n: _local(self.attrs[n], self.attention_splits.get(n, Split()), tp_rank, tp)
+                for n in self.attention_names()}
+
+    def attention_program(self) -> AttentionProgram | TensorParallelAttention:
+        """One attention rank bound to the model's weights: under ``--attn-tp N``, N shards."""
+        shards = [
+            AttentionProgram.from_graph(copy_graph(self.attention_graph), self.attention_weights(t), self.out_spec)
+            for t in range(self.plan.attention_tp)
+        ]
+        return shards[0] if len(shards) == 1 else TensorParallelAttention(shards)
 
     def ffn_splits(self) -> dict[str, Split]:
         """How the FFN ranks hold each FFN weight."""
@@ -111,6 +136,20 @@ def _rows_split(graph: fx.Graph, tokens) -> bool:
     return all(row_major(gf.token_layout(v, tokens)) for v in values if isinstance(v, fx.Node))
 
 
+def _check_heads(config, tp: int) -> None:
+    """Attention TP splits whole heads: query heads, and key/value heads unless there is one."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if isinstance(heads, int) and heads % tp:
+        raise PlanError(
+            f"--attn-tp {tp} does not divide the model's {heads} attention heads; use a TP size dividing it"
+        )
+    if isinstance(kv_heads, int) and kv_heads > 1 and kv_heads % tp:
+        raise PlanError(
+            f"--attn-tp {tp} does not divide the model's {kv_heads} key/value heads; use a TP size dividing it"
+        )
+
+
 def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     """Capture, classify, cut, partition and shard ``model`` for ``plan``.
 
@@ -118,6 +157,8 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     :class:`afdc.PlanError` when the plan does not fit it.
     """
     plan = Plan.parse(plan)
+    if plan.attention_tp > 1:
+        _check_heads(model.config.get_text_config(), plan.attention_tp)
     placement = RouterPlacement(plan.router)
     captured, classification, cuts = _cut(capture_mod.capture(model), placement)
     if split_writes(captured.graph, (n for c in cuts for n in c.ffn_nodes)):
@@ -140,6 +181,10 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         lr.ffn_split = segments[binding.segment].describe()
 
     attention_params = {n.target for n in part.attention_graph.nodes if n.op == "get_attr"} & params
+    attention_graph, attention_splits = part.attention_graph, {}
+    if plan.attention_tp > 1:
+        sharded = shard_attention(part.attention_graph, plan.attention_tp)
+        attention_graph, attention_splits = sharded.graph, sharded.splits
     ffn_weights = {w for b in part.layers for w in b.weights}
     report = Report(
         model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
@@ -151,10 +196,12 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         ffn_parameters=sum(captured.attrs[n].numel() for n in ffn_weights & params),
         segment_graphs=len(part.segments),
         layers=layers_report,
+        attention_tp=plan.attention_tp,
+        attention_tp_split=sum(captured.attrs[n].numel() for n in attention_splits),
     )
     return Built(
         plan,
-        part.attention_graph,
+        attention_graph,
         captured.out_spec,
         segments,
         part.layers,
@@ -163,6 +210,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         report,
         inputs,
         routing,
+        attention_splits,
     )
 
 
@@ -204,7 +252,7 @@ def disaggregate(
         options["router"] = router
     connector = options.pop("connector", "gloo")
     built = build(model, Plan.parse(plan, **options))
-    attention = AttentionProgram.from_graph(built.attention_graph, built.attrs, built.out_spec)
+    attention = built.attention_program()
     splits = built.ffn_splits()
     ffn = [
         ffn_program(

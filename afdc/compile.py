@@ -11,6 +11,7 @@ Layout (see docs/artifact.md)::
     programs/attention.py         the attention program (generated FX source)
     programs/ffn_segment_<i>.py   FFN segment programs, shared by layers of the same structure
     weights/attn.safetensors      attention-side weights (every attention rank loads it)
+    weights/attn-tp<t>.safetensors  instead, under --attn-tp N: TP rank t's heads (and the whole rest)
     weights/ffn-<r>.safetensors   FFN rank r's experts (EP) or shards (TP)
     weights/*-state.safetensors   buffers no checkpoint holds (rotary tables), computed from the config
 """
@@ -36,13 +37,14 @@ from afdc.artifact import manifest as mf
 from afdc.artifact.program_source import load_program, write_program
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
-from afdc.partition.shard import ShardSlice
+from afdc.partition.shard import Split
 from afdc.plan import Plan
 from afdc.report import Crossing as ReportCrossing
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.model import DisaggregatedModel
 from afdc.runtime.programs import AttentionProgram, FFNLayer, FFNProgram
 from afdc.runtime.rendezvous import Layout
+from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.source import empty_model, load_config
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -130,10 +132,19 @@ def _crossings(crossings: list[ReportCrossing], reduce: list[str] | None = None)
     ]
 
 
+def _attention_file(tp_rank: int, tp: int) -> str:
+    return "attn" if tp == 1 else f"attn-tp{tp_rank}"
+
+
 def _rank_targets(built: Built) -> dict[str, list[TargetTensor]]:
     """Weight file name -> the tensors it holds."""
-    y = built.plan.ffn_ranks
-    targets = {"attn": [TargetTensor(n, ShardSlice()) for n in built.attention_names()]}
+    targets: dict[str, list[TargetTensor]] = {}
+    y, tp = built.plan.ffn_ranks, built.plan.attention_tp
+    whole = Split()
+    for t in range(tp):
+        targets[_attention_file(t, tp)] = [
+            TargetTensor(n, built.attention_splits.get(n, whole).slice(t, tp)) for n in built.attention_names()
+        ]
     splits = built.ffn_splits()
     for r in range(y):
         targets[f"ffn-{r}"] = [TargetTensor(n, s.slice(r, y)) for n, s in sorted(splits.items())]
@@ -194,7 +205,11 @@ def compile_model(
         model_files = _copy_hf_files(checkpoint, tmp) if checkpoint is not None else []
         written += model_files
 
-        ranks = [mf.RankFiles("attn", a, files["attn"]) for a in range(plan.attention_ranks)]
+        ranks = [
+            mf.RankFiles("attn", a, files[_attention_file(t, plan.attention_tp)], t)
+            for a in range(plan.attention_ranks)
+            for t in range(plan.attention_tp)
+        ]
         ranks += [mf.RankFiles("ffn", r, files[f"ffn-{r}"]) for r in range(plan.ffn_ranks)]
         manifest = mf.Manifest(
             afdc_version=afdc.__version__,
@@ -259,8 +274,10 @@ def _file_entry(directory: Path, rel: str, digests: dict[Path, FileDigest]) -> m
 # -- loading ---------------------------------------------------------------------------------------
 
 
-def _load_weights(directory: Path, manifest: mf.Manifest, role: str, rank: int, device) -> dict[str, torch.Tensor]:
-    files = manifest.rank_files(role, rank).weights
+def _load_weights(
+    directory: Path, manifest: mf.Manifest, role: str, rank: int, device, tp_rank: int = 0
+) -> dict[str, torch.Tensor]:
+    files = manifest.rank_files(role, rank, tp_rank).weights
     if not manifest.weights_included:
         raise mf.ArtifactError(
             f"{directory} was compiled with --no-weights (a plan only); compile it again with weights to run it"
@@ -275,22 +292,36 @@ def _load_weights(directory: Path, manifest: mf.Manifest, role: str, rank: int, 
 
 
 def load(
-    directory: str | Path, role: str, rank: int = 0, device: str | torch.device = "cpu", backend: str | None = None
-) -> AttentionProgram | FFNProgram:
+    directory: str | Path,
+    role: str,
+    rank: int = 0,
+    device: str | torch.device = "cpu",
+    backend: str | None = None,
+    tp_rank: int | None = None,
+) -> AttentionProgram | TensorParallelAttention | FFNProgram:
     """Rank ``rank`` of role ``attn`` or ``ffn`` of a compiled artifact, with only its own weights,
     on ``device``, run by ``backend`` (default: the one the artifact was compiled with).
 
-    The manifest's format version and the SHA-256 of every file this rank reads are checked first.
+    Under ``--attn-tp N`` an attention rank is N TP ranks: all of them, run as threads of this
+    process, or with ``tp_rank`` only that one (it then runs inside a TP group, see
+    :mod:`afdc.runtime.tensor_parallel`). The manifest's format version and the SHA-256 of every
+    file read are checked first.
     """
-    program = _load(Path(directory), role, rank, torch.device(device))
-    program.use_backend(backend or mf.read_manifest(Path(directory)).plan.backend)
+    directory = Path(directory)
+    manifest = mf.read_manifest(directory)
+    tp = manifest.plan.attention_tp if role == "attn" else 1
+    shards = [tp_rank] if tp_rank is not None else list(range(tp))
+    programs = [_load(directory, manifest, role, rank, torch.device(device), t) for t in shards]
+    program = programs[0] if len(programs) == 1 else TensorParallelAttention(programs)
+    program.use_backend(backend or manifest.plan.backend)
     return program
 
 
-def _load(directory: Path, role: str, rank: int, device: torch.device) -> AttentionProgram | FFNProgram:
-    manifest = mf.read_manifest(directory)
-    manifest.rank_files(role, rank)  # a clear error for a role or rank the plan does not have
-    weights = _load_weights(directory, manifest, role, rank, device)
+def _load(
+    directory: Path, manifest: mf.Manifest, role: str, rank: int, device: torch.device, tp_rank: int
+) -> AttentionProgram | FFNProgram:
+    manifest.rank_files(role, rank, tp_rank)  # a clear error for a role or rank the plan does not have
+    weights = _load_weights(directory, manifest, role, rank, device, tp_rank)
     if role == "attn":
         mf.verify(directory, manifest, [manifest.attention_program])
         module = load_program(directory / manifest.attention_program, weights, device)

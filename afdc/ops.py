@@ -14,6 +14,7 @@ import torch
 
 from afdc.runtime import connector as _connector
 from afdc.runtime import kv_cache as _kv_cache
+from afdc.runtime import tensor_parallel as _tensor_parallel
 
 # -- attention -----------------------------------------------------------------------------------
 
@@ -137,7 +138,7 @@ def _(tensors, layer):
 @torch.library.custom_op("afdc::recv", mutates_args=())
 def recv(ticket: torch.Tensor, layer: int, index: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """Take output ``index`` of FFN segment ``layer`` back from the FFN side."""
-    out = _connector.current().recv(layer, index, tuple(shape))
+    out = _connector.current().recv(layer, index, tuple(shape), dtype)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
         raise RuntimeError(
             f"FFN segment {layer} output {index}: expected {tuple(shape)} {dtype}, "
@@ -193,3 +194,17 @@ def gather_local(w: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor
 @gather_local.register_fake
 def _(w, ids, first):
     return w.new_empty((*ids.shape, *w.shape[1:]))
+
+
+# -- tensor parallelism inside an attention rank ---------------------------------------------------
+
+
+@torch.library.custom_op("afdc::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the attention rank's TP ranks (the active group), as a new tensor."""
+    return _tensor_parallel.all_reduce(x)
+
+
+@tp_all_reduce.register_fake
+def _(x):
+    return x.new_empty(x.shape)

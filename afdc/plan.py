@@ -44,11 +44,6 @@ class Plan:
             raise PlanError(f"--micro-batches must be at least 1, got {self.micro_batches}")
         if self.attention_tp < 1:
             raise PlanError(f"--attn-tp must be at least 1, got {self.attention_tp}")
-        if self.attention_tp > 1:
-            raise PlanError(
-                f"--attn-tp {self.attention_tp}: tensor parallelism inside an attention rank is not supported yet; "
-                "use more attention ranks (data parallel) instead"
-            )
 
     @classmethod
     def parse(cls, text: str | Plan, **options) -> Plan:

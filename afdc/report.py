@@ -53,6 +53,8 @@ class Report:
     ffn_parameters: int
     segment_graphs: int
     layers: list[LayerReport] = field(default_factory=list)
+    attention_tp: int = 1
+    attention_tp_split: int = 0  # attention-side parameters split over the TP ranks (the rest is whole)
 
     @property
     def bytes_to_ffn(self) -> float:
@@ -78,7 +80,11 @@ class Report:
         lines = [
             f"model {self.model}  plan {self.plan}  router on {self.router} side",
             f"attention side: {self.attention_parameters:,} parameters, {self.attention_calls} attention calls"
-            + ("" if self.incremental_decode else " (token mixers inline, no KV cache: decode recomputes the prefix)"),
+            + ("" if self.incremental_decode else " (token mixers inline, no KV cache: decode recomputes the prefix)")
+            + (
+                f"; TP over {self.attention_tp}: {self.attention_tp_split:,} parameters split, the rest whole"
+                if self.attention_tp > 1 else ""
+            ),
             f"FFN side:       {self.ffn_parameters:,} parameters in {len(self.layers)} layers, "
             f"{self.segment_graphs} distinct segment graph(s)",
             "",

@@ -80,11 +80,11 @@ def test_ffn_side_runs_only_through_the_connector(moe):
 def test_loopback_connector_rejects_out_of_order_use():
     link = connectors.LoopbackConnector(lambda layer, xs: [x * 2 for x in xs])
     with pytest.raises(RuntimeError, match="before it was sent"):
-        link.recv(0, 0)
+        link.recv(0, 0, (2,), torch.float32)
     link.send(0, [torch.ones(2)])
     with pytest.raises(RuntimeError, match="sent twice"):
         link.send(0, [torch.ones(2)])
-    assert torch.equal(link.recv(0, 0), torch.full((2,), 2.0))
+    assert torch.equal(link.recv(0, 0, (2,), torch.float32), torch.full((2,), 2.0))
 
 
 def _llama(**overrides):

@@ -80,6 +80,7 @@ class RankFiles:
     role: str  # "attn" or "ffn"
     rank: int
     weights: list[str]  # safetensors files this rank loads (all of them, nothing else)
+    tp_rank: int = 0  # under --attn-tp N, an attention rank has one entry per TP rank
 
 
 @dataclass
@@ -106,13 +107,18 @@ class Manifest:
     model_files: list[str] = field(default_factory=list)  # config and tokenizer files under MODEL_DIR
     format_version: int = FORMAT_VERSION
 
-    def rank_files(self, role: str, rank: int) -> RankFiles:
+    def rank_files(self, role: str, rank: int, tp_rank: int = 0) -> RankFiles:
         for r in self.ranks:
-            if r.role == role and r.rank == rank:
+            if r.role == role and r.rank == rank and r.tp_rank == tp_rank:
                 return r
-        count = sum(r.role == role for r in self.ranks)
+        count = len({r.rank for r in self.ranks if r.role == role})
         if role not in ("attn", "ffn"):
             raise ArtifactError(f"role {role!r} is not 'attn' or 'ffn'")
+        if 0 <= rank < count:
+            tp = self.plan.attention_tp if role == "attn" else 1
+            raise ArtifactError(
+                f"plan {self.plan} has {tp} TP ranks per {role} rank (0..{tp - 1}); {tp_rank} is not one"
+            )
         raise ArtifactError(f"plan {self.plan} has {count} {role} ranks (0..{count - 1}); rank {rank} is not one")
 
     def to_json(self) -> str:

@@ -187,15 +187,20 @@ class _Propagation:
     mode: FFNParallel
     ranks: int
     decided: dict[int, Split]
+    weights: dict[fx.Node, int] | None = None  # weight nodes -> index (default: the w* placeholders)
+    # Attention TP: a partial sum is all-reduced where it is made (the residual stream stays whole)
+    reduce_partials: bool = False
+    reduced: set[fx.Node] = field(default_factory=set)
+    averaged: set[fx.Node] = field(default_factory=set)  # reduced means: the all-reduced sum / ranks
     env: dict[fx.Node, Layout | list[Layout]] = field(default_factory=dict)
     # (node, arg position, list index or None) -> a full size that each rank holds 1/ranks of
     local_sizes: dict[tuple[fx.Node, int, int | None], int] = field(default_factory=dict)
     lead_only: dict[fx.Node, int] = field(default_factory=dict)  # node -> operand added only on rank 0
 
     def run(self) -> list[str]:
-        index = {w: i for i, w in enumerate(_weight_inputs(self.graph))}
+        index = self.weights if self.weights is not None else {w: i for i, w in enumerate(_weight_inputs(self.graph))}
         for node in self.graph.nodes:
-            if node.op == "placeholder":
+            if node.op in ("placeholder", "get_attr"):
                 i = index.get(node)
                 self.env[node] = R if i is None else self._weight(i, node)
             elif node.op == "call_function":
@@ -251,7 +256,9 @@ class _Propagation:
         if not gf.is_tensor(node) and not isinstance(node.meta.get("val"), (tuple, list)):
             return self._scalar(node)
         if name in _CONTRACTIONS:
-            return self._contraction(node, name)
+            return self._reduced(node, self._contraction(node, name))
+        if name == "attention":
+            return self._attention(node)
         if name in ("transpose", "permute", "t"):
             return self._permute(node, name)
         if name in ("index", "index_select"):
@@ -267,13 +274,48 @@ class _Propagation:
             return self._reshape(node)
         if name in ("chunk", "split", "split_with_sizes", "unbind"):
             return self._chunk(node, name)
+        if name == "layer_norm":
+            return self._layer_norm(node)
+        if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
+            lay = self._get(node.args[0])
+            if lay.kind is Kind.SPLIT and node.args[1] % len(_shape(node)) != lay.dim:
+                return lay  # normalized along another dim (a head's keys): each rank has whole rows
         if name in ("slice", "select"):
             return self._slice(node, name)
         if name in ("cat", "stack"):
             return self._cat(node)
         if name in ("sum", "mean"):
-            return self._sum(node)
+            return self._reduced(node, self._sum(node))
+        tensors = [self._settle(t) for t in tensors]  # a weight read by an op with no rule stays whole
+        if all(t.replicated for t in tensors):
+            return self._replicated_outputs(node)
         raise _Conflict(_union(tensors), f"{node.format_node()} has no rule for split or partial values")
+
+    def _reduced(self, node: fx.Node, lay: Layout) -> Layout:
+        if self.reduce_partials and lay.kind is Kind.PARTIAL:
+            self.reduced.add(node)
+            return R
+        return lay
+
+    def _attention(self, node: fx.Node) -> Layout:
+        """``afdc::attention(q, k, v, mask, slot, scale, softcap, sinks, window)`` by heads: q, k and
+        v split along their heads (dim 1), or one key/value head (MQA) that every rank holds; the
+        output ``[b, s, hq, d]`` is split along its heads, and so are the per-head sinks."""
+        q, k, v, mask = (self._settle(self._get(a)) for a in node.args[:4])
+        sinks = self._get(node.args[7]) if node.args[7] is not None else None
+        heads = [lay for lay in (q, k, v) if lay.kind is Kind.SPLIT and lay.dim == 1 and lay.blocks == 1]
+        blame = _union([q, k, v, mask] + ([sinks] if sinks else []))
+        if q.replicated and k.replicated and v.replicated and mask.replicated:
+            if sinks is not None:
+                self._settle(sinks)
+            return R
+        single_kv = k.replicated and v.replicated and node.args[1].meta["val"].shape[1] == 1
+        if q in heads and mask.replicated and (len(heads) == 3 or single_kv):
+            if sinks is not None and sinks.kind is Kind.WEIGHT:
+                sinks = self._decide(sinks, 0)
+            if sinks is None or (sinks.kind is Kind.SPLIT and sinks.dim == 0 and sinks.blocks == 1):
+                return Layout(Kind.SPLIT, 2, 1, blame)
+        raise _Conflict(blame, f"{node.format_node()}: queries, keys and values are not split by the same heads")
 
     def _replicated_outputs(self, node: fx.Node):
         val = node.meta.get("val")
@@ -381,12 +423,12 @@ class _Propagation:
         else:
             return self._all_replicated(node, [a, b])
         la, lb = self._get(a), self._get(b)
-        out = self._contract(node, name, la, lb, map_a, map_b)
+        out = self._contract(node, name, (a, b), la, lb, map_a, map_b)
         if bias is not None:
             out = self._bias(node, bias, out)
         return out
 
-    def _contract(self, node, name, la: Layout, lb: Layout, map_a, map_b) -> Layout:
+    def _contract(self, node, name, operands, la: Layout, lb: Layout, map_a, map_b) -> Layout:
         def k_dim(mapping):
             return next(d for d, m in mapping.items() if m == "k")
 
@@ -413,12 +455,19 @@ class _Propagation:
         if la.kind is Kind.SPLIT and lb.kind is Kind.SPLIT:
             if map_a[la.dim] == "k" and map_b[lb.dim] == "k" and la.blocks == lb.blocks:
                 return Layout(Kind.PARTIAL, blame=blame)
+            if isinstance(map_a[la.dim], int) and map_a[la.dim] == map_b[lb.dim] and la.blocks == lb.blocks:
+                return Layout(Kind.SPLIT, map_a[la.dim], la.blocks, blame)  # the same batch dim (heads)
             raise _Conflict(blame, f"{node.format_node()} contracts values split differently")
         split = la if la.kind is Kind.SPLIT else lb if lb.kind is Kind.SPLIT else None
         if split is not None:
-            mapping, other = (map_a, lb) if split is la else (map_b, la)
-            if isinstance(mapping[split.dim], int) and other.replicated:
-                return Layout(Kind.SPLIT, mapping[split.dim], split.blocks, blame)
+            own, other, other_map, other_shape = (
+                (map_a, lb, map_b, _shape(operands[1])) if split is la else (map_b, la, map_a, _shape(operands[0]))
+            )
+            out_dim = own[split.dim]
+            # a batch dim both operands have (heads) is split in both, unless the other broadcasts it
+            shared = [d for d, m in other_map.items() if m == out_dim]
+            if isinstance(out_dim, int) and other.replicated and all(other_shape[d] == 1 for d in shared):
+                return Layout(Kind.SPLIT, out_dim, split.blocks, blame)
             raise _Conflict(blame, f"{node.format_node()} contracts a split value with a full one")
         kinds = {la.kind, lb.kind} - {Kind.REPLICATED}
         if len(kinds) == 1 and Kind.REPLICATED in {la.kind, lb.kind}:
@@ -504,7 +553,18 @@ class _Propagation:
         src, out = _shape(node.args[0]), _shape(node)
         before = math.prod(src[: lay.dim])
         for j in range(len(out)):
-            if math.prod(out[:j]) == before and out[j] == src[lay.dim]:
+            if math.prod(out[:j]) != before:
+                continue
+            kept = out[j] == src[lay.dim]
+            # [.., H*D] -> [.., H, D] splits the heads H, when every rank holds whole heads
+            unmerged = lay.blocks == 1 and out[j].is_Integer and int(out[j]) % self.ranks == 0 and any(
+                math.prod(out[j:m]) == src[lay.dim] for m in range(j + 2, len(out) + 1)
+            )
+            # [.., H, D] -> [.., H*D]: each rank's heads are a contiguous range of the merged dim
+            merged = lay.blocks == 1 and any(
+                math.prod(src[lay.dim : m]) == out[j] for m in range(lay.dim + 2, len(src) + 1)
+            )
+            if kept or unmerged or merged:
                 sizes = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else None
                 if sizes is not None and j < len(sizes) and isinstance(sizes[j], int) and sizes[j] > 0:
                     self.local_sizes[(node, 1, j)] = sizes[j]
@@ -551,6 +611,18 @@ class _Propagation:
             return lay
         raise _Conflict(lay.blame, f"{node.format_node()} slices a split dimension")
 
+    def _layer_norm(self, node: fx.Node) -> Layout:
+        """A norm over trailing dims that leave the split dim alone (per head) keeps the split."""
+        lay = self._settle(self._get(node.args[0]))
+        normalized = len(node.args[1])
+        params = [self._settle(self._get(a)) for a in node.args[2:4]]
+        if lay.replicated and all(p.replicated for p in params):
+            return R
+        per_head = lay.kind is Kind.SPLIT and lay.dim < len(_shape(node.args[0])) - normalized
+        if per_head and all(p.replicated for p in params):
+            return lay
+        raise _Conflict(_union([lay, *params]), f"{node.format_node()} normalizes over a split dimension")
+
     def _cat(self, node: fx.Node) -> Layout:
         lays = [self._settle(self._get(a)) for a in node.args[0]]
         rank = len(_shape(node))
@@ -561,6 +633,8 @@ class _Propagation:
                 return lay
             if gf.op_name(node) == "cat" and lay.dim != dim:
                 return lay
+            if gf.op_name(node) == "stack":  # a new dim at `dim`: the split dim moves past it
+                return replace(lay, dim=lay.dim + (dim <= lay.dim))
         raise _Conflict(_union(lays), f"{node.format_node()} joins values laid out differently")
 
     def _sum(self, node: fx.Node) -> Layout:
@@ -574,6 +648,9 @@ class _Propagation:
         if lay.kind is Kind.SPLIT:
             if lay.dim in dims:
                 if gf.op_name(node) == "sum":
+                    return Layout(Kind.PARTIAL, blame=lay.blame)
+                if self.reduce_partials:  # the mean of equal parts is the mean of their means
+                    self.averaged.add(node)
                     return Layout(Kind.PARTIAL, blame=lay.blame)
             else:
                 return replace(lay, dim=lay.dim - (0 if keep else sum(d < lay.dim for d in dims)))
@@ -657,7 +734,8 @@ def _check_divisible(names: list[str], weights: list[fx.Node], splits: list[Spli
 
 
 def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int) -> fx.Graph:
-    """The segment as one rank runs it: local sizes, local experts, rank-0-only addends."""
+    """The graph as one rank runs it: local sizes, local experts, rank-0-only addends, and (for
+    attention TP) the all-reduce of each partial sum; attention TP needs no ``rank`` input."""
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -685,25 +763,32 @@ def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int) -> fx.Graph:
                 target, args, kwargs = torch.ops.afdc.grouped_mm_local.default, (*args[:2], offs, first), {}
             else:
                 target, args = torch.ops.afdc.gather_local.default, (args[0], args[1][0], first)
+        if prop.lead_only.get(node) == -1:  # a bias after a row split: add it once
+            bias_pos = 0 if name == "addmm" else 2
+            bias = args[bias_pos]
+            args = tuple(a for i, a in enumerate(args) if i != bias_pos)
+            target = torch.ops.aten.mm.default if name == "addmm" else torch.ops.aten.linear.default
+            out = new.call_function(target, args, kwargs)
+            if node in prop.reduced:  # all-reduce the partial sums, then add the bias
+                out = new.call_function(torch.ops.afdc.tp_all_reduce.default, (out,))
+            else:
+                bias = new.call_function(torch.ops.aten.mul.Tensor, (bias, new.call_function(operator.eq, (rank, 0))))
+            env[node] = new.call_function(torch.ops.aten.add.Tensor, (out, bias))
+            env[node].meta = dict(node.meta)
+            continue
         if node in prop.lead_only:
             lead = new.call_function(operator.eq, (rank, 0))
-            pos = prop.lead_only[node]
-            if pos == -1:  # a bias after a row split: add it once
-                bias_pos = 0 if name == "addmm" else 2
-                bias = args[bias_pos]
-                args = tuple(a for i, a in enumerate(args) if i != bias_pos)
-                target = torch.ops.aten.mm.default if name == "addmm" else torch.ops.aten.linear.default
-                out = new.call_function(target, args, kwargs)
-                scaled = new.call_function(torch.ops.aten.mul.Tensor, (bias, lead))
-                env[node] = new.call_function(torch.ops.aten.add.Tensor, (out, scaled))
-                env[node].meta = dict(node.meta)
-                continue
             args = list(args)
+            pos = prop.lead_only[node]
             args[pos] = new.call_function(torch.ops.aten.mul.Tensor, (args[pos], lead))
             args = tuple(args)
         env[node] = new.create_node(node.op, target, args, kwargs, name=node.name)
         env[node].meta = dict(node.meta)
-        if node is placeholders[-1]:
+        if node in prop.reduced:
+            env[node] = new.call_function(torch.ops.afdc.tp_all_reduce.default, (env[node],))
+            if node in prop.averaged:
+                env[node] = new.call_function(torch.ops.aten.div.Tensor, (env[node], ranks))
+        if node is placeholders[-1] and not prop.reduce_partials:
             rank = new.placeholder("rank")
     new.lint()
     return new
@@ -724,3 +809,64 @@ def _experts_operand(node: fx.Node, prop: _Propagation) -> int | None:
     if not isinstance(lay, Layout) or lay.kind is not Kind.EXPERTS:
         return None
     return int(_shape(operand)[lay.dim]) // prop.ranks
+
+
+@dataclass
+class ShardedAttention:
+    """The attention program as each of an attention rank's TP ranks runs it, and how they hold
+    the weights (by name; a weight not in ``splits`` is whole on every TP rank). ``replicated``
+    says why weights that could not be split were kept whole."""
+
+    graph: fx.Graph
+    splits: dict[str, Split]
+    replicated: list[str]
+
+
+def shard_attention(graph: fx.Graph, ranks: int) -> ShardedAttention:
+    """Tensor parallelism inside an attention rank, found by the same layout propagation as the
+    FFN's: projections that read the residual stream are split by output column (q, k, v by
+    heads), the attention op runs on each rank's heads, and the projection that reads the split
+    heads back (o) is split by input row and its partial sums are all-reduced at once
+    (``afdc::tp_all_reduce``), so the residual stream, norms, router and LM head stay whole.
+    What cannot follow a split (a norm over all heads, an embedding, a weight whose size the ranks
+    do not divide) keeps its weights whole, which is correct, only not parallel.
+    """
+    nodes = graph.find_nodes(op="get_attr")
+    names = sorted({n.target for n in nodes})
+    index = {n: names.index(n.target) for n in nodes}
+    shapes = {index[n]: tuple(n.meta["val"].shape) for n in nodes}
+    decided: dict[int, Split] = {}
+    reasons: list[str] = []
+    for _ in range(4 * len(names) + 4):
+        prop = _Propagation(graph, FFNParallel.TP, ranks, dict(decided), weights=index, reduce_partials=True)
+        try:
+            prop.run()
+        except _NeedBlocks as need:
+            for w in need.weights:
+                decided[w] = replace(prop.decided[w], blocks=need.blocks)
+            continue
+        except _Conflict as conflict:
+            if not conflict.blame:
+                raise PlanError(f"--attn-tp {ranks}: cannot shard the attention program: {conflict.reason}") from None
+            decided.update({w: Split() for w in conflict.blame})
+            reasons.append(conflict.reason)
+            continue
+        undivided = {
+            w for w, s in prop.decided.items() if s.dim is not None and shapes[w][s.dim] % (s.blocks * ranks)
+        }
+        if undivided:
+            decided.update({w: Split() for w in undivided})
+            reasons.append(f"{ranks} ranks do not divide {', '.join(names[w] for w in sorted(undivided))}")
+            continue
+        splits = {names[w]: s for w, s in sorted(prop.decided.items()) if s.dim is not None}
+        if not splits:
+            raise PlanError(
+                f"--attn-tp {ranks}: no attention weight can be split over {ranks} ranks "
+                f"({'; then '.join(dict.fromkeys(reasons)) or 'none is a projection'}); "
+                "use --attn-tp 1 and more attention ranks"
+            )
+        sharded = _rewrite(graph, prop, ranks)
+        for node in sharded.nodes:  # sizes changed: values are propagated again where needed
+            node.meta.pop("val", None)
+        return ShardedAttention(sharded, splits, list(dict.fromkeys(reasons)))
+    raise AssertionError("sharding did not settle")

@@ -46,8 +46,9 @@ class Connector(ABC):
         """Send the inputs of FFN segment ``layer``."""
 
     @abstractmethod
-    def recv(self, layer: int, index: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Receive output ``index`` of FFN segment ``layer`` (blocks until it is there), as ``shape``."""
+    def recv(self, layer: int, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Receive output ``index`` of FFN segment ``layer`` (blocks until it is there), as ``shape``
+        (of ``dtype``, which the program checks)."""
 
 
 class LoopbackConnector(Connector):
@@ -66,7 +67,7 @@ class LoopbackConnector(Connector):
         self.traffic.to_ffn_bytes += wire.nbytes(tensors)
         self.traffic.messages += 1
 
-    def recv(self, layer: int, index: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def recv(self, layer: int, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if layer in self._pending:
             self._results[layer] = list(self._run_ffn(layer, self._pending.pop(layer)))
             self.traffic.messages += 1
@@ -74,8 +75,7 @@ class LoopbackConnector(Connector):
         if results is None or results[index] is None:
             raise RuntimeError(f"FFN segment {layer} output {index} was received before it was sent")
         out, results[index] = results[index], None
-        if shape is not None:
-            out = out.reshape(shape)  # a layer served by rows comes back as [tokens, per-token...]
+        out = out.reshape(shape)  # a layer served by rows comes back as [tokens, per-token...]
         self.traffic.to_attn_bytes += out.numel() * out.element_size()
         if all(r is None for r in results):
             del self._results[layer]

@@ -190,16 +190,15 @@ class RemoteConnector(Connector):
             self.traffic.to_ffn_bytes += wire.nbytes(part)
         self.traffic.messages += 1
 
-    def recv(self, layer: int, index: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def recv(self, layer: int, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         shares = self._shares[layer]
         if layer not in self._replies:
             self._replies[layer] = self.endpoint.wait(self.step, layer, self.micro_batch, [s.rank for s in shares])
             self.traffic.messages += 1
         # a batched FFN run replies with [tokens, per-token...]: each rank's part takes the program's shape
         replies = [reply[index] for reply in self._replies[layer]]
-        if shape is not None and not self.dispatch[layer].partial_rows:
+        if not self.dispatch[layer].partial_rows:
             replies = [r.reshape(shape) for r in replies]
-        out = self.dispatch[layer].combine(index, replies, shares)
-        out = out if shape is None else out.reshape(shape)
+        out = self.dispatch[layer].combine(index, replies, shares).reshape(shape)
         self.traffic.to_attn_bytes += sum(r.numel() * r.element_size() for r in replies)
         return out

@@ -28,6 +28,7 @@ from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous
+from afdc.runtime.tensor_parallel import TensorParallelAttention
 
 
 def default_position_ids(input_ids: torch.Tensor, past: int = 0) -> torch.Tensor:
@@ -128,6 +129,8 @@ class DisaggregatedModel:
             )
         for r in self.ranks:
             r.endpoint = AttentionEndpoint.connect(r.rank, self.layout, self.deployment, options)
+            if isinstance(r.program, TensorParallelAttention):  # TP ranks 1.. wait while rank 0 waits for the FFN side
+                r.program.timeout = options.timeout + options.join_timeout
 
     def disconnect(self) -> None:
         """Leave the deployment; the FFN layers run in-process again."""
