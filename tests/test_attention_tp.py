@@ -3,14 +3,17 @@ against the monolith, in process, from an artifact, and with FFN servers in othe
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
 
 import afdc
 from afdc.artifact.manifest import ArtifactError, read_manifest
+from afdc.partition.shard import Split
 from afdc.runtime.rendezvous import PeerLost
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from models_supported import catalog
@@ -41,33 +44,45 @@ def _check(model, dm, new_tokens: int = 4):
     assert torch.equal(dm.generate(ids, mask, max_new_tokens=new_tokens, pad_token_id=0), expect)
 
 
-def _q_proj(program) -> torch.Tensor:
-    return next(p for n, p in program.module.named_parameters() if n.endswith("layers.0.self_attn.q_proj.weight"))
+def _weight(program, name: str) -> torch.Tensor:
+    return next(p for n, p in program.module.named_parameters() if n.endswith(name))
 
 
 @pytest.mark.parametrize(
-    "model_type, plan, options",
+    "model_type, plan, options, split",
     [
-        ("llama", "1A1F", {}),  # GQA: 4 query heads, 2 key/value heads, each rank 2 and 1
-        ("qwen3", "1A2F", {"micro_batches": 2}),  # a norm per head (q_norm / k_norm)
-        ("olmo2", "1A1F", {}),  # a norm over all heads: its mean is all-reduced
-        ("gpt_oss", "2A2F", {"micro_batches": 2}),  # attention sinks per head, an o_proj bias, MoE
-        ("mixtral", "1A2F", {"router": "attn"}),  # the router on the attention side stays whole
+        ("llama", "1A1F", {}, "q_proj"),  # GQA: 4 query heads, 2 key/value heads, each rank 2 and 1
+        ("qwen3", "1A2F", {"micro_batches": 2}, "q_proj"),  # a norm per head (q_norm / k_norm)
+        ("olmo2", "1A1F", {}, "q_proj"),  # a norm over all heads: its mean is all-reduced
+        ("gpt_oss", "2A2F", {"micro_batches": 2}, "q_proj"),  # sinks per head, an o_proj bias, MoE
+        ("mixtral", "1A2F", {"router": "attn"}, "q_proj"),  # the router on the attention side stays whole
+        ("deepseek_v3", "1A2F", {}, "q_b_proj"),  # MLA: latents whole, heads split, rotary key broadcast
+        ("phi3", "1A1F", {}, "qkv_proj"),  # a fused [q; k; v] sliced unevenly: each section split
     ],
 )
-def test_attention_tp_matches_the_monolith(model_type, plan, options):
+def test_attention_tp_matches_the_monolith(model_type, plan, options, split):
     model = _model(model_type)
     dm = afdc.disaggregate(model, plan, attention_tp=2, **options)
     program = dm.attention
     assert isinstance(program, TensorParallelAttention) and len(program.shards) == 2
-    # every TP rank holds half of the query heads, and all-reduces after the output projection
-    full = model.get_parameter("model.layers.0.self_attn.q_proj.weight")
-    assert [tuple(_q_proj(s).shape) for s in program.shards] == [(full.shape[0] // 2, full.shape[1])] * 2
-    torch.testing.assert_close(torch.cat([_q_proj(s) for s in program.shards]), full, atol=0, rtol=0)
+    # every TP rank holds half of the heads' projection, and all-reduces after the output projection
+    name = f"layers.0.self_attn.{split}.weight"
+    full = model.get_parameter(f"model.{name}")
+    assert [tuple(_weight(s, name).shape) for s in program.shards] == [(full.shape[0] // 2, full.shape[1])] * 2
     assert any(n.target is torch.ops.afdc.tp_all_reduce.default for n in program.module.graph.nodes)
     report = dm.report()
     assert report.attention_tp == 2 and 0 < report.attention_tp_split < report.attention_parameters
     _check(model, dm)
+
+
+def test_sections_of_a_fused_projection():
+    """Each rank holds its share of every section: [q0 q1 | k0 k1 | v0 v1] -> [q0 k0 v0], [q1 k1 v1]."""
+    full = torch.arange(16).reshape(8, 2)
+    split = Split(dim=0, sections=(4, 2, 2))
+    assert split.divides(8, 2) and not split.divides(8, 4)
+    assert torch.equal(split.local(full, 0, 2), full[[0, 1, 4, 6]])
+    assert torch.equal(split.local(full, 1, 2), full[[2, 3, 5, 7]])
+    assert Split(**json.loads(json.dumps(asdict(split)))) == split  # as the manifest stores it
 
 
 def test_attention_tp_refuses_what_it_cannot_split():
@@ -94,7 +109,7 @@ def test_attention_tp_artifact(tmp_path):
     ]
     shard = afdc.load(out, "attn", 1, tp_rank=1)  # one TP rank: only its heads
     full = model.get_parameter("model.layers.0.self_attn.q_proj.weight")
-    torch.testing.assert_close(_q_proj(shard), full[full.shape[0] // 2 :], atol=0, rtol=0)
+    torch.testing.assert_close(_weight(shard, "layers.0.self_attn.q_proj.weight"), full[full.shape[0] // 2 :])
     with pytest.raises(ArtifactError, match="2 TP ranks per attn rank"):
         afdc.load(out, "attn", 0, tp_rank=2)
     _check(model, afdc.load_deployment(out))

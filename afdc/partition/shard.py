@@ -17,6 +17,7 @@ does not fit ends up replicated (or refused under ``ep``), never wrong.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import operator
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ class FFNParallel(enum.Enum):
 
 class Kind(enum.Enum):
     REPLICATED = "R"  # the full value on every rank
-    SPLIT = "S"  # rank r holds part r of each of `blocks` equal blocks along `dim`
+    SPLIT = "S"  # rank r holds part r of each of `blocks` equal blocks (or of each section) along `dim`
     PARTIAL = "P"  # the full value is the sum over the ranks
     OWNED = "Z"  # every element is held by one rank and zero on the others (so also partial)
     OWNED_ONLY = "G"  # correct on the elements this rank holds, arbitrary elsewhere
@@ -52,6 +53,12 @@ class Layout:
     blame: frozenset[int] = frozenset()  # the weights whose split produced this layout
     weight: int = -1  # WEIGHT only
     dims: tuple[int | None, ...] = ()  # WEIGHT only
+    sections: tuple[int, ...] = ()  # SPLIT: the dim is these unequal sections (a fused [q; k; v]), not blocks
+
+    @property
+    def pieces(self) -> tuple[int, tuple[int, ...]]:
+        """What each rank's share is made of: equal blocks, or sections."""
+        return self.blocks, self.sections
 
     @property
     def replicated(self) -> bool:
@@ -66,23 +73,28 @@ _ROW_WISE = (Kind.REPLICATED, Kind.OWNED, Kind.OWNED_ONLY)  # what a grouped mat
 class ShardSlice:
     """Which part of a full tensor one rank holds.
 
-    Along ``dim``, the tensor is ``blocks`` equal consecutive blocks (e.g. a fused [gate; up]), and
-    each block is split into ``parts`` near-equal ranges: rank ``part`` holds, of each block b of size
-    n, rows [b*n + part*n//parts, b*n + (part+1)*n//parts), the blocks concatenated in order.
-    ``dim=None`` is the whole tensor (replicated). Expert parallelism is dim 0 of a stacked [E, ...]
-    expert weight; tensor parallelism of a fused gate_up is ``blocks=2``.
+    Along ``dim``, the tensor is ``blocks`` equal consecutive blocks (e.g. a fused [gate; up]), or
+    the consecutive ``sections`` of the given sizes (a fused [q; k; v] with fewer key/value heads),
+    and each is split into ``parts`` near-equal ranges: rank ``part`` holds, of each block or
+    section of size n starting at o, rows [o + part*n//parts, o + (part+1)*n//parts), concatenated
+    in order. ``dim=None`` is the whole tensor (replicated). Expert parallelism is dim 0 of a
+    stacked [E, ...] expert weight; tensor parallelism of a fused gate_up is ``blocks=2``.
     """
 
     dim: int | None = None
     blocks: int = 1
     part: int = 0
     parts: int = 1
+    sections: tuple[int, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "sections", tuple(self.sections))
         if self.parts < 1 or self.blocks < 1 or not 0 <= self.part < self.parts:
             raise ValueError(f"{self}: needs parts >= 1, blocks >= 1 and 0 <= part < parts")
-        if self.dim is None and (self.blocks, self.parts) != (1, 1):
-            raise ValueError(f"{self}: a replicated slice (dim=None) has blocks=1 and parts=1")
+        if self.dim is None and (self.blocks, self.parts, self.sections) != (1, 1, ()):
+            raise ValueError(f"{self}: a replicated slice (dim=None) has blocks=1, parts=1 and no sections")
+        if self.sections and self.blocks != 1:
+            raise ValueError(f"{self}: sections or blocks, not both")
         if self.dim is not None and self.dim < 0:
             raise ValueError(f"{self}: dim counts from 0")
 
@@ -90,11 +102,17 @@ class ShardSlice:
         """The [start, stop) row ranges along ``dim`` this rank holds, in order ([] when replicated)."""
         if self.dim is None:
             return []
-        if self.dim >= len(full) or full[self.dim] % self.blocks:
+        if self.dim >= len(full) or sum(self.sizes(full[self.dim])) != full[self.dim]:
             raise ValueError(f"{self} does not fit a tensor of shape {list(full)}")
-        n = full[self.dim] // self.blocks
-        lo, hi = self.part * n // self.parts, (self.part + 1) * n // self.parts
-        return [(b * n + lo, b * n + hi) for b in range(self.blocks)]
+        ranges, start = [], 0
+        for n in self.sizes(full[self.dim]):
+            ranges.append((start + self.part * n // self.parts, start + (self.part + 1) * n // self.parts))
+            start += n
+        return ranges
+
+    def sizes(self, size: int) -> tuple[int, ...]:
+        """The blocks or sections a dim of ``size`` is made of."""
+        return self.sections or (size // self.blocks,) * self.blocks
 
     def local_shape(self, full: Sequence[int]) -> tuple[int, ...]:
         if self.dim is None:
@@ -116,10 +134,21 @@ class Split:
     dim: int | None = None
     blocks: int = 1  # the dim is this many equal blocks (a fused [gate; up]), each split evenly
     experts: bool = False  # ``dim`` is the expert dimension (expert parallel)
+    sections: tuple[int, ...] = ()  # or these unequal sections (a fused [q; k; v]), each split evenly
+
+    def __post_init__(self):
+        object.__setattr__(self, "sections", tuple(self.sections))  # read back from JSON as a list
 
     def slice(self, rank: int, ranks: int) -> ShardSlice:
         """The part of the full weight that rank ``rank`` of ``ranks`` holds."""
-        return ShardSlice() if self.dim is None or ranks == 1 else ShardSlice(self.dim, self.blocks, rank, ranks)
+        if self.dim is None or ranks == 1:
+            return ShardSlice()
+        return ShardSlice(self.dim, self.blocks, rank, ranks, self.sections)
+
+    def divides(self, size: int, ranks: int) -> bool:
+        """Whether ``ranks`` split each block or section of a dim of ``size`` evenly."""
+        parts = ShardSlice(0, self.blocks, 0, 1, self.sections).sizes(size)
+        return sum(parts) == size and all(n % ranks == 0 for n in parts)
 
     def local(self, tensor: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
         """Rank ``rank``'s part of the full ``tensor``."""
@@ -153,9 +182,9 @@ class _Conflict(Exception):
 
 
 class _NeedBlocks(Exception):
-    def __init__(self, weights: frozenset[int], blocks: int):
+    def __init__(self, weights: frozenset[int], blocks: int = 1, sections: tuple[int, ...] = ()):
         super().__init__()
-        self.weights, self.blocks = weights, blocks
+        self.weights, self.blocks, self.sections = weights, blocks, sections
 
 
 _ZERO_AT_ZERO = {"silu", "gelu", "relu", "tanh", "neg", "erf", "abs", "leaky_relu", "elu", "sqrt", "sin"}
@@ -164,6 +193,12 @@ _MUL = {"mul", "mul_"}
 _DIV = {"div", "div_"}
 _GROUPED = {"grouped_mm_fallback", "_grouped_mm", "grouped_mm"}  # transformers' fallback, torch's kernels
 _CONTRACTIONS = {"linear", "mm", "bmm", "matmul", "addmm", *_GROUPED}
+
+
+def _slice_args(node: fx.Node) -> tuple:
+    """``aten.slice(x, dim, start=None, end=None, step=1)``'s start (0 for None), end and step."""
+    start, end, step = [*node.args[2:5], *[None] * (5 - max(len(node.args), 2))][:3]
+    return start or 0, end, step or 1
 
 
 def _weight_inputs(graph: fx.Graph) -> list[fx.Node]:
@@ -190,6 +225,7 @@ class _Propagation:
     weights: dict[fx.Node, int] | None = None  # weight nodes -> index (default: the w* placeholders)
     # Attention TP: a partial sum is all-reduced where it is made (the residual stream stays whole)
     reduce_partials: bool = False
+    average_means: bool = True  # with reduce_partials: a mean over a split dim is all-reduced
     reduced: set[fx.Node] = field(default_factory=set)
     averaged: set[fx.Node] = field(default_factory=set)  # reduced means: the all-reduced sum / ranks
     env: dict[fx.Node, Layout | list[Layout]] = field(default_factory=dict)
@@ -224,12 +260,14 @@ class _Propagation:
         if split.dim not in lay.dims:
             raise _Conflict(frozenset({lay.weight}), "a weight's split dimension was indexed away")
         kind = Kind.EXPERTS if split.experts else Kind.SPLIT
-        return Layout(kind, lay.dims.index(split.dim), split.blocks, frozenset({lay.weight}))
+        return Layout(kind, lay.dims.index(split.dim), split.blocks, frozenset({lay.weight}), sections=split.sections)
 
-    def _decide(self, lay: Layout, value_dim: int | None, blocks: int = 1, experts: bool = False) -> Layout:
+    def _decide(
+        self, lay: Layout, value_dim: int | None, blocks: int = 1, experts: bool = False, sections: tuple = ()
+    ) -> Layout:
         """Fix the split of the weight behind ``lay`` so that value dim ``value_dim`` is split."""
         weight_dim = None if value_dim is None else lay.dims[value_dim]
-        self.decided[lay.weight] = Split(weight_dim, blocks, experts)
+        self.decided[lay.weight] = Split(weight_dim, blocks, experts, sections)
         return self._decided_layout(lay)
 
     def _get(self, arg) -> Layout:
@@ -268,7 +306,7 @@ class _Propagation:
             return self._replicated_outputs(node)
         if node.target is not None and torch.Tag.pointwise in getattr(node.target, "tags", ()):
             return self._pointwise(node, name)
-        if name in gf.IDENTITY_OPS:
+        if name in gf.IDENTITY_OPS or name in ("copy", "copy_"):  # copy_: the written value, elementwise
             return self._pointwise(node, name)
         if name in ("view", "reshape", "_unsafe_view", "flatten", "expand", "unsqueeze", "squeeze"):
             return self._reshape(node)
@@ -276,6 +314,12 @@ class _Propagation:
             return self._chunk(node, name)
         if name == "layer_norm":
             return self._layer_norm(node)
+        if name in ("new_empty", "new_zeros", "new_ones", "new_full"):
+            return self._new_like(node)
+        if name in ("view_as_complex", "view_as_real"):  # these fold or add a trailing dim of 2
+            lay = self._get(node.args[0])
+            if lay.kind is Kind.SPLIT and lay.dim < min(len(_shape(node)), len(_shape(node.args[0]))) - 1:
+                return lay
         if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
             lay = self._get(node.args[0])
             if lay.kind is Kind.SPLIT and node.args[1] % len(_shape(node)) != lay.dim:
@@ -382,19 +426,33 @@ class _Propagation:
     def _pointwise_split(self, node, tensors, lays) -> Layout:
         out_rank = node.meta["val"].dim()
         split = [(t, lay) for t, lay in zip(tensors, lays) if lay.kind is Kind.SPLIT]
-        dims = {(lay.dim + out_rank - t.meta["val"].dim(), lay.blocks) for t, lay in split}
+        dims = {(lay.dim + out_rank - t.meta["val"].dim(), lay.pieces) for t, lay in split}
         if len(dims) > 1:
             raise _Conflict(_union(lays), f"{node.format_node()} combines values split differently")
-        (dim, blocks), = dims
+        (dim, (blocks, sections)), = dims
         out_size = _shape(node)[dim]
         for t, lay in zip(tensors, lays):
             own_dim = dim - (out_rank - t.meta["val"].dim())
             size = _shape(t)[own_dim] if own_dim >= 0 else 1
             if lay.kind is Kind.WEIGHT and size == out_size:
-                self._decide(lay, own_dim, blocks)  # a bias or scale along the split dim splits with it
-            elif lay.kind is not Kind.SPLIT and size != 1:
+                self._decide(lay, own_dim, blocks, sections=sections)  # a bias or scale along the dim splits with it
+            elif lay.kind is not Kind.SPLIT and size != 1 and not self._broadcast_locally(t, own_dim):
                 raise _Conflict(_union(lays), f"{node.format_node()} mixes a split value with a full one")
-        return Layout(Kind.SPLIT, dim, blocks, _union(self._get(t) for t in tensors))
+        return Layout(Kind.SPLIT, dim, blocks, _union(self._get(t) for t in tensors), sections=sections)
+
+    def _broadcast_locally(self, node: fx.Node, dim: int) -> bool:
+        """Whether ``node`` is an ``expand`` of a size-1 dim (one value for every head, as MLA's
+        rotary key) read only here, which can expand to each rank's share of ``dim`` instead."""
+        if gf.op_name(node) != "expand" or len(node.users) != 1 or not self._get(node).replicated:
+            return False
+        sizes = node.args[1]
+        src_dim = dim - (len(sizes) - node.args[0].meta["val"].dim())
+        if src_dim >= 0 and node.args[0].meta["val"].shape[src_dim] != 1:
+            return False
+        if not (isinstance(sizes[dim], int) and sizes[dim] > 0):
+            return False
+        self.local_sizes[(node, 1, dim)] = sizes[dim]
+        return True
 
     # -- contractions ----------------------------------------------------------------------------
 
@@ -434,7 +492,7 @@ class _Propagation:
 
         if lb.kind is Kind.WEIGHT:
             if la.kind is Kind.SPLIT and map_a[la.dim] == "k":
-                lb = self._decide(lb, k_dim(map_b), la.blocks)
+                lb = self._decide(lb, k_dim(map_b), la.blocks, sections=la.sections)
             elif self.mode is FFNParallel.EP and "e" in map_b.values() and la.kind in _ROW_WISE:
                 lb = self._decide(lb, next(d for d, m in map_b.items() if m == "e"), experts=True)
             elif la.replicated:
@@ -453,10 +511,10 @@ class _Propagation:
         if la.replicated and lb.replicated:
             return R
         if la.kind is Kind.SPLIT and lb.kind is Kind.SPLIT:
-            if map_a[la.dim] == "k" and map_b[lb.dim] == "k" and la.blocks == lb.blocks:
+            if map_a[la.dim] == "k" and map_b[lb.dim] == "k" and la.pieces == lb.pieces:
                 return Layout(Kind.PARTIAL, blame=blame)
-            if isinstance(map_a[la.dim], int) and map_a[la.dim] == map_b[lb.dim] and la.blocks == lb.blocks:
-                return Layout(Kind.SPLIT, map_a[la.dim], la.blocks, blame)  # the same batch dim (heads)
+            if isinstance(map_a[la.dim], int) and map_a[la.dim] == map_b[lb.dim] and la.pieces == lb.pieces:
+                return replace(la, dim=map_a[la.dim], blame=blame)  # the same batch dim (heads)
             raise _Conflict(blame, f"{node.format_node()} contracts values split differently")
         split = la if la.kind is Kind.SPLIT else lb if lb.kind is Kind.SPLIT else None
         if split is not None:
@@ -467,7 +525,7 @@ class _Propagation:
             # a batch dim both operands have (heads) is split in both, unless the other broadcasts it
             shared = [d for d, m in other_map.items() if m == out_dim]
             if isinstance(out_dim, int) and other.replicated and all(other_shape[d] == 1 for d in shared):
-                return Layout(Kind.SPLIT, out_dim, split.blocks, blame)
+                return replace(split, dim=out_dim, blame=blame)
             raise _Conflict(blame, f"{node.format_node()} contracts a split value with a full one")
         kinds = {la.kind, lb.kind} - {Kind.REPLICATED}
         if len(kinds) == 1 and Kind.REPLICATED in {la.kind, lb.kind}:
@@ -481,8 +539,8 @@ class _Propagation:
         lay = self._get(bias)
         if out.kind is Kind.SPLIT:
             if lay.kind is Kind.WEIGHT:
-                lay = self._decide(lay, lay.dims.index(lay.dims[-1]), out.blocks)
-            if lay.kind is Kind.SPLIT and lay.blocks == out.blocks:
+                lay = self._decide(lay, lay.dims.index(lay.dims[-1]), out.blocks, sections=out.sections)
+            if lay.kind is Kind.SPLIT and lay.pieces == out.pieces:
                 return replace(out, blame=out.blame | lay.blame)
         elif out.kind is Kind.PARTIAL:
             if self._settle(lay).replicated:
@@ -557,11 +615,11 @@ class _Propagation:
                 continue
             kept = out[j] == src[lay.dim]
             # [.., H*D] -> [.., H, D] splits the heads H, when every rank holds whole heads
-            unmerged = lay.blocks == 1 and out[j].is_Integer and int(out[j]) % self.ranks == 0 and any(
+            unmerged = lay.pieces == (1, ()) and out[j].is_Integer and int(out[j]) % self.ranks == 0 and any(
                 math.prod(out[j:m]) == src[lay.dim] for m in range(j + 2, len(out) + 1)
             )
             # [.., H, D] -> [.., H*D]: each rank's heads are a contiguous range of the merged dim
-            merged = lay.blocks == 1 and any(
+            merged = lay.pieces == (1, ()) and any(
                 math.prod(src[lay.dim : m]) == out[j] for m in range(lay.dim + 2, len(src) + 1)
             )
             if kept or unmerged or merged:
@@ -583,8 +641,15 @@ class _Propagation:
             if lay.kind is Kind.EXPERTS:
                 raise _Conflict(lay.blame, f"{node.format_node()} splits expert weights")
             return [lay] * n
-        sizes = {tuple(t.shape)[dim] for t in node.meta["val"]}
-        if name == "unbind" or len(sizes) != 1:
+        sizes = tuple(int(t.shape[dim]) for t in node.meta["val"])
+        if name == "split_with_sizes" and len(set(sizes)) > 1:  # a fused [q; k; v]: one section each
+            if lay.pieces == (1, ()):
+                raise _NeedBlocks(lay.blame, sections=sizes)
+            if lay.sections != sizes:
+                raise _Conflict(lay.blame, f"{node.format_node()} splits a split dimension unlike its sections")
+            self.local_sizes.update({(node, 1, i): size for i, size in enumerate(node.args[1])})
+            return [replace(lay, sections=())] * n
+        if name == "unbind" or len(set(sizes)) != 1 or lay.sections:
             raise _Conflict(lay.blame, f"{node.format_node()} splits a split dimension unevenly")
         if lay.blocks % n:
             raise _NeedBlocks(lay.blame, lay.blocks * n // math.gcd(lay.blocks, n))
@@ -602,14 +667,50 @@ class _Propagation:
         dim = node.args[1] % rank if len(node.args) > 1 else 0
         if dim != lay.dim:
             return replace(lay, dim=lay.dim - 1) if name == "select" and dim < lay.dim else lay
-        start, end, step = [*node.args[2:], None, None, 1][:3]
+        start, end, step = _slice_args(node)
         full = _shape(node.args[0])[dim]
+        if lay.kind is Kind.SPLIT and name == "slice" and step == 1 and full.is_Integer:
+            return self._slice_section(node, lay, int(full), start, int(full) if end is None else min(end, int(full)))
         whole = (end is None or end >= full) and (start or 0) < step
         # An interleaved [gate0, up0, gate1, ...] keeps its pairs on one rank.
         interleaved = whole and step > 1 and lay.blocks == 1 and (full // self.ranks) % step == 0
         if lay.kind is Kind.SPLIT and name == "slice" and interleaved:
             return lay
         raise _Conflict(lay.blame, f"{node.format_node()} slices a split dimension")
+
+    def _slice_section(self, node: fx.Node, lay: Layout, full: int, start: int, end: int) -> Layout:
+        """``x[..., start:end]`` of a split dim made of sections (a fused [q; k; v] cut by slices):
+        the sections are where the source's slices along the dim start and end."""
+        source, dim = node.args[0], lay.dim
+        bounds = {0, full}
+        for user in source.users:
+            if gf.op_name(user) == "slice" and user.args[1] % len(_shape(source)) == dim:
+                lo, hi, step = _slice_args(user)
+                if step == 1 and isinstance(lo, int) and isinstance(hi or full, int):
+                    bounds |= {lo, min(hi or full, full)}
+        bounds = sorted(bounds)
+        sections = tuple(b - a for a, b in itertools.pairwise(bounds))
+        if lay.pieces == (1, ()) and len(sections) > 1:
+            raise _NeedBlocks(lay.blame, sections=sections)
+        if lay.sections != sections or start not in bounds or end not in bounds:
+            raise _Conflict(lay.blame, f"{node.format_node()} slices a split dimension")
+        self.local_sizes[(node, 2, None)] = start
+        if len(node.args) > 3 and node.args[3] is not None and node.args[3] < full:
+            self.local_sizes[(node, 3, None)] = end
+        kept = sections[bounds.index(start) : bounds.index(end)]
+        return replace(lay, sections=kept if len(kept) > 1 else ())
+
+    def _new_like(self, node: fx.Node) -> Layout:
+        """A new tensor the full shape of a split one it is made from is split like it (what is
+        written into it must then be split the same way, or the writes conflict)."""
+        lay = self._get(node.args[0])
+        sizes = node.args[1]
+        like = _shape(node.args[0])
+        same = lay.kind is Kind.SPLIT and len(sizes) == len(like) and sizes[lay.dim] == like[lay.dim]
+        if same and isinstance(sizes[lay.dim], int):
+            self.local_sizes[(node, 1, lay.dim)] = sizes[lay.dim]
+            return lay
+        raise _Conflict(lay.blame, f"{node.format_node()} makes a tensor unlike the split one it is made from")
 
     def _layer_norm(self, node: fx.Node) -> Layout:
         """A norm over trailing dims that leave the split dim alone (per head) keeps the split."""
@@ -649,7 +750,7 @@ class _Propagation:
             if lay.dim in dims:
                 if gf.op_name(node) == "sum":
                     return Layout(Kind.PARTIAL, blame=lay.blame)
-                if self.reduce_partials:  # the mean of equal parts is the mean of their means
+                if self.reduce_partials and self.average_means:  # the mean of equal parts: the mean of their means
                     self.averaged.add(node)
                     return Layout(Kind.PARTIAL, blame=lay.blame)
             else:
@@ -695,7 +796,7 @@ def shard_segment(
             reduce = prop.run()
         except _NeedBlocks as need:
             for w in need.weights:
-                decided[w] = replace(prop.decided[w], blocks=need.blocks)
+                decided[w] = replace(prop.decided[w], blocks=need.blocks, sections=need.sections)
             continue
         except _Conflict as conflict:
             experts = sorted(w for w in conflict.blame if prop.decided.get(w, Split()).experts)
@@ -726,7 +827,7 @@ def _check_divisible(names: list[str], weights: list[fx.Node], splits: list[Spli
         if s.dim is None:
             continue
         size = w.meta["val"].shape[s.dim]
-        if size % (s.blocks * ranks):
+        if not s.divides(size, ranks):
             shape = tuple(w.meta["val"].shape)
             what = f"the {size} experts of {name}" if s.experts else f"dimension {s.dim} ({size}) of {name} {shape}"
             fix = "a plan whose F divides the expert count, or --ffn-parallel tp" if s.experts else "an F dividing it"
@@ -835,15 +936,37 @@ def shard_attention(graph: fx.Graph, ranks: int) -> ShardedAttention:
     names = sorted({n.target for n in nodes})
     index = {n: names.index(n.target) for n in nodes}
     shapes = {index[n]: tuple(n.meta["val"].shape) for n in nodes}
+    # All-reducing a mean over split heads (a norm over all of q) lets OLMo 2 split its heads,
+    # but makes MLA split its small q latent instead of its heads: keep whichever splits more.
+    tried = [_settle_attention(graph, ranks, index, names, shapes, average) for average in (False, True)]
+    prop, reasons = max(tried, key=lambda t: sum(math.prod(shapes[w]) for w, s in t[0].decided.items() if s.dim))
+    splits = {names[w]: s for w, s in sorted(prop.decided.items()) if s.dim is not None}
+    if not splits:
+        raise PlanError(
+            f"--attn-tp {ranks}: no attention weight can be split over {ranks} ranks "
+            f"({'; then '.join(reasons) or 'none is a projection'}); use --attn-tp 1 and more attention ranks"
+        )
+    sharded = _rewrite(graph, prop, ranks)
+    for node in sharded.nodes:  # sizes changed: values are propagated again where needed
+        node.meta.pop("val", None)
+    return ShardedAttention(sharded, splits, reasons)
+
+
+def _settle_attention(
+    graph: fx.Graph, ranks: int, index: dict[fx.Node, int], names: list[str], shapes: dict[int, tuple], average: bool
+) -> tuple[_Propagation, list[str]]:
+    """Propagate until no conflict is left, keeping whole the weights each conflict blames."""
     decided: dict[int, Split] = {}
     reasons: list[str] = []
-    for _ in range(4 * len(names) + 4):
-        prop = _Propagation(graph, FFNParallel.TP, ranks, dict(decided), weights=index, reduce_partials=True)
+    for _ in range(4 * len(shapes) + 4):
+        prop = _Propagation(
+            graph, FFNParallel.TP, ranks, dict(decided), weights=index, reduce_partials=True, average_means=average
+        )
         try:
             prop.run()
         except _NeedBlocks as need:
             for w in need.weights:
-                decided[w] = replace(prop.decided[w], blocks=need.blocks)
+                decided[w] = replace(prop.decided[w], blocks=need.blocks, sections=need.sections)
             continue
         except _Conflict as conflict:
             if not conflict.blame:
@@ -851,22 +974,9 @@ def shard_attention(graph: fx.Graph, ranks: int) -> ShardedAttention:
             decided.update({w: Split() for w in conflict.blame})
             reasons.append(conflict.reason)
             continue
-        undivided = {
-            w for w, s in prop.decided.items() if s.dim is not None and shapes[w][s.dim] % (s.blocks * ranks)
-        }
-        if undivided:
-            decided.update({w: Split() for w in undivided})
-            reasons.append(f"{ranks} ranks do not divide {', '.join(names[w] for w in sorted(undivided))}")
-            continue
-        splits = {names[w]: s for w, s in sorted(prop.decided.items()) if s.dim is not None}
-        if not splits:
-            raise PlanError(
-                f"--attn-tp {ranks}: no attention weight can be split over {ranks} ranks "
-                f"({'; then '.join(dict.fromkeys(reasons)) or 'none is a projection'}); "
-                "use --attn-tp 1 and more attention ranks"
-            )
-        sharded = _rewrite(graph, prop, ranks)
-        for node in sharded.nodes:  # sizes changed: values are propagated again where needed
-            node.meta.pop("val", None)
-        return ShardedAttention(sharded, splits, list(dict.fromkeys(reasons)))
+        undivided = {w for w, s in prop.decided.items() if s.dim is not None and not s.divides(shapes[w][s.dim], ranks)}
+        if not undivided:
+            return prop, list(dict.fromkeys(reasons))
+        decided.update({w: Split() for w in undivided})
+        reasons.append(f"{ranks} ranks do not divide {', '.join(names[w] for w in sorted(undivided))}")
     raise AssertionError("sharding did not settle")
