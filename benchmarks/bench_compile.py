@@ -3,7 +3,7 @@
 Each compile runs in its own process (as a user would run it), so the peak RSS is that
 compile's alone. Targets (issue 3): under 60 s and under 4 GB per config.
 
-    python benchmarks/bench_compile.py [--plan 2A2F] [--configs DIR]
+    python benchmarks/bench_compile.py [--plan 2A2F] [--attn-tp N] [--configs DIR]
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 TARGET_S, TARGET_GB = 60.0, 4.0
 
 
-def run(config: Path, plan: str, out: Path) -> tuple[float, float, int, str]:
+def run(config: Path, plan: str, attn_tp: int, out: Path) -> tuple[float, float, int, str]:
     """(seconds, peak RSS in GB, exit code, last line of output) of one compile."""
-    cmd = [sys.executable, "-m", "afdc.cli", "compile", str(config), "--plan", plan, "--no-weights", "--quiet",
-           "-o", str(out)]
+    cmd = [sys.executable, "-m", "afdc.cli", "compile", str(config), "--plan", plan, "--attn-tp", str(attn_tp),
+           "--no-weights", "--quiet", "-o", str(out)]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = proc.stdout.read()
@@ -36,18 +36,19 @@ def run(config: Path, plan: str, out: Path) -> tuple[float, float, int, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", default="2A2F")
+    parser.add_argument("--attn-tp", type=int, default=1, help="tensor parallelism inside each attention rank")
     parser.add_argument("--configs", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "configs")
     args = parser.parse_args()
     configs = sorted(args.configs.glob("*.json"))
-    print(f"afdc compile --plan {args.plan} --no-weights, one process per config; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"afdc compile --plan {args.plan} --attn-tp {args.attn_tp} --no-weights, one process per config; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'config':28s} {'seconds':>8s} {'peak GB':>8s}  result")
     worst_s = worst_gb = 0.0
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs:
             out = Path(tmp) / config.stem
-            seconds, gb, code, last = run(config, args.plan, out)
+            seconds, gb, code, last = run(config, args.plan, args.attn_tp, out)
             shutil.rmtree(out, ignore_errors=True)
             worst_s, worst_gb = max(worst_s, seconds), max(worst_gb, gb)
             failed += code != 0
