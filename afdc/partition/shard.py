@@ -216,7 +216,12 @@ def _union(layouts) -> frozenset[int]:
 
 @dataclass
 class _Propagation:
-    """One forward pass of layout propagation under a fixed set of weight decisions."""
+    """Layout propagation, node by node in graph order, deciding weights' splits on the way.
+
+    When a conflict or a need for blocks changes some weights' decisions, :meth:`rewind` keeps
+    everything computed before the first use of those weights and propagation goes on from
+    there, so a graph with a conflict per layer costs a pass, not a pass per conflict.
+    """
 
     graph: fx.Graph
     mode: FFNParallel
@@ -232,20 +237,63 @@ class _Propagation:
     # (node, arg position, list index or None) -> a full size that each rank holds 1/ranks of
     local_sizes: dict[tuple[fx.Node, int, int | None], int] = field(default_factory=dict)
     lead_only: dict[fx.Node, int] = field(default_factory=dict)  # node -> operand added only on rank 0
+    pinned: dict[int, Split] = field(default_factory=dict)  # decisions made from outside, by rewind
+
+    def __post_init__(self) -> None:
+        if self.weights is None:
+            self.weights = {w: i for i, w in enumerate(_weight_inputs(self.graph))}
+        self._nodes = list(self.graph.nodes)
+        self._order = {n: i for i, n in enumerate(self._nodes)}
+        self._first_use: dict[int, int] = {}
+        for node, w in self.weights.items():
+            uses = [self._order[u] for u in node.users]
+            self._first_use[w] = min([self._first_use.get(w, len(self._nodes)), *uses])
+        self._pos = 0
+        self._decided_at: dict[int, int] = {}  # weight -> where its decision was made (-1: pinned)
+        self._sized_at: dict[tuple, int] = {}  # local_sizes key -> where it was recorded
+        self._overwritten: list[tuple[int, fx.Node, Layout]] = []  # in-place writes: (where, value, before)
+        self._start = 0
 
     def run(self) -> list[str]:
-        index = self.weights if self.weights is not None else {w: i for i, w in enumerate(_weight_inputs(self.graph))}
-        for node in self.graph.nodes:
+        """Propagate from where the last :meth:`rewind` left off; the output's reductions."""
+        for pos in range(self._start, len(self._nodes)):
+            node = self._nodes[pos]
+            self._pos = pos
             if node.op in ("placeholder", "get_attr"):
-                i = index.get(node)
+                i = self.weights.get(node)
                 self.env[node] = R if i is None else self._weight(i, node)
             elif node.op == "call_function":
                 self.env[node] = self._visit(node)
                 if gf.op_name(node).endswith("_") and node.args and isinstance(node.args[0], fx.Node):
-                    self.env[node.args[0]] = self.env[node]  # in-place: the written tensor now has this layout
+                    written = node.args[0]  # in-place: the written tensor now has this layout
+                    self._overwritten.append((pos, written, self.env[written]))
+                    self.env[written] = self.env[node]
             elif node.op == "output":
                 return [self._reduction(o) for o in node.args[0]]
         raise AssertionError("graph without output")
+
+    def rewind(self, pins: dict[int, Split]) -> None:
+        """Fix the decisions ``pins`` and forget what followed the first use of those weights."""
+        start = min(min(self._first_use[w] for w in pins), len(self._nodes) - 1)
+        for pos, written, before in reversed(self._overwritten):
+            if pos >= start:
+                self.env[written] = before
+        self._overwritten = [o for o in self._overwritten if o[0] < start]
+        kept = self._order.__getitem__
+        self.env = {n: v for n, v in self.env.items() if kept(n) < start}
+        self.reduced = {n for n in self.reduced if kept(n) < start}
+        self.averaged = {n for n in self.averaged if kept(n) < start}
+        self.lead_only = {n: v for n, v in self.lead_only.items() if kept(n) < start}
+        self.local_sizes = {k: v for k, v in self.local_sizes.items() if self._sized_at[k] < start}
+        self.pinned.update(pins)
+        self.decided = {w: s for w, s in self.decided.items() if self._decided_at.get(w, -1) < start}
+        self.decided.update(self.pinned)
+        self._decided_at.update({w: -1 for w in pins})
+        self._start = start
+
+    def _local_size(self, key: tuple[fx.Node, int, int | None], full: int) -> None:
+        self.local_sizes[key] = full
+        self._sized_at[key] = self._pos
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -268,6 +316,7 @@ class _Propagation:
         """Fix the split of the weight behind ``lay`` so that value dim ``value_dim`` is split."""
         weight_dim = None if value_dim is None else lay.dims[value_dim]
         self.decided[lay.weight] = Split(weight_dim, blocks, experts, sections)
+        self._decided_at[lay.weight] = self._pos
         return self._decided_layout(lay)
 
     def _get(self, arg) -> Layout:
@@ -451,7 +500,7 @@ class _Propagation:
             return False
         if not (isinstance(sizes[dim], int) and sizes[dim] > 0):
             return False
-        self.local_sizes[(node, 1, dim)] = sizes[dim]
+        self._local_size((node, 1, dim), sizes[dim])
         return True
 
     # -- contractions ----------------------------------------------------------------------------
@@ -625,7 +674,7 @@ class _Propagation:
             if kept or unmerged or merged:
                 sizes = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else None
                 if sizes is not None and j < len(sizes) and isinstance(sizes[j], int) and sizes[j] > 0:
-                    self.local_sizes[(node, 1, j)] = sizes[j]
+                    self._local_size((node, 1, j), sizes[j])
                 return replace(lay, dim=j)
         raise _Conflict(lay.blame, f"{node.format_node()} reshapes across a split dimension")
 
@@ -647,16 +696,18 @@ class _Propagation:
                 raise _NeedBlocks(lay.blame, sections=sizes)
             if lay.sections != sizes:
                 raise _Conflict(lay.blame, f"{node.format_node()} splits a split dimension unlike its sections")
-            self.local_sizes.update({(node, 1, i): size for i, size in enumerate(node.args[1])})
+            for i, size in enumerate(node.args[1]):
+                self._local_size((node, 1, i), size)
             return [replace(lay, sections=())] * n
         if name == "unbind" or len(set(sizes)) != 1 or lay.sections:
             raise _Conflict(lay.blame, f"{node.format_node()} splits a split dimension unevenly")
         if lay.blocks % n:
             raise _NeedBlocks(lay.blame, lay.blocks * n // math.gcd(lay.blocks, n))
         if name == "split":
-            self.local_sizes[(node, 1, None)] = node.args[1]
+            self._local_size((node, 1, None), node.args[1])
         elif name == "split_with_sizes":
-            self.local_sizes.update({(node, 1, i): size for i, size in enumerate(node.args[1])})
+            for i, size in enumerate(node.args[1]):
+                self._local_size((node, 1, i), size)
         return [replace(lay, blocks=lay.blocks // n)] * n
 
     def _slice(self, node: fx.Node, name: str) -> Layout:
@@ -694,9 +745,9 @@ class _Propagation:
             raise _NeedBlocks(lay.blame, sections=sections)
         if lay.sections != sections or start not in bounds or end not in bounds:
             raise _Conflict(lay.blame, f"{node.format_node()} slices a split dimension")
-        self.local_sizes[(node, 2, None)] = start
+        self._local_size((node, 2, None), start)
         if len(node.args) > 3 and node.args[3] is not None and node.args[3] < full:
-            self.local_sizes[(node, 3, None)] = end
+            self._local_size((node, 3, None), end)
         kept = sections[bounds.index(start) : bounds.index(end)]
         return replace(lay, sections=kept if len(kept) > 1 else ())
 
@@ -708,7 +759,7 @@ class _Propagation:
         like = _shape(node.args[0])
         same = lay.kind is Kind.SPLIT and len(sizes) == len(like) and sizes[lay.dim] == like[lay.dim]
         if same and isinstance(sizes[lay.dim], int):
-            self.local_sizes[(node, 1, lay.dim)] = sizes[lay.dim]
+            self._local_size((node, 1, lay.dim), sizes[lay.dim])
             return lay
         raise _Conflict(lay.blame, f"{node.format_node()} makes a tensor unlike the split one it is made from")
 
@@ -788,15 +839,13 @@ def shard_segment(
     """
     weights = _weight_inputs(graph)
     names = names or [w.name for w in weights]
-    decided: dict[int, Split] = {}
     reasons: list[str] = []
+    prop = _Propagation(graph, mode, ranks, {})
     for _ in range(4 * len(weights) + 4):
-        prop = _Propagation(graph, mode, ranks, dict(decided))
         try:
             reduce = prop.run()
         except _NeedBlocks as need:
-            for w in need.weights:
-                decided[w] = replace(prop.decided[w], blocks=need.blocks, sections=need.sections)
+            prop.rewind({w: replace(prop.decided[w], blocks=need.blocks, sections=need.sections) for w in need.weights})
             continue
         except _Conflict as conflict:
             experts = sorted(w for w in conflict.blame if prop.decided.get(w, Split()).experts)
@@ -807,8 +856,7 @@ def shard_segment(
                 ) from None
             if not conflict.blame:
                 raise PlanError(f"{label}: cannot shard this FFN segment: {conflict.reason}") from None
-            for w in conflict.blame:
-                decided[w] = Split()
+            prop.rewind({w: Split() for w in conflict.blame})
             reasons.append(conflict.reason)
             continue
         splits = [prop.decided.get(i, Split()) for i in range(len(weights))]
@@ -956,27 +1004,23 @@ def _settle_attention(
     graph: fx.Graph, ranks: int, index: dict[fx.Node, int], names: list[str], shapes: dict[int, tuple], average: bool
 ) -> tuple[_Propagation, list[str]]:
     """Propagate until no conflict is left, keeping whole the weights each conflict blames."""
-    decided: dict[int, Split] = {}
     reasons: list[str] = []
+    prop = _Propagation(graph, FFNParallel.TP, ranks, {}, weights=index, reduce_partials=True, average_means=average)
     for _ in range(4 * len(shapes) + 4):
-        prop = _Propagation(
-            graph, FFNParallel.TP, ranks, dict(decided), weights=index, reduce_partials=True, average_means=average
-        )
         try:
             prop.run()
         except _NeedBlocks as need:
-            for w in need.weights:
-                decided[w] = replace(prop.decided[w], blocks=need.blocks, sections=need.sections)
+            prop.rewind({w: replace(prop.decided[w], blocks=need.blocks, sections=need.sections) for w in need.weights})
             continue
         except _Conflict as conflict:
             if not conflict.blame:
                 raise PlanError(f"--attn-tp {ranks}: cannot shard the attention program: {conflict.reason}") from None
-            decided.update({w: Split() for w in conflict.blame})
+            prop.rewind({w: Split() for w in conflict.blame})
             reasons.append(conflict.reason)
             continue
         undivided = {w for w, s in prop.decided.items() if s.dim is not None and not s.divides(shapes[w][s.dim], ranks)}
         if not undivided:
             return prop, list(dict.fromkeys(reasons))
-        decided.update({w: Split() for w in undivided})
+        prop.rewind({w: Split() for w in undivided})
         reasons.append(f"{ranks} ranks do not divide {', '.join(names[w] for w in sorted(undivided))}")
     raise AssertionError("sharding did not settle")
