@@ -187,13 +187,26 @@ def test_served_model_matches_transformers(model_type, rows_only):
     program = copy.deepcopy(dm.attention_ranks[0])
     if rows_only:
         assert sample_rows_only(program.module, program.out_spec)
-    step = functools.partial(_step, dm, program)
     slots = attention_slots(dm.attention.module.graph)
     window = {"llama": 0, "gemma2": 4, "llama4_text": 4}[model_type]
     assert [(s.window, s.chunked) for s in slots] == [(window, model_type == "llama4_text"), (0, False)]
+    _check_steps(model, functools.partial(_step, dm, program), PagedKVStore(slots, 16, BLOCK))
 
+
+def test_served_model_with_attention_tp():
+    """The same steps with --attn-tp 2, as the worker runs them: each TP rank writes and reads its
+    own heads of one paged store, and only its last rows reach the LM head."""
+    model, whole = _served("llama")
+    dm = afdc.disaggregate(model, plan="1A1F", attention_tp=2)
+    program = dm.attention
+    assert all(sample_rows_only(shard.module, shard.out_spec) for shard in program.shards)
+    store = PagedKVStore(attention_slots(whole.attention.module.graph), 16, BLOCK, tp_ranks=2)
+    assert [s.kv_heads for s in store.tp_shard(1).slots] == [s.kv_heads // 2 for s in store.slots]
+    _check_steps(model, functools.partial(_step, dm, program), store)
+
+
+def _check_steps(model, step, store: PagedKVStore) -> None:
     gen = torch.Generator().manual_seed(1)
-    store = PagedKVStore(slots, 16, BLOCK)
     free = torch.randperm(16, generator=gen).tolist()
     prompts = {n: torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 6, 7)}
     a, b, c = (_Request(p, [free.pop() for _ in range(4)]) for p in prompts.values())

@@ -153,6 +153,16 @@ def test_afdc_backend_and_expert_routing_under_vllm(models, tmp_path):
         assert "FFN segment 0: {'fused_moe': 1} afdc kernels" in (tmp_path / f"ffn-{rank}.log").read_text()
 
 
+def test_attention_tp_under_vllm(models, tmp_path):
+    """--attn-tp 2 in the vLLM worker: two TP ranks (threads) over one paged store, each reading and
+    writing its own heads; the tokens are the monolith's (the 1A1F artifact's without TP)."""
+    artifact = _artifact(models, "dense", "1A1F", attention_tp=2)
+    with _serving(artifact, "loopback", tmp_path, ("--return-tokens-as-token-ids",)) as (client, _):
+        got = [_complete(client, p) for p in PROMPTS[:2]]
+    assert got == _reference(_artifact(models, "dense", "1A1F"), PROMPTS[:2])
+    assert "2 TP ranks" in (tmp_path / "attn-0.log").read_text()
+
+
 @pytest.fixture(scope="module")
 def moe_server(models, tmp_path_factory):
     """The MoE model under 1A1F over shared memory, shared by the tests below (the FFN-kill

@@ -54,9 +54,9 @@ class KVCache:
         self._tp_shards: dict[int, KVCache] = {}
 
     def tp_shard(self, tp_rank: int) -> KVCache:
-        """The cache of TP rank ``tp_rank`` (> 0) of an attention rank under ``--attn-tp``: its
-        own heads' keys and values, living as long as this one."""
-        return self._tp_shards.setdefault(tp_rank, KVCache())
+        """The cache of TP rank ``tp_rank`` of an attention rank under ``--attn-tp``: its own
+        heads' keys and values (rank 0's are this cache's), living as long as this one."""
+        return self if tp_rank == 0 else self._tp_shards.setdefault(tp_rank, KVCache())
 
     def update(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if slot in self._keys:

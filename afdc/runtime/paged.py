@@ -16,6 +16,7 @@ masks the paged path cannot reproduce rather than serving a silently different m
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -174,7 +175,8 @@ class PagedKVStore:
     A block id names the same block in every slot, as vLLM's block tables do. ``kv`` hands over
     existing ``(keys, values)`` per slot (a serving engine's own allocation; they must be
     contiguous over blocks and block positions, vLLM's layout); otherwise zeroed tensors of
-    ``dtype`` on ``device`` are allocated.
+    ``dtype`` on ``device`` are allocated. Under ``--attn-tp N`` (``tp_ranks``) the store holds
+    the heads of N TP ranks side by side, and :meth:`tp_shard` is one rank's view of its own.
     """
 
     def __init__(
@@ -185,8 +187,12 @@ class PagedKVStore:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        tp_ranks: int = 1,
     ):
         self.slots = tuple(slots)
+        self.tp_ranks = tp_ranks
+        if any(s.kv_heads % tp_ranks for s in self.slots):
+            raise ValueError(f"{tp_ranks} TP ranks do not share the key/value heads of {self.slots} evenly")
         self.num_blocks, self.block_size = num_blocks, block_size
         if kv is None:
             kv = [
@@ -204,6 +210,19 @@ class PagedKVStore:
         # [num_blocks * block_size, heads, dim] views: a token's cache slot indexes them directly
         self._flat_keys = [k.view(-1, *k.shape[2:]) for k in self.keys]
         self._flat_values = [v.view(-1, *v.shape[2:]) for v in self.values]
+
+    def tp_shard(self, tp_rank: int) -> PagedKVStore:
+        """TP rank ``tp_rank``'s heads of every slot: a view, written in place."""
+        if self.tp_ranks == 1:
+            return self
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            n = t.shape[2] // self.tp_ranks
+            return t.narrow(2, tp_rank * n, n)
+
+        slots = [replace(s, kv_heads=s.kv_heads // self.tp_ranks) for s in self.slots]
+        kv = [(heads(k), heads(v)) for k, v in zip(self.keys, self.values)]
+        return PagedKVStore(slots, self.num_blocks, self.block_size, kv=kv)
 
     def _shape(self, spec: SlotSpec, dim: int) -> tuple[int, ...]:
         return (self.num_blocks, self.block_size, spec.kv_heads, dim)
@@ -305,6 +324,12 @@ class PagedBatch:
                 f"a request reaches {self.max_seq_len} tokens; {self.block_table.shape[1]} blocks of "
                 f"{self.store.block_size} do not hold them"
             )
+
+    def tp_shard(self, tp_rank: int) -> PagedBatch:
+        """This step over TP rank ``tp_rank``'s heads of the store (see :mod:`afdc.runtime.tensor_parallel`)."""
+        shard = copy.copy(self)
+        shard.store = self.store.tp_shard(tp_rank)
+        return shard
 
     def attend(self, slot, q, k, v, mask, scale, softcap, sinks, window) -> torch.Tensor:
         """The ``kv_cache`` entry point: store the step's keys and values, attend per request.

@@ -120,8 +120,8 @@ class TensorParallelConnector(connectors.Connector):
 
 def shard_cache(cache, tp_rank: int):
     """TP rank ``tp_rank``'s own KV cache within an attention rank's ``cache`` (its heads only)."""
-    if cache is None or tp_rank == 0:
-        return cache
+    if cache is None:
+        return None
     shard = getattr(cache, "tp_shard", None)
     if shard is None:
         raise AfdcError(f"{type(cache).__name__} has no per-TP-rank caches; attention TP needs one (e.g. KVCache)")

@@ -55,12 +55,6 @@ def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args:
     directory = Path(settings.artifact)
     manifest = read_manifest(directory)
     manifest.rank_files("attn", settings.rank)  # a clear error for a rank the plan does not have
-    if manifest.plan.attention_tp > 1:
-        raise AfdcError(
-            f"{directory} was compiled with --attn-tp {manifest.plan.attention_tp}: the vLLM worker runs one attention "
-            "program per rank, without TP groups; serve a compile with --attn-tp 1 (more attention ranks instead), "
-            "or run the TP ranks in one process with afdc.load_deployment"
-        )
     model = model_dir(directory)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),

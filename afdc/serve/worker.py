@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.paged import PagedBatch, PagedKVStore, SlotSpec, attention_slots
 from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
+from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
 
@@ -113,9 +114,14 @@ class AfdcWorker(WorkerBase):
         ffn = [load(directory, "ffn", r, self.device, s.backend) for r in range(manifest.plan.ffn_ranks)]
         ffn = ffn if in_process else []
         self.attention = AttentionRank(s.rank, program, ffn, dispatch)
-        self.slots: list[SlotSpec] = _slots(program.module)
+        shards = program.shards if isinstance(program, TensorParallelAttention) else [program]
+        self.tp_ranks = len(shards)
+        if self.tp_ranks > 1:  # TP ranks 1.. wait while rank 0 waits for the FFN side
+            program.timeout = s.timeout + s.join_timeout
+        # every TP rank's heads side by side in one paged store (its own view of them)
+        self.slots: list[SlotSpec] = [replace(x, kv_heads=x.kv_heads * self.tp_ranks) for x in _slots(program.module)]
         # logits for each request's last token only (the step samples nothing else)
-        self.rows_only = sample_rows_only(program.module, program.out_spec)
+        self.rows_only = all([sample_rows_only(x.module, x.out_spec) for x in shards])
         backend = s.backend or manifest.plan.backend
         program.use_backend(backend)  # lowered after the graph is final
         if resolve_backend(backend, self.device) == "afdc" and self.device.type == "cuda":
@@ -134,8 +140,9 @@ class AfdcWorker(WorkerBase):
                 self._store_host = s.open_rendezvous(host=True)
             self.attention.endpoint = AttentionEndpoint.connect(s.rank, layout, deployment, options)
         logger.info(
-            "afdc: attention rank %d of %s loaded (%d attention layers, %d micro-batches, backend %s, FFN %s)",
-            s.rank, directory, len(self.slots), self.micro_batches, resolve_backend(backend, self.device),
+            "afdc: attention rank %d of %s loaded (%d attention layers, %d TP ranks, %d micro-batches, backend %s, "
+            "FFN %s)", s.rank, directory, len(self.slots), self.tp_ranks, self.micro_batches,
+            resolve_backend(backend, self.device),
             "in this process" if in_process else f"over {s.connector} at {s.rendezvous}",
         )
 
@@ -178,7 +185,7 @@ class AfdcWorker(WorkerBase):
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.block_size = self.vllm_config.cache_config.block_size
         self.store = PagedKVStore(
-            self.slots, kv_cache_config.num_blocks, self.block_size, self.dtype, self.device
+            self.slots, kv_cache_config.num_blocks, self.block_size, self.dtype, self.device, tp_ranks=self.tp_ranks
         )
         logger.info("afdc: KV cache of %d blocks x %d tokens", kv_cache_config.num_blocks, self.block_size)
 
