@@ -93,6 +93,8 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
         f"wrote {output}: plan {plan}, {len(manifest.layers)} FFN layers ({', '.join(splits)}), "
         f"{len(manifest.segments)} segment programs, {len(manifest.files)} files, {size / 1e6:,.1f} MB"
         + ("" if manifest.weights_included else " (no weights)")
+        + (f"; attention TP {plan.attention_tp}: {len(manifest.attention_splits)} attention weights split by heads, "
+           "the rest whole" if plan.attention_tp > 1 else "")
     )
 
 

@@ -236,6 +236,7 @@ def compile_model(
             ranks=ranks,
             files=[_file_entry(tmp, rel, digests) for rel in written],
             model_files=model_files,
+            attention_splits=built.attention_splits,
         )
         (tmp / mf.MANIFEST).write_text(manifest.to_json())
     return manifest

@@ -101,6 +101,9 @@ def test_attention_tp_artifact(tmp_path):
     out = tmp_path / "art"
     afdc.compile_model(str(tmp_path / "src"), afdc.Plan.parse("2A1F", attention_tp=2), out, progress=False)
     manifest = read_manifest(out)
+    assert manifest.attention_splits["model.layers.0.self_attn.q_proj.weight"] == Split(dim=0)
+    assert manifest.attention_splits["model.layers.0.self_attn.o_proj.weight"] == Split(dim=1)
+    assert "model.embed_tokens.weight" not in manifest.attention_splits  # whole on every TP rank
     attn = [r for r in manifest.ranks if r.role == "attn"]
     assert [(r.rank, r.tp_rank, r.weights) for r in attn] == [
         (a, t, [f"weights/attn-tp{t}-state.safetensors", f"weights/attn-tp{t}.safetensors"])

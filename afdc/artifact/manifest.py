@@ -105,6 +105,7 @@ class Manifest:
     ranks: list[RankFiles]
     files: list[FileEntry] = field(default_factory=list)
     model_files: list[str] = field(default_factory=list)  # config and tokenizer files under MODEL_DIR
+    attention_splits: dict[str, Split] = field(default_factory=dict)  # --attn-tp: split attention weights
     format_version: int = FORMAT_VERSION
 
     def rank_files(self, role: str, rank: int, tp_rank: int = 0) -> RankFiles:
@@ -149,6 +150,7 @@ class Manifest:
             ranks=[RankFiles(**r) for r in d["ranks"]],
             files=[FileEntry(**f) for f in d["files"]],
             model_files=d.get("model_files", []),
+            attention_splits={name: Split(**split) for name, split in d.get("attention_splits", {}).items()},
         )
 
 
