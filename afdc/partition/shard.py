@@ -238,6 +238,7 @@ class _Propagation:
     local_sizes: dict[tuple[fx.Node, int, int | None], int] = field(default_factory=dict)
     lead_only: dict[fx.Node, int] = field(default_factory=dict)  # node -> operand added only on rank 0
     pinned: dict[int, Split] = field(default_factory=dict)  # decisions made from outside, by rewind
+    mean_refused: bool = False  # a mean over a split dim was refused (average_means was off)
 
     def __post_init__(self) -> None:
         if self.weights is None:
@@ -804,6 +805,7 @@ class _Propagation:
                 if self.reduce_partials and self.average_means:  # the mean of equal parts: the mean of their means
                     self.averaged.add(node)
                     return Layout(Kind.PARTIAL, blame=lay.blame)
+                self.mean_refused = self.reduce_partials
             else:
                 return replace(lay, dim=lay.dim - (0 if keep else sum(d < lay.dim for d in dims)))
         raise _Conflict(lay.blame, f"{node.format_node()} reduces a value laid out as {lay.kind.value}")
@@ -986,7 +988,9 @@ def shard_attention(graph: fx.Graph, ranks: int) -> ShardedAttention:
     shapes = {index[n]: tuple(n.meta["val"].shape) for n in nodes}
     # All-reducing a mean over split heads (a norm over all of q) lets OLMo 2 split its heads,
     # but makes MLA split its small q latent instead of its heads: keep whichever splits more.
-    tried = [_settle_attention(graph, ranks, index, names, shapes, average) for average in (False, True)]
+    tried = [_settle_attention(graph, ranks, index, names, shapes, average=False)]
+    if tried[0][0].mean_refused:
+        tried.append(_settle_attention(graph, ranks, index, names, shapes, average=True))
     prop, reasons = max(tried, key=lambda t: sum(math.prod(shapes[w]) for w, s in t[0].decided.items() if s.dim))
     splits = {names[w]: s for w, s in sorted(prop.decided.items()) if s.dim is not None}
     if not splits:
