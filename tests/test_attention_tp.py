@@ -58,6 +58,8 @@ def _weight(program, name: str) -> torch.Tensor:
         ("mixtral", "1A2F", {"router": "attn"}, "q_proj"),  # the router on the attention side stays whole
         ("deepseek_v3", "1A2F", {}, "q_b_proj"),  # MLA: latents whole, heads split, rotary key broadcast
         ("phi3", "1A1F", {}, "qkv_proj"),  # a fused [q; k; v] sliced unevenly: each section split
+        ("glm", "1A1F", {}, "q_proj"),  # interleaved rotary (stacked halves), q/k/v biases split with them
+        ("persimmon", "2A1F", {}, "query_key_value"),  # fused per head, a layer norm per head
     ],
 )
 def test_attention_tp_matches_the_monolith(model_type, plan, options, split):
