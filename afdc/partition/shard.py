@@ -397,7 +397,7 @@ class _Propagation:
         output ``[b, s, hq, d]`` is split along its heads, and so are the per-head sinks."""
         q, k, v, mask = (self._settle(self._get(a)) for a in node.args[:4])
         sinks = self._get(node.args[7]) if node.args[7] is not None else None
-        heads = [lay for lay in (q, k, v) if lay.kind is Kind.SPLIT and lay.dim == 1 and lay.blocks == 1]
+        heads = [lay for lay in (q, k, v) if lay.kind is Kind.SPLIT and lay.dim == 1 and lay.pieces == (1, ())]
         blame = _union([q, k, v, mask] + ([sinks] if sinks else []))
         if q.replicated and k.replicated and v.replicated and mask.replicated:
             if sinks is not None:
@@ -407,7 +407,7 @@ class _Propagation:
         if q in heads and mask.replicated and (len(heads) == 3 or single_kv):
             if sinks is not None and sinks.kind is Kind.WEIGHT:
                 sinks = self._decide(sinks, 0)
-            if sinks is None or (sinks.kind is Kind.SPLIT and sinks.dim == 0 and sinks.blocks == 1):
+            if sinks is None or (sinks.kind is Kind.SPLIT and sinks.dim == 0 and sinks.pieces == (1, ())):
                 return Layout(Kind.SPLIT, 2, 1, blame)
         raise _Conflict(blame, f"{node.format_node()}: queries, keys and values are not split by the same heads")
 
