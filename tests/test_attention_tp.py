@@ -140,3 +140,12 @@ def test_attention_tp_with_ffn_servers_and_a_lost_rank():
         assert time.monotonic() - started < 0.3 + timeout + 5
         cluster.start(1)
         assert torch.equal(dm.generate(ids, mask, max_new_tokens=4, pad_token_id=0), expect)
+
+
+def test_attention_tp_under_the_afdc_backend():
+    """The GPU default path: afdc's kernels in every TP rank's program (not Inductor, see
+    afdc.codegen.backend.lower) and in the FFN's, Inductor for the rest of the FFN."""
+    model = _model("qwen3_moe")
+    dm = afdc.disaggregate(model, "1A2F", attention_tp=2, backend="afdc", micro_batches=2)
+    assert [s.backend for s in dm.attention.shards] == ["afdc", "afdc"]
+    _check(model, dm)

@@ -77,6 +77,11 @@ class AttentionProgram(torch.nn.Module):
         self._lowered = _Lowered(self.module, "attention program")
         self._lowered.use(backend, next((t.device for t in tensors), torch.device("cpu")))
 
+    @property
+    def backend(self) -> str:
+        """What runs it, resolved for its device (``eager``, ``inductor`` or ``afdc``)."""
+        return self._lowered.backend
+
     def parameter_names(self) -> list[str]:
         return [name for name, _ in self.module.named_parameters()]
 
