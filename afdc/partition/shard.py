@@ -20,7 +20,7 @@ import enum
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -272,6 +272,23 @@ class _Propagation:
             elif node.op == "output":
                 return [self._reduction(o) for o in node.args[0]]
         raise AssertionError("graph without output")
+
+    def settle(self, refuse: Callable[[_Conflict], None]) -> tuple[list[str], list[str]]:
+        """Propagate; after each conflict keep whole the weights it blames and go on from their
+        first use, until none is left. Returns the output's reductions and why weights were kept
+        whole; ``refuse`` raises for a conflict that keeping weights whole must not answer."""
+        reasons: list[str] = []
+        for _ in range(4 * len(self._first_use) + 4):
+            try:
+                return self.run(), list(dict.fromkeys(reasons))
+            except _NeedBlocks as need:
+                self.rewind({w: replace(self.decided[w], blocks=need.blocks, sections=need.sections)
+                             for w in need.weights})
+            except _Conflict as conflict:
+                refuse(conflict)
+                self.rewind({w: Split() for w in conflict.blame})
+                reasons.append(conflict.reason)
+        raise AssertionError("sharding did not settle")
 
     def rewind(self, pins: dict[int, Split]) -> None:
         """Fix the decisions ``pins`` and forget what followed the first use of those weights."""
@@ -841,35 +858,24 @@ def shard_segment(
     """
     weights = _weight_inputs(graph)
     names = names or [w.name for w in weights]
-    reasons: list[str] = []
     prop = _Propagation(graph, mode, ranks, {})
-    for _ in range(4 * len(weights) + 4):
-        try:
-            reduce = prop.run()
-        except _NeedBlocks as need:
-            prop.rewind({w: replace(prop.decided[w], blocks=need.blocks, sections=need.sections) for w in need.weights})
-            continue
-        except _Conflict as conflict:
-            experts = sorted(w for w in conflict.blame if prop.decided.get(w, Split()).experts)
-            if experts:
-                raise PlanError(
-                    f"{label}: cannot split the experts over {ranks} FFN ranks ({conflict.reason}); "
-                    "use --ffn-parallel tp"
-                ) from None
-            if not conflict.blame:
-                raise PlanError(f"{label}: cannot shard this FFN segment: {conflict.reason}") from None
-            prop.rewind({w: Split() for w in conflict.blame})
-            reasons.append(conflict.reason)
-            continue
-        splits = [prop.decided.get(i, Split()) for i in range(len(weights))]
-        if all(s.dim is None for s in splits) and any(w.meta["val"].dim() >= 2 for w in weights):
+
+    def refuse(conflict: _Conflict) -> None:
+        if any(prop.decided.get(w, Split()).experts for w in conflict.blame):
             raise PlanError(
-                f"{label}: the FFN cannot be split over {ranks} ranks ({'; then '.join(dict.fromkeys(reasons))}); "
-                "use one FFN rank"
-            )
-        _check_divisible(names, weights, splits, ranks, label)
-        return ShardedSegment(_rewrite(graph, prop, ranks), splits, reduce)
-    raise AssertionError("sharding did not settle")
+                f"{label}: cannot split the experts over {ranks} FFN ranks ({conflict.reason}); use --ffn-parallel tp"
+            ) from None
+        if not conflict.blame:
+            raise PlanError(f"{label}: cannot shard this FFN segment: {conflict.reason}") from None
+
+    reduce, reasons = prop.settle(refuse)
+    splits = [prop.decided.get(i, Split()) for i in range(len(weights))]
+    if all(s.dim is None for s in splits) and any(w.meta["val"].dim() >= 2 for w in weights):
+        raise PlanError(
+            f"{label}: the FFN cannot be split over {ranks} ranks ({'; then '.join(reasons)}); use one FFN rank"
+        )
+    _check_divisible(names, weights, splits, ranks, label)
+    return ShardedSegment(_rewrite(graph, prop, ranks), splits, reduce)
 
 
 def _check_divisible(names: list[str], weights: list[fx.Node], splits: list[Split], ranks: int, label: str) -> None:
@@ -1007,24 +1013,18 @@ def shard_attention(graph: fx.Graph, ranks: int) -> ShardedAttention:
 def _settle_attention(
     graph: fx.Graph, ranks: int, index: dict[fx.Node, int], names: list[str], shapes: dict[int, tuple], average: bool
 ) -> tuple[_Propagation, list[str]]:
-    """Propagate until no conflict is left, keeping whole the weights each conflict blames."""
-    reasons: list[str] = []
+    """Settle, then keep whole the weights the ranks do not divide and settle again."""
     prop = _Propagation(graph, FFNParallel.TP, ranks, {}, weights=index, reduce_partials=True, average_means=average)
-    for _ in range(4 * len(shapes) + 4):
-        try:
-            prop.run()
-        except _NeedBlocks as need:
-            prop.rewind({w: replace(prop.decided[w], blocks=need.blocks, sections=need.sections) for w in need.weights})
-            continue
-        except _Conflict as conflict:
-            if not conflict.blame:
-                raise PlanError(f"--attn-tp {ranks}: cannot shard the attention program: {conflict.reason}") from None
-            prop.rewind({w: Split() for w in conflict.blame})
-            reasons.append(conflict.reason)
-            continue
+
+    def refuse(conflict: _Conflict) -> None:
+        if not conflict.blame:
+            raise PlanError(f"--attn-tp {ranks}: cannot shard the attention program: {conflict.reason}") from None
+
+    reasons: list[str] = []
+    while True:  # each round keeps more weights whole, so it ends
+        reasons += prop.settle(refuse)[1]
         undivided = {w for w, s in prop.decided.items() if s.dim is not None and not s.divides(shapes[w][s.dim], ranks)}
         if not undivided:
             return prop, list(dict.fromkeys(reasons))
         prop.rewind({w: Split() for w in undivided})
         reasons.append(f"{ranks} ranks do not divide {', '.join(names[w] for w in sorted(undivided))}")
-    raise AssertionError("sharding did not settle")
