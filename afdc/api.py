@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -32,7 +32,7 @@ from afdc.passes.aliasing import split_writes
 from afdc.passes.classify import Classification, classify
 from afdc.passes.cleanup import strip_assertions
 from afdc.passes.cut import Cut, RouterPlacement, select_cuts
-from afdc.passes.expert_routing import expert_routing
+from afdc.passes.expert_routing import expert_routing, owner_mask
 from afdc.passes.fusion import copy_graph
 from afdc.passes.portable import portable
 from afdc.plan import Plan
@@ -98,29 +98,53 @@ def _cut(captured: CapturedGraph, placement: RouterPlacement) -> tuple[CapturedG
 
 
 def _shard(segments: list[fx.Graph], layers: list[SegmentBinding], labels: list[str], plan: Plan, tokens):
+    """Each segment over the plan's FFN ranks, with how its tokens go to experts' ranks (or None)."""
     if plan.ffn_ranks == 1:
-        return [single_rank(g) for g in segments]
+        return [(single_rank(g), None) for g in segments]
     mode = FFNParallel.TP if plan.ffn_parallel == "tp" else FFNParallel.EP
     first = {b.segment: (labels[i], b.weights) for i, b in reversed(list(enumerate(layers)))}
     sharded = [_shard_one(g, mode, plan, tokens, *first[i]) for i, g in enumerate(segments)]
-    if plan.ffn_parallel == "ep" and not any(s.experts for seg in sharded for s in seg.splits):
+    if plan.ffn_parallel == "ep" and not any(s.experts for seg, _ in sharded for s in seg.splits):
         raise PlanError("--ffn-parallel ep: the model has no expert weights to partition (a dense model); use tp")
     return sharded
 
 
-def _shard_one(graph: fx.Graph, mode: FFNParallel, plan: Plan, tokens, label: str, names: list[str]) -> ShardedSegment:
+def _shard_one(
+    graph: fx.Graph, mode: FFNParallel, plan: Plan, tokens, label: str, names: list[str]
+) -> tuple[ShardedSegment, ExpertRouting | None]:
     """One segment over the plan's FFN ranks; under ``--dense-ffn replicate`` a segment without
-    experts is kept whole and its tokens are shared out, when its rows can be split by token."""
+    experts is kept whole and its tokens are shared out, when its rows can be split by token.
+    Under ``--router attn`` a MoE segment's shared experts are kept whole where that lets its
+    tokens go only to their experts' ranks."""
     replicate = plan.dense_ffn == "replicate" and _rows_split(graph, tokens)
     if replicate and mode is FFNParallel.TP:
-        return data_parallel(graph)
+        return data_parallel(graph), None
     try:
         sharded = shard_segment(graph, mode, plan.ffn_ranks, label, names)
     except PlanError:
         if replicate and not _stacked_weights(graph):  # a dense layer need not split to be replicated
-            return data_parallel(graph)
+            return data_parallel(graph), None
         raise
-    return data_parallel(graph) if replicate and sharded.describe() != "ep" else sharded
+    if sharded.describe() != "ep" or plan.router != "attn":
+        return (data_parallel(graph) if replicate and sharded.describe() != "ep" else sharded), None
+    routed = _routed(sharded, tokens)
+    shared = [i for i, s in enumerate(sharded.splits) if not s.experts and s.dim is not None]
+    if routed[1] is None and shared:  # whole on every rank, a token's shared expert runs on one of its ranks
+        whole = _routed(shard_segment(graph, mode, plan.ffn_ranks, label, names, whole=shared), tokens)
+        if whole[1] is not None:
+            return whole
+    return routed
+
+
+def _routed(segment: ShardedSegment, tokens) -> tuple[ShardedSegment, ExpertRouting | None]:
+    """An expert-parallel segment with proven routing: as it is, or with its rank-0-only terms
+    moved to rows the attention side marks; else the segment unchanged, broadcast to every rank."""
+    if (routing := expert_routing(segment.graph, tokens)) is not None:
+        return segment, routing
+    masked = owner_mask(segment.graph, tokens)
+    if masked is not None and (routing := expert_routing(masked, tokens)) is not None:
+        return replace(segment, graph=masked), routing
+    return segment, None
 
 
 def _stacked_weights(graph: fx.Graph) -> bool:
@@ -171,12 +195,12 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     part = partition(graph, cuts)
     for lr, binding in zip(layers_report, part.layers):
         lr.segment = binding.segment
-    segments = _shard(part.segments, part.layers, [lr.module for lr in layers_report], plan, tokens)
+    shards = _shard(part.segments, part.layers, [lr.module for lr in layers_report], plan, tokens)
+    segments, routing = [seg for seg, _ in shards], [r for _, r in shards]
     inputs = [
         [gf.token_layout(n, tokens) for n in seg.graph.find_nodes(op="placeholder")[len(seg.splits) : -1]]
         for seg in segments
     ]
-    routing = [expert_routing(s.graph, tokens) if s.describe() == "ep" else None for s in segments]
     for lr, binding in zip(layers_report, part.layers):
         lr.ffn_split = segments[binding.segment].describe()
 

@@ -123,6 +123,29 @@ def test_expert_routing_is_recorded_and_served_from_the_artifact(saved, tmp_path
     torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
 
 
+def test_shared_experts_whole_on_every_rank_with_routed_tokens(saved, tmp_path):
+    """--router attn: DeepSeek-V3's shared expert is stored whole in every FFN rank's file (and
+    with --dense-ffn replicate its dense first layer), and the MoE layer's tokens go only to their
+    experts' ranks, with the owner mark as the segment's last input; served from the artifact."""
+    model, src = saved("deepseek_v3")
+    plan = afdc.Plan.parse("1A2F", router="attn", dense_ffn="replicate")
+    manifest = afdc.compile_model(str(src), plan, tmp_path / "art", progress=False)
+    dense, moe = manifest.segments
+    assert dense.routing is None and dense.reduce == ["rows"]
+    assert moe.routing == ExpertRouting(input=2, per_rank=4, top_k=None, owner=3) and moe.inputs[3][-1] == 1
+    assert [s.experts for s in moe.splits] == [True, True, False, False, False]
+    assert all(s.dim is None for s in moe.splits[2:])
+    shared = "model.layers.1.mlp.shared_experts.down_proj.weight"
+    for rank in range(2):
+        (rel,) = [f for f in manifest.rank_files("ffn", rank).weights if not f.endswith("-state.safetensors")]
+        with safe_open(tmp_path / "art" / rel, "pt") as f:
+            torch.testing.assert_close(f.get_tensor(shared), model.state_dict()[shared])
+    ids, mask = _batch(model.config.vocab_size)
+    ref, pos = _reference(model, ids, mask)
+    got = afdc.load_deployment(tmp_path / "art")(ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
 def test_tensor_parallel_dense_and_experts(saved, tmp_path):
     model, src = saved("qwen3_moe")
     manifest = afdc.compile_model(str(src), "1A2F", tmp_path / "art", progress=False, force=False)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import afdc
+from afdc.api import build
 from afdc.runtime import connector as connectors
 from afdc.runtime import wire
 from afdc.runtime.options import RuntimeOptions
@@ -70,9 +71,9 @@ CASES = [
     ("qwen3_moe", "1A2F", {"ffn_parallel": "ep"}, "gloo"),
     ("qwen3_moe", "1A2F", {"ffn_parallel": "tp"}, "gloo"),
     ("qwen3_moe", "2A2F", {"router": "attn"}, "shm"),
-    ("deepseek_v3", "2A2F", {"router": "attn", "dense_ffn": "replicate"}, "gloo"),
+    ("deepseek_v3", "2A2F", {"router": "attn", "dense_ffn": "replicate"}, "gloo"),  # shared experts whole
     ("qwen3_moe", "3A2F", {}, "gloo"),
-    ("qwen2_moe", "2A2F", {}, "shm"),  # a gated shared expert, added on rank 0 only
+    ("qwen2_moe", "2A2F", {}, "shm"),  # a gated shared expert, TP-sharded
     ("deepseek_v3", "1A2F", {"router": "attn"}, "gloo"),
     ("deepseek_v3", "2A2F", {"ffn_parallel": "tp"}, "shm"),
     ("deepseek_v3", "3A2F", {"ffn_parallel": "ep"}, "gloo"),
@@ -142,6 +143,53 @@ def test_expert_routing_keeps_every_tied_choice():
     assert [(s.rank, s.rows.tolist()) for s in shares] == [(0, [0, 2]), (1, [0, 2]), (2, [1, 2])]
     replies = [dispatch.take([hidden, scores], s, 3)[0] * (s.rank + 1) for s in shares]
     assert torch.equal(dispatch.combine(0, replies, shares), hidden * torch.tensor([[3.0], [3.0], [6.0]]))
+
+
+def test_shared_experts_go_with_the_routed_tokens(reference):
+    """A gated shared expert (Qwen2-MoE), held whole on every FFN rank: with the router on the
+    attention side a token still goes only to the 2 ranks of its 2 experts (hidden state, router
+    scores and a one-byte mark telling exactly one of them to add the shared expert) instead of
+    all 4; the tokens are the monolith's."""
+    model, ids, mask, ref = reference("qwen2_moe")
+    hidden, experts = model.config.hidden_size, model.config.num_experts
+    assert experts == 4 and model.config.num_experts_per_tok == 2
+    shared = "model.layers.0.mlp.shared_expert.down_proj.weight"
+    moved = {}
+    for router in ("ffn", "attn"):
+        built = build(model, afdc.Plan.parse("1A4F", router=router))
+        split = dict(zip(built.layers[0].weights, built.segments[0].splits))
+        # broadcast: the shared expert row-split (its one-column gate whole); routed: whole
+        assert split[shared].dim == (1 if router == "ffn" else None)
+        assert split["model.layers.0.mlp.shared_expert_gate.weight"].dim is None
+        dm = afdc.disaggregate(model, "1A4F", connector="shm", router=router)
+        (routing,) = dm.ffn.routing
+        assert routing is None if router == "ffn" else routing.owner is not None
+        with dm.launch(timeout=60):
+            assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+            (snap,) = dm.metrics()
+        moved[router] = snap["bytes_sent"]
+    assert moved["attn"] * 4 * 4 * hidden == moved["ffn"] * 2 * (4 * hidden + 4 * experts + 1), moved
+
+
+def test_each_token_adds_the_shared_term_on_one_of_its_ranks():
+    """The owner mark: every token is owned by exactly one rank it is sent to, the ranks taking
+    turns (an even share of the shared expert's rows), and an empty message stays empty."""
+    routing = ExpertRouting(input=1, per_rank=1, owner=2)
+    ids = torch.tensor([[0, 1], [1, 2], [0, 2], [2, 2], [0, 1], [1, 0]])
+    dispatch = Dispatch(("sum",), ([-1, 4], [-1, 2], [-1, 1]), routing)
+    hidden = torch.randn(6, 4)
+    owned = torch.zeros(6, dtype=torch.long)
+    for share in dispatch.shares([hidden, ids], 6, 3):
+        part = dispatch.take([hidden, ids], share, 6)
+        assert part[2].dtype == torch.bool and part[2].shape == (share.count, 1)
+        assert torch.equal(part[0], hidden[share.rows])
+        owned[share.rows[part[2].flatten()]] += 1
+        assert (ids[share.rows[part[2].flatten()]] == share.rank).any(-1).all()  # owns only what it was sent
+    assert owned.tolist() == [1] * 6
+    owners = ExpertRouting.owners(routing.ranks_of(ids, 3))
+    assert owners.tolist() == [0, 2, 0, 2, 0, 1] and sorted(set(owners.tolist())) == [0, 1, 2]
+    (empty,) = dispatch.shares([hidden[:0], ids[:0]], 0, 3)
+    assert dispatch.take([hidden[:0], ids[:0]], empty, 0)[2].shape == (0, 1)
 
 
 def test_transports_give_the_same_logits(reference):

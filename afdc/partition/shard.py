@@ -20,7 +20,7 @@ import enum
 import itertools
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -249,6 +249,7 @@ class _Propagation:
         for node, w in self.weights.items():
             uses = [self._order[u] for u in node.users]
             self._first_use[w] = min([self._first_use.get(w, len(self._nodes)), *uses])
+        self._weight_nodes = {i: node for node, i in self.weights.items()}
         self._pos = 0
         self._decided_at: dict[int, int] = {}  # weight -> where its decision was made (-1: pinned)
         self._sized_at: dict[tuple, int] = {}  # local_sizes key -> where it was recorded
@@ -318,6 +319,10 @@ class _Propagation:
     def _weight(self, i: int, node: fx.Node) -> Layout:
         lay = Layout(Kind.WEIGHT, weight=i, dims=tuple(range(node.meta["val"].dim())))
         return self._decided_layout(lay) if i in self.decided else lay
+
+    def _size(self, lay: Layout, value_dim: int) -> int:
+        """The size of the weight behind ``lay`` along value dim ``value_dim``."""
+        return self._weight_nodes[lay.weight].meta["val"].shape[lay.dims[value_dim]]
 
     def _decided_layout(self, lay: Layout) -> Layout:
         split = self.decided[lay.weight]
@@ -562,9 +567,9 @@ class _Propagation:
                 lb = self._decide(lb, k_dim(map_b), la.blocks, sections=la.sections)
             elif self.mode is FFNParallel.EP and "e" in map_b.values() and la.kind in _ROW_WISE:
                 lb = self._decide(lb, next(d for d, m in map_b.items() if m == "e"), experts=True)
-            elif la.replicated:
+            elif la.replicated:  # a column split, unless there are fewer columns than ranks (a gate's one)
                 column = max(d for d, m in map_b.items() if isinstance(m, int))
-                lb = self._decide(lb, column)
+                lb = self._decide(lb, column if self._size(lb, column) >= self.ranks else None)
             else:
                 lb = self._decide(lb, None)
         la = self._settle(la)
@@ -850,15 +855,21 @@ def data_parallel(graph: fx.Graph) -> ShardedSegment:
 
 
 def shard_segment(
-    graph: fx.Graph, mode: FFNParallel, ranks: int, label: str = "", names: list[str] | None = None
+    graph: fx.Graph,
+    mode: FFNParallel,
+    ranks: int,
+    label: str = "",
+    names: list[str] | None = None,
+    whole: Collection[int] = (),
 ) -> ShardedSegment:
-    """Decide how ``ranks`` FFN ranks hold the segment's weights and rewrite it to run on one rank.
+    """Decide how ``ranks`` FFN ranks hold the segment's weights and rewrite it to run on one rank;
+    the weights at indices ``whole`` are kept whole on every rank.
 
     ``label`` (the layer) and ``names`` (its weights) only name things in errors.
     """
     weights = _weight_inputs(graph)
     names = names or [w.name for w in weights]
-    prop = _Propagation(graph, mode, ranks, {})
+    prop = _Propagation(graph, mode, ranks, {i: Split() for i in whole})
 
     def refuse(conflict: _Conflict) -> None:
         if any(prop.decided.get(w, Split()).experts for w in conflict.blame):
@@ -871,9 +882,8 @@ def shard_segment(
     reduce, reasons = prop.settle(refuse)
     splits = [prop.decided.get(i, Split()) for i in range(len(weights))]
     if all(s.dim is None for s in splits) and any(w.meta["val"].dim() >= 2 for w in weights):
-        raise PlanError(
-            f"{label}: the FFN cannot be split over {ranks} ranks ({'; then '.join(reasons)}); use one FFN rank"
-        )
+        why = "; then ".join(reasons) or "no op it runs has a rule that splits its weights"
+        raise PlanError(f"{label}: the FFN cannot be split over {ranks} ranks ({why}); use one FFN rank")
     _check_divisible(names, weights, splits, ranks, label)
     return ShardedSegment(_rewrite(graph, prop, ranks), splits, reduce)
 

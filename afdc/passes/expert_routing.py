@@ -8,14 +8,20 @@ after kernel substitution (:func:`afdc.passes.fuse_moe.fuse_moe`) the segment's 
 must be one ``afdc::fused_moe`` (up to casts and views), whose op contract is "choices of experts
 outside ``[first, first + E_local)`` add zero", with ``first = rank * E_local``; its activations
 must be an input's rows; its expert ids must be an input, or the top-k of an input's scores; and
-its routing weights must be computed row by row. Shared experts or dense terms added to the
-output fail the first condition and keep the broadcast.
+its routing weights must be computed row by row.
+
+A term added to the fused MoE on one rank only (a shared expert every rank holds whole, which
+sharding adds where ``rank == 0``) would be lost for tokens rank 0 is not sent. :func:`owner_mask`
+rewrites that condition into a per-row mask input that the attention side fills, marking for each
+token one of the ranks it is sent to; the proof then also accepts ``fused_moe + term * mask`` with
+``term`` computed row by row from the inputs and weights.
 """
 
 from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from afdc.passes import graph_facts as gf
@@ -26,7 +32,8 @@ from afdc.runtime.programs import ExpertRouting, row_major, token_major
 _PASS_THROUGH = {"view", "reshape", "to", "_to_copy", "contiguous", "clone"}
 # ops that compute each token's row from that row alone, given reductions over the last dim only
 _ROW_LOCAL = _PASS_THROUGH | {
-    "topk", "softmax", "sigmoid", "div", "div_", "mul", "mul_", "add", "sum", "amax", "unsqueeze",
+    "topk", "softmax", "sigmoid", "div", "div_", "mul", "mul_", "add", "sub", "neg", "sum", "amax", "unsqueeze",
+    "silu", "gelu", "relu", "tanh", "exp", "linear",  # linear contracts its input's last dim only
 }
 
 
@@ -51,16 +58,23 @@ def _over_last_dim(node: fx.Node) -> bool:
     return True
 
 
+def _weight(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "placeholder" and node.name.startswith("w")
+
+
 def _row_local(node, inputs: set[fx.Node], tokens) -> bool:
-    """Whether ``node`` is computed from the ``inputs`` row by row (token-major all the way)."""
+    """Whether ``node`` is computed from the ``inputs`` row by row (token-major all the way);
+    weights may enter as a linear's weight and bias, or broadcast over the rows."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
         if not isinstance(n, fx.Node) or n in seen:
             continue
         seen.add(n)
-        if n in inputs:
+        if n in inputs or _weight(n):
             continue
+        if gf.op_name(n) == "linear" and not all(_weight(w) for w in n.args[1:] if w is not None):
+            return False  # a token-dependent weight would mix rows
         local = n.target is operator.getitem or (gf.op_name(n) in _ROW_LOCAL and _over_last_dim(n))
         token_major = val(n) is None or row_major(gf.token_layout(n, tokens))  # a tuple: its items are checked
         if n.op != "call_function" or not local or not token_major:
@@ -83,6 +97,53 @@ def _routing_key(ids, inputs: list[fx.Node]) -> tuple[int, int | None] | None:
     return (inputs.index(topk.args[0]), int(topk.args[1])) if largest else None
 
 
+def _lead_terms(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]] | None:
+    """``(rank == 0, term * (rank == 0))`` for each term sharding added on rank 0 only; None when
+    such a condition is used any other way."""
+    rank = graph.find_nodes(op="placeholder")[-1]
+    leads = [u for u in rank.users if u.target is operator.eq and u.args == (rank, 0)]
+    uses = [(lead, m) for lead in leads for m in lead.users]
+    if not all(gf.op_name(m) == "mul" and m.args[1] is lead and len(m.users) for lead, m in uses):
+        return None
+    return uses
+
+
+def owner_mask(graph: fx.Graph, tokens) -> fx.Graph | None:
+    """The segment with its rank-0-only terms added instead on the rows that a new last input
+    (a bool per token, ``[tokens..., 1]``) marks; None when there are none, or they are not all
+    token-major rows of one shape."""
+    uses = _lead_terms(graph)
+    if not uses:
+        return None
+    layouts = [gf.token_layout(m.args[0], tokens) for _, m in uses]
+    if not row_major(layouts[0]) or any(lay != layouts[0] for lay in layouts):
+        return None
+    new = copy_graph(graph)
+    placeholders = new.find_nodes(op="placeholder")
+    inputs = [p for p in placeholders if p.name.startswith("x")]
+    with new.inserting_before(placeholders[-1]):
+        mask = new.placeholder(f"x{len(inputs)}")
+    term = val(_lead_terms(new)[0][1].args[0])
+    mask.meta["val"] = term.new_empty((*term.shape[:-1], 1), dtype=torch.bool)
+    for lead, m in _lead_terms(new):
+        m.replace_input_with(lead, mask)
+        if not lead.users:
+            new.erase_node(lead)
+    new.lint()
+    return new
+
+
+def _masked_term(node, inputs: list[fx.Node]) -> tuple[fx.Node, fx.Node, int] | None:
+    """``(a, term, mask input index)`` when ``node`` is ``a + term * mask``."""
+    if gf.op_name(node) != "add":
+        return None
+    for a, b in (node.args[:2], node.args[1::-1]):
+        mask = b.args[1] if isinstance(b, fx.Node) and gf.op_name(b) == "mul" else None
+        if mask in inputs and val(mask).dtype == torch.bool:
+            return a, b.args[0], inputs.index(mask)
+    return None
+
+
 def expert_routing(graph: fx.Graph, tokens) -> ExpertRouting | None:
     """How to send a sharded EP segment's tokens only to their experts' ranks, or None when the
     graph does not prove it exact. ``tokens`` are the capture's token symbols."""
@@ -95,7 +156,11 @@ def expert_routing(graph: fx.Graph, tokens) -> ExpertRouting | None:
     outs = output.args[0]
     if len(outs) != 1 or not all(token_major(gf.token_layout(n, tokens)) for n in [*inputs, outs[0]]):
         return None
-    moe = _source(outs[0])
+    moe, owner = _source(outs[0]), None
+    if (masked := _masked_term(moe, inputs)) is not None:
+        moe, term, owner = _source(masked[0]), masked[1], masked[2]
+        if not _row_local(term, set(inputs), tokens):
+            return None
     if gf.op_name(moe) != "fused_moe" or moe.target.namespace != "afdc":
         return None
     x, _, _, weights, ids, first, _ = moe.args
@@ -108,4 +173,4 @@ def expert_routing(graph: fx.Graph, tokens) -> ExpertRouting | None:
         return None
     if not _row_local(weights, set(inputs), tokens):
         return None
-    return ExpertRouting(input=key[0], per_rank=local, top_k=key[1])
+    return ExpertRouting(input=key[0], per_rank=local, top_k=key[1], owner=owner)

@@ -200,12 +200,15 @@ class ExpertRouting:
     on its graph, :mod:`afdc.passes.expert_routing`), so a rank's result for a token that chose
     none of its experts is exactly zero and the token need not be sent. Input ``input`` holds each
     token's expert ids, or with ``top_k`` its router scores, whose ``top_k`` largest are chosen;
-    rank r holds experts ``[r * per_rank, (r + 1) * per_rank)``.
+    rank r holds experts ``[r * per_rank, (r + 1) * per_rank)``. With ``owner``, the segment also
+    adds a term every rank can compute (a shared expert held whole) on the rows its input
+    ``owner`` marks: the attention side marks each token on exactly one rank it is sent to.
     """
 
     input: int
     per_rank: int
     top_k: int | None = None
+    owner: int | None = None
 
     def ranks_of(self, key: torch.Tensor, ranks: int) -> torch.Tensor:
         """``[tokens, ranks]``: whether each token needs each rank. With scores, every expert
@@ -217,15 +220,25 @@ class ExpertRouting:
         kth = key.topk(self.top_k, dim=-1).values[:, -1:]
         return (key >= kth).view(key.shape[0], ranks, self.per_rank).any(-1)
 
+    @staticmethod
+    def owners(needed: torch.Tensor) -> torch.Tensor:
+        """For each token, one of the ranks it needs, taken in turn by token index so that the
+        ranks share the owned rows evenly: ``[tokens]`` rank ids."""
+        count = needed.sum(1).clamp(min=1)
+        turn = torch.arange(needed.shape[0], device=needed.device) % count
+        return ((needed.cumsum(1) == (turn + 1)[:, None]) & needed).int().argmax(1)
+
 
 @dataclass(frozen=True)
 class Share:
-    """The tokens a message sends FFN rank ``rank``: ``[start, stop)``, or the rows ``rows``."""
+    """The tokens a message sends FFN rank ``rank``: ``[start, stop)``, or the rows ``rows``,
+    of which ``owned`` marks those whose rank-shared term this rank adds."""
 
     rank: int
     start: int
     stop: int
     rows: torch.Tensor | None = field(default=None, compare=False)
+    owned: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def count(self) -> int:
@@ -260,9 +273,14 @@ class Dispatch:
         if self.experts is not None:
             key = _rows(inputs[self.experts.input], tokens)
             needed = self.experts.ranks_of(key, ranks)
-            shares = [Share(r, 0, tokens, needed[:, r].nonzero().flatten()) for r in range(ranks)]
-            shares = [s for s in shares if s.count]
-            return shares or [Share(0, 0, 0, needed.new_zeros(0, dtype=torch.long))]
+            owner = self.experts.owners(needed) if self.experts.owner is not None else None
+            shares = []
+            for r in range(ranks):
+                rows = needed[:, r].nonzero().flatten()
+                if rows.numel():
+                    shares.append(Share(r, 0, tokens, rows, None if owner is None else owner[rows] == r))
+            empty = needed.new_zeros(0, dtype=torch.long)
+            return shares or [Share(0, 0, 0, empty, None if owner is None else empty.bool())]
         if self.by_rows:
             bounds = [r * tokens // ranks for r in range(ranks + 1)]
             shares = [Share(r, lo, hi) for r, (lo, hi) in enumerate(itertools.pairwise(bounds)) if hi > lo]
@@ -276,7 +294,10 @@ class Dispatch:
         if not self.partial_rows:
             return inputs
         rows = slice(share.start, share.stop) if share.rows is None else share.rows
-        return [_rows(x, tokens)[rows].reshape(_at_tokens(lay, share.count)) for x, lay in zip(inputs, self.inputs)]
+        parts = [_rows(x, tokens)[rows].reshape(_at_tokens(lay, share.count)) for x, lay in zip(inputs, self.inputs)]
+        if share.owned is not None:  # the segment's last input, filled here rather than by the attention program
+            parts.append(share.owned.reshape(_at_tokens(self.inputs[self.experts.owner], share.count)))
+        return parts
 
     def tokens(self, inputs: list[torch.Tensor]) -> int:
         """The token count of a message (only dispatch by rows needs it; others answer 0)."""
