@@ -29,7 +29,7 @@ from afdc.passes.fuse_moe import fuse_moe
 from afdc.passes.fusion import copy_graph, val
 from afdc.runtime.programs import ExpertRouting, row_major, token_major
 
-_PASS_THROUGH = {"view", "reshape", "to", "_to_copy", "contiguous", "clone"}
+_PASS_THROUGH = {"view", "reshape", "to", "_to_copy", "type_as", "contiguous", "clone"}
 # ops that compute each token's row from that row alone, given reductions over the last dim only
 _ROW_LOCAL = _PASS_THROUGH | {
     "topk", "softmax", "sigmoid", "div", "div_", "mul", "mul_", "add", "sub", "neg", "sum", "amax", "unsqueeze",
