@@ -33,7 +33,7 @@ _PASS_THROUGH = {"view", "reshape", "to", "_to_copy", "type_as", "contiguous", "
 # ops that compute each token's row from that row alone, given reductions over the last dim only
 _ROW_LOCAL = _PASS_THROUGH | {
     "topk", "softmax", "sigmoid", "div", "div_", "mul", "mul_", "add", "sub", "neg", "sum", "amax", "unsqueeze",
-    "silu", "gelu", "relu", "tanh", "exp", "linear",  # linear contracts its input's last dim only
+    "silu", "gelu", "relu", "tanh", "exp", "chunk", "linear",  # linear contracts its input's last dim only
 }
 
 
@@ -50,6 +50,8 @@ def _over_last_dim(node: fx.Node) -> bool:
         return (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) in (-1, last)
     if name == "softmax":
         return node.args[1] in (-1, last)
+    if name == "chunk":
+        return (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) in (-1, last)
     if name in ("sum", "amax"):
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         return isinstance(dims, (list, tuple)) and list(dims) in ([-1], [last])
