@@ -15,8 +15,14 @@
     ``replicate`` (each rank serves its own share of the tokens): bytes exchanged per generated
     token and tokens/s, as ratios replicate / tp.
 
-The processes share this machine's cores, so (b) and (c) measure overhead, not the AFD speed-up
-a separate FFN pool gives.
+(d) A MoE with a shared expert over 4 FFN ranks (1A4F shm, m = 1), ~100M-parameter
+    Qwen2-MoE-shaped (16 experts, top-2, a gated shared expert): the router on the FFN side (every
+    token to every rank, shared expert TP-sharded) against the attention side (each token only to
+    its experts' ranks, the shared expert whole on each rank and added by one of them): bytes
+    exchanged per generated token and tokens/s, as ratios attn / ffn.
+
+The processes share this machine's cores, so (b), (c) and (d) measure overhead, not the AFD
+speed-up a separate FFN pool gives.
 
 Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8]
 """
@@ -179,17 +185,47 @@ def dense_placement(batch: int, new_tokens: int) -> None:
     for dense in ("tp", "replicate"):
         dm = afdc.disaggregate(model, "1A2F", connector="shm", dense_ffn=dense)
         with dm.launch(log_interval=0):
-            dm.generate(ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0)  # warm-up
-            (before,) = dm.metrics()
-            t = time.perf_counter()
-            dm.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0)
-            rate = batch * new_tokens / (time.perf_counter() - t)
-            (after,) = dm.metrics()
-        moved = sum(after[k] - before[k] for k in ("bytes_sent", "bytes_received")) / (batch * new_tokens)
-        measured[dense] = (moved, rate)
+            moved, rate = measured[dense] = _exchanged_per_token(dm, ids, mask, new_tokens)
         print(f"{dense:<12}{moved:>13,.0f}{rate:>10.1f}")
     (tp_bytes, tp_rate), (rep_bytes, rep_rate) = measured["tp"], measured["replicate"]
     print(f"{'ratio':<12}{rep_bytes / tp_bytes:>13.2f}{rep_rate / tp_rate:>10.2f}   (replicate / tp)")
+
+
+def _exchanged_per_token(dm, ids, mask, new_tokens: int) -> tuple[float, float]:
+    """(bytes both ways per generated token, tokens/s) of a launched deployment, after a warm-up."""
+    dm.generate(ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0)
+    (before,) = dm.metrics()
+    t = time.perf_counter()
+    dm.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0)
+    rate = ids.shape[0] * new_tokens / (time.perf_counter() - t)
+    (after,) = dm.metrics()
+    moved = sum(after[k] - before[k] for k in ("bytes_sent", "bytes_received")) / (ids.shape[0] * new_tokens)
+    return moved, rate
+
+
+def shared_expert_routing(batch: int, new_tokens: int) -> None:
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=16000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=384,
+        shared_expert_intermediate_size=768, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        num_experts=16, num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, cfg.vocab_size, (batch, 16))
+    mask = torch.ones_like(ids)
+    print(f"\n(d) MoE with a shared expert over 4 FFN ranks (1A4F shm, m=1), Qwen2-MoE-shaped, batch {batch}, "
+          f"{new_tokens} new tokens")
+    print(f"{'--router':<12}{'bytes/token':>13}{'tokens/s':>10}")
+    measured = {}
+    for router in ("ffn", "attn"):
+        dm = afdc.disaggregate(model, "1A4F", connector="shm", router=router)
+        with dm.launch(log_interval=0):
+            measured[router] = _exchanged_per_token(dm, ids, mask, new_tokens)
+        print(f"{router:<12}{measured[router][0]:>13,.0f}{measured[router][1]:>10.1f}")
+    (ffn_bytes, ffn_rate), (attn_bytes, attn_rate) = measured["ffn"], measured["attn"]
+    print(f"{'ratio':<12}{attn_bytes / ffn_bytes:>13.2f}{attn_rate / ffn_rate:>10.2f}   (attn / ffn)")
 
 
 def main() -> None:
@@ -213,6 +249,7 @@ def main() -> None:
             )
     decode_rates(args.batch, args.new_tokens)
     dense_placement(args.batch, args.new_tokens)
+    shared_expert_routing(args.batch, args.new_tokens)
 
 
 if __name__ == "__main__":
