@@ -167,6 +167,31 @@ def decode_rates(batch: int, new_tokens: int) -> None:
                 print(f"{f'afdc 1A1F {connector}, m={m}':<34}{rate:>10.1f}{rate / base:>13.2f}")
 
 
+def _placements(title: str, model, plan: str, option: str, values: tuple[str, str], batch: int, new_tokens: int):
+    """Bytes exchanged per generated token and tokens/s of ``model`` under ``plan`` over shm for
+    two values of one plan option, and their ratios (second / first)."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, model.config.vocab_size, (batch, 16))
+    mask = torch.ones_like(ids)
+    print(f"\n{title}, batch {batch}, {new_tokens} new tokens")
+    print(f"{'--' + option.replace('_', '-'):<12}{'bytes/token':>13}{'tokens/s':>10}")
+    measured = []
+    for value in values:
+        dm = afdc.disaggregate(model, plan, connector="shm", **{option: value})
+        with dm.launch(log_interval=0):
+            dm.generate(ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0)  # warm-up
+            (before,) = dm.metrics()
+            t = time.perf_counter()
+            dm.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0)
+            rate = batch * new_tokens / (time.perf_counter() - t)
+            (after,) = dm.metrics()
+        moved = sum(after[k] - before[k] for k in ("bytes_sent", "bytes_received")) / (batch * new_tokens)
+        measured.append((moved, rate))
+        print(f"{value:<12}{moved:>13,.0f}{rate:>10.1f}")
+    (bytes0, rate0), (bytes1, rate1) = measured
+    print(f"{'ratio':<12}{bytes1 / bytes0:>13.2f}{rate1 / rate0:>10.2f}   ({values[1]} / {values[0]})")
+
+
 def dense_placement(batch: int, new_tokens: int) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -176,31 +201,8 @@ def dense_placement(batch: int, new_tokens: int) -> None:
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    ids = torch.randint(1, cfg.vocab_size, (batch, 16))
-    mask = torch.ones_like(ids)
-    print(f"\n(c) dense FFN layers over 2 FFN ranks (1A2F shm, m=1), Llama-shaped, batch {batch}, "
-          f"{new_tokens} new tokens")
-    print(f"{'--dense-ffn':<12}{'bytes/token':>13}{'tokens/s':>10}")
-    measured = {}
-    for dense in ("tp", "replicate"):
-        dm = afdc.disaggregate(model, "1A2F", connector="shm", dense_ffn=dense)
-        with dm.launch(log_interval=0):
-            moved, rate = measured[dense] = _exchanged_per_token(dm, ids, mask, new_tokens)
-        print(f"{dense:<12}{moved:>13,.0f}{rate:>10.1f}")
-    (tp_bytes, tp_rate), (rep_bytes, rep_rate) = measured["tp"], measured["replicate"]
-    print(f"{'ratio':<12}{rep_bytes / tp_bytes:>13.2f}{rep_rate / tp_rate:>10.2f}   (replicate / tp)")
-
-
-def _exchanged_per_token(dm, ids, mask, new_tokens: int) -> tuple[float, float]:
-    """(bytes both ways per generated token, tokens/s) of a launched deployment, after a warm-up."""
-    dm.generate(ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0)
-    (before,) = dm.metrics()
-    t = time.perf_counter()
-    dm.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0)
-    rate = ids.shape[0] * new_tokens / (time.perf_counter() - t)
-    (after,) = dm.metrics()
-    moved = sum(after[k] - before[k] for k in ("bytes_sent", "bytes_received")) / (ids.shape[0] * new_tokens)
-    return moved, rate
+    title = "(c) dense FFN layers over 2 FFN ranks (1A2F shm, m=1), Llama-shaped"
+    _placements(title, model, "1A2F", "dense_ffn", ("tp", "replicate"), batch, new_tokens)
 
 
 def shared_expert_routing(batch: int, new_tokens: int) -> None:
@@ -213,19 +215,8 @@ def shared_expert_routing(batch: int, new_tokens: int) -> None:
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    ids = torch.randint(1, cfg.vocab_size, (batch, 16))
-    mask = torch.ones_like(ids)
-    print(f"\n(d) MoE with a shared expert over 4 FFN ranks (1A4F shm, m=1), Qwen2-MoE-shaped, batch {batch}, "
-          f"{new_tokens} new tokens")
-    print(f"{'--router':<12}{'bytes/token':>13}{'tokens/s':>10}")
-    measured = {}
-    for router in ("ffn", "attn"):
-        dm = afdc.disaggregate(model, "1A4F", connector="shm", router=router)
-        with dm.launch(log_interval=0):
-            measured[router] = _exchanged_per_token(dm, ids, mask, new_tokens)
-        print(f"{router:<12}{measured[router][0]:>13,.0f}{measured[router][1]:>10.1f}")
-    (ffn_bytes, ffn_rate), (attn_bytes, attn_rate) = measured["ffn"], measured["attn"]
-    print(f"{'ratio':<12}{attn_bytes / ffn_bytes:>13.2f}{attn_rate / ffn_rate:>10.2f}   (attn / ffn)")
+    title = "(d) MoE with a shared expert over 4 FFN ranks (1A4F shm, m=1), Qwen2-MoE-shaped"
+    _placements(title, model, "1A4F", "router", ("ffn", "attn"), batch, new_tokens)
 
 
 def main() -> None:
