@@ -76,11 +76,23 @@ def _transposed_experts(node) -> fx.Node:
     return weights
 
 
+def _halves(node: fx.Node) -> bool:
+    """Whether ``node`` cuts its ``[pairs, 2n]`` input into two ``n`` halves along the last dim:
+    ``chunk(2)``, ``split(n)`` or ``split_with_sizes([n, n])``."""
+    name, width = op_name(node), val(node.args[0]).shape[-1]
+    if arg(node, 2, "dim", 0) not in (-1, 1):
+        return False
+    if name == "chunk":
+        return node.args[1] == 2
+    if name == "split":
+        return node.args[1] * 2 == width
+    return name == "split_with_sizes" and list(node.args[1]) == [width // 2] * 2 and width % 2 == 0
+
+
 def _gated(up_proj: fx.Node) -> tuple[fx.Node, str]:
     """Past ``gate_up = rows @ W1^T``: ``act(gate) * up`` of its two halves; returns the product."""
     chunk = only_user(up_proj)
-    expect(op_name(chunk) == "chunk" and chunk.args[1] == 2 and arg(chunk, 2, "dim", 0) in (-1, 1),
-           "gate and up are not the two halves of the last dim")
+    expect(_halves(chunk), "gate and up are not the two halves of the last dim")
     halves = sorted(chunk.users, key=lambda n: n.args[1] if n.target is operator.getitem else -1)
     expect([h.args[1] if h.target is operator.getitem else -1 for h in halves] == [0, 1], "halves not gate, up")
     gate, up = halves
@@ -163,7 +175,7 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     unsort = only_user(scale)
     expect(op_name(unsort) == "index" and len(unsort.args[1]) == 1, "rows are not put back in choice order")
     inverse = unsort.args[1][0]
-    expect(op_name(inverse) == "index_put_" and list(inverse.args[1]) == [perm], "not the sort's inverse")
+    expect(op_name(inverse) in ("index_put_", "index_put") and list(inverse.args[1]) == [perm], "not the sort's inverse")
     per_choice = only_user(unsort)
     expect(op_name(per_choice) in ("view", "reshape") and val(per_choice).shape[1:] == (k, val(x).shape[1]),
            "not viewed as [tokens, k, hidden]")
