@@ -57,7 +57,9 @@ def test_substituted_kernels_match_the_monolith(model_type):
 
 
 # qwen2_moe: a shared expert under the owner mark; minimax_m2: its rank's gate/up cut by split(n)
-@pytest.mark.parametrize(("model_type", "router"), [("qwen3_moe", "ffn"), ("qwen2_moe", "attn"), ("minimax_m2", "attn")])
+@pytest.mark.parametrize(
+    ("model_type", "router"), [("qwen3_moe", "ffn"), ("qwen2_moe", "attn"), ("minimax_m2", "attn")]
+)
 def test_afdc_backend_expert_parallel_with_micro_batches(model_type, router):
     """``--backend afdc`` end to end: kernels in, Inductor for the rest, 1A2F expert-parallel
     (each rank's fused MoE computes only its experts), two micro-batches on two threads; with the

@@ -175,7 +175,8 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     unsort = only_user(scale)
     expect(op_name(unsort) == "index" and len(unsort.args[1]) == 1, "rows are not put back in choice order")
     inverse = unsort.args[1][0]
-    expect(op_name(inverse) in ("index_put_", "index_put") and list(inverse.args[1]) == [perm], "not the sort's inverse")
+    expect(op_name(inverse) in ("index_put_", "index_put") and list(inverse.args[1]) == [perm],
+           "not the sort's inverse")
     per_choice = only_user(unsort)
     expect(op_name(per_choice) in ("view", "reshape") and val(per_choice).shape[1:] == (k, val(x).shape[1]),
            "not viewed as [tokens, k, hidden]")
