@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 from safetensors.torch import load_file, save_file
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 import afdc
 from afdc.api import Built, build
@@ -341,6 +341,17 @@ def _load(
     )
 
 
+def _generation_config(directory: Path) -> GenerationConfig | None:
+    """What the model's own ``generate`` stops and pads with: its checkpoint's generation config,
+    else its config's defaults; None for an artifact compiled without weights (no model files)."""
+    files = directory / mf.MODEL_DIR
+    if (files / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(files)
+    if (files / "config.json").is_file():
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(files))
+    return None
+
+
 def deployment_of(directory: str | Path) -> tuple[Layout, bytes]:
     """The slots of an artifact's plan and the id its ranks check on every message (from the
     manifest's bytes, so ranks of different compiles never mix)."""
@@ -364,6 +375,7 @@ def load_deployment(
         ffn,
         manifest.incremental_decode,
         None,
+        _generation_config(directory),
         micro_batches=plan.micro_batches,
         deployment=deployment_of(directory)[1],
         artifact=directory,

@@ -33,12 +33,15 @@ def demo_model(seed: int = 0) -> PreTrainedModel:
     return model
 
 
-def demo_batch(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts, the first left-padded by three tokens."""
+def demo_batch(
+    vocab: int, seed: int = 1, shape: tuple[int, int] = (2, 12), pads: tuple[int, ...] = (3,)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts (``shape``), row i left-padded by ``pads[i]`` pad tokens (id 0)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (2, 12), generator=g)
+    ids = torch.randint(1, vocab, shape, generator=g)
     mask = torch.ones_like(ids)
-    ids[0, :3], mask[0, :3] = 0, 0
+    for row, pad in enumerate(pads):
+        ids[row, :pad], mask[row, :pad] = 0, 0
     return ids, mask
 
 

@@ -13,6 +13,7 @@ import torch
 
 import afdc
 from afdc.artifact.manifest import ArtifactError, read_manifest
+from afdc.demo import demo_batch
 from afdc.partition.shard import Split
 from afdc.runtime.rendezvous import PeerLost
 from afdc.runtime.tensor_parallel import TensorParallelAttention
@@ -24,12 +25,7 @@ def _model(model_type: str):
 
 
 def _batch(vocab: int):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (3, 7), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    mask[2, :1] = 0
-    return ids, mask
+    return demo_batch(vocab, seed=1, shape=(3, 7), pads=(3, 0, 1))
 
 
 def _check(model, dm, new_tokens: int = 4):

@@ -13,6 +13,7 @@ import torch
 
 import afdc
 from afdc.codegen import backend as backends
+from afdc.demo import demo_batch
 from afdc.errors import PlanError
 from afdc.runtime.model import positions_from_mask
 from models_supported import catalog
@@ -22,11 +23,7 @@ pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 
 def _batch(vocab: int):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (3, 7), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    return ids, mask
+    return demo_batch(vocab, seed=0, shape=(3, 7), pads=(3,))
 
 # What each model's programs must end up with: the residual add fused into every norm but the
 # first, the gated MLP's activation, the MoE block and its softmax router.
@@ -54,6 +51,21 @@ def test_substituted_kernels_match_the_monolith(model_type):
         torch.testing.assert_close(got[valid], ref[valid], atol=1e-4, rtol=1e-4)
         want = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=3), want)
+
+
+def test_a_bf16_model_gets_the_same_kernels():
+    """In a model loaded in bf16, transformers' ``x.to(weight.dtype)`` casts values to the dtype
+    they already have; the patterns see through them, so the kernels are those of fp32."""
+    model = catalog.build(catalog.entry("qwen3_moe")).to(torch.bfloat16)
+    dm = afdc.disaggregate(model, "1A1F")
+    assert substitute_eagerly(dm) == collections.Counter(EXPECTED["qwen3_moe"])
+    ids, mask = _batch(model.config.vocab_size)
+    pos = positions_from_mask(mask)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+        got = dm(ids, attention_mask=mask, position_ids=pos).logits.float()
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], ref[valid], atol=2e-2, rtol=2e-2)  # bf16 rounding
 
 
 # qwen2_moe: a shared expert under the owner mark; minimax_m2: its rank's gate/up cut by split(n)

@@ -16,6 +16,7 @@ import afdc
 from afdc.artifact.checkpoint import CheckpointError
 from afdc.artifact.manifest import ArtifactError, read_manifest
 from afdc.cli import main
+from afdc.demo import demo_batch
 from afdc.errors import AfdcError
 from afdc.runtime.programs import ExpertRouting
 from models_supported import catalog
@@ -46,12 +47,7 @@ def saved(tmp_path_factory):
 
 
 def _batch(vocab: int):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (3, 9), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0  # left padding
-    ids[0, :4] = 0
-    return ids, mask
+    return demo_batch(vocab, seed=0, shape=(3, 9), pads=(4,))
 
 
 def _reference(model, ids, mask):

@@ -83,7 +83,14 @@ def float_cast(node) -> bool:
 
 
 def strip_float_casts(node):
-    while float_cast(node) and val(node.args[0]) is not None and val(node.args[0]).is_floating_point():
+    """``node`` past the casts that change no value: to float32 from a floating type, or to the
+    dtype it already has (transformers' ``x.to(weight.dtype)`` in a model loaded in bf16)."""
+    while isinstance(node, fx.Node) and op_name(node) in ("to", "_to_copy", "type_as"):
+        source = val(node.args[0])
+        if source is None or val(node) is None:
+            break
+        if not (float_cast(node) and source.is_floating_point()) and val(node).dtype != source.dtype:
+            break
         node = node.args[0]
     return node
 
