@@ -182,17 +182,21 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
            "not viewed as [tokens, k, hidden]")
     total = only_user(per_choice)
     expect(op_name(total) == "sum" and list(total.args[1]) in ([1], [-2]), "the k choices are not summed")
-    expect(val(total).dtype == val(x).dtype, "the layer's output dtype differs from its input's")
+    out = total
+    if val(total).dtype != val(x).dtype:  # float32 routing weights widened the sum: its cast back
+        out = only_user(total)
+        expect(op_name(out) in ("to", "_to_copy") and val(out).dtype == val(x).dtype,
+               "the layer's output dtype differs from its input's")
     expect(val(w_gate_up).shape[0] == val(w_down).shape[0], "gate/up and down hold different experts")
 
-    weights, ids = _as_pairs(graph, weights, k, total), _as_pairs(graph, ids, k, total)
-    with graph.inserting_before(total):
+    weights, ids = _as_pairs(graph, weights, k, out), _as_pairs(graph, ids, k, out)
+    with graph.inserting_before(out):
         fused = graph.call_function(
             torch.ops.afdc.fused_moe.default, (x, w_gate_up, w_down, weights, ids, first, activation)
         )
-    fused.meta = dict(total.meta)
-    total.replace_all_uses_with(fused)
-    erase_unused(graph, [total])
+    fused.meta = dict(out.meta)
+    out.replace_all_uses_with(fused)
+    erase_unused(graph, [out])
 
 
 def _rewrite_router(graph: fx.Graph, topk: fx.Node) -> None:
