@@ -139,10 +139,11 @@ def _shard_one(
 def _routed(segment: ShardedSegment, tokens) -> tuple[ShardedSegment, ExpertRouting | None]:
     """An expert-parallel segment with proven routing: as it is, or with its rank-0-only terms
     moved to rows the attention side marks; else the segment unchanged, broadcast to every rank."""
-    if (routing := expert_routing(segment.graph, tokens)) is not None:
+    whole = [i for i, split in enumerate(segment.splits) if split.dim is None]
+    if (routing := expert_routing(segment.graph, tokens, whole)) is not None:
         return segment, routing
     masked = owner_mask(segment.graph, tokens)
-    if masked is not None and (routing := expert_routing(masked, tokens)) is not None:
+    if masked is not None and (routing := expert_routing(masked, tokens, whole)) is not None:
         return replace(segment, graph=masked), routing
     return segment, None
 

@@ -20,6 +20,7 @@ token one of the ranks it is sent to; the proof then also accepts ``fused_moe + 
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection
 
 import torch
 import torch.fx as fx
@@ -60,22 +61,19 @@ def _over_last_dim(node: fx.Node) -> bool:
     return True
 
 
-def _weight(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "placeholder" and node.name.startswith("w")
-
-
-def _row_local(node, inputs: set[fx.Node], tokens) -> bool:
-    """Whether ``node`` is computed from the ``inputs`` row by row (token-major all the way);
-    weights may enter as a linear's weight and bias, or broadcast over the rows."""
+def _row_local(node, inputs: set[fx.Node], tokens, whole: frozenset[fx.Node] = frozenset()) -> bool:
+    """Whether ``node`` is computed from the ``inputs`` row by row (token-major all the way),
+    the same on every rank: weights may enter only if every rank holds them ``whole``, as a
+    linear's weight and bias or broadcast over the rows."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
         if not isinstance(n, fx.Node) or n in seen:
             continue
         seen.add(n)
-        if n in inputs or _weight(n):
+        if n in inputs or n in whole:
             continue
-        if gf.op_name(n) == "linear" and not all(_weight(w) for w in n.args[1:] if w is not None):
+        if gf.op_name(n) == "linear" and not all(w in whole for w in n.args[1:] if w is not None):
             return False  # a token-dependent weight would mix rows
         local = n.target is operator.getitem or (gf.op_name(n) in _ROW_LOCAL and _over_last_dim(n))
         token_major = val(n) is None or row_major(gf.token_layout(n, tokens))  # a tuple: its items are checked
@@ -146,13 +144,16 @@ def _masked_term(node, inputs: list[fx.Node]) -> tuple[fx.Node, fx.Node, int] | 
     return None
 
 
-def expert_routing(graph: fx.Graph, tokens) -> ExpertRouting | None:
+def expert_routing(graph: fx.Graph, tokens, whole: Collection[int] = ()) -> ExpertRouting | None:
     """How to send a sharded EP segment's tokens only to their experts' ranks, or None when the
-    graph does not prove it exact. ``tokens`` are the capture's token symbols."""
+    graph does not prove it exact. ``tokens`` are the capture's token symbols; ``whole`` the
+    indices of the weights every rank holds whole (the graph keeps full shapes, so it cannot say)."""
     copy = copy_graph(graph)
     fuse_moe(copy)
     placeholders = copy.find_nodes(op="placeholder")
     inputs = [p for p in placeholders if p.name.startswith("x")]
+    weight_inputs = [p for p in placeholders if p.name.startswith("w")]
+    whole_weights = frozenset(weight_inputs[i] for i in whole)
     rank = placeholders[-1]
     (output,) = copy.find_nodes(op="output")
     outs = output.args[0]
@@ -161,7 +162,7 @@ def expert_routing(graph: fx.Graph, tokens) -> ExpertRouting | None:
     moe, owner = _source(outs[0]), None
     if (masked := _masked_term(moe, inputs)) is not None:
         moe, term, owner = _source(masked[0]), masked[1], masked[2]
-        if not _row_local(term, set(inputs), tokens):
+        if not _row_local(term, set(inputs), tokens, whole_weights):
             return None
     if gf.op_name(moe) != "fused_moe" or moe.target.namespace != "afdc":
         return None
@@ -173,6 +174,6 @@ def expert_routing(graph: fx.Graph, tokens) -> ExpertRouting | None:
     key = _routing_key(ids, inputs)
     if not isinstance(local, int) or key is None or _source(x) not in inputs:
         return None
-    if not _row_local(weights, set(inputs), tokens):
+    if not _row_local(weights, set(inputs), tokens, whole_weights):
         return None
     return ExpertRouting(input=key[0], per_rank=local, top_k=key[1], owner=owner)
