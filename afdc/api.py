@@ -125,8 +125,10 @@ def _shard_one(
         if replicate and not _stacked_weights(graph):  # a dense layer need not split to be replicated
             return data_parallel(graph), None
         raise
-    if sharded.describe() != "ep" or plan.router != "attn":
-        return (data_parallel(graph) if replicate and sharded.describe() != "ep" else sharded), None
+    if sharded.describe() != "ep":
+        return (data_parallel(graph) if replicate else sharded), None
+    if plan.router != "attn":  # every rank sees every token: nothing to route
+        return sharded, None
     routed = _routed(sharded, tokens)
     shared = [i for i, s in enumerate(sharded.splits) if not s.experts and s.dim is not None]
     if routed[1] is None and shared:  # whole on every rank, a token's shared expert runs on one of its ranks

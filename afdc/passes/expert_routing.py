@@ -123,9 +123,10 @@ def owner_mask(graph: fx.Graph, tokens) -> fx.Graph | None:
     inputs = [p for p in placeholders if p.name.startswith("x")]
     with new.inserting_before(placeholders[-1]):
         mask = new.placeholder(f"x{len(inputs)}")
-    term = val(_lead_terms(new)[0][1].args[0])
+    uses = _lead_terms(new)
+    term = val(uses[0][1].args[0])
     mask.meta["val"] = term.new_empty((*term.shape[:-1], 1), dtype=torch.bool)
-    for lead, m in _lead_terms(new):
+    for lead, m in uses:
         m.replace_input_with(lead, mask)
         if not lead.users:
             new.erase_node(lead)

@@ -72,24 +72,16 @@ def val(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def float_cast(node) -> bool:
-    """A cast to float32 (exact for the half types the kernels read and widen themselves)."""
-    return (
-        isinstance(node, fx.Node)
-        and op_name(node) in ("to", "_to_copy", "type_as")
-        and val(node) is not None
-        and val(node).dtype == torch.float32
-    )
-
-
 def strip_float_casts(node):
-    """``node`` past the casts that change no value: to float32 from a floating type, or to the
-    dtype it already has (transformers' ``x.to(weight.dtype)`` in a model loaded in bf16)."""
+    """``node`` past the casts that change no value: to float32 from a floating type (the half
+    types the kernels read and widen themselves), or to the dtype it already has (transformers'
+    ``x.to(weight.dtype)`` in a model loaded in bf16)."""
     while isinstance(node, fx.Node) and op_name(node) in ("to", "_to_copy", "type_as"):
-        source = val(node.args[0])
-        if source is None or val(node) is None:
+        source, cast = val(node.args[0]), val(node)
+        if source is None or cast is None:
             break
-        if not (float_cast(node) and source.is_floating_point()) and val(node).dtype != source.dtype:
+        widened = cast.dtype == torch.float32 and source.is_floating_point()
+        if not (widened or cast.dtype == source.dtype):
             break
         node = node.args[0]
     return node
