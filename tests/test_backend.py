@@ -33,6 +33,8 @@ EXPECTED = {
     "gpt2": {"add_layer_norm": 4, "layer_norm": 1},
     "qwen3_moe": {"add_rms_norm": 4, "rms_norm": 5, "fused_moe": 1, "moe_route": 1},  # + q/k norms
     "deepseek_v3": {"add_rms_norm": 6, "rms_norm": 7, "fused_moe": 1, "moe_route": 1, "act_mul": 2},  # grouped router
+    # input-major interleaved experts with biases and clamped SwiGLU; its softmax-of-top-k router stays
+    "gpt_oss": {"add_rms_norm": 4, "rms_norm": 1, "fused_moe": 1},
 }
 
 
@@ -53,7 +55,7 @@ def test_substituted_kernels_match_the_monolith(model_type):
     assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=3), want)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_a_bf16_model_gets_the_same_kernels(model_type):
     """In a model loaded in bf16, transformers' ``x.to(weight.dtype)`` casts values to the dtype
     they already have, and float32 routing weights widen the MoE sum, cast back after it; the
@@ -71,9 +73,11 @@ def test_a_bf16_model_gets_the_same_kernels(model_type):
     torch.testing.assert_close(got[valid], ref[valid], atol=2e-2, rtol=2e-2)  # bf16 rounding
 
 
-# qwen2_moe: a shared expert under the owner mark; minimax_m2: its rank's gate/up cut by split(n)
+# qwen2_moe: a shared expert under the owner mark; minimax_m2: its rank's gate/up cut by split(n);
+# gpt_oss: its rank's expert biases gathered by gather_local
 @pytest.mark.parametrize(
-    ("model_type", "router"), [("qwen3_moe", "ffn"), ("qwen2_moe", "attn"), ("minimax_m2", "attn")]
+    ("model_type", "router"),
+    [("qwen3_moe", "ffn"), ("qwen2_moe", "attn"), ("minimax_m2", "attn"), ("gpt_oss", "attn")],
 )
 def test_afdc_backend_expert_parallel_with_micro_batches(model_type, router):
     """``--backend afdc`` end to end: kernels in, Inductor for the rest, 1A2F expert-parallel
@@ -96,8 +100,9 @@ def test_afdc_backend_expert_parallel_with_micro_batches(model_type, router):
 
 
 def test_near_misses_are_left_alone():
-    """A norm over the wrong dim, an activation that is not multiplied, experts in another layout
-    (gpt-oss: interleaved gate/up with biases): nothing is substituted and the reason is kept."""
+    """A norm over the wrong dim, an activation that is not multiplied, gpt-oss's experts with the
+    up projection clamped to other bounds than the gate: nothing is substituted and the reason is
+    kept."""
 
     class NearMiss(torch.nn.Module):
         def forward(self, x):
@@ -113,8 +118,10 @@ def test_near_misses_are_left_alone():
     model = catalog.build(catalog.entry("gpt_oss"))
     dm = afdc.disaggregate(model, "1A1F")
     segment = backends.copy_module(dm.ffn_ranks[0].segments[0])
+    (up_clamp,) = [n for n in segment.graph.nodes if n.target == torch.ops.aten.clamp.default and n.args[1] is not None]
+    up_clamp.args = (up_clamp.args[0], -6.0, 7.0)
     report = backends.substitute_kernels(segment.graph)
-    assert "fused_moe" not in report.fused and any(s.startswith("fused_moe") for s in report.skipped)
+    assert "fused_moe" not in report.fused and any("up not clamped to ±limit" in s for s in report.skipped)
 
 
 def test_backend_option():

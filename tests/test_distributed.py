@@ -192,6 +192,21 @@ def test_each_token_adds_the_shared_term_on_one_of_its_ranks():
     assert dispatch.take([hidden[:0], ids[:0]], empty, 0)[2].shape == (0, 1)
 
 
+# gpt_oss: expert biases gathered by the rank's ids; afmoe: its shared expert's output viewed back
+# to [batch, seq, hidden] (sizes read from the input); laguna: the MoE output times a routed scaling
+@pytest.mark.parametrize("model_type", ["gpt_oss", "afmoe", "laguna"])
+def test_expert_routing_is_proven_through_other_expert_layouts(reference, model_type):
+    model, ids, mask, ref = reference(model_type)
+    dm = afdc.disaggregate(model, "2A4F", router="attn")
+    assert any(r is not None for r in dm.ffn.routing)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = dm(ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+
+
 def test_transports_give_the_same_logits(reference):
     model, ids, mask, _ = reference("qwen3_moe")
     dm = afdc.disaggregate(model, "2A2F")

@@ -322,3 +322,119 @@ def test_fused_moe_op_registration():
     torch.library.opcheck(
         fused_moe, (torch.randn(3, HIDDEN, generator=gen), w_gate_up, w_down, weights, ids, 2, "silu")
     )
+
+
+# -- other expert formats: input-major weights, interleaved gate/up, biases, clamped SwiGLU ---------
+
+# (transposed, interleaved, biases, activation); gpt-oss has them all
+FORMATS = {
+    "gpt_oss": (True, True, True, "swigluoai"),
+    "input_major": (True, False, False, "silu"),
+    "interleaved": (False, True, False, "gelu"),
+    "biases": (False, False, True, "silu"),
+}
+ALPHA, LIMIT = 1.702, 1.5  # a limit the random projections cross, so that both clamps act
+
+
+def _in_format(name: str, w_gate_up: torch.Tensor, w_down: torch.Tensor, gen: torch.Generator) -> tuple:
+    """``fused_moe``'s arguments from ``w_gate_up`` on for experts ``w_gate_up, w_down`` (default
+    format) rewritten in format ``name``, with random biases where it has them."""
+    transposed, interleaved, biased, activation = FORMATS[name]
+    experts, dtype = w_gate_up.shape[0], w_gate_up.dtype
+    if interleaved:  # rows gate0, up0, gate1, up1, ...
+        w_gate_up = torch.stack(w_gate_up.chunk(2, dim=1), dim=2).flatten(1, 2)
+    b_gate_up = torch.randn(experts, 2 * INTER, generator=gen).to(dtype) if biased else None
+    b_down = torch.randn(experts, HIDDEN, generator=gen).to(dtype) if biased else None
+    if transposed:
+        w_gate_up, w_down = w_gate_up.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous()
+    alpha, limit = (ALPHA, LIMIT) if activation == "swigluoai" else (None, None)
+    return w_gate_up, w_down, b_gate_up, b_down, transposed, interleaved, activation, alpha, limit
+
+
+def _format_call(run, x, formatted, weights, ids, first):
+    w_gate_up, w_down, b_gate_up, b_down, transposed, interleaved, activation, alpha, limit = formatted
+    return run(x, w_gate_up, w_down, weights, ids, first, activation, b_gate_up, b_down, transposed, interleaved,
+               alpha, limit)
+
+
+def test_reference_matches_transformers_gpt_oss_experts():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    torch.manual_seed(0)
+    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=4, num_experts_per_tok=2)
+    experts = GptOssExperts(config)
+    for param in experts.parameters():
+        torch.nn.init.normal_(param, std=0.5)  # wide enough for both clamps at limit 7
+    x = torch.randn(5, HIDDEN)
+    weights, ids = _routing(5, 2, 4, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = experts(x, ids, weights)
+        out = fused_moe_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids, 0, "swigluoai",
+                                  experts.gate_up_proj_bias, experts.down_proj_bias, True, True,
+                                  experts.alpha, experts.limit)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert expected.abs().max() > 1
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "input_major", "interleaved"])
+def test_formats_without_biases_are_the_same_experts(name):
+    """Input-major and interleaved weights are a relayout: the same experts, the same outputs."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, HIDDEN, generator=gen)
+    w_gate_up, w_down = _experts(4, torch.float32, gen)
+    weights, ids = _routing(5, 2, 4, gen)
+    formatted = list(_in_format(name, w_gate_up, w_down, gen))
+    formatted[2:4] = None, None
+    activation, alpha, limit = formatted[6:]
+    expected = fused_moe_reference(x, w_gate_up, w_down, weights, ids, 0, activation, alpha=alpha, limit=limit)
+    torch.testing.assert_close(_format_call(fused_moe_reference, x, formatted, weights, ids, 0), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 5])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_fused_moe_kernel_expert_formats(triton_interpret, name, tokens, dtype):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    formatted = _in_format(name, *_experts(4, dtype, gen), gen)
+    weights, ids = _routing(tokens, 1 if tokens == 1 else 2, 3, gen)  # expert 3 receives no token
+    out = _format_call(fused_moe_triton, x, formatted, weights, ids, 0)
+    assert out.shape == (tokens, HIDDEN) and out.dtype == dtype
+    torch.testing.assert_close(out, _format_call(fused_moe_reference, x, formatted, weights, ids, 0), **TOL[dtype])
+
+
+def test_gpt_oss_expert_parallel_halves_sum_to_full(triton_interpret):
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(6, HIDDEN, generator=gen)
+    full = _in_format("gpt_oss", *_experts(8, torch.float32, gen), gen)
+    weights, ids = _routing(6, 2, 8, gen)
+    halves = []
+    for first in (0, 4):
+        half = [t[first : first + 4] if isinstance(t, torch.Tensor) else t for t in full]
+        halves.append(_format_call(fused_moe_triton, x, half, weights, ids, first))
+    torch.testing.assert_close(halves[0] + halves[1], _format_call(fused_moe_reference, x, full, weights, ids, 0),
+                               **TOL[torch.float32])
+
+
+def test_fused_moe_rejects_malformed_options():
+    gen = torch.Generator().manual_seed(11)
+    x, (weights, ids) = torch.randn(2, HIDDEN, generator=gen), _routing(2, 1, 2, gen)
+    w_gate_up, w_down = _experts(2, torch.float32, gen)
+    with pytest.raises(ValueError, match="needs alpha and limit"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, 0, "swigluoai")
+    with pytest.raises(ValueError, match=r"gate_up bias \(2, 20\) is not \(2, 40\)"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, 0, "silu", b_gate_up=torch.zeros(2, INTER))
+
+
+def test_fused_moe_op_registration_with_options():
+    gen = torch.Generator().manual_seed(12)
+    formatted = _in_format("gpt_oss", *_experts(2, torch.float32, gen), gen)
+    weights, ids = _routing(3, 2, 4, gen)
+    w_gate_up, w_down, b_gate_up, b_down, transposed, interleaved, activation, alpha, limit = formatted
+    torch.library.opcheck(
+        fused_moe,
+        (torch.randn(3, HIDDEN, generator=gen), w_gate_up, w_down, weights, ids, 2, activation),
+        {"b_gate_up": b_gate_up, "b_down": b_down, "transposed": transposed, "interleaved": interleaved,
+         "alpha": alpha, "limit": limit},
+    )

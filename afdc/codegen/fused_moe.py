@@ -5,6 +5,12 @@ first, then up rows) and ``down_proj`` [E, H, I]. A rank may hold a slice of the
 (``first_expert`` onwards, expert parallelism); a token's choices of experts held elsewhere add
 exactly zero, so the ranks' outputs sum to the whole layer's.
 
+gpt-oss-style experts are the same computation in other clothes, taken as options rather than as
+a second kernel: weights stored input-major (``transposed``: [E, H, 2I] and [E, I, H], read in
+place through their strides), gate and up columns alternating (``interleaved``), per-expert biases
+added to the fp32 accumulators, and the clamped ``swigluoai`` activation
+``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``.
+
 The kernels follow vLLM's fused_moe:
 
 1. align (:func:`align_pairs`): the (token, k) pairs are sorted by local expert and each expert's
@@ -30,14 +36,32 @@ import torch.nn.functional as F
 from afdc.codegen import autotune
 from afdc.codegen.triton_support import interpreting, jit, launches, next_power_of_2, tl
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
+
+def output_major(
+    w_gate_up: torch.Tensor, w_down: torch.Tensor, transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights as [E, 2I, H] and [E, H, I] (views: input-major weights are not copied)."""
+    return (w_gate_up.transpose(1, 2), w_down.transpose(1, 2)) if transposed else (w_gate_up, w_down)
 
 
 def _check(
-    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor, activation: str
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+    b_gate_up: torch.Tensor | None,
+    b_down: torch.Tensor | None,
+    alpha: float | None,
+    limit: float | None,
 ) -> None:
+    """Checks the output-major views of the weights (:func:`output_major`)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
+    if activation == "swigluoai" and (alpha is None or limit is None):
+        raise ValueError("fused_moe: the swigluoai activation needs alpha and limit")
     experts, two_inter, hidden = w_gate_up.shape
     if x.dim() != 2 or x.shape[1] != hidden or two_inter % 2:
         raise ValueError(f"fused_moe: x {tuple(x.shape)} does not fit gate_up_proj {tuple(w_gate_up.shape)}")
@@ -45,16 +69,25 @@ def _check(
         raise ValueError(
             f"fused_moe: down_proj {tuple(w_down.shape)} does not fit gate_up_proj {tuple(w_gate_up.shape)}"
         )
+    for name, bias, shape in (("gate_up", b_gate_up, (experts, two_inter)), ("down", b_down, (experts, hidden))):
+        if bias is not None and tuple(bias.shape) != shape:
+            raise ValueError(f"fused_moe: {name} bias {tuple(bias.shape)} is not {shape}, one row per expert")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} is not [tokens, top_k] for x {tuple(x.shape)}")
 
 
-def _activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
+def _gated(gate_up: torch.Tensor, activation: str, interleaved: bool, alpha, limit) -> torch.Tensor:
+    """``act(gate) * up`` of [rows, 2I] projections."""
+    inter = gate_up.shape[1] // 2
+    gate, up = (gate_up[:, 0::2], gate_up[:, 1::2]) if interleaved else (gate_up[:, :inter], gate_up[:, inter:])
     if activation == "silu":
-        return F.silu(gate)
+        return F.silu(gate) * up
     if activation == "gelu":
-        return F.gelu(gate)
-    return F.gelu(gate, approximate="tanh")
+        return F.gelu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
 def fused_moe_reference(
@@ -65,19 +98,29 @@ def fused_moe_reference(
     topk_ids: torch.Tensor,
     first_expert: int,
     activation: str,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    transposed: bool = False,
+    interleaved: bool = False,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """transformers' expert loop over the local experts, rounding where the kernels do."""
-    _check(x, w_gate_up, w_down, topk_ids, activation)
-    inter = w_down.shape[2]
+    w_gate_up, w_down = output_major(w_gate_up, w_down, transposed)
+    _check(x, w_gate_up, w_down, topk_ids, activation, b_gate_up, b_down, alpha, limit)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     local = topk_ids.long() - first_expert
     held = (local >= 0) & (local < w_gate_up.shape[0])
     for e in local[held].unique().tolist():
         tokens, slots = torch.where(local == e)
         gate_up = F.linear(x[tokens].to(w_gate_up.dtype), w_gate_up[e]).float()
-        hidden = (_activate(gate_up[:, :inter], activation) * gate_up[:, inter:]).to(w_down.dtype)
-        y = F.linear(hidden, w_down[e]).float() * topk_weights[tokens, slots, None].float()
-        out.index_add_(0, tokens, y)
+        if b_gate_up is not None:
+            gate_up += b_gate_up[e].float()
+        hidden = _gated(gate_up, activation, interleaved, alpha, limit).to(w_down.dtype)
+        y = F.linear(hidden, w_down[e]).float()
+        if b_down is not None:
+            y += b_down[e].float()
+        out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
     return out.to(x.dtype)
 
 
@@ -138,6 +181,7 @@ def default_block_sizes(num_pairs: int, num_local_experts: int, hidden: int, int
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
+    b_ptr,
     out_ptr,
     sorted_pairs_ptr,
     block_experts_ptr,
@@ -145,19 +189,28 @@ def _gate_up_kernel(
     top_k,
     hidden,
     inter,
+    alpha,
+    limit,
     stride_xt,
     stride_xh,
     stride_we,
     stride_wn,
     stride_wh,
+    stride_be,
+    stride_bn,
+    up_shift_w,
+    up_shift_b,
     stride_op,
     ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # gate column c is row c * stride_wn of the expert's [2I, H] weights (the host folds the row
+    # step into the stride), and its up column lies up_shift_w elements on; the same for biases
     pid_m = tl.program_id(0)
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -169,9 +222,9 @@ def _gate_up_kernel(
     ks = tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + (pairs // top_k)[:, None] * stride_xt + ks[None, :] * stride_xh
-    # [BLOCK_K, BLOCK_N] tiles of W^T (x @ W^T), over the gate rows and, inter rows down, the up rows
+    # [BLOCK_K, BLOCK_N] tiles of W^T (x @ W^T), over the gate rows and the up rows
     gate_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wh
-    up_ptrs = gate_ptrs + inter * stride_wn
+    up_ptrs = gate_ptrs + up_shift_w
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -187,14 +240,22 @@ def _gate_up_kernel(
         x_ptrs += BLOCK_K * stride_xh
         gate_ptrs += BLOCK_K * stride_wh
         up_ptrs += BLOCK_K * stride_wh
+    if HAS_BIAS:
+        gate_bias = b_ptr + expert * stride_be + cols * stride_bn
+        gate += tl.load(gate_bias, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(gate_bias + up_shift_b, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
 
     if ACTIVATION == "silu":
         act = gate * tl.sigmoid(gate)
     elif ACTIVATION == "gelu":
         act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))  # 1/sqrt(2)
-    else:
+    elif ACTIVATION == "gelu_tanh":
         # 0.5 * (1 + tanh(z)) == sigmoid(2z): the tanh form without a tanh; 1.5957... is 2 * sqrt(2/pi)
         act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    else:  # swigluoai
+        gate = tl.minimum(gate, limit)
+        act = gate * tl.sigmoid(alpha * gate)
+        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
     out_ptrs = out_ptr + pairs[:, None] * stride_op + cols[None, :]
     tl.store(out_ptrs, (act * up).to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
@@ -202,6 +263,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr,
     w_ptr,
+    b_ptr,
     weights_ptr,
     out_ptr,
     sorted_pairs_ptr,
@@ -213,7 +275,10 @@ def _down_kernel(
     stride_we,
     stride_wh,
     stride_wi,
+    stride_be,
+    stride_bh,
     stride_op,
+    HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -242,6 +307,8 @@ def _down_kernel(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wi
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + cols * stride_bh, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
 
     routing = tl.load(weights_ptr + pairs, mask=rows_ok, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + pairs[:, None] * stride_op + cols[None, :]
@@ -266,6 +333,12 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     first_expert: int,
     activation: str,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    transposed: bool = False,
+    interleaved: bool = False,
+    alpha: float | None = None,
+    limit: float | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -273,7 +346,10 @@ def fused_moe_triton(
 ) -> torch.Tensor:
     """:func:`fused_moe` by the Triton kernels. Block sizes not given are tuned for this device and
     shape (:mod:`afdc.codegen.autotune`, on by default on CUDA) or else :func:`default_block_sizes`."""
-    _check(x, w_gate_up, w_down, topk_ids, activation)
+    args = (x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_gate_up, b_down,
+            transposed, interleaved, alpha, limit)
+    w_gate_up, w_down = output_major(w_gate_up, w_down, transposed)
+    _check(x, w_gate_up, w_down, topk_ids, activation, b_gate_up, b_down, alpha, limit)
     tokens, hidden = x.shape
     num_local, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
@@ -281,8 +357,9 @@ def fused_moe_triton(
     if num_pairs == 0:
         return torch.zeros_like(x)
     if block_m is block_n is block_k is None and autotune.enabled(x):
-        args = (x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation)
-        key = autotune.TuneKey.of("fused_moe", w_gate_up, (next_power_of_2(num_pairs), num_local, hidden, inter))
+        # the weights' layout changes which tiles read memory best
+        kernel = "fused_moe" + ("_transposed" if transposed else "")
+        key = autotune.TuneKey.of(kernel, w_gate_up, (next_power_of_2(num_pairs), num_local, hidden, inter))
         block_m, block_n, block_k = autotune.tuner().best(
             key,
             candidate_block_sizes(hidden, inter),
@@ -297,10 +374,15 @@ def fused_moe_triton(
     # operands. fp32 runs in full precision ("ieee"), as torch's matmul does unless TF32 is enabled.
     upcast = interpreting()
     precision = "ieee" if upcast or w_gate_up.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16
+    step = 2 if interleaved else 1  # gate column c sits at row c * step
+    up_row = 1 if interleaved else inter  # and its up column that many rows on
+    stride_we, stride_wn, stride_wh = w_gate_up.stride()
+    b1 = b_gate_up if b_gate_up is not None else x  # a pointer the kernel never reads
     hidden_states = torch.empty(num_pairs, inter, dtype=w_down.dtype, device=x.device)
     jit(_gate_up_kernel)[(block_experts.numel(), -(-inter // block_n))](
         x,
         w_gate_up,
+        b1,
         hidden_states,
         sorted_pairs,
         block_experts,
@@ -308,11 +390,20 @@ def fused_moe_triton(
         topk_ids.shape[1],
         hidden,
         inter,
+        alpha or 0.0,
+        limit or 0.0,
         x.stride(0),
         x.stride(1),
-        *w_gate_up.stride(),
+        stride_we,
+        stride_wn * step,
+        stride_wh,
+        b1.stride(0),
+        b1.stride(1) * step,
+        up_row * stride_wn,
+        up_row * b1.stride(1),
         hidden_states.stride(0),
         ACTIVATION=activation,
+        HAS_BIAS=b_gate_up is not None,
         UPCAST=upcast,
         PRECISION=precision,
         BLOCK_M=block_m,
@@ -321,9 +412,11 @@ def fused_moe_triton(
     )
     # pairs of other ranks' experts are never written: they stay zero
     pair_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    b2 = b_down if b_down is not None else x
     jit(_down_kernel)[(block_experts.numel(), -(-hidden // block_n))](
         hidden_states,
         w_down,
+        b2,
         topk_weights.reshape(-1).contiguous(),
         pair_out,
         sorted_pairs,
@@ -333,7 +426,10 @@ def fused_moe_triton(
         inter,
         hidden_states.stride(0),
         *w_down.stride(),
+        b2.stride(0),
+        b2.stride(1),
         pair_out.stride(0),
+        HAS_BIAS=b_down is not None,
         UPCAST=upcast,
         PRECISION=precision,
         BLOCK_M=block_m,
@@ -352,19 +448,33 @@ def fused_moe(
     topk_ids: torch.Tensor,
     first_expert: int,
     activation: str,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    transposed: bool = False,
+    interleaved: bool = False,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * expert(x[t])`` over the choices of the local experts
     ``[first_expert, first_expert + E_local)``: ``down(act(gate(x)) * up(x))`` with ``w_gate_up``
     [E_local, 2I, H] (gate rows, then up rows) and ``w_down`` [E_local, H, I]. Other experts'
     choices add zero. ``activation`` is one of :data:`ACTIVATIONS`; the result has x's dtype.
+
+    Options for other expert formats: per-expert biases ``b_gate_up`` [E_local, 2I] and
+    ``b_down`` [E_local, H]; ``transposed`` weights [E_local, H, 2I] and [E_local, I, H];
+    ``interleaved`` gate and up rows (gate ``2c``, up ``2c + 1``); ``alpha`` and ``limit`` of
+    ``swigluoai``.
     """
-    args = (x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation)
-    if launches(x, w_gate_up, w_down, topk_weights, topk_ids):
+    args = (x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_gate_up, b_down,
+            transposed, interleaved, alpha, limit)
+    tensors = [t for t in (x, w_gate_up, w_down, topk_weights, topk_ids, b_gate_up, b_down) if t is not None]
+    if launches(*tensors):
         return fused_moe_triton(*args)
     return fused_moe_reference(*args)
 
 
 @fused_moe.register_fake
-def _(x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation):
-    _check(x, w_gate_up, w_down, topk_ids, activation)
+def _(x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_gate_up=None, b_down=None,
+      transposed=False, interleaved=False, alpha=None, limit=None):
+    _check(x, *output_major(w_gate_up, w_down, transposed), topk_ids, activation, b_gate_up, b_down, alpha, limit)
     return torch.empty_like(x)

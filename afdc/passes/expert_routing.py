@@ -5,10 +5,10 @@ the ranks' results. Sending a token only to the ranks holding experts it chose i
 rank's result for any other token is exactly zero and a token's result depends on its own row
 only. This pass proves both from the rank's segment graph rather than trusting a model family:
 after kernel substitution (:func:`afdc.passes.fuse_moe.fuse_moe`) the segment's single output
-must be one ``afdc::fused_moe`` (up to casts and views), whose op contract is "choices of experts
-outside ``[first, first + E_local)`` add zero", with ``first = rank * E_local``; its activations
-must be an input's rows; its expert ids must be an input, or the top-k of an input's scores; and
-its routing weights must be computed row by row.
+must be one ``afdc::fused_moe`` (up to casts, views and scalings by a finite constant), whose op
+contract is "choices of experts outside ``[first, first + E_local)`` add zero", with
+``first = rank * E_local``; its activations must be an input's rows; its expert ids must be an
+input, or the top-k of an input's scores; and its routing weights must be computed row by row.
 
 A term added to the fused MoE on one rank only (a shared expert every rank holds whole, which
 sharding adds where ``rank == 0``) would be lost for tokens rank 0 is not sent. :func:`owner_mask`
@@ -19,6 +19,7 @@ token one of the ranks it is sent to; the proof then also accepts ``fused_moe + 
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Collection
 
@@ -41,6 +42,16 @@ _ROW_LOCAL = _PASS_THROUGH | {
 def _source(node):
     while isinstance(node, fx.Node) and gf.op_name(node) in _PASS_THROUGH:
         node = node.args[0]
+    return node
+
+
+def _scaled_source(node):
+    """``node`` past pass-through ops and scalings by a finite constant (a routed scaling factor),
+    which keep a row that is zero zero."""
+    node = _source(node)
+    while (isinstance(node, fx.Node) and gf.op_name(node) in ("mul", "div") and isinstance(node.args[1], (int, float))
+           and math.isfinite(node.args[1]) and (gf.op_name(node) == "mul" or node.args[1] != 0)):
+        node = _source(node.args[0])
     return node
 
 
@@ -79,7 +90,8 @@ def _row_local(node, inputs: set[fx.Node], tokens, whole: frozenset[fx.Node] = f
         token_major = val(n) is None or row_major(gf.token_layout(n, tokens))  # a tuple: its items are checked
         if n.op != "call_function" or not local or not token_major:
             return False
-        stack += n.all_input_nodes
+        # a view's sizes are shape reads (the token count), not data: only its tensor is followed
+        stack += [n.args[0]] if gf.op_name(n) in ("view", "reshape") else n.all_input_nodes
     return True
 
 
@@ -160,14 +172,14 @@ def expert_routing(graph: fx.Graph, tokens, whole: Collection[int] = ()) -> Expe
     outs = output.args[0]
     if len(outs) != 1 or not all(token_major(gf.token_layout(n, tokens)) for n in [*inputs, outs[0]]):
         return None
-    moe, owner = _source(outs[0]), None
+    moe, owner = _scaled_source(outs[0]), None
     if (masked := _masked_term(moe, inputs)) is not None:
-        moe, term, owner = _source(masked[0]), masked[1], masked[2]
+        moe, term, owner = _scaled_source(masked[0]), masked[1], masked[2]
         if not _row_local(term, set(inputs), tokens, whole_weights):
             return None
     if gf.op_name(moe) != "fused_moe" or moe.target.namespace != "afdc":
         return None
-    x, _, _, weights, ids, first, _ = moe.args
+    x, weights, ids, first = (moe.args[i] for i in (0, 3, 4, 5))
     # the expert split wrote first = rank * (experts per rank); placeholders keep the full shapes
     if not (isinstance(first, fx.Node) and first.target is operator.mul and first.args[0] is rank):
         return None

@@ -8,7 +8,16 @@ anchored on the first grouped matmul, with every shape and constant checked (the
 token, the experts' count in the histogram, the chunk into gate and up halves), and replaces it
 by one ``afdc::fused_moe`` over ``(x, w_gate_up, w_down, topk_weights, topk_ids)``. Under expert
 parallelism the grouped matmuls are ``afdc::grouped_mm_local`` with this rank's first expert,
-which the fused op takes as well. ``topk(softmax(logits))`` routing becomes ``afdc::moe_route``.
+which the fused op takes as well.
+
+gpt-oss's experts differ in four places, each matched as exactly and passed to the op as an
+option: input-major weights (the grouped matmul takes ``W`` itself, not ``W^T``), per-expert biases
+gathered by the sorted ids and added to each projection, gate and up as the even and odd columns,
+and the clamped ``swigluoai`` activation with its ``alpha`` and ``limit`` read from the graph.
+
+``topk(softmax(logits))`` routing becomes ``afdc::moe_route``. gpt-oss's ``softmax(topk(logits))``
+does not: its weights equal the renormalized top-k of the softmax, but it chooses on the logits,
+and the kernel chooses on the probabilities, where rounding can tie two logits that differ.
 """
 
 from __future__ import annotations
@@ -68,12 +77,32 @@ def _same(a, b) -> bool:
     return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and a == b
 
 
-def _transposed_experts(node) -> fx.Node:
-    """``W`` of ``W.transpose(-2, -1)`` for stacked expert weights ``W [E, n, k]``."""
-    expect(op_name(node) == "transpose" and sorted(d % 3 for d in node.args[1:3]) == [1, 2], "weights not W^T")
-    weights = node.args[0]
+def _stacked_experts(node) -> tuple[fx.Node, bool]:
+    """``(W, transposed)`` of a grouped matmul's right operand: ``W.transpose(-2, -1)`` for
+    output-major expert weights ``W [E, n, k]``, or input-major ``W [E, k, n]`` itself."""
+    transposed = op_name(node) != "transpose"
+    weights = node if transposed else node.args[0]
+    expect(transposed or sorted(d % 3 for d in node.args[1:3]) == [1, 2], "weights not W^T")
     expect(val(weights) is not None and val(weights).dim() == 3, "weights are not stacked experts")
-    return weights
+    return weights, transposed
+
+
+def _biased(projection: fx.Node, sorted_ids: fx.Node, first) -> tuple[fx.Node, fx.Node | None]:
+    """``(projection + b[sorted ids], b)`` when each row adds its expert's bias row, else
+    ``(projection, None)``. Under expert parallelism the bias rows are ``gather_local``'s."""
+    users = list(projection.users)
+    add = users[0] if len(users) == 1 else None
+    if add is None or op_name(add) not in ("add", "add_") or add.args[0] is not projection:
+        return projection, None
+    picked = add.args[1]
+    if op_name(picked) == "index":
+        expect(list(picked.args[1]) == [sorted_ids] and _same(first, 0), "bias rows not of the sorted ids")
+    else:
+        expect(op_name(picked) == "gather_local" and picked.args[1] is sorted_ids and _same(picked.args[2], first),
+               "bias rows not of the sorted ids")
+    bias = picked.args[0]
+    expect(val(bias).dim() == 2 and val(bias).shape[1] == val(projection).shape[1], "not one bias row per expert")
+    return add, bias
 
 
 def _halves(node: fx.Node) -> bool:
@@ -89,20 +118,62 @@ def _halves(node: fx.Node) -> bool:
     return name == "split_with_sizes" and list(node.args[1]) == [width // 2] * 2 and width % 2 == 0
 
 
-def _gated(up_proj: fx.Node) -> tuple[fx.Node, str]:
-    """Past ``gate_up = rows @ W1^T``: ``act(gate) * up`` of its two halves; returns the product."""
-    chunk = only_user(up_proj)
-    expect(_halves(chunk), "gate and up are not the two halves of the last dim")
-    halves = sorted(chunk.users, key=lambda n: n.args[1] if n.target is operator.getitem else -1)
-    expect([h.args[1] if h.target is operator.getitem else -1 for h in halves] == [0, 1], "halves not gate, up")
-    gate, up = halves
+def _gate_and_up(gate_up: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
+    """``(gate, up, interleaved)``: the two halves of ``gate_up``'s last dim, or its even and odd
+    columns."""
+    users = list(gate_up.users)
+    if len(users) == 1:
+        chunk = users[0]
+        expect(_halves(chunk), "gate and up are not the two halves of the last dim")
+        halves = sorted(chunk.users, key=lambda n: n.args[1] if n.target is operator.getitem else -1)
+        expect([h.args[1] if h.target is operator.getitem else -1 for h in halves] == [0, 1], "halves not gate, up")
+        return halves[0], halves[1], False
+    width = val(gate_up).shape[-1]
+    columns = sorted(users, key=lambda n: n.args[2] if op_name(n) == "slice" and len(n.args) == 5 else -1)
+    expect(len(users) == 2 and all(op_name(n) == "slice" and len(n.args) == 5 and n.args[1] in (-1, 1)
+                                   and n.args[3] >= width and n.args[4] == 2 for n in columns)
+           and [n.args[2] for n in columns] == [0, 1], "gate and up are neither halves nor even and odd columns")
+    return columns[0], columns[1], True
+
+
+def _swigluoai(gate: fx.Node, up: fx.Node) -> tuple[fx.Node, float, float]:
+    """gpt-oss's ``(clamp(up, -L, L) + 1) * (g * sigmoid(alpha * g))`` with ``g = clamp(gate, max=L)``:
+    ``(product, alpha, L)``."""
+    clamped = only_user(gate)
+    expect(op_name(clamped) == "clamp" and clamped.args[1:] == (None, clamped.args[2])
+           and isinstance(clamped.args[2], float), "gate not clamped from above")
+    limit = clamped.args[2]
+    up_clamped = only_user(up)
+    expect(op_name(up_clamped) == "clamp" and up_clamped.args[1:] == (-limit, limit), "up not clamped to ±limit")
+    shifted = only_user(up_clamped)
+    expect(op_name(shifted) == "add" and shifted.args == (up_clamped, 1), "not up + 1")
+    scaled = next((u for u in clamped.users if op_name(u) == "mul" and u.args[0] is clamped
+                   and isinstance(u.args[1], float)), None)
+    expect(scaled is not None, "no alpha * gate")
+    sigmoid = only_user(scaled)
+    glu = only_user(sigmoid)
+    expect(op_name(sigmoid) == "sigmoid" and op_name(glu) == "mul" and set(glu.args) == {clamped, sigmoid}
+           and set(clamped.users) == {scaled, glu}, "not gate * sigmoid(alpha * gate)")
+    product = only_user(glu)
+    expect(op_name(product) == "mul" and set(product.args) == {shifted, glu} and only_user(shifted) is product,
+           "not (up + 1) * glu")
+    return product, scaled.args[1], limit
+
+
+def _gated(gate_up: fx.Node) -> tuple[fx.Node, str, bool, float | None, float | None]:
+    """Past the gate/up projection: ``act(gate) * up``; returns the product, the activation, whether
+    gate and up are interleaved, and ``swigluoai``'s alpha and limit."""
+    gate, up, interleaved = _gate_and_up(gate_up)
+    if op_name(only_user(gate)) == "clamp":
+        product, alpha, limit = _swigluoai(gate, up)
+        return product, "swigluoai", interleaved, alpha, limit
     act = only_user(gate)
     expect(op_name(act) in ("silu", "gelu"), f"activation {op_name(act) or act.target}")
     activation = activation_of(act)
     product = only_user(act)
     expect(op_name(product) == "mul" and set(product.args) == {act, up} and only_user(up) is product,
            "not act(gate) * up")
-    return product, activation
+    return product, activation, interleaved, None, None
 
 
 def _per_token(flat, k: int, what: str):
@@ -154,14 +225,18 @@ def _sorted_pairs(rows: fx.Node, offs: fx.Node) -> tuple[fx.Node, fx.Node, fx.No
 
 def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     rows, w1t, offs, first = _grouped(up_proj)
-    w_gate_up = _transposed_experts(w1t)
-    product, activation = _gated(up_proj)
+    w_gate_up, transposed = _stacked_experts(w1t)
+    x, ids, perm, k = _sorted_pairs(rows, offs)
+    sorted_ids = next(u for u in perm.args[0].users if u.args[1] == 0)  # the histogram counts them
+    gate_up, b_gate_up = _biased(up_proj, sorted_ids, first)
+    product, activation, interleaved, alpha, limit = _gated(gate_up)
     down_in = only_user(product)
     down = only_user(down_in) if op_name(down_in) in ("to", "_to_copy") else down_in
     rows2, w2t, offs2, first2 = _grouped(down)
     expect(offs2 is offs and _same(first2, first) and strip_float_casts(rows2) is product, "down proj of other rows")
-    w_down = _transposed_experts(w2t)
-    x, ids, perm, k = _sorted_pairs(rows, offs)
+    w_down, transposed2 = _stacked_experts(w2t)
+    expect(transposed2 == transposed, "gate/up and down weights in different layouts")
+    down, b_down = _biased(down, sorted_ids, first)
 
     scale = only_user(down)
     expect(op_name(scale) == "mul", "the down projection is not scaled by the routing weight")
@@ -190,9 +265,13 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     expect(val(w_gate_up).shape[0] == val(w_down).shape[0], "gate/up and down hold different experts")
 
     weights, ids = _as_pairs(graph, weights, k, out), _as_pairs(graph, ids, k, out)
+    options = {"b_gate_up": b_gate_up, "b_down": b_down, "transposed": transposed, "interleaved": interleaved,
+               "alpha": alpha, "limit": limit}
     with graph.inserting_before(out):
         fused = graph.call_function(
-            torch.ops.afdc.fused_moe.default, (x, w_gate_up, w_down, weights, ids, first, activation)
+            torch.ops.afdc.fused_moe.default,
+            (x, w_gate_up, w_down, weights, ids, first, activation),
+            {key: value for key, value in options.items() if value is not None and value is not False},
         )
     fused.meta = dict(out.meta)
     out.replace_all_uses_with(fused)
