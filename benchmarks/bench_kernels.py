@@ -12,6 +12,9 @@
     bf16 peak, the weight bytes of the experts hit (+ input and output) per second as a fraction of
     HBM bandwidth (the bound at decode sizes), and the speed-up over eager.
     Target: afdc >= 60% of the bf16 dense peak at 4096 tokens.
+    ``--models gpt-oss-120b`` adds gpt-oss's expert format (input-major weights, interleaved gate/up,
+    per-expert biases, clamped swigluoai with the config's swiglu_limit), which fused_moe takes as
+    options; transformers' grouped_mm then runs gpt-oss's own experts module with the same biases.
 (2) Row kernels (rms_norm, add_rms_norm, layer_norm, act_mul with silu) at [tokens, hidden] 4096x4096,
     4096x7168 and 16384x4096, bf16: effective GB/s (the bytes the op must read and write, the same count
     for every implementation) as a fraction of HBM bandwidth, against eager and torch.compile of the
@@ -95,6 +98,7 @@ class MoeShape:
     activation: str
     keys: dict[str, str]
     raw: dict
+    gpt_oss: bool = False  # gpt-oss's expert format (see the module docstring)
 
     def scaled(self, hidden: int, inter: int, experts: int, top_k: int) -> MoeShape:
         """The same model at other sizes (for --smoke); ``raw`` is edited to match."""
@@ -103,7 +107,8 @@ class MoeShape:
         raw = dict(self.raw)
         for name, value in sizes.items():
             raw[self.keys[name]] = value
-        return MoeShape(self.model, self.model_type, **sizes, activation=self.activation, keys=self.keys, raw=raw)
+        return MoeShape(self.model, self.model_type, **sizes, activation=self.activation, keys=self.keys, raw=raw,
+                        gpt_oss=self.gpt_oss)
 
 
 def _pick(cfg: dict, path: Path, *names: str) -> tuple[str, int]:
@@ -125,10 +130,32 @@ def read_moe_shape(path: Path) -> MoeShape:
         ("top_k", ("num_experts_per_tok",)),
     ):
         keys[name], sizes[name] = _pick(raw, path, *fields)
+    if raw["model_type"] == "gpt_oss":  # its experts ignore hidden_act
+        return MoeShape(path.stem, "gpt_oss", **sizes, activation="swigluoai", keys=keys, raw=raw, gpt_oss=True)
     act = raw.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise SystemExit(f"{path}: hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
     return MoeShape(path.stem, raw["model_type"], **sizes, activation=ACTIVATIONS[act], keys=keys, raw=raw)
+
+
+def expert_weights(shape: MoeShape, device: str, gen) -> tuple[tuple, dict]:
+    """``(w_gate_up, w_down)`` in the model's own layout, and ``fused_moe``'s options for it
+    (gpt-oss: input-major, interleaved, biased, its activation's alpha and limit)."""
+    E, H, inter, dtype = shape.experts, shape.hidden, shape.inter, torch.bfloat16
+    # N(0, 1/fan_in) weights keep the gate/up and down outputs of order 1 for N(0, 1) inputs
+    w_gate_up = torch.randn(E, 2 * inter, H, generator=gen, device=device, dtype=dtype).mul_(H**-0.5)
+    w_down = torch.randn(E, H, inter, generator=gen, device=device, dtype=dtype).mul_(inter**-0.5)
+    if not shape.gpt_oss:
+        return (w_gate_up, w_down), {}
+    options = {
+        "b_gate_up": torch.randn(E, 2 * inter, generator=gen, device=device, dtype=dtype).mul_(0.1),
+        "b_down": torch.randn(E, H, generator=gen, device=device, dtype=dtype).mul_(0.1),
+        "transposed": True,
+        "interleaved": True,
+        "alpha": 1.702,  # fixed in transformers' GptOssExperts
+        "limit": float(shape.raw.get("swiglu_limit", 7.0)),
+    }
+    return (w_gate_up.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous()), options
 
 
 # -- hardware --------------------------------------------------------------------------------------
@@ -260,7 +287,7 @@ def _num(x: float | None, fmt: str) -> str:
 # -- (1) fused MoE ---------------------------------------------------------------------------------
 
 
-def hf_grouped_mm(shape: MoeShape, w_gate_up, w_down) -> tuple[Callable | None, str]:
+def hf_grouped_mm(shape: MoeShape, w_gate_up, w_down, options: dict) -> tuple[Callable | None, str]:
     """``(fn(x, topk_ids, topk_weights), why_not)``: transformers' grouped_mm experts forward, called
     as transformers' experts dispatch calls it, on the model's own experts module holding our weights."""
     try:
@@ -296,6 +323,9 @@ def hf_grouped_mm(shape: MoeShape, w_gate_up, w_down) -> tuple[Callable | None, 
         return None, f"{classes[0].__name__}.gate_up_proj is {tuple(experts.gate_up_proj.shape)}"
     experts.gate_up_proj = nn.Parameter(w_gate_up, requires_grad=False)
     experts.down_proj = nn.Parameter(w_down, requires_grad=False)
+    if shape.gpt_oss:
+        experts.gate_up_proj_bias = nn.Parameter(options["b_gate_up"], requires_grad=False)
+        experts.down_proj_bias = nn.Parameter(options["b_down"], requires_grad=False)
     experts.eval()
     return functools.partial(forward, experts), ""
 
@@ -310,10 +340,8 @@ def bench_moe_model(shape: MoeShape, tokens_list, timer, device, strict: bool, s
     dtype = torch.bfloat16
     E, H, inter, K = shape.experts, shape.hidden, shape.inter, shape.top_k
     gen = torch.Generator(device=device).manual_seed(0)
-    # N(0, 1/fan_in) weights keep the gate/up and down outputs of order 1 for N(0, 1) inputs
-    w_gate_up = torch.randn(E, 2 * inter, H, generator=gen, device=device, dtype=dtype).mul_(H**-0.5)
-    w_down = torch.randn(E, H, inter, generator=gen, device=device, dtype=dtype).mul_(inter**-0.5)
-    hf_fn, hf_why = hf_grouped_mm(shape, w_gate_up, w_down)
+    (w_gate_up, w_down), options = expert_weights(shape, device, gen)
+    hf_fn, hf_why = hf_grouped_mm(shape, w_gate_up, w_down, options)
     act = shape.activation
     rows = []
     for tokens in tokens_list:
@@ -325,13 +353,16 @@ def bench_moe_model(shape: MoeShape, tokens_list, timer, device, strict: bool, s
         args = (x, w_gate_up, w_down, weights, ids, 0, act)
         torch.compiler.reset()
         with torch.no_grad():
-            expected = fused_moe_reference(*args)
+            expected = fused_moe_reference(*args, **options)
             ref_c = None if skip_compile else compiled(fused_moe_reference)
             runs = [
-                run_impl("afdc triton", functools.partial(fused_moe_triton, *args), expected, timer, strict),
-                run_impl("torch eager", functools.partial(fused_moe_reference, *args), expected, timer, strict),
+                run_impl("afdc triton", functools.partial(fused_moe_triton, *args, **options), expected, timer, strict),
                 run_impl(
-                    "torch.compile", ref_c and functools.partial(ref_c, *args), expected, timer, strict, "skipped"
+                    "torch eager", functools.partial(fused_moe_reference, *args, **options), expected, timer, strict
+                ),
+                run_impl(
+                    "torch.compile", ref_c and functools.partial(ref_c, *args, **options), expected, timer, strict,
+                    "skipped",
                 ),
                 run_impl(
                     "hf grouped_mm",
@@ -365,7 +396,7 @@ def bench_moe_model(shape: MoeShape, tokens_list, timer, device, strict: bool, s
                 }
             )
         del x, ids, weights, args, expected, ref_c
-    del w_gate_up, w_down, hf_fn  # DeepSeek-V3's are 22.5 GB: give them back before the next model
+    del w_gate_up, w_down, options, hf_fn  # DeepSeek-V3's are 22.5 GB: give them back before the next model
     torch.compiler.reset()
     if device == "cuda":
         torch.cuda.empty_cache()
