@@ -31,6 +31,7 @@ EXPECTED = {
     "llama": {"add_rms_norm": 4, "rms_norm": 1, "act_mul": 1},
     "gemma2": {"add_rms_norm": 4, "rms_norm": 5, "act_mul": 1},  # Gemma's (1 + w) norms
     "gpt2": {"add_layer_norm": 4, "layer_norm": 1},
+    "cohere": {"add_layer_norm": 2, "layer_norm": 1, "act_mul": 1},  # LayerNorm written out, no bias
     "qwen3_moe": {"add_rms_norm": 4, "rms_norm": 5, "fused_moe": 1, "moe_route": 1},  # + q/k norms
     "deepseek_v3": {"add_rms_norm": 6, "rms_norm": 7, "fused_moe": 1, "moe_route": 1, "act_mul": 2},  # grouped router
     # input-major interleaved experts with biases and clamped SwiGLU; its softmax-of-top-k router stays
@@ -122,6 +123,30 @@ def test_near_misses_are_left_alone():
     up_clamp.args = (up_clamp.args[0], -6.0, 7.0)
     report = backends.substitute_kernels(segment.graph)
     assert "fused_moe" not in report.fused and any("up not clamped to ±limit" in s for s in report.skipped)
+
+
+def test_a_layer_norm_written_out_becomes_the_kernel():
+    """Cohere's LayerNorm (no ATen op: mean, centered square mean, rsqrt, the centered value again,
+    a weight) becomes ``layer_norm`` with the same output; the same chain scaling the centered value
+    by the RMS of the uncentered one is not a LayerNorm and is left alone."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    class NotLayerNorm(torch.nn.Module):
+        def forward(self, x):
+            x = x.float()
+            return (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    norm = CohereLayerNorm(48, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(2, 5, 48).to(torch.bfloat16)
+    for module, fused in ((norm, {"layer_norm": 1}), (NotLayerNorm(), {})):
+        program = torch.export.export(module, (x,)).module()
+        report = backends.substitute_kernels(program.graph)
+        program.recompile()
+        assert report.fused == fused
+        with torch.no_grad():
+            torch.testing.assert_close(program(x), module(x), atol=1e-2, rtol=1e-2)
+    assert any("not multiplied by rsqrt" in s for s in report.skipped)
 
 
 def test_backend_option():

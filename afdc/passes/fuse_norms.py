@@ -2,7 +2,8 @@
 
 RMSNorm has no ATen op: models write it out (``x.float()``, ``pow(2).mean(-1)``, ``rsqrt``, a
 multiply, a cast back, a weight or Gemma's ``1 + weight``). The pass anchors on ``rsqrt`` and
-walks that chain; LayerNorm is one ``aten.layer_norm`` node. When the normalized value is itself
+walks that chain; LayerNorm is one ``aten.layer_norm`` node, or the same chain over
+``x - mean(x)`` (Cohere's norms, written out without a bias). When the normalized value is itself
 a same-shape residual add that the residual stream reads on, the add goes into the kernel too:
 ``afdc::add_rms_norm`` returns both the sum and its norm, read and written in one pass.
 """
@@ -23,9 +24,9 @@ from afdc.passes.graph_facts import op_name
 def fuse_norms(graph: fx.Graph) -> FusionReport:
     """Replace every exact RMSNorm and LayerNorm in ``graph`` with afdc's norm ops."""
     report = run_matches(graph, "rms_norm", [n for n in graph.nodes if op_name(n) == "rsqrt"],
-                         lambda n: _rewrite_rms_norm(graph, n))
-    report.merge(run_matches(graph, "layer_norm", [n for n in graph.nodes if op_name(n) == "layer_norm"],
-                             lambda n: _rewrite_layer_norm(graph, n)))
+                         lambda n: _rewrite_written_norm(graph, n))
+    layer_norms = [n for n in graph.nodes if n.target is torch.ops.aten.layer_norm.default]  # not afdc's own
+    report.merge(run_matches(graph, "layer_norm", layer_norms, lambda n: _rewrite_layer_norm(graph, n)))
     graph.lint()
     return report
 
@@ -38,7 +39,21 @@ def _last_dim(dims, rank: int) -> bool:
     return isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] in (-1, rank - 1)
 
 
-def _rewrite_rms_norm(graph: fx.Graph, rsqrt: fx.Node) -> None:
+def _mean_over_last_dim(node, of: fx.Node) -> bool:
+    return (op_name(node) == "mean" and node.args[0] is of and _last_dim(arg(node, 1, "dim"), val(of).dim())
+            and arg(node, 2, "keepdim", False))
+
+
+def _centered(h: fx.Node) -> fx.Node | None:
+    """The mean ``m`` when ``h = x - m`` with ``m = mean(x, -1, keepdim=True)``."""
+    if op_name(h) != "sub" or len(h.args) != 2 or h.kwargs or not isinstance(h.args[1], fx.Node):
+        return None
+    return h.args[1] if _mean_over_last_dim(h.args[1], h.args[0]) else None
+
+
+def _rewrite_written_norm(graph: fx.Graph, rsqrt: fx.Node) -> str:
+    """``h * rsqrt(mean(h**2) + eps)``: RMSNorm of ``h``, or LayerNorm of ``x`` when ``h`` is
+    ``x - mean(x)`` (then the multiplied ``h`` may be a second, identical ``x - mean(x)``)."""
     add = rsqrt.args[0]
     expect(op_name(add) == "add" and _scalar(add.args[1]) and not add.kwargs, "rsqrt of something other than x + eps")
     mean = add.args[0]
@@ -46,15 +61,31 @@ def _rewrite_rms_norm(graph: fx.Graph, rsqrt: fx.Node) -> None:
     square = mean.args[0]
     h = square.args[0]
     expect(op_name(square) == "pow" and square.args[1] == 2, "the mean is not over x ** 2")
-    expect(_last_dim(arg(mean, 1, "dim"), val(h).dim()) and arg(mean, 2, "keepdim", False), "not over the last dim")
+    expect(_mean_over_last_dim(mean, square), "not over the last dim")
     expect(val(h).dtype == torch.float32, "computed in a half type (the kernel computes in float32)")
-    norm = only_user(rsqrt)
-    expect(op_name(norm) == "mul" and set(norm.args) == {h, rsqrt}, "x is not multiplied by rsqrt(mean(x**2) + eps)")
     expect(bool(only_user(add) and only_user(mean) and only_user(square)), "a partial value is reused")
-    x = strip_float_casts(h)
+    norm = only_user(rsqrt)
+    expect(op_name(norm) == "mul" and rsqrt in norm.args, "nothing is multiplied by rsqrt(mean(x**2) + eps)")
+    scaled = norm.args[0] if norm.args[1] is rsqrt else norm.args[1]
+    center = _centered(h)
+    if center is None:
+        expect(scaled is h, "x is not multiplied by rsqrt(mean(x**2) + eps)")
+        x = strip_float_casts(h)
+        end, weight, offset = _weighting(norm, val(x).shape[-1])
+        chain = {rsqrt, add, mean, square, norm, h} | _between(end, norm)
+        _substitute(graph, x, end, chain, "rms_norm", (weight, float(add.args[1]), offset))
+        return "rms_norm"
+    source = h.args[0]
+    expect(scaled is h or (_centered(scaled) is center and scaled.args[0] is source),
+           "x - mean(x) is not multiplied by rsqrt(var + eps)")
+    expect(set(center.users) <= {h, scaled} and set(h.users) <= {square, norm} and len(scaled.users) == 1,
+           "a partial value is reused")
+    x = strip_float_casts(source)
     end, weight, offset = _weighting(norm, val(x).shape[-1])
-    chain = {rsqrt, add, mean, square, norm, h} | _between(end, norm)
-    _substitute(graph, x, end, chain, "rms_norm", (weight, float(add.args[1]), offset))
+    expect(offset == 0.0, "a (1 + w) weight on a LayerNorm")
+    chain = {rsqrt, add, mean, square, norm, h, scaled, center, source} | _between(end, norm)
+    _substitute(graph, x, end, chain, "layer_norm", (weight, None, float(add.args[1])))
+    return "layer_norm"
 
 
 def _weighting(norm: fx.Node, hidden: int) -> tuple[fx.Node, fx.Node | None, float]:

@@ -108,17 +108,20 @@ def erase_unused(graph: fx.Graph, nodes) -> None:
         stack += inputs
 
 
-def run_matches(graph: fx.Graph, kind: str, anchors: list[fx.Node], rewrite: Callable[[fx.Node], None]) -> FusionReport:
-    """``rewrite`` each anchor that matches; log and keep the others."""
+def run_matches(
+    graph: fx.Graph, kind: str, anchors: list[fx.Node], rewrite: Callable[[fx.Node], str | None]
+) -> FusionReport:
+    """``rewrite`` each anchor that matches; log and keep the others. A rewrite may return the kind
+    it put in, where one anchor leads to several."""
     report = FusionReport()
     for anchor in anchors:
         if anchor not in set(graph.nodes):  # erased with an earlier match
             continue
         try:
-            rewrite(anchor)
+            done = rewrite(anchor)
         except NoMatch as why:
             report.skipped.append(f"{kind} at {anchor.name}: {why}")
             logger.debug("afdc backend: %s at %s left to Inductor: %s", kind, anchor.name, why)
         else:
-            report.add(kind)
+            report.add(done or kind)
     return report
