@@ -7,6 +7,7 @@ Triton code paths, on tiny models.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -33,7 +34,9 @@ EXPECTED = {
     "gpt2": {"add_layer_norm": 4, "layer_norm": 1},
     "cohere": {"add_layer_norm": 2, "layer_norm": 1, "act_mul": 1},  # LayerNorm written out, no bias
     "qwen3_moe": {"add_rms_norm": 4, "rms_norm": 5, "fused_moe": 1, "moe_route": 1},  # + q/k norms
-    "deepseek_v3": {"add_rms_norm": 6, "rms_norm": 7, "fused_moe": 1, "moe_route": 1, "act_mul": 2},  # grouped router
+    # grouped router; the shared expert inside fused_moe, the dense first layer's act_mul
+    "deepseek_v3": {"add_rms_norm": 6, "rms_norm": 7, "fused_moe": 1, "moe_route": 1, "act_mul": 1},
+    "qwen2_moe": {"add_rms_norm": 4, "rms_norm": 1, "fused_moe": 1, "moe_route": 1},  # + its gated shared expert
     # input-major interleaved experts with biases and clamped SwiGLU; its softmax-of-top-k router stays
     "gpt_oss": {"add_rms_norm": 4, "rms_norm": 1, "fused_moe": 1},
 }
@@ -100,10 +103,27 @@ def test_afdc_backend_expert_parallel_with_micro_batches(model_type, router):
         assert all(type(s._run).__name__ == "OptimizedModule" for s in program._lowered)  # Inductor ran them
 
 
+def test_a_routed_scaling_moves_into_the_routing_weights_beside_a_shared_expert():
+    """Laguna scales the routed experts' sum by a constant before adding its shared expert: with the
+    shared expert inside fused_moe the constant scales the routing weights, not the shared expert."""
+    entry = catalog.entry("laguna")
+    model = catalog.build(dataclasses.replace(entry, overrides={**entry.overrides, "moe_routed_scaling_factor": 2.5}))
+    dm = afdc.disaggregate(model, "1A1F")
+    moe = backends.copy_module(dm.ffn_ranks[0].segments[1])
+    assert backends.substitute_kernels(moe.graph).fused["shared_expert"] == 1
+    assert substitute_eagerly(dm)["act_mul"] == 1  # the dense layer's; the shared expert's is in fused_moe
+    ids, mask = _batch(model.config.vocab_size)
+    pos = positions_from_mask(mask)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = dm(ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
 def test_near_misses_are_left_alone():
     """A norm over the wrong dim, an activation that is not multiplied, gpt-oss's experts with the
-    up projection clamped to other bounds than the gate: nothing is substituted and the reason is
-    kept."""
+    up projection clamped to other bounds than the gate, a shared expert with another activation
+    than the routed experts': nothing is substituted and the reason is kept."""
 
     class NearMiss(torch.nn.Module):
         def forward(self, x):
@@ -123,6 +143,15 @@ def test_near_misses_are_left_alone():
     up_clamp.args = (up_clamp.args[0], -6.0, 7.0)
     report = backends.substitute_kernels(segment.graph)
     assert "fused_moe" not in report.fused and any("up not clamped to ±limit" in s for s in report.skipped)
+
+    dm = afdc.disaggregate(catalog.build(catalog.entry("deepseek_v3")), "1A1F")
+    segment = backends.copy_module(dm.ffn_ranks[0].segments[1])
+    (act,) = [n for n in segment.graph.nodes  # the shared expert's, of its gate projection
+              if n.target == torch.ops.aten.silu.default and n.args[0].target == torch.ops.aten.linear.default]
+    act.target = torch.ops.aten.gelu.default
+    report = backends.substitute_kernels(segment.graph)
+    assert report.fused["fused_moe"] == 1 and "shared_expert" not in report.fused
+    assert any("activation gelu is not the routed experts' silu" in s for s in report.skipped)
 
 
 def test_a_layer_norm_written_out_becomes_the_kernel():

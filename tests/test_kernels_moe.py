@@ -438,3 +438,90 @@ def test_fused_moe_op_registration_with_options():
         {"b_gate_up": b_gate_up, "b_down": b_down, "transposed": transposed, "interleaved": interleaved,
          "alpha": alpha, "limit": limit},
     )
+
+
+# -- a shared expert in the same launches ------------------------------------------------------------
+
+SHARED_INTER = 36  # not the routed experts' 20: the shared blocks cover more columns
+
+
+def _shared(dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gate, up = (torch.randn(SHARED_INTER, HIDDEN, generator=gen) / HIDDEN**0.5 for _ in range(2))
+    down = torch.randn(HIDDEN, SHARED_INTER, generator=gen) / SHARED_INTER**0.5
+    return gate.to(dtype), up.to(dtype), down.to(dtype)
+
+
+def test_reference_adds_the_shared_expert_times_its_scale():
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(6, HIDDEN, generator=gen)
+    w_gate_up, w_down = _experts(4, torch.float32, gen)
+    weights, ids = _routing(6, 2, 4, gen)
+    s_gate, s_up, s_down = _shared(torch.float32, gen)
+    scale = torch.rand(6, 1, generator=gen)
+    routed = fused_moe_reference(x, w_gate_up, w_down, weights, ids, 0, "silu")
+    out = fused_moe_reference(x, w_gate_up, w_down, weights, ids, 0, "silu", s_gate=s_gate, s_up=s_up,
+                              s_down=s_down, s_scale=scale)
+    shared = F.linear(F.silu(F.linear(x, s_gate)) * F.linear(x, s_up), s_down)
+    torch.testing.assert_close(out, routed + shared * scale, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "scale"), [(0, 2, "float"), (1, 1, None), (5, 2, "bool"), (40, 2, "float")]
+)
+def test_fused_moe_kernel_with_a_shared_expert(triton_interpret, tokens, top_k, scale, dtype):
+    """40 tokens take three 16-row shared blocks; a bool scale is the owner mark of expert routing."""
+    gen = torch.Generator().manual_seed(tokens + 20)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    w_gate_up, w_down = _experts(4, dtype, gen)
+    weights, ids = _routing(tokens, top_k, 3, gen)
+    s_gate, s_up, s_down = _shared(dtype, gen)
+    factor = {None: None, "float": torch.rand(tokens, 1, generator=gen),
+              "bool": torch.rand(tokens, 1, generator=gen) > 0.5}[scale]
+    args = (x, w_gate_up, w_down, weights, ids, 0, "silu")
+    shared = {"s_gate": s_gate, "s_up": s_up, "s_down": s_down, "s_scale": factor}
+    expected = fused_moe_reference(*args, **shared)
+    for blocks in ({}, {"block_m": 16, "block_n": 16, "block_k": 16}):
+        out = fused_moe_triton(*args, **shared, **blocks)
+        assert out.shape == (tokens, HIDDEN) and out.dtype == dtype
+        torch.testing.assert_close(out, expected, **TOL[dtype])
+    if tokens:  # the shared expert is in the sum
+        assert (expected.float() - fused_moe_reference(*args).float()).abs().max() > 1e-2
+
+
+def test_expert_parallel_rank_with_a_shared_expert_adds_it_to_every_row(triton_interpret):
+    """A rank holding experts 4..7 of tokens that chose none of them returns the shared expert alone."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(5, HIDDEN, generator=gen)
+    w_gate_up, w_down = _experts(4, torch.float32, gen)
+    weights, ids = _routing(5, 2, 4, gen)
+    s_gate, s_up, s_down = _shared(torch.float32, gen)
+    out = fused_moe_triton(x, w_gate_up, w_down, weights, ids, 4, "silu", s_gate=s_gate, s_up=s_up, s_down=s_down)
+    torch.testing.assert_close(out, F.linear(F.silu(F.linear(x, s_gate)) * F.linear(x, s_up), s_down),
+                               **TOL[torch.float32])
+
+
+def test_fused_moe_rejects_a_malformed_shared_expert():
+    gen = torch.Generator().manual_seed(15)
+    x, (weights, ids) = torch.randn(2, HIDDEN, generator=gen), _routing(2, 1, 2, gen)
+    w_gate_up, w_down = _experts(2, torch.float32, gen)
+    s_gate, s_up, s_down = _shared(torch.float32, gen)
+    with pytest.raises(ValueError, match="needs all of s_gate, s_up and s_down"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, 0, "silu", s_gate=s_gate, s_up=s_up)
+    with pytest.raises(ValueError, match=r"are not \[Is, H\], \[Is, H\], \[H, Is\]"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, 0, "silu", s_gate=s_gate, s_up=s_up, s_down=s_down.T)
+    with pytest.raises(ValueError, match="not one value per token"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, 0, "silu", s_gate=s_gate, s_up=s_up, s_down=s_down,
+                  s_scale=torch.ones(3))
+
+
+def test_fused_moe_op_registration_with_a_shared_expert():
+    gen = torch.Generator().manual_seed(16)
+    w_gate_up, w_down = _experts(2, torch.float32, gen)
+    weights, ids = _routing(3, 2, 4, gen)
+    s_gate, s_up, s_down = _shared(torch.float32, gen)
+    torch.library.opcheck(
+        fused_moe,
+        (torch.randn(3, HIDDEN, generator=gen), w_gate_up, w_down, weights, ids, 2, "silu"),
+        {"s_gate": s_gate, "s_up": s_up, "s_down": s_down, "s_scale": torch.rand(3, 1, generator=gen)},
+    )

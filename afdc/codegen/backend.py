@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from afdc.passes.fuse_activation import fuse_activations
-from afdc.passes.fuse_moe import fuse_moe
+from afdc.passes.fuse_moe import fuse_moe, fuse_shared_experts
 from afdc.passes.fuse_norms import fuse_norms
 from afdc.passes.fusion import FusionReport, copy_graph
 from afdc.plan import BACKENDS
@@ -39,6 +39,7 @@ def resolve(backend: str, device: torch.device) -> str:
 def substitute_kernels(graph: fx.Graph) -> FusionReport:
     """Every kernel substitution, in place; MoE first, since it takes the experts' activation in."""
     report = fuse_moe(graph)
+    report.merge(fuse_shared_experts(graph))
     report.merge(fuse_activations(graph))
     return report.merge(fuse_norms(graph))
 

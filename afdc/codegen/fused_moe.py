@@ -5,6 +5,12 @@ first, then up rows) and ``down_proj`` [E, H, I]. A rank may hold a slice of the
 (``first_expert`` onwards, expert parallelism); a token's choices of experts held elsewhere add
 exactly zero, so the ranks' outputs sum to the whole layer's.
 
+A shared expert (a gated MLP every token passes through, with separate gate, up and down weights
+[Is, H], [Is, H], [H, Is], optionally scaled per token) joins the same two launches: the blocks
+past the routed ones take the tokens in order through the shared weights, and its rows are summed
+with the routed pairs. At decode sizes the routed blocks leave most of the GPU idle, and the
+shared expert fills it instead of taking launches of its own.
+
 gpt-oss-style experts are the same computation in other clothes, taken as options rather than as
 a second kernel: weights stored input-major (``transposed``: [E, H, 2I] and [E, I, H], read in
 place through their strides), gate and up columns alternating (``interleaved``), per-expert biases
@@ -56,6 +62,7 @@ def _check(
     b_down: torch.Tensor | None,
     alpha: float | None,
     limit: float | None,
+    shared: tuple = (None, None, None, None),
 ) -> None:
     """Checks the output-major views of the weights (:func:`output_major`)."""
     if activation not in ACTIVATIONS:
@@ -74,6 +81,28 @@ def _check(
             raise ValueError(f"fused_moe: {name} bias {tuple(bias.shape)} is not {shape}, one row per expert")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} is not [tokens, top_k] for x {tuple(x.shape)}")
+    _check_shared(x, w_gate_up, b_gate_up, b_down, *shared)
+
+
+def _check_shared(x, w_gate_up, b_gate_up, b_down, s_gate, s_up, s_down, s_scale) -> None:
+    weights = (s_gate, s_up, s_down)
+    if all(w is None for w in (*weights, s_scale)):
+        return
+    if any(w is None for w in weights):
+        raise ValueError("fused_moe: a shared expert needs all of s_gate, s_up and s_down")
+    if b_gate_up is not None or b_down is not None:
+        raise ValueError("fused_moe: a shared expert next to expert biases is not supported")
+    if s_gate.dim() != 2:
+        raise ValueError(f"fused_moe: shared expert gate {tuple(s_gate.shape)} is not [Is, H]")
+    shared_inter, hidden = s_gate.shape
+    if tuple(s_up.shape) != (shared_inter, hidden) or tuple(s_down.shape) != (hidden, shared_inter):
+        raise ValueError(f"fused_moe: shared expert gate {tuple(s_gate.shape)}, up {tuple(s_up.shape)} and down "
+                         f"{tuple(s_down.shape)} are not [Is, H], [Is, H], [H, Is]")
+    if hidden != x.shape[1] or any(w.dtype != w_gate_up.dtype for w in weights):
+        raise ValueError(f"fused_moe: the shared expert ({s_gate.dtype}, hidden {hidden}) does not match the routed "
+                         f"experts ({w_gate_up.dtype}, hidden {x.shape[1]})")
+    if s_scale is not None and s_scale.numel() != x.shape[0]:
+        raise ValueError(f"fused_moe: s_scale {tuple(s_scale.shape)} is not one value per token of x {tuple(x.shape)}")
 
 
 def _gated(gate_up: torch.Tensor, activation: str, interleaved: bool, alpha, limit) -> torch.Tensor:
@@ -104,10 +133,15 @@ def fused_moe_reference(
     interleaved: bool = False,
     alpha: float | None = None,
     limit: float | None = None,
+    s_gate: torch.Tensor | None = None,
+    s_up: torch.Tensor | None = None,
+    s_down: torch.Tensor | None = None,
+    s_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """transformers' expert loop over the local experts, rounding where the kernels do."""
     w_gate_up, w_down = output_major(w_gate_up, w_down, transposed)
-    _check(x, w_gate_up, w_down, topk_ids, activation, b_gate_up, b_down, alpha, limit)
+    shared = (s_gate, s_up, s_down, s_scale)
+    _check(x, w_gate_up, w_down, topk_ids, activation, b_gate_up, b_down, alpha, limit, shared)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     local = topk_ids.long() - first_expert
     held = (local >= 0) & (local < w_gate_up.shape[0])
@@ -121,6 +155,11 @@ def fused_moe_reference(
         if b_down is not None:
             y += b_down[e].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
+    if s_gate is not None:
+        rows = x.to(s_gate.dtype)
+        gate_up = torch.cat([F.linear(rows, s_gate), F.linear(rows, s_up)], dim=-1).float()
+        y = F.linear(_gated(gate_up, activation, False, alpha, limit).to(s_down.dtype), s_down).float()
+        out += y if s_scale is None else y * s_scale.reshape(-1, 1).float()
     return out.to(x.dtype)
 
 
@@ -183,12 +222,18 @@ def _gate_up_kernel(
     w_ptr,
     b_ptr,
     out_ptr,
+    s_gate_ptr,
+    s_up_ptr,
+    s_out_ptr,
     sorted_pairs_ptr,
     block_experts_ptr,
+    num_routed_blocks,
     num_pairs,
+    num_tokens,
     top_k,
     hidden,
     inter,
+    shared_inter,
     alpha,
     limit,
     stride_xt,
@@ -201,8 +246,14 @@ def _gate_up_kernel(
     up_shift_w,
     up_shift_b,
     stride_op,
+    stride_sgn,
+    stride_sgh,
+    stride_sun,
+    stride_suh,
+    stride_so,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -212,19 +263,38 @@ def _gate_up_kernel(
     # gate column c is row c * stride_wn of the expert's [2I, H] weights (the host folds the row
     # step into the stride), and its up column lies up_shift_w elements on; the same for biases
     pid_m = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    if expert < 0:
+    routed = pid_m < num_routed_blocks  # the blocks past them (HAS_SHARED) are the shared expert's
+    block = tl.minimum(pid_m, num_routed_blocks - 1)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    if routed & (expert < 0):
         return
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     rows_ok = pairs < num_pairs
+    x_rows = pairs // top_k
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
-
-    x_ptrs = x_ptr + (pairs // top_k)[:, None] * stride_xt + ks[None, :] * stride_xh
     # [BLOCK_K, BLOCK_N] tiles of W^T (x @ W^T), over the gate rows and the up rows
     gate_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wh
     up_ptrs = gate_ptrs + up_shift_w
+    out_ptrs = out_ptr + pairs[:, None] * stride_op + cols[None, :]
+    gate_step = BLOCK_K * stride_wh
+    up_step = BLOCK_K * stride_wh
+    n_cols = inter
+    if HAS_SHARED:  # the same tiles of the shared expert's weights, token t at row t
+        tokens = (pid_m - num_routed_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_cols = tl.where(routed, inter, shared_inter)
+        if tl.program_id(1) * BLOCK_N >= n_cols:
+            return
+        rows_ok = tl.where(routed, rows_ok, tokens < num_tokens)
+        x_rows = tl.where(routed, x_rows, tokens)
+        gate_ptrs = tl.where(routed, gate_ptrs, s_gate_ptr + cols[None, :] * stride_sgn + ks[:, None] * stride_sgh)
+        up_ptrs = tl.where(routed, up_ptrs, s_up_ptr + cols[None, :] * stride_sun + ks[:, None] * stride_suh)
+        out_ptrs = tl.where(routed, out_ptrs, s_out_ptr + tokens[:, None] * stride_so + cols[None, :])
+        gate_step = tl.where(routed, gate_step, BLOCK_K * stride_sgh)
+        up_step = tl.where(routed, up_step, BLOCK_K * stride_suh)
+    cols_ok = cols < n_cols
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xt + ks[None, :] * stride_xh
+
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -238,8 +308,8 @@ def _gate_up_kernel(
         gate = tl.dot(a, wg, gate, input_precision=PRECISION)
         up = tl.dot(a, wu, up, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xh
-        gate_ptrs += BLOCK_K * stride_wh
-        up_ptrs += BLOCK_K * stride_wh
+        gate_ptrs += gate_step
+        up_ptrs += up_step
     if HAS_BIAS:
         gate_bias = b_ptr + expert * stride_be + cols * stride_bn
         gate += tl.load(gate_bias, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
@@ -256,7 +326,6 @@ def _gate_up_kernel(
         gate = tl.minimum(gate, limit)
         act = gate * tl.sigmoid(alpha * gate)
         up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
-    out_ptrs = out_ptr + pairs[:, None] * stride_op + cols[None, :]
     tl.store(out_ptrs, (act * up).to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
@@ -266,11 +335,17 @@ def _down_kernel(
     b_ptr,
     weights_ptr,
     out_ptr,
+    s_h_ptr,
+    s_down_ptr,
+    s_scale_ptr,
     sorted_pairs_ptr,
     block_experts_ptr,
+    num_routed_blocks,
     num_pairs,
+    num_tokens,
     hidden,
     inter,
+    shared_inter,
     stride_hp,
     stride_we,
     stride_wh,
@@ -278,7 +353,12 @@ def _down_kernel(
     stride_be,
     stride_bh,
     stride_op,
+    stride_shp,
+    stride_sdh,
+    stride_sdi,
     HAS_BIAS: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -286,10 +366,12 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    if expert < 0:
+    routed = pid_m < num_routed_blocks  # the blocks past them (HAS_SHARED) are the shared expert's
+    block = tl.minimum(pid_m, num_routed_blocks - 1)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    if routed & (expert < 0):
         return
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     rows_ok = pairs < num_pairs
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden
@@ -297,21 +379,35 @@ def _down_kernel(
 
     h_ptrs = h_ptr + pairs[:, None] * stride_hp + ks[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wh + ks[:, None] * stride_wi
+    w_step = BLOCK_K * stride_wi
+    k_end = inter
+    routing = tl.load(weights_ptr + pairs, mask=rows_ok, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + pairs[:, None] * stride_op + cols[None, :]
+    if HAS_SHARED:  # the shared expert's rows go to output rows num_pairs + t
+        tokens = (pid_m - num_routed_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tokens_ok = (tokens >= 0) & (tokens < num_tokens)  # none in a routed block
+        rows_ok = tl.where(routed, rows_ok, tokens_ok)
+        h_ptrs = tl.where(routed, h_ptrs, s_h_ptr + tokens[:, None] * stride_shp + ks[None, :])
+        w_ptrs = tl.where(routed, w_ptrs, s_down_ptr + cols[None, :] * stride_sdh + ks[:, None] * stride_sdi)
+        w_step = tl.where(routed, w_step, BLOCK_K * stride_sdi)
+        k_end = tl.where(routed, inter, shared_inter)
+        scale = tl.full([BLOCK_M], 1.0, tl.float32)
+        if HAS_SCALE:
+            scale = tl.load(s_scale_ptr + tokens, mask=tokens_ok, other=0.0)
+        routing = tl.where(routed, routing, scale)
+        out_ptrs = tl.where(routed, out_ptrs, out_ptr + (num_pairs + tokens)[:, None] * stride_op + cols[None, :])
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        ks_ok = ks < inter - k0
+    for k0 in range(0, k_end, BLOCK_K):
+        ks_ok = ks < k_end - k0
         a = tl.load(h_ptrs, mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wi
+        w_ptrs += w_step
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + cols * stride_bh, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
-
-    routing = tl.load(weights_ptr + pairs, mask=rows_ok, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + pairs[:, None] * stride_op + cols[None, :]
     tl.store(out_ptrs, acc * routing[:, None], mask=rows_ok[:, None] & cols_ok[None, :])
 
 
@@ -339,6 +435,10 @@ def fused_moe_triton(
     interleaved: bool = False,
     alpha: float | None = None,
     limit: float | None = None,
+    s_gate: torch.Tensor | None = None,
+    s_up: torch.Tensor | None = None,
+    s_down: torch.Tensor | None = None,
+    s_scale: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -347,18 +447,20 @@ def fused_moe_triton(
     """:func:`fused_moe` by the Triton kernels. Block sizes not given are tuned for this device and
     shape (:mod:`afdc.codegen.autotune`, on by default on CUDA) or else :func:`default_block_sizes`."""
     args = (x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_gate_up, b_down,
-            transposed, interleaved, alpha, limit)
+            transposed, interleaved, alpha, limit, s_gate, s_up, s_down, s_scale)
     w_gate_up, w_down = output_major(w_gate_up, w_down, transposed)
-    _check(x, w_gate_up, w_down, topk_ids, activation, b_gate_up, b_down, alpha, limit)
+    _check(x, w_gate_up, w_down, topk_ids, activation, b_gate_up, b_down, alpha, limit, (s_gate, s_up, s_down, s_scale))
     tokens, hidden = x.shape
     num_local, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     num_pairs = topk_ids.numel()
     if num_pairs == 0:
         return torch.zeros_like(x)
+    has_shared = s_gate is not None
+    shared_inter = s_gate.shape[0] if has_shared else 0
     if block_m is block_n is block_k is None and autotune.enabled(x):
-        # the weights' layout changes which tiles read memory best
-        kernel = "fused_moe" + ("_transposed" if transposed else "")
+        # the weights' layout and a shared expert change which tiles read memory best
+        kernel = "fused_moe" + ("_transposed" if transposed else "") + (f"_shared{shared_inter}" if has_shared else "")
         key = autotune.TuneKey.of(kernel, w_gate_up, (next_power_of_2(num_pairs), num_local, hidden, inter))
         block_m, block_n, block_k = autotune.tuner().best(
             key,
@@ -370,6 +472,8 @@ def fused_moe_triton(
     block_m, block_n, block_k = block_m or default_m, block_n or default_n, block_k or default_k
 
     sorted_pairs, block_experts = align_pairs(topk_ids, first_expert, num_local, block_m)
+    routed_blocks = block_experts.numel()
+    shared_blocks = -(-tokens // block_m) if has_shared else 0
     # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those bits: it gets fp32
     # operands. fp32 runs in full precision ("ieee"), as torch's matmul does unless TF32 is enabled.
     upcast = interpreting()
@@ -377,19 +481,31 @@ def fused_moe_triton(
     step = 2 if interleaved else 1  # gate column c sits at row c * step
     up_row = 1 if interleaved else inter  # and its up column that many rows on
     stride_we, stride_wn, stride_wh = w_gate_up.stride()
-    b1 = b_gate_up if b_gate_up is not None else x  # a pointer the kernel never reads
+    # pointers a kernel never reads stand in for the tensors an option leaves out
+    b1 = b_gate_up if b_gate_up is not None else x
+    b2 = b_down if b_down is not None else x
+    s_gate, s_up, s_down = (s_gate, s_up, s_down) if has_shared else (w_gate_up[0],) * 3
+    scale = s_scale.reshape(-1).float() if s_scale is not None else x
     hidden_states = torch.empty(num_pairs, inter, dtype=w_down.dtype, device=x.device)
-    jit(_gate_up_kernel)[(block_experts.numel(), -(-inter // block_n))](
+    shared_states = torch.empty(tokens if has_shared else 0, shared_inter, dtype=w_down.dtype, device=x.device)
+    grid_n = -(-max(inter, shared_inter) // block_n)
+    jit(_gate_up_kernel)[(routed_blocks + shared_blocks, grid_n)](
         x,
         w_gate_up,
         b1,
         hidden_states,
+        s_gate,
+        s_up,
+        shared_states if has_shared else hidden_states,
         sorted_pairs,
         block_experts,
+        routed_blocks,
         num_pairs,
+        tokens,
         topk_ids.shape[1],
         hidden,
         inter,
+        shared_inter,
         alpha or 0.0,
         limit or 0.0,
         x.stride(0),
@@ -402,41 +518,57 @@ def fused_moe_triton(
         up_row * stride_wn,
         up_row * b1.stride(1),
         hidden_states.stride(0),
+        *s_gate.stride(),
+        *s_up.stride(),
+        max(shared_states.stride(0), 1),
         ACTIVATION=activation,
         HAS_BIAS=b_gate_up is not None,
+        HAS_SHARED=has_shared,
         UPCAST=upcast,
         PRECISION=precision,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
-    # pairs of other ranks' experts are never written: they stay zero
-    pair_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    b2 = b_down if b_down is not None else x
-    jit(_down_kernel)[(block_experts.numel(), -(-hidden // block_n))](
+    # pairs of other ranks' experts are never written: they stay zero; the shared rows follow the pairs
+    pair_out = torch.zeros(num_pairs + shared_states.shape[0], hidden, dtype=torch.float32, device=x.device)
+    jit(_down_kernel)[(routed_blocks + shared_blocks, -(-hidden // block_n))](
         hidden_states,
         w_down,
         b2,
         topk_weights.reshape(-1).contiguous(),
         pair_out,
+        shared_states if has_shared else hidden_states,
+        s_down,
+        scale,
         sorted_pairs,
         block_experts,
+        routed_blocks,
         num_pairs,
+        tokens,
         hidden,
         inter,
+        shared_inter,
         hidden_states.stride(0),
         *w_down.stride(),
         b2.stride(0),
         b2.stride(1),
         pair_out.stride(0),
+        max(shared_states.stride(0), 1),
+        *s_down.stride(),
         HAS_BIAS=b_down is not None,
+        HAS_SHARED=has_shared,
+        HAS_SCALE=s_scale is not None,
         UPCAST=upcast,
         PRECISION=precision,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
-    return pair_out.view(tokens, -1, hidden).sum(dim=1).to(x.dtype)
+    out = pair_out[:num_pairs].view(tokens, -1, hidden).sum(dim=1)
+    if has_shared:
+        out += pair_out[num_pairs:]
+    return out.to(x.dtype)
 
 
 @torch.library.custom_op("afdc::fused_moe", mutates_args=())
@@ -454,6 +586,10 @@ def fused_moe(
     interleaved: bool = False,
     alpha: float | None = None,
     limit: float | None = None,
+    s_gate: torch.Tensor | None = None,
+    s_up: torch.Tensor | None = None,
+    s_down: torch.Tensor | None = None,
+    s_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * expert(x[t])`` over the choices of the local experts
     ``[first_expert, first_expert + E_local)``: ``down(act(gate(x)) * up(x))`` with ``w_gate_up``
@@ -463,18 +599,19 @@ def fused_moe(
     Options for other expert formats: per-expert biases ``b_gate_up`` [E_local, 2I] and
     ``b_down`` [E_local, H]; ``transposed`` weights [E_local, H, 2I] and [E_local, I, H];
     ``interleaved`` gate and up rows (gate ``2c``, up ``2c + 1``); ``alpha`` and ``limit`` of
-    ``swigluoai``.
+    ``swigluoai``. A shared expert every token passes through: ``s_down(act(s_gate x) * s_up x)``
+    times ``s_scale`` (one value per token, or 1), added to the sum.
     """
     args = (x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_gate_up, b_down,
-            transposed, interleaved, alpha, limit)
-    tensors = [t for t in (x, w_gate_up, w_down, topk_weights, topk_ids, b_gate_up, b_down) if t is not None]
-    if launches(*tensors):
+            transposed, interleaved, alpha, limit, s_gate, s_up, s_down, s_scale)
+    if launches(*(t for t in args if isinstance(t, torch.Tensor))):
         return fused_moe_triton(*args)
     return fused_moe_reference(*args)
 
 
 @fused_moe.register_fake
 def _(x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_gate_up=None, b_down=None,
-      transposed=False, interleaved=False, alpha=None, limit=None):
-    _check(x, *output_major(w_gate_up, w_down, transposed), topk_ids, activation, b_gate_up, b_down, alpha, limit)
+      transposed=False, interleaved=False, alpha=None, limit=None, s_gate=None, s_up=None, s_down=None, s_scale=None):
+    _check(x, *output_major(w_gate_up, w_down, transposed), topk_ids, activation, b_gate_up, b_down, alpha, limit,
+           (s_gate, s_up, s_down, s_scale))
     return torch.empty_like(x)

@@ -947,7 +947,9 @@ def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int) -> fx.Graph:
             lead = new.call_function(operator.eq, (rank, 0))
             args = list(args)
             pos = prop.lead_only[node]
-            args[pos] = new.call_function(torch.ops.aten.mul.Tensor, (args[pos], lead))
+            scaled = new.call_function(torch.ops.aten.mul.Tensor, (args[pos], lead))
+            scaled.meta["val"] = args[pos].meta.get("val")  # times a bool: the same shape and dtype
+            args[pos] = scaled
             args = tuple(args)
         env[node] = new.create_node(node.op, target, args, kwargs, name=node.name)
         env[node].meta = dict(node.meta)

@@ -15,6 +15,11 @@ option: input-major weights (the grouped matmul takes ``W`` itself, not ``W^T``)
 gathered by the sorted ids and added to each projection, gate and up as the even and odd columns,
 and the clamped ``swigluoai`` activation with its ``alpha`` and ``limit`` read from the graph.
 
+A shared expert added to the routed experts' output, ``down(act(gate x) * up x)`` of the same rows
+by 2-D weights, optionally times a per-token scale (Qwen2-MoE's sigmoid gate, the owner mark of
+expert routing), goes into the same ``fused_moe`` (its ``s_*`` arguments) when it uses the routed
+experts' activation.
+
 ``topk(softmax(logits))`` routing becomes ``afdc::moe_route``. gpt-oss's ``softmax(topk(logits))``
 does not: its weights equal the renormalized top-k of the softmax, but it chooses on the logits,
 and the kernel chooses on the probabilities, where rounding can tie two logits that differ.
@@ -22,6 +27,7 @@ and the kernel chooses on the probabilities, where rounding can tie two logits t
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -223,6 +229,15 @@ def _sorted_pairs(rows: fx.Node, offs: fx.Node) -> tuple[fx.Node, fx.Node, fx.No
     return x, ids, perm, k
 
 
+def fuse_shared_experts(graph: fx.Graph) -> FusionReport:
+    """Move every shared expert added to a fused MoE's output into that ``fused_moe``. Separate
+    from :func:`fuse_moe`, whose graph the expert-routing proof reads with the term still added."""
+    added = [n for n in graph.nodes if n.target is torch.ops.afdc.fused_moe.default and _sum_with(n) is not None]
+    report = run_matches(graph, "shared_expert", added, lambda n: _take_shared_expert(graph, n))
+    graph.lint()
+    return report
+
+
 def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     rows, w1t, offs, first = _grouped(up_proj)
     w_gate_up, transposed = _stacked_experts(w1t)
@@ -276,6 +291,151 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     fused.meta = dict(out.meta)
     out.replace_all_uses_with(fused)
     erase_unused(graph, [out])
+
+
+_PASS_THROUGH = ("to", "_to_copy", "view", "reshape")
+
+
+def _rows(node):
+    """``node`` past views, reshapes and widening casts: the same rows, in another shape or in
+    float32 (which the kernel casts back to the weights' dtype exactly)."""
+    while isinstance(node, fx.Node) and op_name(node) in ("view", "reshape", "to", "_to_copy"):
+        stripped = strip_float_casts(node) if op_name(node) in ("to", "_to_copy") else node.args[0]
+        if stripped is node:
+            break
+        node = stripped
+    return node
+
+
+def _gate_and_up_of(first: fx.Node, second: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    """``(rows, W_gate, W_up)`` of the shared expert's gate and up projections: two bias-free
+    linears of the same rows, or the two halves of one (GraniteMoE-shared's fused input linear:
+    ``W_up`` None, ``W_gate`` the fused weight)."""
+    if all(n.target is operator.getitem for n in (first, second)) and first.args[0] is second.args[0]:
+        chunk = first.args[0]
+        expect(_halves(chunk) and [first.args[1], second.args[1]] == [0, 1], "gate and up are not two halves")
+        rows, weight = _plain_linear(chunk.args[0], "gate/up")
+        return rows, weight, None
+    (rows, w_gate), (rows_up, w_up) = _plain_linear(first, "gate"), _plain_linear(second, "up")
+    expect(_rows(rows) is _rows(rows_up), "the shared expert's gate and up read other rows")
+    return rows, w_gate, w_up
+
+
+def _weight_halves(graph: fx.Graph, weight: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Views of the first and second half of ``weight``'s rows (gate, then up)."""
+    half = val(weight).shape[0] // 2
+    halves = tuple(graph.call_function(torch.ops.aten.slice.Tensor, (weight, 0, a, a + half)) for a in (0, half))
+    for node, start in zip(halves, (0, half)):
+        node.meta["val"] = val(weight)[start : start + half]
+    return halves
+
+
+def _plain_linear(node, what: str) -> tuple[fx.Node, fx.Node]:
+    """``(input, weight)`` of a bias-free ``linear`` by a 2-D weight."""
+    expect(op_name(node) == "linear" and (len(node.args) < 3 or node.args[2] is None) and not node.kwargs,
+           f"the shared expert's {what} is not a bias-free linear")
+    weight = val(node.args[1])
+    expect(weight is not None and weight.dim() == 2, f"the shared expert's {what} weight is not 2-D")
+    return node.args[0], node.args[1]
+
+
+def _shared_mlp(down: fx.Node, x: fx.Node, activation: str) -> tuple[fx.Node, fx.Node | None, fx.Node]:
+    """``(W_gate, W_up, W_down)`` of ``down(act(gate x) * up x)`` over ``x``'s rows (``W_up``
+    None: gate and up are the halves of ``W_gate``)."""
+    product, w_down = _plain_linear(down, "down projection")
+    if op_name(product) == "act_mul":
+        gate, up, kind = product.args
+    else:
+        expect(op_name(product) == "mul" and len(product.args) == 2, "the shared expert is not act(gate) * up")
+        act = next((a for a in product.args if op_name(a) in ("silu", "gelu")), None)
+        expect(act is not None and only_user(act) is product, "the shared expert is not act(gate) * up")
+        gate, up, kind = act.args[0], product.args[1] if product.args[0] is act else product.args[0], activation_of(act)
+    expect(kind == activation, f"the shared expert's activation {kind} is not the routed experts' {activation}")
+    expect(all(len(n.users) == 1 for n in (gate, up, product, down)), "a shared expert's value is read elsewhere")
+    rows, w_gate, w_up = _gate_and_up_of(gate, up)
+    expect(_rows(rows) is _rows(x), "the shared expert reads other rows")
+    return w_gate, w_up, w_down
+
+
+def _per_row_factor(mul: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(value, factor)`` when ``mul`` multiplies a value by one number per row (``[..., 1]``)."""
+    if op_name(mul) != "mul" or len(mul.args) != 2 or not all(isinstance(a, fx.Node) for a in mul.args):
+        return None
+    for value, factor in (mul.args, mul.args[::-1]):
+        if val(value) is not None and val(factor) is not None and val(value).shape[-1] > 1 \
+                and tuple(val(factor).shape) == (*val(value).shape[:-1], 1):
+            return value, factor
+    return None
+
+
+def _scaling(node: fx.Node) -> float | None:
+    """``c`` of ``node = x * c`` for a finite constant ``c`` (a routed scaling factor)."""
+    c = node.args[1] if op_name(node) == "mul" and len(node.args) == 2 else None
+    return float(c) if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) else None
+
+
+def _sum_with(moe: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
+    """``(chain, add)`` when ``add`` adds something to ``chain[-1]``, the fused MoE's output past
+    casts, views and scalings by a constant (``chain`` starts at ``moe``)."""
+    chain = [moe]
+    while len(chain[-1].users) == 1:
+        user = next(iter(chain[-1].users))
+        if op_name(user) not in _PASS_THROUGH and (_scaling(user) is None or user.args[0] is not chain[-1]):
+            break
+        chain.append(user)
+    add = next(iter(chain[-1].users)) if len(chain[-1].users) == 1 else None
+    if add is None or op_name(add) != "add" or len(add.args) != 2 or add.kwargs or chain[-1] not in add.args:
+        return None
+    return chain, add
+
+
+def _take_shared_expert(graph: fx.Graph, moe: fx.Node) -> None:
+    """``chain(fused_moe(x, ...)) + shared(x) * factors`` as ``chain(fused_moe(x, ..., shared))``,
+    where ``chain`` is casts and views and the factors are per row (Qwen2-MoE's sigmoid gate, the
+    owner mark of expert routing), multiplied into ``s_scale``."""
+    expect(not any(k.startswith("b_") or k.startswith("s_") for k in moe.kwargs), "experts with biases")
+    chain, add = _sum_with(moe)
+    expect(val(add).shape == val(chain[-1]).shape and val(add).dtype == val(chain[-1]).dtype,
+           "the sum has another shape or dtype than the experts' output")
+    term = add.args[1] if add.args[0] is chain[-1] else add.args[0]
+    factors = []
+    while isinstance(term, fx.Node) and len(term.users) == 1:
+        if op_name(term) in _PASS_THROUGH and _rows(term) is not term:  # a view, or a widening to float32
+            term = term.args[0]
+        elif (split := _per_row_factor(term)) is not None:
+            term, factor = split
+            factors.append(factor)
+        else:
+            break
+    # the same rows as the experts' (checked by _shared_mlp), as [tokens, H] or shaped like the sum
+    expect(val(term) is not None and val(term).shape in (val(moe).shape, val(add).shape),
+           "the shared expert's rows are not the experts' rows")
+    w_gate, w_up, w_down = _shared_mlp(term, moe.args[0], moe.args[6])
+    with graph.inserting_before(add):
+        if w_up is None:
+            w_gate, w_up = _weight_halves(graph, w_gate)
+        shared = {"s_gate": w_gate, "s_up": w_up, "s_down": w_down}
+        for factor in factors:
+            flat = graph.call_function(torch.ops.aten.view.default, (factor, [-1]))
+            flat.meta["val"] = val(factor).reshape(-1)
+            if "s_scale" in shared:
+                product = graph.call_function(torch.ops.aten.mul.Tensor, (shared["s_scale"], flat))
+                product.meta["val"] = val(shared["s_scale"]) * val(flat)
+                flat = product
+            shared["s_scale"] = flat
+        args = list(moe.args)
+        scaling = math.prod(c for c in map(_scaling, chain[1:]) if c is not None)
+        if scaling != 1.0:  # the routed sum's scaling, not the shared expert's: into the routing weights
+            args[3] = graph.call_function(torch.ops.aten.mul.Tensor, (args[3], scaling))
+            args[3].meta["val"] = val(moe.args[3]) * scaling
+        out = graph.call_function(moe.target, tuple(args), {**moe.kwargs, **shared})
+        out.meta = dict(moe.meta)
+        for node in chain[1:]:  # the same casts and views, now of the sum
+            if _scaling(node) is None:
+                out = graph.call_function(node.target, (out, *node.args[1:]), dict(node.kwargs))
+                out.meta = dict(node.meta)
+    add.replace_all_uses_with(out)
+    erase_unused(graph, [add])
 
 
 def _rewrite_router(graph: fx.Graph, topk: fx.Node) -> None:
