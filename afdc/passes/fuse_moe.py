@@ -49,6 +49,7 @@ from afdc.passes.fusion import (
 from afdc.passes.graph_facts import op_name
 
 _GROUPED = ("grouped_mm_fallback", "_grouped_mm", "grouped_mm", "grouped_mm_local")
+_PASS_THROUGH = ("to", "_to_copy", "view", "reshape")  # the same values, cast or reshaped
 
 
 def fuse_moe(graph: fx.Graph) -> FusionReport:
@@ -58,6 +59,15 @@ def fuse_moe(graph: fx.Graph) -> FusionReport:
     # last top-k first: a grouped router's final top-k takes its group top-ks with it
     routers = [n for n in reversed(graph.nodes) if op_name(n) == "topk"]
     report.merge(run_matches(graph, "moe_route", routers, lambda n: _rewrite_router(graph, n)))
+    graph.lint()
+    return report
+
+
+def fuse_shared_experts(graph: fx.Graph) -> FusionReport:
+    """Move every shared expert added to a fused MoE's output into that ``fused_moe``. Separate
+    from :func:`fuse_moe`, whose graph the expert-routing proof reads with the term still added."""
+    added = [n for n in graph.nodes if n.target is torch.ops.afdc.fused_moe.default and _sum_with(n) is not None]
+    report = run_matches(graph, "shared_expert", added, lambda n: _take_shared_expert(graph, n))
     graph.lint()
     return report
 
@@ -229,15 +239,6 @@ def _sorted_pairs(rows: fx.Node, offs: fx.Node) -> tuple[fx.Node, fx.Node, fx.No
     return x, ids, perm, k
 
 
-def fuse_shared_experts(graph: fx.Graph) -> FusionReport:
-    """Move every shared expert added to a fused MoE's output into that ``fused_moe``. Separate
-    from :func:`fuse_moe`, whose graph the expert-routing proof reads with the term still added."""
-    added = [n for n in graph.nodes if n.target is torch.ops.afdc.fused_moe.default and _sum_with(n) is not None]
-    report = run_matches(graph, "shared_expert", added, lambda n: _take_shared_expert(graph, n))
-    graph.lint()
-    return report
-
-
 def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     rows, w1t, offs, first = _grouped(up_proj)
     w_gate_up, transposed = _stacked_experts(w1t)
@@ -291,9 +292,6 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     fused.meta = dict(out.meta)
     out.replace_all_uses_with(fused)
     erase_unused(graph, [out])
-
-
-_PASS_THROUGH = ("to", "_to_copy", "view", "reshape")
 
 
 def _rows(node):
