@@ -15,6 +15,9 @@
     ``--models gpt-oss-120b`` adds gpt-oss's expert format (input-major weights, interleaved gate/up,
     per-expert biases, clamped swigluoai with the config's swiglu_limit), which fused_moe takes as
     options; transformers' grouped_mm then runs gpt-oss's own experts module with the same biases.
+    A model with shared experts (DeepSeek-V3: n_shared_experts x moe_intermediate_size) adds two rows:
+    afdc's fused MoE with the shared expert inside its launches ("+shared fused") and the fused MoE
+    plus the shared MLP as separate torch ops ("+shared apart"); the note gives apart / fused.
 (2) Row kernels (rms_norm, add_rms_norm, layer_norm, act_mul with silu) at [tokens, hidden] 4096x4096,
     4096x7168 and 16384x4096, bf16: effective GB/s (the bytes the op must read and write, the same count
     for every implementation) as a fraction of HBM bandwidth, against eager and torch.compile of the
@@ -99,6 +102,7 @@ class MoeShape:
     keys: dict[str, str]
     raw: dict
     gpt_oss: bool = False  # gpt-oss's expert format (see the module docstring)
+    shared_inter: int = 0  # the shared experts' intermediate size, 0 without
 
     def scaled(self, hidden: int, inter: int, experts: int, top_k: int) -> MoeShape:
         """The same model at other sizes (for --smoke); ``raw`` is edited to match."""
@@ -108,7 +112,7 @@ class MoeShape:
         for name, value in sizes.items():
             raw[self.keys[name]] = value
         return MoeShape(self.model, self.model_type, **sizes, activation=self.activation, keys=self.keys, raw=raw,
-                        gpt_oss=self.gpt_oss)
+                        gpt_oss=self.gpt_oss, shared_inter=2 * sizes["inter"] if self.shared_inter else 0)
 
 
 def _pick(cfg: dict, path: Path, *names: str) -> tuple[str, int]:
@@ -135,7 +139,9 @@ def read_moe_shape(path: Path) -> MoeShape:
     act = raw.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise SystemExit(f"{path}: hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
-    return MoeShape(path.stem, raw["model_type"], **sizes, activation=ACTIVATIONS[act], keys=keys, raw=raw)
+    shared = (raw.get("n_shared_experts") or 0) * sizes["inter"] or raw.get("shared_expert_intermediate_size") or 0
+    return MoeShape(path.stem, raw["model_type"], **sizes, activation=ACTIVATIONS[act], keys=keys, raw=raw,
+                    shared_inter=shared)
 
 
 def expert_weights(shape: MoeShape, device: str, gen) -> tuple[tuple, dict]:
@@ -330,8 +336,27 @@ def hf_grouped_mm(shape: MoeShape, w_gate_up, w_down, options: dict) -> tuple[Ca
     return functools.partial(forward, experts), ""
 
 
-def moe_flops(tokens: int, shape: MoeShape) -> float:
-    return 2.0 * tokens * shape.top_k * (shape.hidden * 2 * shape.inter + shape.inter * shape.hidden)
+def moe_flops(tokens: int, shape: MoeShape, shared: bool = False) -> float:
+    routed = 2.0 * tokens * shape.top_k * 3 * shape.hidden * shape.inter
+    return routed + (2.0 * tokens * 3 * shape.hidden * shape.shared_inter if shared else 0.0)
+
+
+def shared_expert_runs(shape: MoeShape, args: tuple, options: dict, shared: dict, timer, strict: bool) -> list:
+    """The fused MoE with the shared expert inside its launches, and beside them as torch ops."""
+    from afdc.codegen.act_mul import act_mul_reference
+    from afdc.codegen.fused_moe import fused_moe_reference, fused_moe_triton
+
+    x, F = args[0], torch.nn.functional
+
+    def apart():
+        gate, up = F.linear(x, shared["s_gate"]), F.linear(x, shared["s_up"])
+        return fused_moe_triton(*args, **options) + F.linear(act_mul_reference(gate, up, shape.activation),
+                                                             shared["s_down"])
+
+    expected = fused_moe_reference(*args, **options, **shared)
+    fused = run_impl("+shared fused", functools.partial(fused_moe_triton, *args, **options, **shared), expected,
+                     timer, strict)
+    return [fused, run_impl("+shared apart", apart, expected, timer, strict)]
 
 
 def bench_moe_model(shape: MoeShape, tokens_list, timer, device, strict: bool, skip_compile: bool) -> list[dict]:
@@ -342,6 +367,14 @@ def bench_moe_model(shape: MoeShape, tokens_list, timer, device, strict: bool, s
     gen = torch.Generator(device=device).manual_seed(0)
     (w_gate_up, w_down), options = expert_weights(shape, device, gen)
     hf_fn, hf_why = hf_grouped_mm(shape, w_gate_up, w_down, options)
+    shared = {}
+    if shape.shared_inter:
+        Is = shape.shared_inter
+        shared = {
+            "s_gate": torch.randn(Is, H, generator=gen, device=device, dtype=dtype).mul_(H**-0.5),
+            "s_up": torch.randn(Is, H, generator=gen, device=device, dtype=dtype).mul_(H**-0.5),
+            "s_down": torch.randn(H, Is, generator=gen, device=device, dtype=dtype).mul_(Is**-0.5),
+        }
     act = shape.activation
     rows = []
     for tokens in tokens_list:
@@ -373,10 +406,13 @@ def bench_moe_model(shape: MoeShape, tokens_list, timer, device, strict: bool, s
                     hf_why,
                 ),
             ]
+            with_shared = shared_expert_runs(shape, args, options, shared, timer, strict) if shared else []
         hit = int(ids.unique().numel())
         moved = (hit * 3 * H * inter + 2 * tokens * H) * w_down.element_size()
         eager_ms = runs[1].ms
-        for r in runs:
+        if len(with_shared) == 2 and with_shared[0].ms and with_shared[1].ms:
+            with_shared[0].note = f"apart / fused x{with_shared[1].ms / with_shared[0].ms:.2f}"
+        for extra, r in [(False, r) for r in runs] + [(True, r) for r in with_shared]:
             rows.append(
                 {
                     "model": shape.model,
@@ -388,15 +424,15 @@ def bench_moe_model(shape: MoeShape, tokens_list, timer, device, strict: bool, s
                     "experts_hit": hit,
                     "impl": r.impl,
                     "ms": r.ms,
-                    "flops": moe_flops(tokens, shape),
-                    "bytes": moved,
-                    "speedup_vs_eager": eager_ms / r.ms if r.ms and eager_ms else None,
+                    "flops": moe_flops(tokens, shape, shared=extra),
+                    "bytes": moved + (3 * H * shape.shared_inter * w_down.element_size() if extra else 0),
+                    "speedup_vs_eager": eager_ms / r.ms if r.ms and eager_ms and not extra else None,
                     "check": r.check,
                     "note": r.note,
                 }
             )
         del x, ids, weights, args, expected, ref_c
-    del w_gate_up, w_down, options, hf_fn  # DeepSeek-V3's are 22.5 GB: give them back before the next model
+    del w_gate_up, w_down, options, shared, hf_fn  # DeepSeek-V3's are 22.5 GB: give them back before the next model
     torch.compiler.reset()
     if device == "cuda":
         torch.cuda.empty_cache()
