@@ -389,9 +389,11 @@ def _sum_with(moe: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
 
 def _take_shared_expert(graph: fx.Graph, moe: fx.Node) -> None:
     """``chain(fused_moe(x, ...)) + shared(x) * factors`` as ``chain(fused_moe(x, ..., shared))``,
-    where ``chain`` is casts and views and the factors are per row (Qwen2-MoE's sigmoid gate, the
-    owner mark of expert routing), multiplied into ``s_scale``."""
-    expect(not any(k.startswith("b_") or k.startswith("s_") for k in moe.kwargs), "experts with biases")
+    where ``chain`` is casts, views and constant scalings (which move into the routing weights) and
+    the factors are per row (Qwen2-MoE's sigmoid gate, the owner mark of expert routing),
+    multiplied into ``s_scale``."""
+    expect(not any(k.startswith("b_") or k.startswith("s_") for k in moe.kwargs),
+           "experts with biases, or a shared expert already")
     chain, add = _sum_with(moe)
     expect(val(add).shape == val(chain[-1]).shape and val(add).dtype == val(chain[-1]).dtype,
            "the sum has another shape or dtype than the experts' output")
