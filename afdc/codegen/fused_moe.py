@@ -487,7 +487,8 @@ def fused_moe_triton(
     s_gate, s_up, s_down = (s_gate, s_up, s_down) if has_shared else (w_gate_up[0],) * 3
     scale = s_scale.reshape(-1).float() if s_scale is not None else x
     hidden_states = torch.empty(num_pairs, inter, dtype=w_down.dtype, device=x.device)
-    shared_states = torch.empty(tokens if has_shared else 0, shared_inter, dtype=w_down.dtype, device=x.device)
+    shared_states = (torch.empty(tokens, shared_inter, dtype=w_down.dtype, device=x.device) if has_shared
+                     else hidden_states)
     grid_n = -(-max(inter, shared_inter) // block_n)
     jit(_gate_up_kernel)[(routed_blocks + shared_blocks, grid_n)](
         x,
@@ -496,7 +497,7 @@ def fused_moe_triton(
         hidden_states,
         s_gate,
         s_up,
-        shared_states if has_shared else hidden_states,
+        shared_states,
         sorted_pairs,
         block_experts,
         routed_blocks,
@@ -520,7 +521,7 @@ def fused_moe_triton(
         hidden_states.stride(0),
         *s_gate.stride(),
         *s_up.stride(),
-        max(shared_states.stride(0), 1),
+        shared_states.stride(0),
         ACTIVATION=activation,
         HAS_BIAS=b_gate_up is not None,
         HAS_SHARED=has_shared,
@@ -531,14 +532,14 @@ def fused_moe_triton(
         BLOCK_K=block_k,
     )
     # pairs of other ranks' experts are never written: they stay zero; the shared rows follow the pairs
-    pair_out = torch.zeros(num_pairs + shared_states.shape[0], hidden, dtype=torch.float32, device=x.device)
+    pair_out = torch.zeros(num_pairs + (tokens if has_shared else 0), hidden, dtype=torch.float32, device=x.device)
     jit(_down_kernel)[(routed_blocks + shared_blocks, -(-hidden // block_n))](
         hidden_states,
         w_down,
         b2,
         topk_weights.reshape(-1).contiguous(),
         pair_out,
-        shared_states if has_shared else hidden_states,
+        shared_states,
         s_down,
         scale,
         sorted_pairs,
@@ -554,7 +555,7 @@ def fused_moe_triton(
         b2.stride(0),
         b2.stride(1),
         pair_out.stride(0),
-        max(shared_states.stride(0), 1),
+        shared_states.stride(0),
         *s_down.stride(),
         HAS_BIAS=b_down is not None,
         HAS_SHARED=has_shared,

@@ -19,7 +19,6 @@ token one of the ranks it is sent to; the proof then also accepts ``fused_moe + 
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Collection
 
@@ -28,7 +27,7 @@ import torch.fx as fx
 
 from afdc.passes import graph_facts as gf
 from afdc.passes.fuse_moe import fuse_moe
-from afdc.passes.fusion import copy_graph, val
+from afdc.passes.fusion import constant_factor, copy_graph, val
 from afdc.runtime.programs import ExpertRouting, row_major, token_major
 
 _PASS_THROUGH = {"view", "reshape", "to", "_to_copy", "type_as", "contiguous", "clone"}
@@ -49,8 +48,7 @@ def _scaled_source(node):
     """``node`` past pass-through ops and scalings by a finite constant (a routed scaling factor),
     which keep a row that is zero zero."""
     node = _source(node)
-    while (isinstance(node, fx.Node) and gf.op_name(node) in ("mul", "div") and isinstance(node.args[1], (int, float))
-           and math.isfinite(node.args[1]) and (gf.op_name(node) == "mul" or node.args[1] != 0)):
+    while constant_factor(node) is not None:
         node = _source(node.args[0])
     return node
 

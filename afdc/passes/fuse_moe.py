@@ -39,6 +39,7 @@ from afdc.passes.fuse_activation import activation_of
 from afdc.passes.fusion import (
     FusionReport,
     arg,
+    constant_factor,
     erase_unused,
     expect,
     only_user,
@@ -366,19 +367,14 @@ def _per_row_factor(mul: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
-def _scaling(node: fx.Node) -> float | None:
-    """``c`` of ``node = x * c`` for a finite constant ``c`` (a routed scaling factor)."""
-    c = node.args[1] if op_name(node) == "mul" and len(node.args) == 2 else None
-    return float(c) if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) else None
-
-
 def _sum_with(moe: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
     """``(chain, add)`` when ``add`` adds something to ``chain[-1]``, the fused MoE's output past
     casts, views and scalings by a constant (``chain`` starts at ``moe``)."""
     chain = [moe]
     while len(chain[-1].users) == 1:
         user = next(iter(chain[-1].users))
-        if op_name(user) not in _PASS_THROUGH and (_scaling(user) is None or user.args[0] is not chain[-1]):
+        scaled = op_name(user) == "mul" and constant_factor(user) is not None and user.args[0] is chain[-1]
+        if op_name(user) not in _PASS_THROUGH and not scaled:
             break
         chain.append(user)
     add = next(iter(chain[-1].users)) if len(chain[-1].users) == 1 else None
@@ -424,14 +420,14 @@ def _take_shared_expert(graph: fx.Graph, moe: fx.Node) -> None:
                 flat = product
             shared["s_scale"] = flat
         args = list(moe.args)
-        scaling = math.prod(c for c in map(_scaling, chain[1:]) if c is not None)
+        scaling = math.prod(c for c in map(constant_factor, chain[1:]) if c is not None)
         if scaling != 1.0:  # the routed sum's scaling, not the shared expert's: into the routing weights
             args[3] = graph.call_function(torch.ops.aten.mul.Tensor, (args[3], scaling))
             args[3].meta["val"] = val(moe.args[3]) * scaling
         out = graph.call_function(moe.target, tuple(args), {**moe.kwargs, **shared})
         out.meta = dict(moe.meta)
         for node in chain[1:]:  # the same casts and views, now of the sum
-            if _scaling(node) is None:
+            if constant_factor(node) is None:
                 out = graph.call_function(node.target, (out, *node.args[1:]), dict(node.kwargs))
                 out.meta = dict(node.meta)
     add.replace_all_uses_with(out)

@@ -9,6 +9,7 @@ nodes alone, so a pattern it does not know costs speed, never correctness.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,6 +71,16 @@ def only_user(node: fx.Node) -> fx.Node:
 def val(node) -> torch.Tensor | None:
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
+
+
+def constant_factor(node) -> float | None:
+    """``c`` when ``node`` is ``x * c`` or ``x / (1 / c)`` for a finite number ``c`` (a routed
+    scaling factor): a scaling that keeps a zero row zero."""
+    name = op_name(node) if isinstance(node, fx.Node) else ""
+    c = node.args[1] if name in ("mul", "div") and len(node.args) == 2 else None
+    if not isinstance(c, (int, float)) or isinstance(c, bool) or not math.isfinite(c) or (name == "div" and c == 0):
+        return None
+    return float(c) if name == "mul" else 1.0 / c
 
 
 def strip_float_casts(node):
