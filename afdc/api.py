@@ -58,6 +58,7 @@ class Built:
     inputs: list[list[list[int] | None]]  # per segment, per input: its token layout (FFNProgram)
     routing: list[ExpertRouting | None]  # per segment: tokens sent only to their experts' ranks
     attention_splits: dict[str, Split]  # --attn-tp: how the TP ranks hold attention weights (absent: whole)
+    max_positions: int | None  # the longest key length the captured graph is valid for (None: any)
 
     def attention_names(self) -> list[str]:
         return sorted({n.target for n in self.attention_graph.nodes if n.op == "get_attr"})
@@ -225,6 +226,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         layers=layers_report,
         attention_tp=plan.attention_tp,
         attention_tp_split=sum(captured.attrs[n].numel() for n in attention_splits),
+        max_positions=captured.max_positions,
     )
     return Built(
         plan,
@@ -238,6 +240,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         inputs,
         routing,
         attention_splits,
+        captured.max_positions,
     )
 
 
@@ -299,4 +302,5 @@ def disaggregate(
         micro_batches=built.plan.micro_batches,
         deployment=deployment_id(str(built.plan), attention.module.code, *(s.code for s in ffn[0].segments)),
         connector=connector,
+        max_positions=built.max_positions,
     )

@@ -19,6 +19,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -27,13 +28,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from afdc import ops
 from afdc.errors import UnsupportedModelError
+from afdc.passes import graph_facts as gf
 
 IMPLEMENTATION = "afdc"
 INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
 
 # Keyword arguments that change what attention computes and that afdc's op does not apply:
 # refusing is better than a silently wrong model.
-_UNSUPPORTED_ATTENTION_KWARGS = ("position_bias", "indices", "sinks")
+_UNSUPPORTED_ATTENTION_KWARGS = ("sinks",)
 
 # torch.export's message when the sequence dim alone was specialized (not its relation to kv)
 _SEQ_ONLY = "Constraints violated (seq)!"
@@ -52,8 +54,37 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sinks = kwargs.get("s_aux")
     window = _windows.get(id(attention_mask), (None, 0))[1] or kwargs.get("sliding_window") or 0
-    out = ops.attention(query, key, value, attention_mask, slot, float(scale), float(softcap or 0.0), sinks, window)
+    mask = _fold_into_mask(attention_mask, kwargs.get("indices"), kwargs.get("position_bias"), softcap)
+    out = ops.attention(query, key, value, mask, slot, float(scale), float(softcap or 0.0), sinks, window)
     return out, None
+
+
+def _fold_into_mask(mask, indices, position_bias, softcap):
+    """The mask with what some models pass beside it folded in, as transformers' eager path does.
+
+    ``indices [b, s, topk]``: the keys a sparse-attention indexer chose for each query
+    (DeepSeek-V3.2-style); the rest are masked. ``position_bias``: an additive score bias
+    ``[b, h, q, kv]`` (a learned relative-position bias). The graph then computes the mask from
+    the hidden states, which the paged serving path, which rebuilds masks from positions, refuses.
+    """
+    if indices is None and position_bias is None:
+        return mask
+    if mask is None:
+        raise UnsupportedModelError("attention passes `indices` or `position_bias` without a mask to fold them into")
+    if indices is not None:
+        chosen = torch.zeros(mask.shape[0], mask.shape[-2], mask.shape[-1], dtype=torch.bool, device=mask.device)
+        chosen = chosen.scatter(-1, indices.long(), True).unsqueeze(1)
+        mask = mask & chosen if mask.dtype == torch.bool else mask.masked_fill(~chosen, torch.finfo(mask.dtype).min)
+    if position_bias is not None:
+        if softcap:
+            raise UnsupportedModelError("attention passes both a softcap and a `position_bias`; their order is unknown")
+        if mask.dtype == torch.bool:
+            # a row with no key to attend to attends everything (see ops.reference_attention)
+            mask = mask | ~mask.any(dim=-1, keepdim=True)
+            mask = position_bias.masked_fill(~mask, torch.finfo(position_bias.dtype).min)
+        else:
+            mask = mask + position_bias
+    return mask
 
 
 def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
@@ -94,6 +125,7 @@ class CapturedGraph:
     parameter_names: list[str]  # the FQNs in ``attrs`` that are model parameters
     out_spec: pytree.TreeSpec  # rebuilds the model's output object from the graph's outputs
     incremental: bool  # False: the graph needs kv == s, so decode recomputes the whole prefix
+    max_positions: int | None = None  # the longest key length the graph is valid for (None: any)
 
     def token_dims_dynamic(self) -> bool:
         ids = next(n for n in self.graph.nodes if n.op == "placeholder")
@@ -159,9 +191,13 @@ def _by_signature(model: PreTrainedModel, dims: dict) -> dict:
 
 
 def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export.ExportedProgram:
-    """``mode``: "incremental" (kv and s independent), "tied" (kv == s) or "static"."""
-    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
-    kv = torch.export.Dim("kv") if mode == "incremental" else seq
+    """``mode``: "incremental" (kv and s independent), "tied" (kv == s), "relaxed" (see
+    :func:`_relaxed_limit`) or "static"."""
+    if mode == "relaxed":
+        batch = seq = kv = torch.export.Dim.DYNAMIC
+    else:
+        batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+        kv = torch.export.Dim("kv") if mode == "incremental" else seq
     dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: kv}, "position_ids": {0: batch, 1: seq}}
     _slots.append(itertools.count())
     try:
@@ -192,17 +228,45 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     model.eval()
     errors = []
     with _afdc_attention(model), torch.no_grad():
-        for mode in ("incremental", "tied", "static"):
+        for mode in ("incremental", "tied", "relaxed", "static"):
             if mode == "tied" and errors and _SEQ_ONLY in errors[-1]:
                 continue  # the token count itself specialized: tying the key length to it cannot help
             try:
                 ep = _export(model, mode, functional)
-                return _to_get_attr_graph(ep, mode == "incremental", _canonical_names(model))
+                limit = _relaxed_limit(ep) if mode == "relaxed" else None
+                captured = _to_get_attr_graph(ep, mode == "incremental", _canonical_names(model), limit)
+                if mode == "relaxed":
+                    captured.incremental = not gf.key_length_tied(captured.graph)
+                return captured
             except UnsupportedModelError:
                 raise
             except Exception as err:
                 errors.append(f"{mode}: {str(err).splitlines()[0]}")
     raise UnsupportedModelError("torch.export could not capture the forward: " + "; ".join(errors))
+
+
+def _relaxed_limit(ep: torch.export.ExportedProgram) -> int | None:
+    """The largest key length a "relaxed" capture is valid for (None: any).
+
+    A strict export refuses a guard it cannot prove for every length: a true relation sympy
+    cannot show (``min(2048, s) <= s``, a sparse-attention indexer's top-k) or an upper bound (a
+    position table sliced to the length). A relaxed export (``Dim.DYNAMIC``) keeps such guards as
+    value ranges; ranges are accepted when they only bound the lengths from above (the runtime
+    then refuses longer inputs), and any other guard left in the graph refuses the capture.
+    """
+    if ep.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default):
+        raise RuntimeError("relaxed: the graph asserts a relation between the lengths")
+    inputs = {n.name: n.meta["val"] for n in ep.graph.find_nodes(op="placeholder")}
+    limit = None
+    for dim in (inputs["input_ids"].shape[1], inputs["attention_mask"].shape[1]):
+        if not isinstance(dim, torch.SymInt):
+            raise RuntimeError(f"relaxed: a token dimension specialized to {dim}")
+        bounds = ep.range_constraints[dim.node.expr]
+        if bounds.lower > 2:
+            raise RuntimeError(f"relaxed: a token dimension must be at least {bounds.lower}")
+        if isinstance(bounds.upper, sympy.Integer):  # torch's int_oo claims is_finite
+            limit = int(bounds.upper) if limit is None else min(limit, int(bounds.upper))
+    return limit
 
 
 def _canonical_names(model: PreTrainedModel) -> dict[str, str]:
@@ -217,7 +281,10 @@ def _canonical_names(model: PreTrainedModel) -> dict[str, str]:
 
 
 def _to_get_attr_graph(
-    ep: torch.export.ExportedProgram, incremental: bool, canonical: dict[str, str] | None = None
+    ep: torch.export.ExportedProgram,
+    incremental: bool,
+    canonical: dict[str, str] | None = None,
+    max_positions: int | None = None,
 ) -> CapturedGraph:
     """Turn the exported program's lifted parameter/buffer/constant inputs into ``get_attr`` nodes
     named by the model's canonical FQNs."""
@@ -241,4 +308,4 @@ def _to_get_attr_graph(
     if [n.name for n in user_inputs] != list(INPUT_NAMES):
         raise UnsupportedModelError(f"unexpected graph inputs {[n.name for n in user_inputs]}")
     attrs = {name: state[name] for name in lifted.values()}
-    return CapturedGraph(graph, attrs, parameters, ep.call_spec.out_spec, incremental)
+    return CapturedGraph(graph, attrs, parameters, ep.call_spec.out_spec, incremental, max_positions)

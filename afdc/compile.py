@@ -237,6 +237,7 @@ def compile_model(
             files=[_file_entry(tmp, rel, digests) for rel in written],
             model_files=model_files,
             attention_splits=built.attention_splits,
+            max_positions=built.max_positions,
         )
         (tmp / mf.MANIFEST).write_text(manifest.to_json())
     return manifest
@@ -380,4 +381,5 @@ def load_deployment(
         deployment=deployment_of(directory)[1],
         artifact=directory,
         connector=connector,
+        max_positions=manifest.max_positions,
     )

@@ -55,6 +55,7 @@ class Report:
     layers: list[LayerReport] = field(default_factory=list)
     attention_tp: int = 1
     attention_tp_split: int = 0  # attention-side parameters split over the TP ranks (the rest is whole)
+    max_positions: int | None = None  # the longest key length the captured graph is valid for
 
     @property
     def bytes_to_ffn(self) -> float:
@@ -81,6 +82,7 @@ class Report:
             f"model {self.model}  plan {self.plan}  router on {self.router} side",
             f"attention side: {self.attention_parameters:,} parameters, {self.attention_calls} attention calls"
             + ("" if self.incremental_decode else " (token mixers inline, no KV cache: decode recomputes the prefix)")
+            + (f"; valid for at most {self.max_positions} positions" if self.max_positions else "")
             + (
                 f"; TP over {self.attention_tp}: {self.attention_tp_split:,} parameters split, the rest whole"
                 if self.attention_tp > 1 else ""

@@ -106,6 +106,7 @@ class Manifest:
     files: list[FileEntry] = field(default_factory=list)
     model_files: list[str] = field(default_factory=list)  # config and tokenizer files under MODEL_DIR
     attention_splits: dict[str, Split] = field(default_factory=dict)  # --attn-tp: split attention weights
+    max_positions: int | None = None  # the longest key length the programs are valid for (None: any)
     format_version: int = FORMAT_VERSION
 
     def rank_files(self, role: str, rank: int, tp_rank: int = 0) -> RankFiles:
@@ -151,6 +152,7 @@ class Manifest:
             files=[FileEntry(**f) for f in d["files"]],
             model_files=d.get("model_files", []),
             attention_splits={name: Split(**split) for name, split in d.get("attention_splits", {}).items()},
+            max_positions=d.get("max_positions"),
         )
 
 

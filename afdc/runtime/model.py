@@ -77,6 +77,7 @@ class DisaggregatedModel:
         deployment: bytes = b"",
         artifact: Path | None = None,
         connector: str = "gloo",
+        max_positions: int | None = None,
     ):
         self.attention_ranks = attention
         self.ffn_ranks = ffn
@@ -89,6 +90,7 @@ class DisaggregatedModel:
         self.deployment = deployment  # the id every rank of a launched deployment checks
         self.artifact = artifact  # the compiled artifact this came from, if any
         self.connector = connector  # the transport launch() uses unless told otherwise
+        self.max_positions = max_positions  # the longest key length the programs are valid for (None: any)
         dispatch = [self.ffn.dispatch(layer) for layer in range(len(self.ffn.layers))]
         self.ranks = [AttentionRank(i, p, ffn, dispatch) for i, p in enumerate(attention)]
         self.last_traffic = connectors.Traffic()
@@ -175,6 +177,12 @@ class DisaggregatedModel:
         return tasks
 
     def _run(self, input_ids, attention_mask, position_ids, caches: dict | None):
+        if self.max_positions is not None and attention_mask.shape[1] > self.max_positions:
+            raise AfdcError(
+                f"{attention_mask.shape[1]} positions (prompt and generated tokens) exceed the "
+                f"{self.max_positions} this model's graph was captured for: its forward bounds the length "
+                "(a position table or fixed mask buffer of that size); shorten the input"
+            )
         def run_rank(rank: int, parts: list[tuple[int, slice]]):
             batches = [
                 MicroBatch(

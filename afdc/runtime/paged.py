@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from afdc.errors import UnsupportedModelError
 from afdc.ops import reference_attention
+from afdc.passes import graph_facts as gf
 
 _ATTENTION = torch.ops.afdc.attention.default
 
@@ -101,8 +102,7 @@ def attention_slots(graph: fx.Graph) -> list[SlotSpec]:
 
 
 def _check_incremental(graph: fx.Graph) -> None:
-    inputs = {n.target: n.meta["val"] for n in graph.find_nodes(op="placeholder")}
-    if str(inputs["input_ids"].shape[1]) == str(inputs["attention_mask"].shape[1]):
+    if gf.key_length_tied(graph):
         raise UnsupportedModelError(
             "the graph ties the key length to the token count (captured non-incremental: decode "
             "recomputes the prefix), so it keeps state outside the KV cache that paging cannot hold"
@@ -122,6 +122,11 @@ def _reach(graph: fx.Graph, mask: fx.Node | None, window: int, spec: SlotSpec, s
     masks all differ (for ``window >= 2``; at 1 the last two coincide)."""
     if mask is None:  # the op's default: causal with the queries at the end
         return spec
+    if _reads_tokens(graph, mask):
+        raise UnsupportedModelError(
+            f"attention slot {slot}: its mask is computed from the hidden states (a sparse-attention indexer "
+            "or a learned position bias); the paged cache, which rebuilds masks from positions, cannot reproduce it"
+        )
     kv = 2 * window + 3
     q_pos, k_pos = torch.arange(kv - 3, kv)[:, None], torch.arange(kv)
     try:
@@ -138,6 +143,21 @@ def _reach(graph: fx.Graph, mask: fx.Node | None, window: int, spec: SlotSpec, s
         f"attention slot {slot}: its mask is neither causal nor a sliding window or chunk of {window} "
         "over positions; the paged cache, which ignores the graph's mask, cannot reproduce it"
     )
+
+
+def _reads_tokens(graph: fx.Graph, mask: fx.Node) -> bool:
+    """Whether ``mask``'s value depends on the tokens themselves, not only on their count."""
+    free = gf.data_free(graph)
+    stack, seen = [mask], set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node in free:
+            continue
+        if node.op == "placeholder" and node.target == "input_ids":
+            return True
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return False
 
 
 def _run_mask(graph: fx.Graph, mask: fx.Node, queries: int, keys: int) -> torch.Tensor:

@@ -108,6 +108,11 @@ class AfdcWorker(WorkerBase):
                 "this model's token mixers are not all attention (its decode recomputes the prefix): "
                 "it cannot run on a paged KV cache; use afdc.disaggregate / dm.generate instead"
             )
+        if manifest.max_positions is not None:
+            raise UnsupportedModelError(
+                f"this model's graph is valid for at most {manifest.max_positions} positions, and a serving step "
+                "runs all its scheduled tokens in one call, which can exceed that; use afdc.disaggregate instead"
+            )
         program = load(directory, "attn", s.rank, self.device, backend="eager")
         dispatch = [manifest.segments[lay.segment].dispatch for lay in manifest.layers]
         in_process = s.connector == "loopback"
