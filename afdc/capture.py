@@ -37,8 +37,6 @@ INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
 # refusing is better than a silently wrong model.
 _UNSUPPORTED_ATTENTION_KWARGS = ("sinks",)
 
-# torch.export's message when the sequence dim alone was specialized (not its relation to kv)
-_SEQ_ONLY = "Constraints violated (seq)!"
 
 _slots: list[Iterator[int]] = []
 # mask tensor id -> (mask, the sliding-window or chunk size it was built with), within one capture;
@@ -191,13 +189,12 @@ def _by_signature(model: PreTrainedModel, dims: dict) -> dict:
 
 
 def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export.ExportedProgram:
-    """``mode``: "incremental" (kv and s independent), "tied" (kv == s), "relaxed" (see
-    :func:`_relaxed_limit`) or "static"."""
+    """``mode``: "incremental" (kv and s independent, every guard proven), "relaxed" (see
+    :func:`_relaxed_limit`; traced with kv == s, which export may then tie) or "static"."""
     if mode == "relaxed":
         batch = seq = kv = torch.export.Dim.DYNAMIC
     else:
-        batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
-        kv = torch.export.Dim("kv") if mode == "incremental" else seq
+        batch, seq, kv = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("kv")
     dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: kv}, "position_ids": {0: batch, 1: seq}}
     _slots.append(itertools.count())
     try:
@@ -217,10 +214,11 @@ def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export
 def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     """Capture ``model``'s forward; raises :class:`UnsupportedModelError` when it cannot.
 
-    The graph is captured shape-polymorphic when possible. Some mixers tie the mask length to
-    the token count (then decode recomputes the prefix); some specialize the length (the static
-    graph is still returned, so that classification can say what the model is, and
-    :meth:`CapturedGraph.token_dims_dynamic` tells).
+    The graph is captured shape-polymorphic when possible: strictly first, then relaxed (see
+    :func:`_relaxed_limit`). Some mixers tie the mask length to the token count (then decode
+    recomputes the prefix); some specialize the length (the static graph is still returned, so
+    that classification can say what the model is, and :meth:`CapturedGraph.token_dims_dynamic`
+    tells).
 
     ``functional=True`` retraces the graph without in-place ops (slow on big models; needed
     only when a cut would separate an in-place write from its readers, see ``passes.aliasing``).
@@ -228,12 +226,10 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     model.eval()
     errors = []
     with _afdc_attention(model), torch.no_grad():
-        for mode in ("incremental", "tied", "relaxed", "static"):
-            if mode == "tied" and errors and _SEQ_ONLY in errors[-1]:
-                continue  # the token count itself specialized: tying the key length to it cannot help
+        for mode in ("incremental", "relaxed", "static"):
             try:
                 ep = _export(model, mode, functional)
-                limit = _relaxed_limit(ep) if mode == "relaxed" else None
+                limit = _relaxed_limit(ep, _context_length(model)) if mode == "relaxed" else None
                 captured = _to_get_attr_graph(ep, mode == "incremental", _canonical_names(model), limit)
                 if mode == "relaxed":
                     captured.incremental = not gf.key_length_tied(captured.graph)
@@ -245,28 +241,52 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     raise UnsupportedModelError("torch.export could not capture the forward: " + "; ".join(errors))
 
 
-def _relaxed_limit(ep: torch.export.ExportedProgram) -> int | None:
+def _context_length(model: PreTrainedModel) -> int | None:
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+
+def _relaxed_limit(ep: torch.export.ExportedProgram, context: int | None) -> int | None:
     """The largest key length a "relaxed" capture is valid for (None: any).
 
     A strict export refuses a guard it cannot prove for every length: a true relation sympy
-    cannot show (``min(2048, s) <= s``, a sparse-attention indexer's top-k) or an upper bound (a
-    position table sliced to the length). A relaxed export (``Dim.DYNAMIC``) keeps such guards as
-    value ranges; ranges are accepted when they only bound the lengths from above (the runtime
-    then refuses longer inputs), and any other guard left in the graph refuses the capture.
+    cannot show (``min(2048, s) <= s``, a sparse-attention indexer's top-k), an upper bound (a
+    position table sliced to the length), or a branch taken for this length only (one chunk of a
+    chunked scan). A relaxed export (``Dim.DYNAMIC``) records such guards and goes on, so every
+    guard on the lengths is evaluated here at :data:`_PROBES` (every length up to 256, then
+    around each power of two): the capture is valid up to the last probe before one fails. It is
+    refused when that falls short of the model's own ``context`` (less one: some guards exclude
+    the table's full size), as it does for a branch taken for short inputs only. A guard that
+    fails only between probes past 256 would go unseen; none of the measured decoders has one.
     """
     if ep.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default):
         raise RuntimeError("relaxed: the graph asserts a relation between the lengths")
     inputs = {n.name: n.meta["val"] for n in ep.graph.find_nodes(op="placeholder")}
-    limit = None
-    for dim in (inputs["input_ids"].shape[1], inputs["attention_mask"].shape[1]):
+    seq, keys = inputs["input_ids"].shape[1], inputs["attention_mask"].shape[1]
+    for dim in (seq, keys):
         if not isinstance(dim, torch.SymInt):
             raise RuntimeError(f"relaxed: a token dimension specialized to {dim}")
-        bounds = ep.range_constraints[dim.node.expr]
-        if bounds.lower > 2:
-            raise RuntimeError(f"relaxed: a token dimension must be at least {bounds.lower}")
-        if isinstance(bounds.upper, sympy.Integer):  # torch's int_oo claims is_finite
-            limit = int(bounds.upper) if limit is None else min(limit, int(bounds.upper))
-    return limit
+    shape_env = seq.node.shape_env
+    s, kv = seq.node.expr, keys.node.expr
+    guards = {str(e): e for g in shape_env.guards if (e := shape_env.replace(g.expr)).free_symbols & {s, kv}}
+    valid = None
+    for length in _PROBES:
+        # queries at the end of the keys: as many as the keys, the fewest, or half of them
+        for queries, key_length in {(length, length), (2, length), (length, 2 * length)}:
+            if s == kv and queries != key_length:
+                continue
+            values = {s: queries, kv: key_length}
+            for guard in guards.values():
+                point = {x: sympy.Integer(values.get(x, 3)) for x in guard.free_symbols}  # 3: any batch
+                if not bool(guard.xreplace(point)):
+                    if valid is None or (context is not None and valid < context - 1):
+                        raise RuntimeError(f"relaxed: the graph holds only up to {valid} positions ({guard})")
+                    return valid
+        valid = length
+    return None
+
+
+# Lengths at which a relaxed capture's guards are checked (see _relaxed_limit).
+_PROBES = sorted({*range(2, 257), *(2**e + d for e in range(8, 21) for d in (-1, 0, 1))})
 
 
 def _canonical_names(model: PreTrainedModel) -> dict[str, str]:

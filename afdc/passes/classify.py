@@ -84,8 +84,12 @@ class _Finder:
         self.anc = gf.ancestors(graph)
         self.params = parameter_names
         self.free = gf.data_free(graph)
-        positional = [n for n in self.order if n.op == "placeholder" and n.name in ("attention_mask", "position_ids")]
-        self.positional = gf.bitset(positional, self.index)
+        # values computed from the mask or the positions (not merely sized by them)
+        self.positional: set[fx.Node] = set()
+        for n in self.order:
+            is_input = n.op == "placeholder" and n.name in ("attention_mask", "position_ids")
+            if is_input or (n not in self.free and any(i in self.positional for i in n.all_input_nodes)):
+                self.positional.add(n)
 
     def region(self, stream: fx.Node, branch: fx.Node) -> list[fx.Node]:
         """Nodes strictly after ``stream`` up to ``branch``, plus the weights only they read.
@@ -113,9 +117,7 @@ class _Finder:
             for p in n.all_input_nodes
             if p not in members and p is not stream and p not in self.free and gf.is_tensor(p)
         ]
-        reads_positions = any(
-            (self.anc[p] | 1 << self.index[p]) & self.positional for p in side_inputs
-        )
+        reads_positions = any(p in self.positional for p in side_inputs)
         return has_matrix and not reads_positions and not any(_is_mixer(n, self.free) for n in region)
 
     def residual_operands(self, node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -138,9 +140,10 @@ class _Finder:
         return None
 
     def _stream_within(self, combined: fx.Node, branch: fx.Node) -> fx.Node | None:
-        """The stream value that ``combined`` scales or adds another branch to, when ``branch`` is
-        computed from it: ``residual * alpha + branch`` or ``(residual + attn) + mlp``."""
-        if not gf.is_op(combined, aten.add, aten.mul, aten.sub, aten.div):
+        """The stream value that ``combined`` scales, casts, mixes or adds another branch to, when
+        ``branch`` is computed from it: ``residual * alpha + branch``, ``(residual + attn) + mlp``,
+        ``residual.float() + branch``, or ``comb @ streams + branch`` (hyper-connections)."""
+        if not gf.is_op(combined, aten.add, aten.mul, aten.sub, aten.div, aten.matmul, aten.to, aten._to_copy):
             return None
         shape = combined.meta["val"].shape
         for a in combined.all_input_nodes:
