@@ -191,10 +191,11 @@ def _by_signature(model: PreTrainedModel, dims: dict) -> dict:
 def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export.ExportedProgram:
     """``mode``: "incremental" (kv and s independent, every guard proven), "relaxed" (see
     :func:`_relaxed_limit`; traced with kv == s, which export may then tie) or "static"."""
+    batch = torch.export.Dim("batch")  # strict in every mode: one batch size, never specialized
     if mode == "relaxed":
-        batch = seq = kv = torch.export.Dim.DYNAMIC
+        seq = kv = torch.export.Dim.DYNAMIC
     else:
-        batch, seq, kv = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("kv")
+        seq, kv = torch.export.Dim("seq"), torch.export.Dim("kv")
     dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: kv}, "position_ids": {0: batch, 1: seq}}
     _slots.append(itertools.count())
     try:

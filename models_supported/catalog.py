@@ -36,6 +36,7 @@ FAMILIES: dict[str, str] = {
     "conv1d": "GPT-2 style Conv1D projections (flattened [b*s, h] matmuls)",
     "moe": "mixture-of-experts FFN (router, top-k experts, optional shared experts / dense first layers)",
     "hybrid": "attention interleaved with other token mixers (short convolutions)",
+    "hyper": "hyper-connections: several residual streams, mixed into each branch's input and out of its output",
 }
 
 
@@ -70,6 +71,7 @@ _MLA = {
     "v_head_dim": 8,
 }
 _SWA = ["sliding_attention", "full_attention"]
+_DSA = {"index_topk": 4, "index_head_dim": 8, "index_n_heads": 2}  # an indexer that leaves keys out at 10 tokens
 
 
 def _e(name, model_type, family, overrides=None, notes="", moe=0, dense=None, **kw) -> ModelEntry:
@@ -98,6 +100,13 @@ ENTRIES: list[ModelEntry] = [
     _e("Hunyuan dense", "hunyuan_v1_dense", "pre-norm", notes="q/k norms"),
     _e("SmolLM3", "smollm3", "pre-norm", {"no_rope_layer_interval": 2}, "NoPE every 2nd layer, tied embeddings"),
     _e("Seed-OSS", "seed_oss", "pre-norm"),
+    _e("XGLM", "xglm", "pre-norm", {"d_model": 32, "ffn_dim": 64, "num_layers": 2, "attention_heads": 4},
+       "sinusoidal positions: valid up to the table's 128 positions (decode recomputes the prefix)"),
+    _e("GPT-Neo", "gpt_neo", "pre-norm",
+       {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "window_size": 4},
+       "hard-coded global/local attention: valid up to 127 positions (decode recomputes the prefix)"),
+    _e("Doge", "doge", "pre-norm", notes="dynamic-mask attention: valid up to keep_window_size (2048) positions "
+       "(decode recomputes the prefix)"),
     _e("Arcee", "arcee", "pre-norm", notes="ReLU² MLP without gate"),
     _e("Apertus", "apertus", "pre-norm", notes="xIELU activation with learned scalars, llama3 rope"),
     _e("Gemma", "gemma", "pre-norm", notes="scaled embeddings, (1 + w) RMSNorm, tied embeddings"),
@@ -178,6 +187,23 @@ ENTRIES: list[ModelEntry] = [
        {"num_local_experts": _E, "num_experts_per_tok": 1, "intermediate_size_mlp": 64,
         "interleave_moe_layer_step": 2, "attention_chunk_size": 4, "no_rope_layer_interval": 2},
        "chunked attention (4), NoPE layer, MoE on alternate layers", moe=1),
+    _e("DeepSeek-V3.2", "deepseek_v32", "moe",
+       {"first_k_dense_replace": 1, "n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K,
+        "moe_intermediate_size": _MOE_I, **_MLA, "n_group": 1, "topk_group": 1, **_DSA},
+       "MLA, sparse attention (indexer picks 4 keys per query), first layer dense (decode recomputes the prefix)",
+       moe=1),
+    _e("GLM-MoE-DSA", "glm_moe_dsa", "moe",
+       {"first_k_dense_replace": 1, "n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K,
+        "moe_intermediate_size": _MOE_I, **_MLA, "n_group": 1, "topk_group": 1, **_DSA},
+       "MLA, sparse attention (indexer picks 4 keys per query), first layer dense (decode recomputes the prefix)",
+       moe=1),
+    _e("Aria (text)", "aria_text", "moe", {"moe_num_experts": _E, "moe_topk": _K, "moe_num_shared_experts": 1},
+       "shared expert", moe=2),
+    # -- hyper-connections ------------------------------------------------------------------------
+    _e("HY-V4", "hy_v4", "hyper",
+       {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        **_MLA, "n_group": 1, "topk_group": 1, "hc_mult": 2, "mlp_layer_types": ["dense", "sparse"], **_DSA},
+       "2 residual streams, MLA, sparse attention, first layer dense (decode recomputes the prefix)", moe=1),
     _e("JetMoE", "jetmoe", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K, "kv_channels": 8},
        "mixture-of-attention-heads attention, MoE MLP", moe=2,
        single_ffn_rank="experts run in a data-dependent Python loop, not as stacked expert weights"),
@@ -260,12 +286,9 @@ REFUSED: dict[str, str] = {
     "falcon_mamba": _NO_FFN_SSM,
     "bloom": _SPECIALIZES,
     "mpt": _SPECIALIZES,
-    "xglm": _SPECIALIZES,
-    "gpt_neo": _SPECIALIZES,
-    "doge": _SPECIALIZES,
-    "aria_text": _SPECIALIZES,
     "dbrx": _DATA_DEPENDENT,
     "longcat_flash": _DATA_DEPENDENT,
+    "deepseek_v4": _SPECIALIZES,
 }
 
 # model_type -> what in the model's code leads to the refusal.
@@ -286,12 +309,10 @@ REFUSED_CAUSE: dict[str, str] = {
     "bloom": "ALiBi attention ties the key length to the token count; the tied export then fails on the dynamic-shape "
               "spec nested under **kwargs (the forward takes no position_ids): 'Must provide a tree_name ...'",
     "mpt": "the precomputed ALiBi bias is sliced to the sequence length, which bounds it (seq <= max_seq_len)",
-    "xglm": "the sinusoidal position table bounds the sequence length (seq + 2 <= table size)",
-    "gpt_neo": "hard-coded attention slices a fixed causal-mask buffer, which bounds the sequence length",
-    "doge": "dynamic-mask attention bounds the sequence length by keep_window_size",
-    "aria_text": "not pinned down: export reports no source-level guard, only the violated sequence-length constraint",
     "dbrx": "the MoE loops over the experts that received tokens (nonzero(): a data-dependent loop)",
     "longcat_flash": "the MoE loops over the experts that received tokens (nonzero(): a data-dependent loop)",
+    "deepseek_v4": "compressed sparse attention's compressor assumes a full block of 4 tokens: the graph holds only "
+                   "from 4 tokens on (its hyper-connections and hash routing split as they should)",
 }
 
 # The tiny configurations the refusals are checked with (on top of TINY_COMMON).
@@ -326,15 +347,15 @@ REFUSED_OVERRIDES: dict[str, dict] = {
     "rwkv": {"attention_hidden_size": 32},
     "bloom": {"n_head": 4},
     "mpt": {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 128},
-    "xglm": {"d_model": 32, "ffn_dim": 64, "num_layers": 2, "attention_heads": 4},
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "window_size": 4},
-    "doge": {},
-    "aria_text": {"moe_num_experts": _E, "moe_topk": _K, "moe_num_shared_experts": 1},
     "dbrx": {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 128,
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": _E, "moe_top_k": _K}},
     "longcat_flash": {"num_layers": 1, "n_routed_experts": _E, "zero_expert_num": 2, "moe_topk": _K,
                       "expert_ffn_hidden_size": _MOE_I, "ffn_hidden_size": 64, **_MLA},
+    "deepseek_v4": {"n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+                    "n_shared_experts": 1, "q_lora_rank": 16, "qk_rope_head_dim": 8, "hc_mult": 2,
+                    "mlp_layer_types": ["hash_moe", "moe"], "index_topk": 4,
+                    "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"]},
 }
 
 

@@ -127,7 +127,7 @@ class _Finder:
         x, y = node.args
         if not (isinstance(x, fx.Node) and isinstance(y, fx.Node) and gf.is_tensor(x) and gf.is_tensor(y)):
             return None
-        if x.meta["val"].shape != y.meta["val"].shape:
+        if not gf.same_shape(x.meta["val"].shape, y.meta["val"].shape):
             return None
         if self.anc[y] >> self.index[x] & 1:
             return x, y
@@ -147,7 +147,7 @@ class _Finder:
             return None
         shape = combined.meta["val"].shape
         for a in combined.all_input_nodes:
-            if a in self.free or not gf.is_tensor(a) or a.meta["val"].shape != shape:
+            if a in self.free or not gf.is_tensor(a) or not gf.same_shape(a.meta["val"].shape, shape):
                 continue
             if self.anc[branch] >> self.index[a] & 1:
                 return a

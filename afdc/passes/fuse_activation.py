@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from afdc.codegen import act_mul as _act_mul_op  # noqa: F401 (defines the op this pass emits)
 from afdc.passes.fusion import FusionReport, arg, expect, only_user, run_matches, val
-from afdc.passes.graph_facts import op_name
+from afdc.passes.graph_facts import op_name, same_shape
 
 
 def fuse_activations(graph: fx.Graph) -> FusionReport:
@@ -40,7 +40,8 @@ def _rewrite(graph: fx.Graph, act: fx.Node) -> None:
     gate = act.args[0]
     up = mul.args[1] if mul.args[0] is act else mul.args[0]
     expect(up is not act and isinstance(up, fx.Node) and val(up) is not None, "not multiplied by a tensor")
-    expect(val(up).shape == val(gate).shape == val(mul).shape, "the product broadcasts")
+    expect(same_shape(val(up).shape, val(gate).shape) and same_shape(val(up).shape, val(mul).shape),
+           "the product broadcasts")
     with graph.inserting_before(mul):
         fused = graph.call_function(torch.ops.afdc.act_mul.default, (gate, up, kind))
     fused.meta = dict(mul.meta)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import sympy
 import torch
@@ -73,6 +73,13 @@ def token_symbols(graph: fx.Graph) -> tuple[sympy.Symbol, sympy.Symbol]:
 
 def sym_expr(dim) -> sympy.Expr:
     return dim.node.expr if isinstance(dim, torch.SymInt) else sympy.Integer(dim)
+
+
+def same_shape(a: Sequence, b: Sequence) -> bool:
+    """Whether two shapes are the same expressions. Comparing symbolic sizes with ``==`` would
+    guard on them, which pins a size to its example value (a batch of 2) for the rest of the
+    capture: passes must never do that."""
+    return len(a) == len(b) and all(sym_expr(x) == sym_expr(y) for x, y in zip(a, b))
 
 
 def bytes_per_token(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) -> float:
