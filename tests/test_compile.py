@@ -286,3 +286,23 @@ def test_no_weights_compiles_a_plan_only(saved, tmp_path):
     config.write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8}))
     result = CliRunner().invoke(main, ["compile", str(config), "--no-weights", "-o", str(tmp_path / "x")])
     assert result.exit_code == 2 and "unknown model_type 'no_such_model'" in result.output
+
+
+def test_artifacts_of_new_layouts_match_and_keep_their_length_bound(saved, tmp_path):
+    """Hyper-connections and sparse attention (HY-V4) compile and load like any model; a length
+    bound found at capture (XGLM's position table) travels in the manifest and is enforced by
+    the loaded deployment."""
+    model, src = saved("hy_v4")
+    afdc.compile_model(str(src), "1A2F", tmp_path / "hy", progress=False)
+    ids, mask = _batch(model.config.vocab_size)
+    ref, pos = _reference(model, ids, mask)
+    got = afdc.load_deployment(tmp_path / "hy")(ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
+
+    model, src = saved("xglm")
+    manifest = afdc.compile_model(str(src), "1A1F", tmp_path / "xglm", progress=False)
+    assert manifest.max_positions == 128
+    dm = afdc.load_deployment(tmp_path / "xglm")
+    assert dm.max_positions == 128
+    with pytest.raises(AfdcError, match="exceed the 128"):
+        dm(torch.randint(3, 128, (1, 129)))

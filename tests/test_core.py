@@ -16,6 +16,7 @@ from afdc.equivalence import check
 from afdc.passes.mincut import FlowGraph
 from afdc.runtime import connector as connectors
 from afdc.runtime.programs import Dispatch, Share
+from models_supported.catalog import ENTRIES, TINY_COMMON, build_type
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +219,49 @@ def test_rows_dispatch_shares_out_the_tokens():
     a, b = torch.ones(7, 8), torch.full((7, 8), 2.0)
     assert torch.equal(mixed.combine(0, [a, b], shares), a + b) and mixed.combine(1, [a, b], shares) is a
     assert Dispatch(("first",), ([-1, 8],)).shares([], 7, 2) == [Share(0, 0, 7)]
+
+
+def test_a_length_bound_found_at_capture_is_enforced():
+    """XGLM slices its sinusoidal table to the length: the strict export refuses, the relaxed one
+    records the bound, and the disaggregated model refuses longer inputs instead of indexing
+    past the table. (A bound far short of the model's context, a branch for short inputs only,
+    is refused at capture: Qwen3-Next in the catalog's refusals.)"""
+    model = build_type("xglm", {**TINY_COMMON, "d_model": 32, "ffn_dim": 64, "num_layers": 2, "attention_heads": 4})
+    dm = afdc.disaggregate(model)
+    assert dm.max_positions == model.config.max_position_embeddings == 128
+    assert "valid for at most 128 positions" in str(dm.report())
+    ids = torch.randint(3, 128, (1, 128))
+    with torch.no_grad():
+        torch.testing.assert_close(dm(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+    with pytest.raises(afdc.AfdcError, match=r"129 positions .* exceed the 128"):
+        dm(torch.randint(3, 128, (1, 129)))
+
+
+def test_sparse_attention_indices_reach_the_attention_op():
+    """DeepSeek-V3.2's indexer picks 4 keys per query. Its top-k ids are folded into the mask:
+    the split model matches the sparse monolith, which differs from a dense one (so the match
+    is not vacuous)."""
+    overrides = {e.model_type: e for e in ENTRIES}["deepseek_v32"].config_kwargs
+    sparse = build_type("deepseek_v32", overrides)
+    dense = build_type("deepseek_v32", {**overrides, "index_topk": 64})
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, unsparse = sparse(ids).logits, dense(ids).logits
+    assert (want - unsparse).abs().max() > 1e-3
+    torch.testing.assert_close(afdc.disaggregate(sparse)(ids).logits, want, rtol=1e-4, atol=1e-5)
+
+
+def test_hyper_connection_streams_stay_on_the_attention_side():
+    """HY-V4 keeps 2 residual streams: each FFN reads a per-token mix of them, and its output is
+    spread back over them. The cut sends the mixed [H] value and receives the FFN's [H] output,
+    not the [2, H] streams (the small mixing weights stay with the streams). A batch of 3, where
+    the capture's example had 2, checks that no pass pinned the batch size."""
+    model = build_type("hy_v4", {e.model_type: e for e in ENTRIES}["hy_v4"].config_kwargs)
+    dm = afdc.disaggregate(model, plan="1A2F")
+    hidden = model.config.hidden_size
+    for layer in dm.report().layers:
+        assert [c.shape_per_token for c in layer.to_ffn] == [[hidden]], layer
+        assert [c.shape_per_token for c in layer.to_attn] == [[hidden]], layer
+    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(dm(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)

@@ -243,6 +243,20 @@ def test_refusals():
             attention_slots(graph)
     finally:
         node.args = args
+    # a mask computed from the tokens (as a sparse-attention indexer's is), even one whose probe
+    # would look causal
+    ids = next(n for n in graph.find_nodes(op="placeholder") if n.target == "input_ids")
+    with graph.inserting_before(node):
+        chosen = graph.call_function(torch.ops.aten.ne.Scalar, (ids, -1))
+        picked = graph.call_function(torch.ops.aten.logical_and.default, (args[3], chosen))
+    node.args = (*args[:3], picked, *args[4:])
+    try:
+        with pytest.raises(afdc.UnsupportedModelError, match="computed from the hidden states"):
+            attention_slots(graph)
+    finally:
+        node.args = args
+        graph.erase_node(picked)
+        graph.erase_node(chosen)
     empty = torch.fx.Graph()
     empty.output(empty.placeholder("input_ids"))
     with pytest.raises(afdc.UnsupportedModelError, match="no afdc attention op"):
