@@ -1,8 +1,8 @@
 """Cut selection: where the attention and FFN sides meet, by a min-cut over bytes per token.
 
-Inside each FFN region the largest weight matrix is pinned to the FFN side, the others lean to it
-(see ``_PREFER_FFN``), and everything the region reads from outside, or that is used outside it,
-is pinned to the attention side. Every other node may go
+Inside each FFN region the large weight matrices are pinned to the FFN side, small ones lean to
+it (see ``_PINNED_FRACTION``), and everything the region reads from outside, or that is used
+outside it, is pinned to the attention side. Every other node may go
 either way; a value costs its bytes per token when its producer and some consumer end up on
 different sides (a hyperedge, cut at most once however many consumers it has). Among the cuts of
 minimum cost we take the one with the smallest FFN side, so norms and other glue stay with the
@@ -25,9 +25,11 @@ from afdc.passes.classify import Classification, FFNRegion
 from afdc.passes.mincut import INF, FlowGraph
 
 _SOURCE, _SINK = "attention", "ffn"
-# The largest weight matrix is pinned to the FFN side; the others only lean to it, so that a small
-# one whose product is cheaper to compute beside the stream (a hyper-connection's stream mixing)
-# stays there, while one that costs the same either way (a shared expert) goes with the FFN.
+# Weight matrices at least a quarter the size of the region's largest (the FFN's own projections,
+# which are within a few times of each other) are pinned to the FFN side. Smaller ones (routers,
+# gates, a hyper-connection's stream mixing) only lean to it: one whose product is cheaper beside
+# the stream stays there, one that costs the same either way (a shared expert) goes to the FFN.
+_PINNED_FRACTION = 4
 _PREFER_FFN = 1e-6
 aten = torch.ops.aten
 # Ops that only re-lay out a value; one on the boundary can move to the FFN side for free.
@@ -95,8 +97,10 @@ def cut_region(
             flow.add_edge(b, e, INF)
         flow.add_edge(a, b, cost)
 
-    matrices = [n for n in region.nodes if gf.is_parameter(n, params) and n.meta["val"].ndim >= 2]
-    anchor = max((n for n in matrices if n not in pinned_attn), key=lambda n: n.meta["val"].numel(), default=None)
+    matrices = {
+        n: n.meta["val"].numel() for n in region.nodes if gf.is_parameter(n, params) and n.meta["val"].ndim >= 2
+    }
+    largest = max((size for n, size in matrices.items() if n not in pinned_attn), default=0)
     for n in region.nodes:
         users = [u for u in n.users if u in members]
         outside = len(users) < len(n.users)
@@ -104,7 +108,7 @@ def cut_region(
         if n in pinned_attn:
             flow.add_edge(_SOURCE, n, INF)
         elif n in matrices:
-            flow.add_edge(n, _SINK, INF if n is anchor else _PREFER_FFN)
+            flow.add_edge(n, _SINK, INF if matrices[n] * _PINNED_FRACTION >= largest else _PREFER_FFN)
     external = {p for n in region.nodes for p in n.all_input_nodes if p not in members}
     for e in sorted(external, key=index.__getitem__):
         if e in free or not gf.is_tensor(e):
