@@ -265,3 +265,11 @@ def test_hyper_connection_streams_stay_on_the_attention_side():
     ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(dm(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+
+    # Routed on the attention side, ids and weights cross too; the experts' projections stay on
+    # the FFN side even where sending their [k, I] activations back would cost the same bytes.
+    dm = afdc.disaggregate(model, plan="2A2F", router="attn")
+    for layer in dm.report().layers:
+        assert layer.to_ffn[0].shape_per_token == [hidden] and [c.shape_per_token for c in layer.to_attn] == [[hidden]]
+    experts = {n for n, _ in model.named_parameters() if ".experts." in n}
+    assert experts and experts <= set(dm.ffn.parameter_names())
