@@ -1,7 +1,8 @@
 """Cut selection: where the attention and FFN sides meet, by a min-cut over bytes per token.
 
-Inside each FFN region the large weight matrices are pinned to the FFN side, small ones lean to
-it (see ``_PINNED_FRACTION``), and everything the region reads from outside, or that is used
+Inside each FFN region the weight matrices are pinned to the FFN side, except those that only
+compute the input of the largest one (routers, a hyper-connection's stream mixing), which lean
+to it and go where the bytes say; everything the region reads from outside, or that is used
 outside it, is pinned to the attention side. Every other node may go
 either way; a value costs its bytes per token when its producer and some consumer end up on
 different sides (a hyperedge, cut at most once however many consumers it has). Among the cuts of
@@ -25,11 +26,9 @@ from afdc.passes.classify import Classification, FFNRegion
 from afdc.passes.mincut import INF, FlowGraph
 
 _SOURCE, _SINK = "attention", "ffn"
-# Weight matrices at least a quarter the size of the region's largest (the FFN's own projections,
-# which are within a few times of each other) are pinned to the FFN side. Smaller ones (routers,
-# gates, a hyper-connection's stream mixing) only lean to it: one whose product is cheaper beside
-# the stream stays there, one that costs the same either way (a shared expert) goes to the FFN.
-_PINNED_FRACTION = 4
+# A weight matrix that only computes the input of the region's largest one (a router, a
+# hyper-connection's stream mixing) leans to the FFN side by this much (it breaks ties); bytes
+# decide where it goes. Every other matrix (projections, shared experts) is pinned there.
 _PREFER_FFN = 1e-6
 aten = torch.ops.aten
 # Ops that only re-lay out a value; one on the boundary can move to the FFN side for free.
@@ -54,6 +53,33 @@ class Cut:
 def _router_parameters(region: FFNRegion, anc: dict[fx.Node, int], index: dict[fx.Node, int]) -> set[fx.Node]:
     topks = [n for n in region.nodes if gf.is_op(n, torch.ops.aten.topk)]
     return {p for p in region.nodes if p.op == "get_attr" and any(anc[t] >> index[p] & 1 for t in topks)}
+
+
+def _readers(weight: fx.Node, free: set[fx.Node]) -> list[fx.Node]:
+    """The nodes that apply ``weight`` (through its transposes and views) to activations."""
+    found, stack = [], list(weight.users)
+    while stack:
+        n = stack.pop()
+        if n in free:
+            stack.extend(n.users)
+        else:
+            found.append(n)
+    return found
+
+
+def _feeding_the_largest(matrices: list[fx.Node], anc, index, free) -> set[fx.Node]:
+    """The matrices whose every product feeds the product of the largest matrix: they compute
+    its input (routing, stream mixing) rather than the FFN's output."""
+    if not matrices:
+        return set()
+    largest = max(matrices, key=lambda m: m.meta["val"].numel())
+    targets = _readers(largest, free)
+    return {
+        m
+        for m in matrices
+        if m is not largest
+        and all(any(anc[t] >> index[r] & 1 for t in targets) for r in _readers(m, free))
+    }
 
 
 def _value_cost(node: fx.Node, tokens, free: set[fx.Node]) -> float:
@@ -97,10 +123,8 @@ def cut_region(
             flow.add_edge(b, e, INF)
         flow.add_edge(a, b, cost)
 
-    matrices = {
-        n: n.meta["val"].numel() for n in region.nodes if gf.is_parameter(n, params) and n.meta["val"].ndim >= 2
-    }
-    largest = max((size for n, size in matrices.items() if n not in pinned_attn), default=0)
+    matrices = [n for n in region.nodes if gf.is_parameter(n, params) and n.meta["val"].ndim >= 2]
+    feeding = _feeding_the_largest([m for m in matrices if m not in pinned_attn], anc, index, free)
     for n in region.nodes:
         users = [u for u in n.users if u in members]
         outside = len(users) < len(n.users)
@@ -108,7 +132,7 @@ def cut_region(
         if n in pinned_attn:
             flow.add_edge(_SOURCE, n, INF)
         elif n in matrices:
-            flow.add_edge(n, _SINK, INF if matrices[n] * _PINNED_FRACTION >= largest else _PREFER_FFN)
+            flow.add_edge(n, _SINK, _PREFER_FFN if n in feeding else INF)
     external = {p for n in region.nodes for p in n.all_input_nodes if p not in members}
     for e in sorted(external, key=index.__getitem__):
         if e in free or not gf.is_tensor(e):
