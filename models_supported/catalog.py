@@ -126,6 +126,11 @@ ENTRIES: list[ModelEntry] = [
     _e("Gemma 3 (text)", "gemma3_text", "post-norm",
        {"sliding_window": 4, "query_pre_attn_scalar": 8, "layer_types": _SWA},
        "sandwich norms, q/k norms, sliding window 4 on alternate layers"),
+    _e("Gemma 4 (text)", "gemma4_text", "post-norm",
+       {"sliding_window": 4, "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8},
+       "sandwich norms, sliding window 4; per-layer input embeddings: each layer's gated projection of them is "
+       "a second FFN region", dense=4,
+       single_ffn_rank="the per-layer input gate multiplies a split projection by a whole value"),
     _e("OLMo 2", "olmo2", "post-norm", notes="norms on the attention and MLP outputs"),
     _e("OLMo 3", "olmo3", "post-norm", {"sliding_window": 4, "layer_types": _SWA}),
     _e("GLM-4", "glm4", "post-norm", notes="post-attention and post-MLP norms"),
@@ -197,6 +202,7 @@ ENTRIES: list[ModelEntry] = [
         "moe_intermediate_size": _MOE_I, **_MLA, "n_group": 1, "topk_group": 1, **_DSA},
        "MLA, sparse attention (indexer picks 4 keys per query), first layer dense (decode recomputes the prefix)",
        moe=1),
+    _e("MiniMax-M3 (text)", "minimax_m3_vl_text", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K}, moe=2),
     _e("Aria (text)", "aria_text", "moe", {"moe_num_experts": _E, "moe_topk": _K, "moe_num_shared_experts": 1},
        "shared expert", moe=2),
     # -- hyper-connections ------------------------------------------------------------------------
