@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from afdc.codegen import act_mul as _act_mul_op  # noqa: F401 (defines the op this pass emits)
 from afdc.passes.fusion import FusionReport, arg, expect, only_user, run_matches, val
-from afdc.passes.graph_facts import op_name, same_shape
+from afdc.passes.graph_facts import op_name, shapes_match
 
 
 def fuse_activations(graph: fx.Graph) -> FusionReport:
@@ -40,7 +40,7 @@ def _rewrite(graph: fx.Graph, act: fx.Node) -> None:
     gate = act.args[0]
     up = mul.args[1] if mul.args[0] is act else mul.args[0]
     expect(up is not act and isinstance(up, fx.Node) and val(up) is not None, "not multiplied by a tensor")
-    expect(same_shape(val(up).shape, val(gate).shape) and same_shape(val(up).shape, val(mul).shape),
+    expect(shapes_match(val(up).shape, val(gate).shape) and shapes_match(val(up).shape, val(mul).shape),
            "the product broadcasts")
     with graph.inserting_before(mul):
         fused = graph.call_function(torch.ops.afdc.act_mul.default, (gate, up, kind))

@@ -47,7 +47,7 @@ from afdc.passes.fusion import (
     strip_float_casts,
     val,
 )
-from afdc.passes.graph_facts import op_name, same_shape
+from afdc.passes.graph_facts import op_name, shapes_match
 
 _GROUPED = ("grouped_mm_fallback", "_grouped_mm", "grouped_mm", "grouped_mm_local")
 _PASS_THROUGH = ("to", "_to_copy", "view", "reshape")  # the same values, cast or reshaped
@@ -262,7 +262,7 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     picked = unsqueeze.args[0]
     expect(op_name(picked) == "index" and list(picked.args[1]) == [perm], "routing weights not in sorted order")
     weights = _per_token(picked.args[0], k, "routing weights")
-    expect(same_shape(val(weights).shape, val(ids).shape), "routing weights and ids differ in shape")
+    expect(shapes_match(val(weights).shape, val(ids).shape), "routing weights and ids differ in shape")
 
     unsort = only_user(scale)
     expect(op_name(unsort) == "index" and len(unsort.args[1]) == 1, "rows are not put back in choice order")
@@ -391,7 +391,7 @@ def _take_shared_expert(graph: fx.Graph, moe: fx.Node) -> None:
     expect(not any(k.startswith("b_") or k.startswith("s_") for k in moe.kwargs),
            "experts with biases, or a shared expert already")
     chain, add = _sum_with(moe)
-    expect(same_shape(val(add).shape, val(chain[-1]).shape) and val(add).dtype == val(chain[-1]).dtype,
+    expect(shapes_match(val(add).shape, val(chain[-1]).shape) and val(add).dtype == val(chain[-1]).dtype,
            "the sum has another shape or dtype than the experts' output")
     term = add.args[1] if add.args[0] is chain[-1] else add.args[0]
     factors = []

@@ -18,7 +18,7 @@ import torch.fx as fx
 from afdc.codegen import layer_norm as _layer_norm_ops  # noqa: F401 (defines the ops this pass emits)
 from afdc.codegen import rms_norm as _rms_norm_ops  # noqa: F401
 from afdc.passes.fusion import FusionReport, arg, expect, only_user, run_matches, strip_float_casts, val
-from afdc.passes.graph_facts import op_name, same_shape
+from afdc.passes.graph_facts import op_name, shapes_match
 
 
 def fuse_norms(graph: fx.Graph) -> FusionReport:
@@ -166,7 +166,7 @@ def _residual_add(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     a, b = x.args
     if val(a) is None or val(b) is None:
         return None
-    if not (same_shape(val(a).shape, val(x).shape) and same_shape(val(b).shape, val(x).shape)):
+    if not (shapes_match(val(a).shape, val(x).shape) and shapes_match(val(b).shape, val(x).shape)):
         return None
     if val(a).dtype != val(b).dtype:
         return None

@@ -82,6 +82,17 @@ def same_shape(a: Sequence, b: Sequence) -> bool:
     return len(a) == len(b) and all(sym_expr(x) == sym_expr(y) for x, y in zip(a, b))
 
 
+def shapes_match(a: Sequence, b: Sequence) -> bool:
+    """Whether two shapes can be the same at run time, decided without guarding: static sizes
+    equal, a symbolic size against a symbolic one. For the programs' kernel patterns, whose
+    inputs arrive with a fresh symbol each (two token counts of one step); the kernels check
+    the sizes they are given."""
+    return len(a) == len(b) and all(
+        isinstance(x, torch.SymInt) == isinstance(y, torch.SymInt) and (isinstance(x, torch.SymInt) or x == y)
+        for x, y in zip(a, b)
+    )
+
+
 def bytes_per_token(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) -> float:
     """Bytes of ``node``'s tensor per token, measured at one sequence of ``_TOKENS_HINT`` tokens."""
     val = node.meta["val"]
