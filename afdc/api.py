@@ -94,6 +94,7 @@ def _cut(captured: CapturedGraph, placement: RouterPlacement) -> tuple[CapturedG
     if not captured.token_dims_dynamic():
         raise UnsupportedModelError(
             "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic)"
+            + (f": {captured.specialized}" if captured.specialized else "")
         )
     return captured, classification, select_cuts(graph, classification, params, placement)
 

@@ -124,10 +124,11 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec  # rebuilds the model's output object from the graph's outputs
     incremental: bool  # False: the graph needs kv == s, so decode recomputes the whole prefix
     max_positions: int | None = None  # the longest key length the graph is valid for (None: any)
+    specialized: str = ""  # why the graph holds for the example's lengths only ("": it holds for any)
 
     def token_dims_dynamic(self) -> bool:
         ids = next(n for n in self.graph.nodes if n.op == "placeholder")
-        return all(isinstance(d, torch.SymInt) for d in ids.meta["val"].shape)
+        return not self.specialized and all(isinstance(d, torch.SymInt) for d in ids.meta["val"].shape)
 
 
 @contextlib.contextmanager
@@ -217,9 +218,8 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
 
     The graph is captured shape-polymorphic when possible: strictly first, then relaxed (see
     :func:`_relaxed_limit`). Some mixers tie the mask length to the token count (then decode
-    recomputes the prefix); some specialize the length (the static graph is still returned, so
-    that classification can say what the model is, and :meth:`CapturedGraph.token_dims_dynamic`
-    tells).
+    recomputes the prefix); some hold for too few lengths (the graph is still returned, so that
+    classification can say what the model is; :attr:`CapturedGraph.specialized` says why).
 
     ``functional=True`` retraces the graph without in-place ops (slow on big models; needed
     only when a cut would separate an in-place write from its readers, see ``passes.aliasing``).
@@ -230,16 +230,33 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
         for mode in ("incremental", "relaxed", "static"):
             try:
                 ep = _export(model, mode, functional)
-                limit = _relaxed_limit(ep, _context_length(model)) if mode == "relaxed" else None
-                captured = _to_get_attr_graph(ep, mode == "incremental", _canonical_names(model), limit)
-                if mode == "relaxed":
-                    captured.incremental = not gf.key_length_tied(captured.graph)
-                return captured
             except UnsupportedModelError:
                 raise
             except Exception as err:
                 errors.append(f"{mode}: {str(err).splitlines()[0]}")
+                continue
+            return _captured(ep, mode, model, "; ".join(errors))
     raise UnsupportedModelError("torch.export could not capture the forward: " + "; ".join(errors))
+
+
+def _captured(ep: torch.export.ExportedProgram, mode: str, model: PreTrainedModel, errors: str) -> CapturedGraph:
+    """The graph of an export in ``mode``. A relaxed export whose guards fail short of the model's
+    context is kept as a specialized graph: classifying it says what the model is (re-exporting
+    statically would say the same, slower)."""
+    names = _canonical_names(model)
+    if mode != "relaxed":
+        return _to_get_attr_graph(ep, names, incremental=mode == "incremental", specialized=errors)
+    try:
+        limit = _relaxed_limit(ep, _context_length(model))
+    except _Specialized as err:
+        return _to_get_attr_graph(ep, names, specialized=str(err))
+    captured = _to_get_attr_graph(ep, names, max_positions=limit)
+    captured.incremental = not gf.key_length_tied(captured.graph)
+    return captured
+
+
+class _Specialized(Exception):
+    """A relaxed capture that holds for too few lengths."""
 
 
 def _context_length(model: PreTrainedModel) -> int | None:
@@ -260,12 +277,12 @@ def _relaxed_limit(ep: torch.export.ExportedProgram, context: int | None) -> int
     fails only between probes past 256 would go unseen; none of the measured decoders has one.
     """
     if ep.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default):
-        raise RuntimeError("relaxed: the graph asserts a relation between the lengths")
+        raise _Specialized("the graph asserts a relation between the lengths")
     inputs = {n.name: n.meta["val"] for n in ep.graph.find_nodes(op="placeholder")}
     seq, keys = inputs["input_ids"].shape[1], inputs["attention_mask"].shape[1]
     for dim in (seq, keys):
         if not isinstance(dim, torch.SymInt):
-            raise RuntimeError(f"relaxed: a token dimension specialized to {dim}")
+            raise _Specialized(f"a token dimension is specialized to {dim}")
     shape_env = seq.node.shape_env
     s, kv = seq.node.expr, keys.node.expr
     guards = {str(e): e for g in shape_env.guards if (e := shape_env.replace(g.expr)).free_symbols & {s, kv}}
@@ -280,7 +297,7 @@ def _relaxed_limit(ep: torch.export.ExportedProgram, context: int | None) -> int
                 point = {x: sympy.Integer(values.get(x, 3)) for x in guard.free_symbols}  # 3: any batch
                 if not bool(guard.xreplace(point)):
                     if valid is None or (context is not None and valid < context - 1):
-                        raise RuntimeError(f"relaxed: the graph holds only up to {valid} positions ({guard})")
+                        raise _Specialized(f"the graph holds only up to {valid} positions ({guard})")
                     return valid
         valid = length
     return None
@@ -303,9 +320,10 @@ def _canonical_names(model: PreTrainedModel) -> dict[str, str]:
 
 def _to_get_attr_graph(
     ep: torch.export.ExportedProgram,
-    incremental: bool,
     canonical: dict[str, str] | None = None,
+    incremental: bool = False,
     max_positions: int | None = None,
+    specialized: str = "",
 ) -> CapturedGraph:
     """Turn the exported program's lifted parameter/buffer/constant inputs into ``get_attr`` nodes
     named by the model's canonical FQNs."""
@@ -329,4 +347,4 @@ def _to_get_attr_graph(
     if [n.name for n in user_inputs] != list(INPUT_NAMES):
         raise UnsupportedModelError(f"unexpected graph inputs {[n.name for n in user_inputs]}")
     attrs = {name: state[name] for name in lifted.values()}
-    return CapturedGraph(graph, attrs, parameters, ep.call_spec.out_spec, incremental, max_positions)
+    return CapturedGraph(graph, attrs, parameters, ep.call_spec.out_spec, incremental, max_positions, specialized)
