@@ -70,6 +70,21 @@ def test_router_on_attention_side_sends_topk():
     assert check(model, dm, *demo_batch(model.config.vocab_size)).ok()
 
 
+def test_a_hidden_state_and_its_reshape_cross_once():
+    """GraniteMoE-shared's router and experts read the flattened hidden state, its shared expert
+    the unflattened one: under --router attn the FFN side redoes the flattening."""
+    model = build_type("granitemoeshared", {**TINY_COMMON, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                            "shared_intermediate_size": 32})
+    dm = afdc.disaggregate(model, plan="1A2F", router="attn")
+    hidden = TINY_COMMON["hidden_size"]
+    for layer in dm.report().layers:
+        assert [c.shape_per_token for c in layer.to_ffn if c.shape_per_token[-1] == hidden] == [[hidden]]
+    ids = torch.randint(0, TINY_COMMON["vocab_size"], (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    assert check(model, dm, ids, mask).ok()
+
+
 def test_ffn_side_runs_only_through_the_connector(moe):
     """The attention program cannot run without a connector: no shortcut to the original model."""
     model, dm = moe

@@ -96,9 +96,10 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
 
 
 def _segment_closure(cut: Cut, free: set[fx.Node]) -> list[fx.Node]:
-    """The FFN nodes plus the input-independent values they need and recompute locally."""
-    keep = set(cut.ffn_nodes)
-    stack = list(cut.ffn_nodes)
+    """The FFN nodes plus what they recompute locally: the input-independent values they need,
+    and the reshapes of received values that the cut redoes."""
+    keep = {*cut.ffn_nodes, *cut.redone}
+    stack = list(keep)
     while stack:
         for p in stack.pop().all_input_nodes:
             if p not in keep and p in free and (p.op == "get_attr" or gf.is_tensor(p)):

@@ -13,7 +13,7 @@ receives the FFN output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -48,6 +48,9 @@ class Cut:
     ffn_nodes: list[fx.Node]
     to_ffn: list[fx.Node]
     to_attn: list[fx.Node]
+    # reshapes of values in ``to_ffn`` that the FFN side redoes rather than receives (the
+    # attention side computes them too, for a router there)
+    redone: list[fx.Node] = field(default_factory=list)
 
 
 def _router_parameters(region: FFNRegion, anc: dict[fx.Node, int], index: dict[fx.Node, int]) -> set[fx.Node]:
@@ -153,7 +156,27 @@ def cut_region(
             break
         cut = _crossings(region, ffn | reshapes, free, index)
         ffn = set(cut.ffn_nodes)
-    return cut
+    return _redo_reshapes(cut)
+
+
+def _redo_reshapes(cut: Cut) -> Cut:
+    """``cut`` with each crossing value that is only a reshape of another crossing value redone on
+    the FFN side: under ``--router attn`` the router may read the flattened hidden state that the
+    experts read while a shared expert reads it unflattened, and the bytes need cross only once."""
+    crossing, ffn = set(cut.to_ffn), set(cut.ffn_nodes)
+    redone: list[fx.Node] = []
+    for v in cut.to_ffn:
+        chain = [v]
+        while gf.is_op(chain[-1], *_RESHAPES) and chain[-1].args[0] not in crossing:
+            chain.append(chain[-1].args[0])
+        if gf.is_op(chain[-1], *_RESHAPES) and not ffn & set(chain):
+            redone.extend(chain)
+    if not redone:
+        return cut
+    order = {n: i for i, n in enumerate(cut.ffn_nodes[0].graph.nodes)}.__getitem__
+    sharing = Cut(cut.region, cut.ffn_nodes, [v for v in cut.to_ffn if v not in redone], cut.to_attn,
+                  sorted(set(redone), key=order))
+    return sharing if _sizes_recomputable(sharing) else cut
 
 
 def _sizes_recomputable(cut: Cut) -> bool:
@@ -164,9 +187,9 @@ def _sizes_recomputable(cut: Cut) -> bool:
         sources.append(scratch.placeholder(v.name))
         sources[-1].meta = dict(v.meta)
     emitter = SymEmitter(scratch, sources)
-    members = set(cut.ffn_nodes)
+    members = set(cut.ffn_nodes) | set(cut.redone)
     try:
-        for n in cut.ffn_nodes:
+        for n in members:
             for p in n.all_input_nodes:
                 if p not in members and isinstance(p.meta.get("val"), torch.SymInt):
                     emitter.emit(p.meta["val"])

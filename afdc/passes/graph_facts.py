@@ -141,7 +141,7 @@ _SHAPE_READS = ("sym_size", "sym_numel", "sym_stride", "sym_storage_offset")
 def key_length_tied(graph: fx.Graph) -> bool:
     """Whether the captured graph needs the key length to equal the token count."""
     inputs = {n.target: n.meta["val"] for n in graph.find_nodes(op="placeholder")}
-    return str(inputs["input_ids"].shape[1]) == str(inputs["attention_mask"].shape[1])
+    return sym_expr(inputs["input_ids"].shape[1]) == sym_expr(inputs["attention_mask"].shape[1])
 
 
 def data_free(graph: fx.Graph) -> set[fx.Node]:

@@ -78,6 +78,7 @@ def attention_slots(graph: fx.Graph) -> list[SlotSpec]:
             "the graph has no afdc attention op (the model has no attention, or hard-codes it inline): nothing to page"
         )
     _check_incremental(graph)
+    from_tokens = _token_dependent(graph)
     specs: dict[int, SlotSpec] = {}
     for node in nodes:
         q, k, v, mask, slot, _scale, _softcap, _sinks, window = node.args
@@ -94,6 +95,11 @@ def attention_slots(graph: fx.Graph) -> list[SlotSpec]:
             raise UnsupportedModelError(
                 f"attention slot {slot}: {q.meta['val'].shape[1]} query heads over {kv_heads} key and "
                 f"{value_heads} value heads is not grouped-query attention"
+            )
+        if mask in from_tokens:
+            raise UnsupportedModelError(
+                f"attention slot {slot}: its mask is computed from the hidden states (a sparse-attention indexer "
+                "or a learned position bias); the paged cache, which rebuilds masks from positions, cannot reproduce it"
             )
         specs[slot] = _reach(graph, mask, window, SlotSpec(kv_heads, head_dim, value_dim), slot)
     if sorted(specs) != list(range(len(specs))):
@@ -122,11 +128,6 @@ def _reach(graph: fx.Graph, mask: fx.Node | None, window: int, spec: SlotSpec, s
     masks all differ (for ``window >= 2``; at 1 the last two coincide)."""
     if mask is None:  # the op's default: causal with the queries at the end
         return spec
-    if _reads_tokens(graph, mask):
-        raise UnsupportedModelError(
-            f"attention slot {slot}: its mask is computed from the hidden states (a sparse-attention indexer "
-            "or a learned position bias); the paged cache, which rebuilds masks from positions, cannot reproduce it"
-        )
     kv = 2 * window + 3
     q_pos, k_pos = torch.arange(kv - 3, kv)[:, None], torch.arange(kv)
     try:
@@ -145,19 +146,15 @@ def _reach(graph: fx.Graph, mask: fx.Node | None, window: int, spec: SlotSpec, s
     )
 
 
-def _reads_tokens(graph: fx.Graph, mask: fx.Node) -> bool:
-    """Whether ``mask``'s value depends on the tokens themselves, not only on their count."""
+def _token_dependent(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose values depend on the tokens themselves, not only on their count."""
     free = gf.data_free(graph)
-    stack, seen = [mask], set()
-    while stack:
-        node = stack.pop()
-        if node in seen or node in free:
-            continue
-        if node.op == "placeholder" and node.target == "input_ids":
-            return True
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return False
+    dependent: set[fx.Node] = set()
+    for node in graph.nodes:
+        is_tokens = node.op == "placeholder" and node.target == "input_ids"
+        if node not in free and (is_tokens or any(i in dependent for i in node.all_input_nodes)):
+            dependent.add(node)
+    return dependent
 
 
 def _run_mask(graph: fx.Graph, mask: fx.Node, queries: int, keys: int) -> torch.Tensor:
