@@ -19,6 +19,7 @@ from afdc.capture import CapturedGraph
 from afdc.errors import PlanError, UnsupportedModelError
 from afdc.partition.shard import (
     FFNParallel,
+    PartialSumsMeetNonLinearOps,
     ShardedSegment,
     Split,
     data_parallel,
@@ -26,7 +27,7 @@ from afdc.partition.shard import (
     shard_segment,
     single_rank,
 )
-from afdc.partition.split import SegmentBinding, partition
+from afdc.partition.split import Partition, SegmentBinding, partition
 from afdc.passes import graph_facts as gf
 from afdc.passes.aliasing import split_writes
 from afdc.passes.classify import Classification, classify
@@ -36,7 +37,7 @@ from afdc.passes.expert_routing import expert_routing, owner_mask
 from afdc.passes.fusion import copy_graph
 from afdc.passes.portable import portable
 from afdc.plan import Plan
-from afdc.report import Report, layer_report
+from afdc.report import LayerReport, Report, layer_report
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.model import DisaggregatedModel
 from afdc.runtime.programs import AttentionProgram, ExpertRouting, FFNLayer, FFNProgram, row_major
@@ -87,25 +88,62 @@ class Built:
         return splits
 
 
-def _cut(captured: CapturedGraph, placement: RouterPlacement) -> tuple[CapturedGraph, Classification, list[Cut]]:
+def _classify(captured: CapturedGraph) -> Classification:
     graph = portable(strip_assertions(captured.graph))
-    params = set(captured.parameter_names)
-    classification = classify(graph, params)
+    classification = classify(graph, set(captured.parameter_names))
     if not captured.token_dims_dynamic():
         raise UnsupportedModelError(
             "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic)"
             + (f": {captured.specialized}" if captured.specialized else "")
         )
-    return captured, classification, select_cuts(graph, classification, params, placement)
+    return classification
 
 
-def _shard(segments: list[fx.Graph], layers: list[SegmentBinding], labels: list[str], plan: Plan, tokens):
+def _split(
+    captured: CapturedGraph, classification: Classification, plan: Plan
+) -> tuple[list[Cut], list[LayerReport], Partition, list[tuple[ShardedSegment, ExpertRouting | None]]]:
+    """Cut, partition and shard. Where the plan's partial sums (experts' or row-split outputs)
+    meet an op that is not linear in them (Gemma 4 norms each branch's output before adding
+    them), the FFN ranks cannot finish the layer: that op goes to the attention side, which
+    receives the reduced sums, and the cut is made again."""
+    graph, params = captured.graph, set(captured.parameter_names)
+    placement, tokens = RouterPlacement(plan.router), gf.token_symbols(graph)
+    kept: set[fx.Node] = set()
+    cuts = select_cuts(graph, classification, params, placement)
+    while True:
+        layers_report = [layer_report(c, 0, tokens, params) for c in cuts]
+        part = partition(graph, cuts)
+        try:
+            return cuts, layers_report, part, _shard(part, [lr.module for lr in layers_report], plan, tokens)
+        except PartialSumsMeetNonLinearOps as err:
+            readers = {
+                part.origins[layer][int(name.removeprefix("v"))]
+                for layer, binding in enumerate(part.layers)
+                if binding.segment == err.segment
+                for name in err.nodes
+            }
+            if readers <= kept:
+                raise
+            kept |= readers
+            try:
+                cuts = select_cuts(graph, classification, params, placement, kept)
+            except UnsupportedModelError:
+                raise err from None
+
+
+def _shard(part: Partition, labels: list[str], plan: Plan, tokens):
     """Each segment over the plan's FFN ranks, with how its tokens go to experts' ranks (or None)."""
     if plan.ffn_ranks == 1:
-        return [(single_rank(g), None) for g in segments]
+        return [(single_rank(g), None) for g in part.segments]
     mode = FFNParallel.TP if plan.ffn_parallel == "tp" else FFNParallel.EP
-    first = {b.segment: (labels[i], b.weights) for i, b in reversed(list(enumerate(layers)))}
-    sharded = [_shard_one(g, mode, plan, tokens, *first[i]) for i, g in enumerate(segments)]
+    first = {b.segment: (labels[i], b.weights) for i, b in reversed(list(enumerate(part.layers)))}
+    sharded = []
+    for i, g in enumerate(part.segments):
+        try:
+            sharded.append(_shard_one(g, mode, plan, tokens, *first[i]))
+        except PartialSumsMeetNonLinearOps as err:
+            err.segment = i
+            raise
     if plan.ffn_parallel == "ep" and not any(s.experts for seg, _ in sharded for s in seg.splits):
         raise PlanError("--ffn-parallel ep: the model has no expert weights to partition (a dense model); use tp")
     return sharded
@@ -188,19 +226,19 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     plan = Plan.parse(plan)
     if plan.attention_tp > 1:
         _check_heads(model.config.get_text_config(), plan.attention_tp)
-    placement = RouterPlacement(plan.router)
-    captured, classification, cuts = _cut(capture_mod.capture(model), placement)
+    captured = capture_mod.capture(model)
+    classification = _classify(captured)
+    cuts, layers_report, part, shards = _split(captured, classification, plan)
     if split_writes(captured.graph, (n for c in cuts for n in c.ffn_nodes)):
-        captured, classification, cuts = _cut(capture_mod.capture(model, functional=True), placement)
+        captured = capture_mod.capture(model, functional=True)
+        classification = _classify(captured)
+        cuts, layers_report, part, shards = _split(captured, classification, plan)
     graph, params = captured.graph, set(captured.parameter_names)
     # The KV cache lives in afdc's attention op; state computed inline cannot be cached
     incremental = captured.incremental and not classification.inline_mixers
     tokens = gf.token_symbols(graph)
-    layers_report = [layer_report(c, 0, tokens, params) for c in cuts]  # before partition moves nodes
-    part = partition(graph, cuts)
     for lr, binding in zip(layers_report, part.layers):
         lr.segment = binding.segment
-    shards = _shard(part.segments, part.layers, [lr.module for lr in layers_report], plan, tokens)
     segments, routing = [seg for seg, _ in shards], [r for _, r in shards]
     inputs = [
         [gf.token_layout(n, tokens) for n in seg.graph.find_nodes(op="placeholder")[len(seg.splits) : -1]]
@@ -218,7 +256,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     report = Report(
         model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
         plan=str(plan),
-        router=placement.value,
+        router=plan.router,
         incremental_decode=incremental,
         attention_calls=sum(1 for n in graph.nodes if n.target is torch.ops.afdc.attention.default),
         attention_parameters=sum(captured.attrs[n].numel() for n in attention_params),

@@ -126,11 +126,6 @@ ENTRIES: list[ModelEntry] = [
     _e("Gemma 3 (text)", "gemma3_text", "post-norm",
        {"sliding_window": 4, "query_pre_attn_scalar": 8, "layer_types": _SWA},
        "sandwich norms, q/k norms, sliding window 4 on alternate layers"),
-    _e("Gemma 4 (text)", "gemma4_text", "post-norm",
-       {"sliding_window": 4, "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8},
-       "sandwich norms, sliding window 4; per-layer input embeddings: each layer's gated projection of them is "
-       "a second FFN region", dense=4,
-       single_ffn_rank="the per-layer input gate multiplies a split projection by a whole value"),
     _e("OLMo 2", "olmo2", "post-norm", notes="norms on the attention and MLP outputs"),
     _e("OLMo 3", "olmo3", "post-norm", {"sliding_window": 4, "layer_types": _SWA}),
     _e("GLM-4", "glm4", "post-norm", notes="post-attention and post-MLP norms"),
@@ -210,6 +205,13 @@ ENTRIES: list[ModelEntry] = [
        {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
         **_MLA, "n_group": 1, "topk_group": 1, "hc_mult": 2, "mlp_layer_types": ["dense", "sparse"], **_DSA},
        "2 residual streams, MLA, sparse attention, first layer dense (decode recomputes the prefix)", moe=1),
+    _e("Gemma 4 (text, MoE)", "gemma4_text", "moe",
+       {"sliding_window": 4, "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8,
+        "enable_moe_block": True, "num_experts": _E, "top_k_experts": _K, "moe_intermediate_size": _MOE_I},
+       "sandwich norms, sliding window 4; a dense MLP beside the experts, each normed before their sum (over "
+       "several FFN ranks the attention side norms the reduced sums); per-layer input embeddings: each layer's "
+       "gated projection of them is a second FFN region (each FFN rank takes its share of the input)",
+       moe=2, dense=2),
     _e("JetMoE", "jetmoe", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K, "kv_channels": 8},
        "mixture-of-attention-heads attention, MoE MLP", moe=2,
        single_ffn_rank="experts run in a data-dependent Python loop, not as stacked expert weights"),

@@ -288,3 +288,38 @@ def test_hyper_connection_streams_stay_on_the_attention_side():
         assert layer.to_ffn[0].shape_per_token == [hidden] and [c.shape_per_token for c in layer.to_attn] == [[hidden]]
     experts = {n for n, _ in model.named_parameters() if ".experts." in n}
     assert experts and experts <= set(dm.ffn.parameter_names())
+
+
+def test_partial_sums_that_a_norm_reads_are_reduced_on_the_attention_side():
+    """Gemma 4's MoE layer norms its dense MLP's output and its experts' output before adding
+    them. One FFN rank returns the normed sum; over two (experts or rows split) the ranks hold
+    partial sums that no norm may read, so the norms move to the attention side, which gets both
+    reduced outputs back, even when its own router runs before them."""
+    entry = {e.model_type: e for e in ENTRIES}["gemma4_text"]
+    model = build_type("gemma4_text", entry.config_kwargs)
+    hidden = model.config.hidden_size
+    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    for plan, kwargs, back in [("1A1F", {}, 1), ("1A2F", {"ffn_parallel": "tp"}, 2), ("2A2F", {"router": "attn"}, 2)]:
+        dm = afdc.disaggregate(model, plan=plan, **kwargs)
+        moe = [layer for layer in dm.report().layers if layer.kind == "moe"]
+        assert moe and all(len(layer.to_attn) == back for layer in moe), (plan, kwargs, moe[0])
+        assert all(c.shape_per_token == [hidden] for layer in moe for c in layer.to_attn)
+        assert check(model, dm, ids, mask, new_tokens=4).ok(), (plan, kwargs)
+
+
+def test_a_whole_value_gating_a_split_one_is_narrowed_per_rank():
+    """Dense Gemma 4 multiplies each layer's split gate projection by a per-layer input that
+    every FFN rank receives whole: each rank takes its share of it, and the gate splits."""
+    overrides = {k: v for k, v in {e.model_type: e for e in ENTRIES}["gemma4_text"].config_kwargs.items()
+                 if k not in ("enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size")}
+    model = build_type("gemma4_text", overrides)
+    dm = afdc.disaggregate(model, plan="2A2F")
+    gates = [n for n in dm.ffn.parameter_names() if "per_layer_input_gate" in n]
+    assert gates and all(ffn.parameters_of([n])[0].shape[0] * 2 == model.get_parameter(n).shape[0]
+                         for ffn in dm.ffn_ranks for n in gates)
+    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    assert check(model, dm, ids, mask, new_tokens=4).ok()

@@ -179,6 +179,18 @@ class _Conflict(Exception):
     def __init__(self, blame: frozenset[int], reason: str):
         super().__init__(reason)
         self.blame, self.reason = blame, reason
+        self.node: fx.Node | None = None  # where it arose (set by _Propagation.run)
+
+
+class PartialSumsMeetNonLinearOps(PlanError):
+    """The split leaves partial sums (of expert or row-split outputs) that an op not linear in
+    them reads, as a norm after the experts does: the FFN ranks cannot reduce them, but the
+    attention side can, if the cut leaves ``nodes`` (segment node names) to it."""
+
+    def __init__(self, message: str, nodes: list[str]):
+        super().__init__(message)
+        self.nodes = nodes
+        self.segment = -1  # which segment of the partition (set by the caller that knows)
 
 
 class _NeedBlocks(Exception):
@@ -237,8 +249,11 @@ class _Propagation:
     # (node, arg position, list index or None) -> a full size that each rank holds 1/ranks of
     local_sizes: dict[tuple[fx.Node, int, int | None], int] = field(default_factory=dict)
     lead_only: dict[fx.Node, int] = field(default_factory=dict)  # node -> operand added only on rank 0
+    # (node, arg position) -> how a whole operand meets a split one: (dim, full size, blocks, sections)
+    narrowed: dict[tuple[fx.Node, int], tuple[int, int, int, tuple[int, ...]]] = field(default_factory=dict)
     pinned: dict[int, Split] = field(default_factory=dict)  # decisions made from outside, by rewind
     mean_refused: bool = False  # a mean over a split dim was refused (average_means was off)
+    partial_at: list[fx.Node] = field(default_factory=list)  # ops that refused a partial sum
 
     def __post_init__(self) -> None:
         if self.weights is None:
@@ -265,7 +280,11 @@ class _Propagation:
                 i = self.weights.get(node)
                 self.env[node] = R if i is None else self._weight(i, node)
             elif node.op == "call_function":
-                self.env[node] = self._visit(node)
+                try:
+                    self.env[node] = self._visit(node)
+                except _Conflict as conflict:
+                    conflict.node = conflict.node or node
+                    raise
                 if gf.op_name(node).endswith("_") and node.args and isinstance(node.args[0], fx.Node):
                     written = node.args[0]  # in-place: the written tensor now has this layout
                     self._overwritten.append((pos, written, self.env[written]))
@@ -286,6 +305,11 @@ class _Propagation:
                 self.rewind({w: replace(self.decided[w], blocks=need.blocks, sections=need.sections)
                              for w in need.weights})
             except _Conflict as conflict:
+                if conflict.node is not None and any(
+                    isinstance(self.env.get(a), Layout) and self._get(a).kind in (Kind.PARTIAL, Kind.OWNED)
+                    for a in conflict.node.all_input_nodes
+                ):
+                    self.partial_at.append(conflict.node)
                 refuse(conflict)
                 self.rewind({w: Split() for w in conflict.blame})
                 reasons.append(conflict.reason)
@@ -303,6 +327,7 @@ class _Propagation:
         self.reduced = {n for n in self.reduced if kept(n) < start}
         self.averaged = {n for n in self.averaged if kept(n) < start}
         self.lead_only = {n: v for n, v in self.lead_only.items() if kept(n) < start}
+        self.narrowed = {k: v for k, v in self.narrowed.items() if kept(k[0]) < start}
         self.local_sizes = {k: v for k, v in self.local_sizes.items() if self._sized_at[k] < start}
         self.pinned.update(pins)
         self.decided = {w: s for w, s in self.decided.items() if self._decided_at.get(w, -1) < start}
@@ -508,9 +533,23 @@ class _Propagation:
             size = _shape(t)[own_dim] if own_dim >= 0 else 1
             if lay.kind is Kind.WEIGHT and size == out_size:
                 self._decide(lay, own_dim, blocks, sections=sections)  # a bias or scale along the dim splits with it
-            elif lay.kind is not Kind.SPLIT and size != 1 and not self._broadcast_locally(t, own_dim):
+            elif lay.kind is Kind.SPLIT or size == 1 or self._broadcast_locally(t, own_dim):
+                continue
+            elif not (lay.replicated and size == out_size and self._narrow(node, t, own_dim, blocks, sections)):
                 raise _Conflict(_union(lays), f"{node.format_node()} mixes a split value with a full one")
         return Layout(Kind.SPLIT, dim, blocks, _union(self._get(t) for t in tensors), sections=sections)
+
+    def _narrow(self, node: fx.Node, operand: fx.Node, dim: int, blocks: int, sections: tuple[int, ...]) -> bool:
+        """Whether each FFN rank can take its share of a whole ``operand`` (Gemma 4's per-layer
+        input, gating a split projection) where ``node`` meets it with a split value. Attention TP
+        ranks run one program with no rank input, so they keep the conflict."""
+        size = _shape(operand)[dim]
+        if self.reduce_partials or any(n % self.ranks for n in sections or (size // blocks,) * blocks):
+            return False
+        for pos, arg in enumerate(node.args):
+            if arg is operand:
+                self.narrowed[(node, pos)] = (dim, size, blocks, sections)
+        return True
 
     def _broadcast_locally(self, node: fx.Node, dim: int) -> bool:
         """Whether ``node`` is an ``expand`` of a size-1 dim (one value for every head, as MLA's
@@ -879,11 +918,16 @@ def shard_segment(
         if not conflict.blame:
             raise PlanError(f"{label}: cannot shard this FFN segment: {conflict.reason}") from None
 
-    reduce, reasons = prop.settle(refuse)
-    splits = [prop.decided.get(i, Split()) for i in range(len(weights))]
-    if all(s.dim is None for s in splits) and any(w.meta["val"].dim() >= 2 for w in weights):
-        why = "; then ".join(reasons) or "no op it runs has a rule that splits its weights"
-        raise PlanError(f"{label}: the FFN cannot be split over {ranks} ranks ({why}); use one FFN rank")
+    try:
+        reduce, reasons = prop.settle(refuse)
+        splits = [prop.decided.get(i, Split()) for i in range(len(weights))]
+        if all(s.dim is None for s in splits) and any(w.meta["val"].dim() >= 2 for w in weights):
+            why = "; then ".join(reasons) or "no op it runs has a rule that splits its weights"
+            raise PlanError(f"{label}: the FFN cannot be split over {ranks} ranks ({why}); use one FFN rank")
+    except PlanError as err:
+        if prop.partial_at:
+            raise PartialSumsMeetNonLinearOps(str(err), [n.name for n in prop.partial_at]) from None
+        raise
     _check_divisible(names, weights, splits, ranks, label)
     return ShardedSegment(_rewrite(graph, prop, ranks), splits, reduce)
 
@@ -920,6 +964,9 @@ def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int) -> fx.Graph:
                 else:
                     args[pos] = [*args[pos][:i], full // ranks, *args[pos][i + 1 :]]
                 args = tuple(args)
+        for (n, pos), piece in prop.narrowed.items():
+            if n is node:
+                args = (*args[:pos], _rank_share(new, args[pos], rank, ranks, *piece), *args[pos + 1 :])
         target = node.target
         name = gf.op_name(node)
         experts = _experts_operand(node, prop)
@@ -961,6 +1008,18 @@ def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int) -> fx.Graph:
             rank = new.placeholder("rank")
     new.lint()
     return new
+
+
+def _rank_share(
+    graph: fx.Graph, value: fx.Node, rank, ranks: int, dim: int, size: int, blocks: int, sections: tuple[int, ...]
+) -> fx.Node:
+    """``rank``'s part of a whole ``value``, as :class:`ShardSlice` lays it out (sizes divide)."""
+    pieces, start = [], 0
+    for n in sections or (size // blocks,) * blocks:
+        offset = graph.call_function(operator.add, (start, graph.call_function(operator.mul, (rank, n // ranks))))
+        pieces.append(graph.call_function(torch.ops.aten.narrow.default, (value, dim, offset, n // ranks)))
+        start += n
+    return pieces[0] if len(pieces) == 1 else graph.call_function(torch.ops.aten.cat.default, (pieces, dim))
 
 
 def _experts_operand(node: fx.Node, prop: _Propagation) -> int | None:

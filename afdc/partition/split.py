@@ -33,6 +33,7 @@ class Partition:
     attention_graph: fx.Graph
     segments: list[fx.Graph]
     layers: list[SegmentBinding]  # indexed by FFN layer (cut) index
+    origins: list[list[fx.Node]]  # per FFN layer: the captured nodes its segment's v0, v1, ... compute
 
 
 def _copy(graph: fx.Graph, node: fx.Node, lookup, name: str | None = None) -> fx.Node:
@@ -64,8 +65,6 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
         if n in returned:
             cut, i = returned[n]
             layer = cut.region.index
-            if layer not in tickets:
-                raise UnsupportedModelError("an FFN input depends on an FFN output of the same layer", cut.region.label)
             shape = [emitter.emit(d) for d in n.meta["val"].shape]
             env[n] = new.call_function(
                 torch.ops.afdc.recv.default, (tickets[layer], layer, i, shape, n.meta["val"].dtype)
@@ -76,12 +75,17 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
             return emitter.emit(n.meta["val"])
         raise UnsupportedModelError(f"the attention program needs {n.name}, which the cut left on the FFN side")
 
-    for node in graph.nodes:
-        if node in ffn_nodes:
-            continue
+    def waits(node: fx.Node) -> bool:
+        unsent = (p in returned and returned[p][0].region.index not in tickets for p in node.all_input_nodes)
+        return any(unsent) or any(p in deferred for p in node.all_input_nodes)
+
+    def place(node: fx.Node) -> bool:
+        """Copy ``node``; whether that emitted a send."""
+        nonlocal emitter
         env[node] = _copy(new, node, lookup)
         if node.op == "placeholder" and node is placeholders[-1]:
             emitter = SymEmitter(new, [env[p] for p in placeholders])
+        sent = False
         for cut in needs.get(node, ()):
             pending = waiting[cut.region.index]
             pending.discard(node)
@@ -90,6 +94,26 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
                 tickets[layer] = new.call_function(
                     torch.ops.afdc.send.default, ([env[v] for v in cut.to_ffn], layer)
                 )
+                sent = True
+        return sent
+
+    # Graph order, except that a node reading a layer's FFN output waits for that layer's send
+    # (a branch that reads it may come before the last FFN input is made, when the FFN side
+    # returns partial sums for the attention side to normalize).
+    deferred: dict[fx.Node, None] = {}
+    for node in graph.nodes:
+        if node in ffn_nodes:
+            continue
+        if waits(node):
+            deferred[node] = None
+            continue
+        if place(node):
+            while ready := next((d for d in deferred if not waits(d)), None):
+                del deferred[ready]
+                place(ready)
+    if deferred:  # they wait for a send that waits for them
+        cut = next(returned[p][0] for d in deferred for p in d.all_input_nodes if p in returned)
+        raise UnsupportedModelError("an FFN input depends on an FFN output of the same layer", cut.region.label)
     new.eliminate_dead_code()
     new.lint()
     return new
@@ -108,9 +132,11 @@ def _segment_closure(cut: Cut, free: set[fx.Node]) -> list[fx.Node]:
     return [n for n in cut.ffn_nodes[0].graph.nodes if n in keep]
 
 
-def extract_segment(cut: Cut, free: set[fx.Node]) -> tuple[fx.Graph, list[str]]:
-    """One FFN region as ``(w0.., x0..) -> outputs`` with canonical node names."""
+def extract_segment(cut: Cut, free: set[fx.Node]) -> tuple[fx.Graph, list[str], list[fx.Node]]:
+    """One FFN region as ``(w0.., x0..) -> outputs`` with canonical node names, its weights' names
+    and the captured nodes behind ``v0, v1, ...``."""
     closure = _segment_closure(cut, free)
+    computed = [x for x in closure if x.op != "get_attr"]
     weights = [n for n in closure if n.op == "get_attr"]
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -129,12 +155,12 @@ def extract_segment(cut: Cut, free: set[fx.Node]) -> tuple[fx.Graph, list[str]]:
             return emitter.emit(n.meta["val"])
         raise UnsupportedModelError(f"FFN segment needs {n.name} from the attention side", cut.region.label)
 
-    for k, n in enumerate(x for x in closure if x.op != "get_attr"):
+    for k, n in enumerate(computed):
         env[n] = _copy(g, n, lookup, name=f"v{k}")
     g.output(tuple(env[n] for n in cut.to_attn))
     g.eliminate_dead_code()
     g.lint()
-    return g, [w.target for w in weights]
+    return g, [w.target for w in weights], computed
 
 
 def _structure_key(graph: fx.Graph) -> tuple:
@@ -149,12 +175,13 @@ def partition(graph: fx.Graph, cuts: list[Cut]) -> Partition:
     free = gf.data_free(graph)
     segments: list[fx.Graph] = []
     keys: dict[tuple, int] = {}
-    layers = []
+    layers, origins = [], []
     for cut in cuts:
-        seg, weights = extract_segment(cut, free)
+        seg, weights, computed = extract_segment(cut, free)
         key = _structure_key(seg)
         if key not in keys:
             keys[key] = len(segments)
             segments.append(seg)
         layers.append(SegmentBinding(keys[key], weights))
-    return Partition(build_attention_graph(graph, cuts), segments, layers)
+        origins.append(computed)
+    return Partition(build_attention_graph(graph, cuts), segments, layers, origins)

@@ -110,11 +110,12 @@ def _convex_closure(ffn: set[fx.Node], region: list[fx.Node], anc, index) -> set
 
 
 def cut_region(
-    region: FFNRegion, graph_info: tuple, params: set[str], router: RouterPlacement
+    region: FFNRegion, graph_info: tuple, params: set[str], router: RouterPlacement, attention_side: set[fx.Node]
 ) -> Cut:
     anc, index, free, tokens = graph_info
     members = set(region.nodes)
     pinned_attn = _router_parameters(region, anc, index) if router is RouterPlacement.ATTN else set()
+    pinned_attn |= members & attention_side
     flow = FlowGraph()
 
     def hyperedge(key, ends: list, cost: float) -> None:
@@ -146,7 +147,9 @@ def cut_region(
         raise UnsupportedModelError("the FFN weights cannot be separated from the attention side", region.label)
     ffn = _convex_closure({n for n in flow.sink_side(_SINK) if n in members}, region.nodes, anc, index)
     if ffn & pinned_attn:
-        raise UnsupportedModelError("the router cannot be placed on the attention side", region.label)
+        what = ", ".join(n.name for n in sorted(ffn & pinned_attn, key=index.__getitem__))
+        raise UnsupportedModelError(f"{what} (router or partial-sum reader) cannot be placed on the attention side "
+                                    "without a second round trip", region.label)
     cut = _crossings(region, ffn, free, index)
     # A value flattened to [b*s, h] before it crosses loses b and s, which the FFN side may need
     # (to unflatten its output): then move the flattening to the FFN side; the bytes are the same.
@@ -214,8 +217,13 @@ def _crossings(region: FFNRegion, ffn: set[fx.Node], free: set[fx.Node], index) 
 
 
 def select_cuts(
-    graph: fx.Graph, classification: Classification, params: set[str], router: RouterPlacement
+    graph: fx.Graph,
+    classification: Classification,
+    params: set[str],
+    router: RouterPlacement,
+    attention_side: set[fx.Node] = frozenset(),
 ) -> list[Cut]:
+    """One cut per FFN region; the nodes in ``attention_side`` stay on the attention side."""
     index = {n: i for i, n in enumerate(graph.nodes)}
     info = (gf.ancestors(graph), index, gf.data_free(graph), gf.token_symbols(graph))
-    return [cut_region(r, info, params, router) for r in classification.regions]
+    return [cut_region(r, info, params, router, attention_side) for r in classification.regions]
