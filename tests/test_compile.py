@@ -289,15 +289,17 @@ def test_no_weights_compiles_a_plan_only(saved, tmp_path):
 
 
 def test_artifacts_of_new_layouts_match_and_keep_their_length_bound(saved, tmp_path):
-    """Hyper-connections and sparse attention (HY-V4) compile and load like any model; a length
-    bound found at capture (XGLM's position table) travels in the manifest and is enforced by
-    the loaded deployment."""
-    model, src = saved("hy_v4")
-    afdc.compile_model(str(src), "1A2F", tmp_path / "hy", progress=False)
-    ids, mask = _batch(model.config.vocab_size)
-    ref, pos = _reference(model, ids, mask)
-    got = afdc.load_deployment(tmp_path / "hy")(ids, attention_mask=mask, position_ids=pos).logits
-    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
+    """Hyper-connections and sparse attention (HY-V4), and Gemma 4's MoE over two FFN ranks (its
+    norms of partial sums on the attention side, its per-layer input narrowed per rank) compile
+    and load like any model; a length bound found at capture (XGLM's position table) travels in
+    the manifest and is enforced by the loaded deployment."""
+    for model_type in ("hy_v4", "gemma4_text"):
+        model, src = saved(model_type)
+        afdc.compile_model(str(src), "1A2F", tmp_path / model_type, progress=False)
+        ids, mask = _batch(model.config.vocab_size)
+        ref, pos = _reference(model, ids, mask)
+        got = afdc.load_deployment(tmp_path / model_type)(ids, attention_mask=mask, position_ids=pos).logits
+        torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
 
     model, src = saved("xglm")
     manifest = afdc.compile_model(str(src), "1A1F", tmp_path / "xglm", progress=False)
