@@ -100,7 +100,7 @@ def _classify(captured: CapturedGraph) -> Classification:
 
 
 def _split(
-    captured: CapturedGraph, classification: Classification, plan: Plan
+    captured: CapturedGraph, classification: Classification, plan: Plan, cuts: list[Cut]
 ) -> tuple[list[Cut], list[LayerReport], Partition, list[tuple[ShardedSegment, ExpertRouting | None]]]:
     """Cut, partition and shard. Where the plan's partial sums (experts' or row-split outputs)
     meet an op that is not linear in them (Gemma 4 norms each branch's output before adding
@@ -109,7 +109,6 @@ def _split(
     graph, params = captured.graph, set(captured.parameter_names)
     placement, tokens = RouterPlacement(plan.router), gf.token_symbols(graph)
     kept: set[fx.Node] = set()
-    cuts = select_cuts(graph, classification, params, placement)
     while True:
         layers_report = [layer_report(c, 0, tokens, params) for c in cuts]
         part = partition(graph, cuts)
@@ -226,13 +225,15 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     plan = Plan.parse(plan)
     if plan.attention_tp > 1:
         _check_heads(model.config.get_text_config(), plan.attention_tp)
+    placement = RouterPlacement(plan.router)
     captured = capture_mod.capture(model)
     classification = _classify(captured)
-    cuts, layers_report, part, shards = _split(captured, classification, plan)
+    cuts = select_cuts(captured.graph, classification, set(captured.parameter_names), placement)
     if split_writes(captured.graph, (n for c in cuts for n in c.ffn_nodes)):
         captured = capture_mod.capture(model, functional=True)
         classification = _classify(captured)
-        cuts, layers_report, part, shards = _split(captured, classification, plan)
+        cuts = select_cuts(captured.graph, classification, set(captured.parameter_names), placement)
+    cuts, layers_report, part, shards = _split(captured, classification, plan, cuts)
     graph, params = captured.graph, set(captured.parameter_names)
     # The KV cache lives in afdc's attention op; state computed inline cannot be cached
     incremental = captured.incremental and not classification.inline_mixers
