@@ -159,10 +159,10 @@ def cut_region(
             break
         cut = _crossings(region, ffn | reshapes, free, index)
         ffn = set(cut.ffn_nodes)
-    return _redo_reshapes(cut)
+    return _redo_reshapes(cut, index)
 
 
-def _redo_reshapes(cut: Cut) -> Cut:
+def _redo_reshapes(cut: Cut, index: dict[fx.Node, int]) -> Cut:
     """``cut`` with each crossing value that is only a reshape of another crossing value redone on
     the FFN side: under ``--router attn`` the router may read the flattened hidden state that the
     experts read while a shared expert reads it unflattened, and the bytes need cross only once."""
@@ -176,9 +176,8 @@ def _redo_reshapes(cut: Cut) -> Cut:
             redone.extend(chain)
     if not redone:
         return cut
-    order = {n: i for i, n in enumerate(cut.ffn_nodes[0].graph.nodes)}.__getitem__
     sharing = Cut(cut.region, cut.ffn_nodes, [v for v in cut.to_ffn if v not in redone], cut.to_attn,
-                  sorted(set(redone), key=order))
+                  sorted(set(redone), key=index.__getitem__))
     return sharing if _sizes_recomputable(sharing) else cut
 
 
