@@ -91,10 +91,10 @@ class Built:
 def _classify(captured: CapturedGraph) -> Classification:
     graph = portable(strip_assertions(captured.graph))
     classification = classify(graph, set(captured.parameter_names))
-    if not captured.token_dims_dynamic():
+    if captured.specialized:
         raise UnsupportedModelError(
-            "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic)"
-            + (f": {captured.specialized}" if captured.specialized else "")
+            "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic): "
+            + captured.specialized
         )
     return classification
 
@@ -160,9 +160,15 @@ def _shard_one(
         return data_parallel(graph), None
     try:
         sharded = shard_segment(graph, mode, plan.ffn_ranks, label, names)
-    except PlanError:
-        if replicate and not _stacked_weights(graph):  # a dense layer need not split to be replicated
+    except PlanError as err:
+        replicable = _rows_split(graph, tokens) and not _stacked_weights(graph)
+        if replicable and replicate:  # a dense layer need not split to be replicated
             return data_parallel(graph), None
+        if replicable and not isinstance(err, PartialSumsMeetNonLinearOps):  # (that one a re-cut may mend)
+            raise PlanError(
+                f"{err}, or --dense-ffn replicate (dense_ffn='replicate'): every FFN rank holds the whole layer "
+                "and serves a share of the tokens"
+            ) from None
         raise
     if sharded.describe() != "ep":
         return (data_parallel(graph) if replicate else sharded), None

@@ -124,11 +124,9 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec  # rebuilds the model's output object from the graph's outputs
     incremental: bool  # False: the graph needs kv == s, so decode recomputes the whole prefix
     max_positions: int | None = None  # the longest key length the graph is valid for (None: any)
-    specialized: str = ""  # why the graph holds for the example's lengths only ("": it holds for any)
-
-    def token_dims_dynamic(self) -> bool:
-        ids = next(n for n in self.graph.nodes if n.op == "placeholder")
-        return not self.specialized and all(isinstance(d, torch.SymInt) for d in ids.meta["val"].shape)
+    # why the graph holds for the example's lengths only ("": it holds for any). Every capture
+    # that is not shape-polymorphic says why: a static export records the dynamic ones' errors.
+    specialized: str = ""
 
 
 @contextlib.contextmanager

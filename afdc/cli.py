@@ -107,9 +107,11 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
 @click.option("--rank", type=int, default=0, show_default=True, help="Rank within the role.")
 @click.option("--rendezvous", help="HOST:PORT of the deployment's store (hosted by attention rank 0); "
               "required unless --connector loopback.")
-@click.option("--connector", type=click.Choice(["gloo", "shm", "loopback"]), default="gloo", show_default=True,
-              help="Transport between the roles (shm: same host only; loopback: attention only, the FFN layers "
-                   "run in the attention process, i.e. monolithic).")
+@click.option("--connector", type=click.Choice(["gloo", "nccl", "shm", "loopback"]), default="gloo",
+              show_default=True,
+              help="Transport between the roles (nccl: GPU to GPU, one GPU per rank, with --device cuda:N; shm: "
+                   "same host only; loopback: attention only, the FFN layers run in the attention process, i.e. "
+                   "monolithic).")
 @click.option("--token", default=None, help="Shared deployment secret (default: $AFDC_TOKEN).")
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,

@@ -52,8 +52,9 @@ class ModelEntry:
     dense_layers: int = 2  # FFN layers the split should report as dense ...
     moe_layers: int = 0  # ... and as mixture-of-experts
     drop: tuple[str, ...] = ()  # TINY_COMMON keys this config class does not accept
-    # Why the FFN cannot be split over several FFN ranks (plans xAyF with y > 1); empty: it can.
-    single_ffn_rank: str = ""
+    # Why the FFN cannot be sharded over several FFN ranks (TP or EP); empty: it can. Dense
+    # layers can still run on several FFN ranks whole (--dense-ffn replicate).
+    unshardable: str = ""
 
     @property
     def config_kwargs(self) -> dict:
@@ -115,7 +116,7 @@ ENTRIES: list[ModelEntry] = [
     _e("Persimmon", "persimmon", "pre-norm", {"num_key_value_heads": 4}, "q/k layer norms, partial rotary"),
     _e("InternLM3", "internlm3", "pre-norm"),
     _e("BitNet", "bitnet", "pre-norm", notes="sub-norms inside attention and MLP",
-       single_ffn_rank="the MLP normalizes over its intermediate dimension"),
+       unshardable="the MLP normalizes over its intermediate dimension"),
     _e("DiffLlama", "diffllama", "pre-norm", notes="differential attention (two softmax maps)"),
     _e("VaultGemma", "vaultgemma", "pre-norm", {"sliding_window": 4, "query_pre_attn_scalar": 8}),
     _e("BioGPT", "biogpt", "pre-norm", notes="learned positions, scaled embeddings"),
@@ -214,7 +215,7 @@ ENTRIES: list[ModelEntry] = [
        moe=2, dense=2),
     _e("JetMoE", "jetmoe", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K, "kv_channels": 8},
        "mixture-of-attention-heads attention, MoE MLP", moe=2,
-       single_ffn_rank="experts run in a data-dependent Python loop, not as stacked expert weights"),
+       unshardable="experts run in a data-dependent Python loop, not as stacked expert weights"),
     _e("AFMoE", "afmoe", "moe",
        {"num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, "num_dense_layers": 1,
         "num_shared_experts": 1, "sliding_window": 4, "global_attn_every_n_layers": 2}, moe=1),

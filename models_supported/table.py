@@ -37,7 +37,9 @@ def support_table_markdown() -> str:
         status = "verified"
         if e.notes:
             status += f" ({e.notes})"
-        ranks = f"no: {e.single_ffn_rank}" if e.single_ffn_rank else ("EP" if e.moe_layers else "TP")
+        ranks = "EP" if e.moe_layers else "TP"
+        if e.unshardable:
+            ranks = f"{'no' if e.moe_layers else 'replicated only'}: {e.unshardable}"
         lines.append(
             f"| {_cell(e.name)} | `{e.model_type}` | {e.family} | {_ffn_kinds(e)} | {_cell(ranks)} | {_cell(status)} |"
         )

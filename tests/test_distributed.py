@@ -275,6 +275,18 @@ def test_cli_serve_errors(tmp_path):
     assert result.exit_code == 2 and "give the output directory of `afdc compile`" in result.output
 
 
+def test_nccl_connector_refuses_a_rank_without_a_gpu():
+    """NCCL moves GPU memory: a CPU rank is told what to run instead, before any NCCL group forms."""
+    from afdc.errors import AfdcError
+    from afdc.runtime.transport import transport_class
+
+    layout = Layout(1, 0)  # one slot: its gloo header group forms without peers
+    rdv = Rendezvous(f"127.0.0.1:{free_port()}", layout, b"\x03" * 8, "t", host=True)
+    group = rdv.join(0, timeout=5.0)
+    with pytest.raises(AfdcError, match="run it with --device cuda, or use the gloo or shm connector"):
+        transport_class("nccl")(rdv, group, 0, "attn", timeout=5.0, device="cpu")
+
+
 def test_wrong_token_is_refused_at_rendezvous(caplog):
     layout, dep = Layout(1, 1), b"\x01" * 8
     address = f"127.0.0.1:{free_port()}"

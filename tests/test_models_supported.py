@@ -70,9 +70,12 @@ def check_entry(entry: ModelEntry):
         ref = model(input_ids=ids, attention_mask=mask).logits
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
 
-    # (e) over 2 attention and 2 FFN ranks (experts or weight shards split, partial sums added):
-    # one capture checks (a)-(d) and the split at once
-    dm = afdc.disaggregate(model, plan="1A1F" if entry.single_ffn_rank else "2A2F")
+    # (e) over 2 attention and 2 FFN ranks (experts or weight shards split, partial sums added;
+    # an unshardable dense FFN whole on both): one capture checks (a)-(d) and the split at once
+    if not entry.unshardable:
+        dm = afdc.disaggregate(model, plan="2A2F")
+    else:
+        dm = afdc.disaggregate(model, plan="1A1F" if entry.moe_layers else "2A2F", dense_ffn="replicate")
 
     # (a) prefill logits at the non-pad positions
     out = dm(ids, attention_mask=mask).logits
@@ -105,7 +108,7 @@ def check_entry(entry: ModelEntry):
         f"expected {entry.dense_layers} / {entry.moe_layers}"
     )
 
-    if entry.single_ffn_rank:
+    if entry.unshardable:
         with pytest.raises(afdc.PlanError, match="cannot be split"):
             afdc.disaggregate(model, plan="2A2F")
     return dm

@@ -35,8 +35,11 @@ def deployment_id(*parts: str | bytes) -> bytes:
 
 
 class AttentionEndpoint:
-    def __init__(self, rank: int, rendezvous: Rendezvous, options: RuntimeOptions):
+    def __init__(
+        self, rank: int, rendezvous: Rendezvous, options: RuntimeOptions, device: torch.device | str = "cpu"
+    ):
         self.rank = rank
+        self.device = torch.device(device)  # where replies are delivered: the attention program's
         self.rendezvous = rendezvous
         self.options = options
         self.layout = rendezvous.layout
@@ -54,12 +57,14 @@ class AttentionEndpoint:
         self._generation = -1  # of the transport whose deliveries are filed
 
     @classmethod
-    def connect(cls, rank: int, layout: Layout, deployment: bytes, options: RuntimeOptions) -> AttentionEndpoint:
+    def connect(
+        cls, rank: int, layout: Layout, deployment: bytes, options: RuntimeOptions, device: torch.device | str = "cpu"
+    ) -> AttentionEndpoint:
         """Attention rank ``rank``'s endpoint at ``options.rendezvous``; it joins at its first step."""
         rendezvous = Rendezvous(
             options.rendezvous, layout, deployment, options.token, connect_timeout=options.join_timeout
         )
-        return cls(rank, rendezvous, options)
+        return cls(rank, rendezvous, options, device)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -86,7 +91,9 @@ class AttentionEndpoint:
         self._generation = group.generation
         file = functools.partial(self._file, group.generation)
         try:
-            transport = cls(self.rendezvous, group, self.slot, "attn", timeout=self.options.timeout, deliver=file)
+            transport = cls(
+                self.rendezvous, group, self.slot, "attn", self.options.timeout, deliver=file, device=self.device
+            )
         except (RuntimeError, OSError) as err:
             self._broken = True
             raise RendezvousError(
@@ -111,7 +118,7 @@ class AttentionEndpoint:
                 key = (h.key, h.sender)
                 self.metrics.received(h.payload_bytes)
                 if h.kind == wire.Kind.ERROR:
-                    self._errors[key] = bytes(item.tensors[0].numpy()).decode(errors="replace")
+                    self._errors[key] = bytes(item.tensors[0].cpu().numpy()).decode(errors="replace")
                 else:
                     self._results[key] = item.tensors
             self._cond.notify_all()

@@ -3,7 +3,8 @@
 Each generation forms its own gloo process group over the rendezvous store. A message is two
 sends on the same pair: the fixed-size header, then the payload bytes, with distinct tags; a
 per-peer lock keeps the two in order when several micro-batches send at once. One receiver
-thread per peer posts blocking receives.
+thread per peer posts blocking receives. Payloads ride the same group here; the NCCL transport
+(:mod:`afdc.runtime.nccl`) keeps the headers on gloo and moves the payloads between GPUs.
 
 A receive that gives up cannot be withdrawn from gloo (its buffer would swallow the next
 message), so receiver threads wait without a deadline; deadlines are enforced by the
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from afdc.runtime import wire
 from afdc.runtime.rendezvous import Group, Rendezvous
-from afdc.runtime.transport import LEFT, Deliver, Failure, Incoming, Transport, register
+from afdc.runtime.transport import LEFT, Deliver, Failure, Transport, register
 
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _NO_DEADLINE = datetime.timedelta(days=365)  # see the module docstring: receives cannot be abandoned
@@ -40,23 +41,43 @@ class GlooTransport(Transport):
         role: str,
         timeout: float = 60.0,
         deliver: Deliver | None = None,
+        device: torch.device | str = "cpu",
     ):
-        super().__init__(rendezvous, group, slot, role, deliver)
+        super().__init__(rendezvous, group, slot, role, deliver, device)
         store = rendezvous.prefixed(group.generation, "gloo")
         self.pg = dist.ProcessGroupGloo(store, slot, self.layout.world, datetime.timedelta(seconds=timeout))
+        self._open_payload_plane(timeout)
         self._locks = {p: threading.Lock() for p in self.layout.peers(role)}
         self._pending: collections.deque = collections.deque()
         self._closed = False
         for peer in self.layout.peers(role):
             threading.Thread(target=self._receive, args=(peer,), daemon=True, name=f"afdc-recv-{peer}").start()
 
+    # -- where payloads go: the header's group (gloo moves host bytes) -------------------------
+
+    def _open_payload_plane(self, timeout: float) -> None:
+        """Set up what carries payloads (called before any receiver starts)."""
+
+    def _payload(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return wire.pack(tensors).cpu()
+
+    def _send_payload(self, peer: int, payload: torch.Tensor) -> dist.Work:
+        return self.pg.send([payload], peer, _PAYLOAD_TAG)
+
+    def _recv_payload(self, peer: int, nbytes: int) -> torch.Tensor:
+        payload = torch.empty(nbytes, dtype=torch.uint8)
+        self.pg.recv([payload], peer, _PAYLOAD_TAG).wait(_NO_DEADLINE)
+        return payload
+
+    # -- messages ------------------------------------------------------------------------------
+
     def send(self, peer: int, header: wire.Header, tensors: list[torch.Tensor]) -> None:
         head = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
-        payload = wire.pack(tensors)
+        payload = self._payload(tensors)
         with self._locks[peer]:
             works = [self.pg.send([head], peer, _HEADER_TAG)]
             if payload.numel():
-                works.append(self.pg.send([payload], peer, _PAYLOAD_TAG))
+                works.append(self._send_payload(peer, payload))
         # sends complete asynchronously; their buffers must live until they do
         self._pending.append((works, head, payload))
         while self._pending and all(w.is_completed() for w in self._pending[0][0]):
@@ -71,14 +92,16 @@ class GlooTransport(Transport):
                 if header.kind == wire.Kind.BYE:
                     self.deliver(Failure(peer, LEFT))
                     return
-                payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
-                if header.payload_bytes:
-                    self.pg.recv([payload], peer, _PAYLOAD_TAG).wait(_NO_DEADLINE)
+                payload = (
+                    self._recv_payload(peer, header.payload_bytes)
+                    if header.payload_bytes
+                    else torch.empty(0, dtype=torch.uint8)
+                )
             except (RuntimeError, wire.WireError) as err:
                 if not self._closed:
                     self.deliver(Failure(peer, str(err)))
                 return
-            self.deliver(Incoming(header, wire.unpack(payload, header.tensors)))
+            self._arrived(header, payload)
 
     def _release(self) -> None:
         self._closed = True

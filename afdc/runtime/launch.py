@@ -56,7 +56,7 @@ class LocalCluster:
             raise RuntimeError(f"FFN rank {rank} is still running (pid {old.pid}); kill it first")
         if self.dm.artifact is not None:
             program = self.dm.ffn_ranks[rank]
-            target, args = serve_artifact, (self.dm.artifact, rank, self.options, "cpu", program.backend)
+            target, args = serve_artifact, (self.dm.artifact, rank, self.options, str(program.device), program.backend)
         else:
             target, args = serve_program, (self.dm.ffn_ranks[rank], self.layout, self.dm.deployment, self.options)
         proc = self._ctx.Process(target=target, args=args, name=f"afdc-ffn-{rank}", daemon=True)

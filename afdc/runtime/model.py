@@ -26,7 +26,7 @@ from afdc.runtime import kv_cache
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch, run_concurrently
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.programs import AttentionProgram, FFNProgram
+from afdc.runtime.programs import AttentionProgram, FFNProgram, device_of
 from afdc.runtime.rendezvous import Layout, Rendezvous
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 
@@ -130,7 +130,9 @@ class DisaggregatedModel:
                 connect_timeout=options.join_timeout,
             )
         for r in self.ranks:
-            r.endpoint = AttentionEndpoint.connect(r.rank, self.layout, self.deployment, options)
+            r.endpoint = AttentionEndpoint.connect(
+                r.rank, self.layout, self.deployment, options, device=device_of(r.program)
+            )
             if isinstance(r.program, TensorParallelAttention):  # TP ranks 1.. wait while rank 0 waits for the FFN side
                 r.program.timeout = options.timeout + options.join_timeout
 

@@ -48,6 +48,12 @@ class _Lowered:
         self._run = self.module if self.backend == "eager" else None
 
 
+def device_of(module: torch.nn.Module) -> torch.device:
+    """Where a module's weights are, so where it computes."""
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    return next((t.device for t in tensors), torch.device("cpu"))
+
+
 class AttentionProgram(torch.nn.Module):
     """Embeddings, attention and other mixers, the residual stream, norms and the LM head.
 
@@ -73,9 +79,8 @@ class AttentionProgram(torch.nn.Module):
     def use_backend(self, backend: str) -> None:
         """Run under ``backend`` (:mod:`afdc.codegen.backend`) from the next call on; rewrite
         ``module``'s graph (as the serving passes do) before this, not after."""
-        tensors = itertools.chain(self.module.parameters(), self.module.buffers())
         self._lowered = _Lowered(self.module, "attention program")
-        self._lowered.use(backend, next((t.device for t in tensors), torch.device("cpu")))
+        self._lowered.use(backend, device_of(self.module))
 
     @property
     def backend(self) -> str:
@@ -157,10 +162,14 @@ class FFNProgram(torch.nn.Module):
         """Run every segment under ``backend`` (:mod:`afdc.codegen.backend`); segments are lowered
         at their first run, on the device of this rank's weights."""
         self.backend = backend
-        device = next((w.device for w in self._weights.values()), torch.device("cpu"))
         self._lowered = [_Lowered(s, f"FFN segment {i}") for i, s in enumerate(self.segments)]
         for lowered in self._lowered:
-            lowered.use(backend, device)
+            lowered.use(backend, self.device)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's weights are, so where it computes."""
+        return next((w.device for w in self._weights.values()), torch.device("cpu"))
 
     def run_batch(self, layer: int, messages: list[list[torch.Tensor]], tokens: list[int]) -> list[list[torch.Tensor]]:
         """Run FFN layer ``layer`` once over the tokens of several messages, then split the outputs.

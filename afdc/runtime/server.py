@@ -71,7 +71,7 @@ class FFNServer:
                 if group is None:
                     break
                 log.info("ffn rank %d: serving generation %d", self.rank, group.generation)
-                transport = cls(rdv, group, self.slot, "ffn", timeout=self.options.timeout)
+                transport = cls(rdv, group, self.slot, "ffn", timeout=self.options.timeout, device=self.program.device)
                 try:
                     self._serve_generation(rdv, transport)
                 finally:

@@ -27,7 +27,7 @@ import torch
 
 from afdc.runtime import wire
 from afdc.runtime.rendezvous import Group, Rendezvous
-from afdc.runtime.transport import LEFT, Deliver, Failure, Incoming, Transport, register
+from afdc.runtime.transport import LEFT, Deliver, Failure, Transport, register
 
 log = logging.getLogger("afdc.shm")
 
@@ -142,8 +142,9 @@ class ShmTransport(Transport):
         timeout: float = 60.0,
         ring_bytes: int = DEFAULT_RING_BYTES,
         deliver: Deliver | None = None,
+        device: torch.device | str = "cpu",
     ):
-        super().__init__(rendezvous, group, slot, role, deliver)
+        super().__init__(rendezvous, group, slot, role, deliver, device)
         self.timeout = timeout
         self.ring_bytes = ring_bytes
         self._links: dict[int, _Link] = {}
@@ -245,7 +246,7 @@ class ShmTransport(Transport):
         link = self._links.get(peer)
         if link is None:
             raise ConnectionError(f"no link to slot {peer}")
-        payload = wire.pack(tensors)
+        payload = wire.pack(tensors).cpu()
         n = payload.numel()
         with link.lock:
             ring = link.out_ring
@@ -275,7 +276,7 @@ class ShmTransport(Transport):
                         raise wire.WireError(f"ring position {pos} + {n} bytes runs past the ring")
                     payload = ring.read(offset, n)
                     ring.tail = pos + n
-                self.deliver(Incoming(header, wire.unpack(payload, header.tensors)))
+                self._arrived(header, payload)
         except (OSError, ConnectionError, wire.WireError) as err:
             if not self._closed:
                 self.deliver(Failure(peer, str(err)))

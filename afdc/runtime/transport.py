@@ -5,6 +5,10 @@ arrives from any peer, from receiver threads: into one inbox, or straight to a `
 callback (the attention side files replies as they land, one thread hand-off fewer). A peer that drops its link or
 sends something malformed shows up in the inbox as a :class:`Failure`; the transport itself
 never raises on the receiving side. Transports are chosen by name from :data:`REGISTRY`.
+
+Tensors are sent from any device and delivered on the rank's ``device`` (where its program
+runs): a medium that moves host bytes (gloo, shared memory) stages device tensors through host
+memory; NCCL moves GPU memory directly.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from afdc.errors import AfdcError
 from afdc.runtime.rendezvous import Group, Layout, Rendezvous
-from afdc.runtime.wire import Header, Kind
+from afdc.runtime.wire import Header, Kind, unpack
 
 
 @dataclass
@@ -44,11 +48,20 @@ Deliver = Callable[["Incoming | Failure"], None]
 
 
 class Transport(ABC):
-    def __init__(self, rendezvous: Rendezvous, group: Group, slot: int, role: str, deliver: Deliver | None = None):
+    def __init__(
+        self,
+        rendezvous: Rendezvous,
+        group: Group,
+        slot: int,
+        role: str,
+        deliver: Deliver | None = None,
+        device: torch.device | str = "cpu",
+    ):
         self.rendezvous = rendezvous
         self.group = group
         self.slot = slot
         self.role = role
+        self.device = torch.device(device)
         self.inbox: queue.Queue[Incoming | Failure] = queue.Queue()
         self.deliver: Deliver = deliver or self.inbox.put
 
@@ -68,6 +81,10 @@ class Transport(ABC):
             with contextlib.suppress(RuntimeError, OSError):  # a peer already gone needs no goodbye
                 self.send(peer, bye, [])
         self._release()
+
+    def _arrived(self, header: Header, payload: torch.Tensor) -> None:
+        """Deliver a message whose payload bytes (uint8, on any device) have all arrived."""
+        self.deliver(Incoming(header, unpack(payload.to(self.device), header.tensors)))
 
     @abstractmethod
     def _release(self) -> None:
@@ -92,7 +109,7 @@ def register(name: str):
 
 def transport_class(name: str) -> type[Transport]:
     # the implementations register themselves on import
-    from afdc.runtime import gloo, shm  # noqa: F401
+    from afdc.runtime import gloo, nccl, shm  # noqa: F401
 
     if name not in REGISTRY:
         raise AfdcError(f"unknown connector {name!r}; choose one of {sorted(REGISTRY)} (or 'loopback' in-process)")

@@ -17,7 +17,7 @@ ENV = "AFDC_SERVE_SETTINGS"
 class WorkerSettings:
     artifact: str  # the compiled artifact directory
     rank: int = 0  # attention rank
-    connector: str = "gloo"  # "gloo", "shm", or "loopback": the FFN layers run in this process (monolithic)
+    connector: str = "gloo"  # "gloo", "nccl", "shm", or "loopback": the FFN layers run in this process (monolithic)
     rendezvous: str | None = None  # HOST:PORT of the deployment's store
     host_rendezvous: bool = False  # this rank hosts the store (attention rank 0 when started by hand)
     token: str | None = None  # the deployment secret; None: $AFDC_TOKEN

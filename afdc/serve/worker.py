@@ -143,7 +143,7 @@ class AfdcWorker(WorkerBase):
             )
             if s.host_rendezvous:
                 self._store_host = s.open_rendezvous(host=True)
-            self.attention.endpoint = AttentionEndpoint.connect(s.rank, layout, deployment, options)
+            self.attention.endpoint = AttentionEndpoint.connect(s.rank, layout, deployment, options, self.device)
         logger.info(
             "afdc: attention rank %d of %s loaded (%d attention layers, %d TP ranks, %d micro-batches, backend %s, "
             "FFN %s)", s.rank, directory, len(self.slots), self.tp_ranks, self.micro_batches,
