@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from afdc.runtime import wire
-from afdc.runtime.rendezvous import Group, Rendezvous
-from afdc.runtime.transport import LEFT, Deliver, Failure, Transport, register
+from afdc.runtime.transport import LEFT, Failure, Transport, register
 
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _NO_DEADLINE = datetime.timedelta(days=365)  # see the module docstring: receives cannot be abandoned
@@ -33,29 +32,19 @@ _NO_DEADLINE = datetime.timedelta(days=365)  # see the module docstring: receive
 
 @register("gloo")
 class GlooTransport(Transport):
-    def __init__(
-        self,
-        rendezvous: Rendezvous,
-        group: Group,
-        slot: int,
-        role: str,
-        timeout: float = 60.0,
-        deliver: Deliver | None = None,
-        device: torch.device | str = "cpu",
-    ):
-        super().__init__(rendezvous, group, slot, role, deliver, device)
-        store = rendezvous.prefixed(group.generation, "gloo")
-        self.pg = dist.ProcessGroupGloo(store, slot, self.layout.world, datetime.timedelta(seconds=timeout))
-        self._open_payload_plane(timeout)
-        self._locks = {p: threading.Lock() for p in self.layout.peers(role)}
+    def _open(self) -> None:
+        store = self.rendezvous.prefixed(self.group.generation, "gloo")
+        self.pg = dist.ProcessGroupGloo(store, self.slot, self.layout.world, datetime.timedelta(seconds=self.timeout))
+        self._open_payload_plane()
+        self._locks = {p: threading.Lock() for p in self.layout.peers(self.role)}
         self._pending: collections.deque = collections.deque()
         self._closed = False
-        for peer in self.layout.peers(role):
+        for peer in self.layout.peers(self.role):
             threading.Thread(target=self._receive, args=(peer,), daemon=True, name=f"afdc-recv-{peer}").start()
 
     # -- where payloads go: the header's group (gloo moves host bytes) -------------------------
 
-    def _open_payload_plane(self, timeout: float) -> None:
+    def _open_payload_plane(self) -> None:
         """Set up what carries payloads (called before any receiver starts)."""
 
     def _payload(self, tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -33,7 +33,7 @@ from afdc.runtime.transport import register
 
 @register("nccl")
 class NcclTransport(GlooTransport):
-    def _open_payload_plane(self, timeout: float) -> None:
+    def _open_payload_plane(self) -> None:
         if self.device.type != "cuda":
             raise AfdcError(
                 f"the nccl connector moves GPU memory, but this rank runs on {self.device}; "
@@ -43,11 +43,10 @@ class NcclTransport(GlooTransport):
             raise AfdcError("this torch build has no NCCL; install a CUDA build of torch, or use the gloo connector")
         # a peer dying mid-payload must fail that operation, not abort this process (NCCL's default)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        self._timeout = timeout
         self._planes = {}
         for role in ("attn", "ffn"):  # keyed by the sending role
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = datetime.timedelta(seconds=timeout)
+            options._timeout = datetime.timedelta(seconds=self.timeout)
             store = self.rendezvous.prefixed(self.group.generation, f"nccl-from-{role}")
             self._planes[role] = dist.ProcessGroupNCCL(store, self.slot, self.layout.world, options)
 
@@ -68,7 +67,7 @@ class NcclTransport(GlooTransport):
 
     def _release(self) -> None:
         # NCCL's wait() does not block the host; let queued sends finish before the groups go
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline and not all(w.is_completed() for ws, _, _ in self._pending for w in ws):
             time.sleep(1e-3)
         super()._release()

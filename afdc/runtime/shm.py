@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from afdc.runtime import wire
-from afdc.runtime.rendezvous import Group, Rendezvous
-from afdc.runtime.transport import LEFT, Deliver, Failure, Transport, register
+from afdc.runtime.rendezvous import Rendezvous
+from afdc.runtime.transport import LEFT, Failure, Transport, register
 
 log = logging.getLogger("afdc.shm")
 
@@ -133,31 +133,20 @@ class _Link:
 
 @register("shm")
 class ShmTransport(Transport):
-    def __init__(
-        self,
-        rendezvous: Rendezvous,
-        group: Group,
-        slot: int,
-        role: str,
-        timeout: float = 60.0,
-        ring_bytes: int = DEFAULT_RING_BYTES,
-        deliver: Deliver | None = None,
-        device: torch.device | str = "cpu",
-    ):
-        super().__init__(rendezvous, group, slot, role, deliver, device)
-        self.timeout = timeout
-        self.ring_bytes = ring_bytes
+    ring_bytes = DEFAULT_RING_BYTES
+
+    def _open(self) -> None:
         self._links: dict[int, _Link] = {}
         self._closed = False
         self._lock = threading.Lock()
-        if role == "ffn":
+        if self.role == "ffn":
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._listener.bind(self.address(rendezvous, slot))
+            self._listener.bind(self.address(self.rendezvous, self.slot))
             self._listener.listen()
             threading.Thread(target=self._accept, daemon=True, name="afdc-shm-accept").start()
         else:
-            for peer in self.layout.peers(role):
-                self._connect(peer, group.members[peer].address)
+            for peer in self.layout.peers(self.role):
+                self._connect(peer, self.group.members[peer].address)
 
     @staticmethod
     def address(rendezvous: Rendezvous, slot: int) -> str:

@@ -54,6 +54,7 @@ class Transport(ABC):
         group: Group,
         slot: int,
         role: str,
+        timeout: float = 60.0,
         deliver: Deliver | None = None,
         device: torch.device | str = "cpu",
     ):
@@ -61,9 +62,15 @@ class Transport(ABC):
         self.group = group
         self.slot = slot
         self.role = role
+        self.timeout = timeout  # for forming links and for a send that cannot proceed
         self.device = torch.device(device)
         self.inbox: queue.Queue[Incoming | Failure] = queue.Queue()
         self.deliver: Deliver = deliver or self.inbox.put
+        self._open()
+
+    @abstractmethod
+    def _open(self) -> None:
+        """Form this generation's links to the peers and start receiving."""
 
     @property
     def layout(self) -> Layout:
