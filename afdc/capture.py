@@ -162,29 +162,24 @@ def _all_configs(config) -> Iterator:
             yield from _all_configs(sub)
 
 
+def _takes_positions(model: PreTrainedModel) -> bool:
+    """Whether the forward takes ``position_ids``. One that does not finds its positions itself:
+    from the attention mask (ALiBi) or from its own cache's length, which afdc's KV cache replaces."""
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
 def _example_inputs(model: PreTrainedModel, kv_extra: int) -> dict[str, torch.Tensor]:
     device = next(itertools.chain(model.parameters(), model.buffers())).device
     b, s = 2, 5
     vocab = model.config.get_text_config().vocab_size
-    return {
+    inputs = {
         "input_ids": torch.randint(0, vocab, (b, s), device=device),
         "attention_mask": torch.ones(b, s + kv_extra, dtype=torch.long, device=device),
         "position_ids": torch.arange(kv_extra, kv_extra + s, device=device).expand(b, s),
     }
-
-
-def _by_signature(model: PreTrainedModel, dims: dict) -> dict:
-    """Dynamic-shape specs keyed as export wants them: inputs the forward takes only through
-    ``**kwargs`` are nested under that parameter's name."""
-    params = inspect.signature(model.forward).parameters
-    var_kw = next((n for n, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    spec = {name: d for name, d in dims.items() if name in params}
-    extra = {name: d for name, d in dims.items() if name not in params}
-    if extra:
-        if var_kw is None:
-            raise UnsupportedModelError(f"the forward takes none of {sorted(extra)}")
-        spec[var_kw] = extra
-    return spec
+    if not _takes_positions(model):
+        del inputs["position_ids"]
+    return inputs
 
 
 def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export.ExportedProgram:
@@ -196,13 +191,14 @@ def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export
     else:
         seq, kv = torch.export.Dim("seq"), torch.export.Dim("kv")
     dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: kv}, "position_ids": {0: batch, 1: seq}}
+    inputs = _example_inputs(model, 3 if mode == "incremental" else 0)
     _slots.append(itertools.count())
     try:
         ep = torch.export.export(
             model,
             args=(),
-            kwargs=_example_inputs(model, 3 if mode == "incremental" else 0),
-            dynamic_shapes=None if mode == "static" else _by_signature(model, dims),
+            kwargs=inputs,
+            dynamic_shapes=None if mode == "static" else {name: dims[name] for name in inputs},
             strict=False,
         )
         return ep.run_decompositions({}) if functional else ep
@@ -242,14 +238,16 @@ def _captured(ep: torch.export.ExportedProgram, mode: str, model: PreTrainedMode
     context is kept as a specialized graph: classifying it says what the model is (re-exporting
     statically would say the same, slower)."""
     names = _canonical_names(model)
+    # without position_ids, new tokens can find their positions only by seeing the whole prefix
+    positions = _takes_positions(model)
     if mode != "relaxed":
-        return _to_get_attr_graph(ep, names, incremental=mode == "incremental", specialized=errors)
+        return _to_get_attr_graph(ep, names, incremental=mode == "incremental" and positions, specialized=errors)
     try:
         limit = _relaxed_limit(ep, _context_length(model))
     except _Specialized as err:
         return _to_get_attr_graph(ep, names, specialized=str(err))
     captured = _to_get_attr_graph(ep, names, max_positions=limit)
-    captured.incremental = not gf.key_length_tied(captured.graph)
+    captured.incremental = positions and not gf.key_length_tied(captured.graph)
     return captured
 
 
@@ -340,8 +338,13 @@ def _to_get_attr_graph(
         else:
             new = graph.node_copy(node, lambda n: env[n])
         env[node] = new
-    graph.lint()
     user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    if [n.name for n in user_inputs] == list(INPUT_NAMES[:2]):  # a forward that takes no position_ids
+        with graph.inserting_after(user_inputs[1]):
+            positions = graph.placeholder("position_ids")
+        positions.meta["val"] = user_inputs[0].meta["val"]  # unused; the programs all take the same inputs
+        user_inputs.append(positions)
+    graph.lint()
     if [n.name for n in user_inputs] != list(INPUT_NAMES):
         raise UnsupportedModelError(f"unexpected graph inputs {[n.name for n in user_inputs]}")
     attrs = {name: state[name] for name in lifted.values()}

@@ -121,6 +121,10 @@ ENTRIES: list[ModelEntry] = [
     _e("VaultGemma", "vaultgemma", "pre-norm", {"sliding_window": 4, "query_pre_attn_scalar": 8}),
     _e("BioGPT", "biogpt", "pre-norm", notes="learned positions, scaled embeddings"),
     _e("GPT-BigCode", "gpt_bigcode", "pre-norm", {"multi_query": True}, "multi-query attention, tied embeddings"),
+    _e("BLOOM", "bloom", "pre-norm", {"n_head": 4},
+       "ALiBi from the attention mask, embedding layer norm; no position_ids: decode recomputes the prefix"),
+    _e("MPT", "mpt", "pre-norm", {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 128},
+       "ALiBi bias table (valid up to max_seq_len); no position_ids: decode recomputes the prefix"),
     # -- extra post-norms ------------------------------------------------------------------------
     _e("Gemma 2", "gemma2", "post-norm", {"sliding_window": 4, "query_pre_attn_scalar": 8},
        "sandwich norms, attention/final logit soft-capping, sliding window 4 on alternate layers"),
@@ -293,8 +297,6 @@ REFUSED: dict[str, str] = {
     "rwkv": _SPECIALIZES,
     "mamba": _NO_FFN_SSM,
     "falcon_mamba": _NO_FFN_SSM,
-    "bloom": _SPECIALIZES,
-    "mpt": _SPECIALIZES,
     "dbrx": _DATA_DEPENDENT,
     "longcat_flash": _DATA_DEPENDENT,
     "deepseek_v4": _SPECIALIZES,
@@ -315,9 +317,6 @@ REFUSED_CAUSE: dict[str, str] = {
     "rwkv": "the WKV recurrence scans the sequence in a Python loop",
     "mamba": "pure state-space model: no FFN to disaggregate",
     "falcon_mamba": "pure state-space model: no FFN to disaggregate",
-    "bloom": "ALiBi attention ties the key length to the token count; the tied export then fails on the dynamic-shape "
-              "spec nested under **kwargs (the forward takes no position_ids): 'Must provide a tree_name ...'",
-    "mpt": "the precomputed ALiBi bias is sliced to the sequence length, which bounds it (seq <= max_seq_len)",
     "dbrx": "the MoE loops over the experts that received tokens (nonzero(): a data-dependent loop)",
     "longcat_flash": "the MoE loops over the experts that received tokens (nonzero(): a data-dependent loop)",
     "deepseek_v4": "compressed sparse attention's compressor assumes a full block of 4 tokens: the graph holds only "
@@ -354,8 +353,6 @@ REFUSED_OVERRIDES: dict[str, dict] = {
     "mamba": {"state_size": 4},
     "falcon_mamba": {"state_size": 4},
     "rwkv": {"attention_hidden_size": 32},
-    "bloom": {"n_head": 4},
-    "mpt": {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 128},
     "dbrx": {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 128,
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": _E, "moe_top_k": _K}},
