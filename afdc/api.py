@@ -39,7 +39,7 @@ from afdc.passes.portable import portable
 from afdc.plan import Plan
 from afdc.report import LayerReport, Report, layer_report
 from afdc.runtime.exchange import deployment_id
-from afdc.runtime.model import DisaggregatedModel
+from afdc.runtime.model import DefaultPositions, DisaggregatedModel
 from afdc.runtime.programs import AttentionProgram, ExpertRouting, FFNLayer, FFNProgram, row_major
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 
@@ -349,4 +349,26 @@ def disaggregate(
         deployment=deployment_id(str(built.plan), attention.module.code, *(s.code for s in ffn[0].segments)),
         connector=connector,
         max_positions=built.max_positions,
+        default_positions=default_positions(model),
     )
+
+
+@torch.no_grad()
+def default_positions(model: PreTrainedModel) -> DefaultPositions:
+    """The positions ``model`` uses when called without ``position_ids``, found by calling it on a
+    left-padded batch with each rule's positions. A model on the meta device cannot be called:
+    it is taken to follow transformers' default."""
+    weights = next(model.parameters())
+    if not capture_mod.takes_positions(model) or weights.is_meta:
+        return DefaultPositions.COUNT_PADDING
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.get_text_config().vocab_size, (2, 6), generator=g).to(weights.device)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    real = mask.bool()
+    ref = model(input_ids=ids, attention_mask=mask).logits[real]
+    for rule in (DefaultPositions.COUNT_PADDING, DefaultPositions.SKIP_PADDING):
+        got = model(input_ids=ids, attention_mask=mask, position_ids=rule.position_ids(ids, mask)).logits[real]
+        if torch.allclose(got, ref, rtol=0, atol=1e-3 * ref.abs().max().item()):
+            return rule
+    return DefaultPositions.OWN

@@ -162,7 +162,7 @@ def _all_configs(config) -> Iterator:
             yield from _all_configs(sub)
 
 
-def _takes_positions(model: PreTrainedModel) -> bool:
+def takes_positions(model: PreTrainedModel) -> bool:
     """Whether the forward takes ``position_ids``. One that does not finds its positions itself:
     from the attention mask (ALiBi) or from its own cache's length, which afdc's KV cache replaces."""
     return "position_ids" in inspect.signature(model.forward).parameters
@@ -177,7 +177,7 @@ def _example_inputs(model: PreTrainedModel, kv_extra: int) -> dict[str, torch.Te
         "attention_mask": torch.ones(b, s + kv_extra, dtype=torch.long, device=device),
         "position_ids": torch.arange(kv_extra, kv_extra + s, device=device).expand(b, s),
     }
-    if not _takes_positions(model):
+    if not takes_positions(model):
         del inputs["position_ids"]
     return inputs
 
@@ -227,7 +227,7 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
             except UnsupportedModelError:
                 raise
             except Exception as err:
-                errors.append(f"{mode}: {str(err).splitlines()[0]}")
+                errors.append(f"{mode}: {(str(err).splitlines() or [type(err).__name__])[0]}")
                 continue
             return _captured(ep, mode, model, "; ".join(errors))
     raise UnsupportedModelError("torch.export could not capture the forward: " + "; ".join(errors))
@@ -239,7 +239,7 @@ def _captured(ep: torch.export.ExportedProgram, mode: str, model: PreTrainedMode
     statically would say the same, slower)."""
     names = _canonical_names(model)
     # without position_ids, new tokens can find their positions only by seeing the whole prefix
-    positions = _takes_positions(model)
+    positions = takes_positions(model)
     if mode != "relaxed":
         return _to_get_attr_graph(ep, names, incremental=mode == "incremental" and positions, specialized=errors)
     try:

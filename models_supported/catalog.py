@@ -125,6 +125,17 @@ ENTRIES: list[ModelEntry] = [
        "ALiBi from the attention mask, embedding layer norm; no position_ids: decode recomputes the prefix"),
     _e("MPT", "mpt", "pre-norm", {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 128},
        "ALiBi bias table (valid up to max_seq_len); no position_ids: decode recomputes the prefix"),
+    _e("OPT", "opt", "pre-norm", notes="learned positions; called without position_ids it skips padding"),
+    _e("CTRL", "ctrl", "pre-norm", notes="sinusoidal positions, ReLU MLP"),
+    _e("GPT-NeoX-Japanese", "gpt_neox_japanese", "pre-norm", notes="output biases added with the residual"),
+    _e("ModernBERT decoder", "modernbert-decoder", "pre-norm", notes="GeGLU MLP, alternating local attention"),
+    _e("Granite (sliding window)", "granite_swa", "pre-norm"),
+    _e("HyperCLOVA X", "hyperclovax", "pre-norm"),
+    _e("IQuest-Coder", "iquestcoder", "pre-norm"),
+    _e("Jais 2", "jais2", "pre-norm", notes="MLP without gate"),
+    _e("Ministral 3", "ministral3", "pre-norm"),
+    _e("nanochat", "nanochat", "pre-norm", notes="non-parametric norms, ReLU² MLP"),
+    _e("CWM", "cwm", "pre-norm"),
     # -- extra post-norms ------------------------------------------------------------------------
     _e("Gemma 2", "gemma2", "post-norm", {"sliding_window": 4, "query_pre_attn_scalar": 8},
        "sandwich norms, attention/final logit soft-capping, sliding window 4 on alternate layers"),
@@ -135,6 +146,8 @@ ENTRIES: list[ModelEntry] = [
     _e("OLMo 3", "olmo3", "post-norm", {"sliding_window": 4, "layer_types": _SWA}),
     _e("GLM-4", "glm4", "post-norm", notes="post-attention and post-MLP norms"),
     _e("EXAONE 4", "exaone4", "post-norm", {"sliding_window": 4, "sliding_window_pattern": 2}),
+    _e("OpenAI GPT", "openai-gpt", "post-norm", notes="norm after each residual add, Conv1D projections"),
+    _e("Gemma 4 unified (text)", "gemma4_unified_text", "post-norm"),
     # -- parallel attention + MLP ----------------------------------------------------------------
     _e("GPT-NeoX", "gpt_neox", "parallel", notes="use_parallel_residual, separate norms"),
     _e("Cohere", "cohere", "parallel", notes="one shared norm, residual + attn + mlp"),
@@ -146,6 +159,7 @@ ENTRIES: list[ModelEntry] = [
        "hard-coded attention (captured inline, decode recomputes the prefix)"),
     # -- Conv1D projections ----------------------------------------------------------------------
     _e("GPT-2", "gpt2", "conv1d", notes="tied embeddings"),
+    _e("GPT-SW3", "gpt-sw3", "conv1d"),
     # -- mixture of experts ----------------------------------------------------------------------
     _e("Mixtral", "mixtral", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K}, moe=2),
     _e("Qwen2-MoE", "qwen2_moe", "moe",
@@ -171,6 +185,8 @@ ENTRIES: list[ModelEntry] = [
        {"num_local_experts": _E, "num_experts_per_tok": _K, "residual_multiplier": 0.5}, moe=2),
     _e("GraniteMoE shared", "granitemoeshared", "moe",
        {"num_local_experts": _E, "num_experts_per_tok": _K, "shared_intermediate_size": 32}, moe=2),
+    _e("GraniteMoE (sliding window)", "granitemoe_swa", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K},
+       moe=2),
     _e("PhiMoE", "phimoe", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K}, "sparsemixer routing",
        moe=2),
     _e("ERNIE 4.5 MoE", "ernie4_5_moe", "moe",

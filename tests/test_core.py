@@ -323,3 +323,32 @@ def test_a_whole_value_gating_a_split_one_is_narrowed_per_rank():
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
     assert check(model, dm, ids, mask, new_tokens=4).ok()
+
+
+def test_call_without_position_ids_follows_the_models_own_default():
+    """Called without position_ids, Llama counts padding, OPT skips it, and RoBERTa counts from its
+    pad token: the first two are reproduced, the third is refused until position_ids are given."""
+    from afdc.api import default_positions
+    from afdc.runtime.model import DefaultPositions
+
+    ids = torch.randint(3, TINY_COMMON["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    expected = {"llama": DefaultPositions.COUNT_PADDING, "opt": DefaultPositions.SKIP_PADDING}
+    for model_type, rule in expected.items():
+        model = build_type(model_type, TINY_COMMON)
+        assert default_positions(model) is rule
+        dm = afdc.disaggregate(model, "1A1F")
+        assert torch.allclose(dm(ids, attention_mask=mask).logits[mask.bool()],
+                              model(input_ids=ids, attention_mask=mask).logits[mask.bool()], atol=1e-5)
+    roberta = build_type("roberta", {**TINY_COMMON, "is_decoder": True, "pad_token_id": 1})
+    dm = afdc.disaggregate(roberta, "1A1F")
+    assert dm.default_positions is DefaultPositions.OWN
+    with pytest.raises(afdc.AfdcError, match="pass position_ids"):
+        dm(ids, attention_mask=mask)
+    ids = ids.masked_fill(mask == 0, 1)
+    real = (ids != 1).long()
+    own = real.cumsum(-1) * real + 1  # RoBERTa's rule: counted after its pad token (1), padding at 1
+    with torch.no_grad():
+        assert torch.allclose(dm(ids, attention_mask=mask, position_ids=own).logits[mask.bool()],
+                              roberta(input_ids=ids, attention_mask=mask).logits[mask.bool()], atol=1e-5)

@@ -12,6 +12,7 @@ its attention (ping-pong). The FFN side is in-process (loopback) until :meth:`la
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,26 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding, as transformers' ``generate`` computes them."""
     pos = attention_mask.long().cumsum(-1) - 1
     return pos.masked_fill(attention_mask == 0, 1)
+
+
+class DefaultPositions(enum.Enum):
+    """The positions a model's forward uses when it is called without ``position_ids``. The
+    captured graph always takes them, so the disaggregated model supplies the model's own."""
+
+    COUNT_PADDING = "count padding"  # transformers' default (cache positions)
+    SKIP_PADDING = "skip padding"  # from the attention mask (OPT)
+    OWN = "its own rule"  # e.g. from the pad token (RoBERTa): callers must pass position_ids
+
+    def position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self is DefaultPositions.COUNT_PADDING:
+            return default_position_ids(input_ids)
+        if self is DefaultPositions.SKIP_PADDING:
+            return positions_from_mask(attention_mask)[:, -input_ids.shape[1] :]
+        raise AfdcError(
+            "without position_ids this model numbers positions by its own rule (neither counting nor "
+            "skipping padding; RoBERTa-style models count from their pad token), which the captured graph "
+            "does not hold; pass position_ids"
+        )
 
 
 # Arguments of a transformers forward that do not change the logits.
@@ -78,6 +99,7 @@ class DisaggregatedModel:
         artifact: Path | None = None,
         connector: str = "gloo",
         max_positions: int | None = None,
+        default_positions: DefaultPositions = DefaultPositions.COUNT_PADDING,
     ):
         self.attention_ranks = attention
         self.ffn_ranks = ffn
@@ -91,6 +113,7 @@ class DisaggregatedModel:
         self.artifact = artifact  # the compiled artifact this came from, if any
         self.connector = connector  # the transport launch() uses unless told otherwise
         self.max_positions = max_positions  # the longest key length the programs are valid for (None: any)
+        self.default_positions = default_positions  # used when a call gives no position_ids
         dispatch = [self.ffn.dispatch(layer) for layer in range(len(self.ffn.layers))]
         self.ranks = [AttentionRank(i, p, ffn, dispatch) for i, p in enumerate(attention)]
         self.last_traffic = connectors.Traffic()
@@ -216,7 +239,7 @@ class DisaggregatedModel:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
-            position_ids = default_position_ids(input_ids)
+            position_ids = self.default_positions.position_ids(input_ids, attention_mask)
         return self._run(input_ids, attention_mask, position_ids, None)
 
     def forward(self, *args, **kwargs):
