@@ -54,7 +54,7 @@ class Built:
     segments: list[ShardedSegment]  # graphs take (weights..., inputs..., rank)
     layers: list[SegmentBinding]  # per FFN layer: its segment and weight names
     attrs: dict[str, torch.Tensor]  # every weight, buffer and constant a program reads, by name
-    incremental: bool
+    recompute: str  # why decode recomputes the prefix ("": it decodes against the KV cache)
     report: Report
     inputs: list[list[list[int] | None]]  # per segment, per input: its token layout (FFNProgram)
     routing: list[ExpertRouting | None]  # per segment: tokens sent only to their experts' ranks
@@ -242,7 +242,12 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     cuts, layers_report, part, shards = _split(captured, classification, plan, cuts)
     graph, params = captured.graph, set(captured.parameter_names)
     # The KV cache lives in afdc's attention op; state computed inline cannot be cached
-    incremental = captured.incremental and not classification.inline_mixers
+    recompute = captured.recompute
+    if classification.inline_mixers:
+        recompute = (
+            "token mixers run inline, outside afdc's cached attention op "
+            "(attention hard-coded in the model, or recurrent or convolutional mixers)"
+        )
     tokens = gf.token_symbols(graph)
     for lr, binding in zip(layers_report, part.layers):
         lr.segment = binding.segment
@@ -264,7 +269,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
         plan=str(plan),
         router=plan.router,
-        incremental_decode=incremental,
+        decode_recomputes=recompute,
         attention_calls=sum(1 for n in graph.nodes if n.target is torch.ops.afdc.attention.default),
         attention_parameters=sum(captured.attrs[n].numel() for n in attention_params),
         ffn_parameters=sum(captured.attrs[n].numel() for n in ffn_weights & params),
@@ -281,7 +286,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         segments,
         part.layers,
         captured.attrs,
-        incremental,
+        recompute,
         report,
         inputs,
         routing,
@@ -342,7 +347,7 @@ def disaggregate(
     return DisaggregatedModel(
         [attention] * built.plan.attention_ranks,
         ffn,
-        built.incremental,
+        not built.recompute,
         built.report,
         getattr(model, "generation_config", None),
         micro_batches=built.plan.micro_batches,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -122,11 +123,16 @@ class CapturedGraph:
     attrs: dict[str, torch.Tensor]  # FQN -> tensor, parameters and buffers and constants
     parameter_names: list[str]  # the FQNs in ``attrs`` that are model parameters
     out_spec: pytree.TreeSpec  # rebuilds the model's output object from the graph's outputs
-    incremental: bool  # False: the graph needs kv == s, so decode recomputes the whole prefix
+    # why decode must recompute the whole prefix ("": new tokens decode against the KV cache)
+    recompute: str
     max_positions: int | None = None  # the longest key length the graph is valid for (None: any)
     # why the graph holds for the example's lengths only ("": it holds for any). Every capture
     # that is not shape-polymorphic says why: a static export records the dynamic ones' errors.
     specialized: str = ""
+
+    @property
+    def incremental(self) -> bool:
+        return not self.recompute
 
 
 @contextlib.contextmanager
@@ -193,6 +199,10 @@ def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export
     dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: kv}, "position_ids": {0: batch, 1: seq}}
     inputs = _example_inputs(model, 3 if mode == "incremental" else 0)
     _slots.append(itertools.count())
+    # a failed attempt is expected (the next mode tries again) and its error is reported by
+    # capture(); fake tensors would also log it with a traceback
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level, fake_log.level = fake_log.level, logging.CRITICAL
     try:
         ep = torch.export.export(
             model,
@@ -203,6 +213,7 @@ def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export
         )
         return ep.run_decompositions({}) if functional else ep
     finally:
+        fake_log.level = level
         _slots.pop()
         _windows.clear()
 
@@ -238,17 +249,23 @@ def _captured(ep: torch.export.ExportedProgram, mode: str, model: PreTrainedMode
     context is kept as a specialized graph: classifying it says what the model is (re-exporting
     statically would say the same, slower)."""
     names = _canonical_names(model)
-    # without position_ids, new tokens can find their positions only by seeing the whole prefix
-    positions = takes_positions(model)
-    if mode != "relaxed":
-        return _to_get_attr_graph(ep, names, incremental=mode == "incremental" and positions, specialized=errors)
+    if mode == "static":
+        return _to_get_attr_graph(ep, names, _ONE_LENGTH, specialized=errors)
     try:
-        limit = _relaxed_limit(ep, _context_length(model))
+        limit = _relaxed_limit(ep, _context_length(model)) if mode == "relaxed" else None
     except _Specialized as err:
-        return _to_get_attr_graph(ep, names, specialized=str(err))
-    captured = _to_get_attr_graph(ep, names, max_positions=limit)
-    captured.incremental = positions and not gf.key_length_tied(captured.graph)
+        return _to_get_attr_graph(ep, names, _ONE_LENGTH, specialized=str(err))
+    captured = _to_get_attr_graph(ep, names, "", max_positions=limit)
+    if not takes_positions(model):
+        captured.recompute = _NO_POSITIONS
+    elif gf.key_length_tied(captured.graph):
+        captured.recompute = _TIED
     return captured
+
+
+_ONE_LENGTH = "the graph holds for one sequence length only"
+_NO_POSITIONS = "the forward takes no position_ids, so new tokens find their positions only from the whole prefix"
+_TIED = "the graph ties the key length to the token count"
 
 
 class _Specialized(Exception):
@@ -317,7 +334,7 @@ def _canonical_names(model: PreTrainedModel) -> dict[str, str]:
 def _to_get_attr_graph(
     ep: torch.export.ExportedProgram,
     canonical: dict[str, str] | None = None,
-    incremental: bool = False,
+    recompute: str = _ONE_LENGTH,
     max_positions: int | None = None,
     specialized: str = "",
 ) -> CapturedGraph:
@@ -348,4 +365,4 @@ def _to_get_attr_graph(
     if [n.name for n in user_inputs] != list(INPUT_NAMES):
         raise UnsupportedModelError(f"unexpected graph inputs {[n.name for n in user_inputs]}")
     attrs = {name: state[name] for name in lifted.values()}
-    return CapturedGraph(graph, attrs, parameters, ep.call_spec.out_spec, incremental, max_positions, specialized)
+    return CapturedGraph(graph, attrs, parameters, ep.call_spec.out_spec, recompute, max_positions, specialized)

@@ -216,7 +216,7 @@ def compile_model(
             source=mf.Source(source, revision, config.model_type, _config_sha256(config)),
             plan=plan,
             weights_included=weights,
-            incremental_decode=built.incremental,
+            decode_recomputes=built.recompute,
             attention_program=written[0],
             output_spec=pytree.treespec_dumps(built.out_spec),
             segments=segments,

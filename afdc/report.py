@@ -47,7 +47,7 @@ class Report:
     model: str
     plan: str
     router: str
-    incremental_decode: bool
+    decode_recomputes: str  # why decode recomputes the prefix ("": it decodes against the KV cache)
     attention_calls: int
     attention_parameters: int
     ffn_parameters: int
@@ -56,6 +56,10 @@ class Report:
     attention_tp: int = 1
     attention_tp_split: int = 0  # attention-side parameters split over the TP ranks (the rest is whole)
     max_positions: int | None = None  # the longest key length the captured graph is valid for
+
+    @property
+    def incremental_decode(self) -> bool:
+        return not self.decode_recomputes
 
     @property
     def bytes_to_ffn(self) -> float:
@@ -81,7 +85,7 @@ class Report:
         lines = [
             f"model {self.model}  plan {self.plan}  router on {self.router} side",
             f"attention side: {self.attention_parameters:,} parameters, {self.attention_calls} attention calls"
-            + ("" if self.incremental_decode else " (token mixers inline, no KV cache: decode recomputes the prefix)")
+            + (f" (decode recomputes the prefix: {self.decode_recomputes})" if self.decode_recomputes else "")
             + (f"; valid for at most {self.max_positions} positions" if self.max_positions else "")
             + (
                 f"; TP over {self.attention_tp}: {self.attention_tp_split:,} parameters split, the rest whole"

@@ -35,6 +35,7 @@ from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
 from afdc.runtime.rendezvous import free_port  # noqa: E402
 from afdc.serve.launch import Deployment, wait_healthy  # noqa: E402
 from afdc.serve.settings import WorkerSettings  # noqa: E402
+from models_supported.catalog import build, entry  # noqa: E402
 
 NEW_TOKENS = 6
 PROMPTS = [[5, 17, 99, 230], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300], [42], [260, 261, 262, 263, 264, 265]]
@@ -325,6 +326,11 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
     compile_model(str(models / "dense" / "config.json"), "1A1F", plan_only, weights=False, progress=False)
     code, out = serve(str(plan_only), "--role", "attn", "--connector", "loopback")
     assert code == 2 and "no model config and tokenizer" in out
+    # attention hard-coded inline (MPT): no KV cache to page, refused before vLLM starts, saying why
+    build(entry("mpt")).save_pretrained(tmp_path / "mpt")
+    compile_model(str(tmp_path / "mpt"), "1A1F", tmp_path / "mpt-1a1f", progress=False)
+    code, out = serve(str(tmp_path / "mpt-1a1f"), "--role", "attn", "--connector", "loopback")
+    assert code == 2 and "decode recomputes the prefix (token mixers run inline" in out, out
 
 
 def test_settings_round_trip_through_the_environment(monkeypatch):

@@ -17,7 +17,7 @@ from afdc.partition.shard import Split
 from afdc.plan import Plan
 from afdc.runtime.programs import Dispatch, ExpertRouting
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 MODEL_DIR = "model"  # the model's config and tokenizer files, as a serving engine reads them
 
@@ -97,7 +97,7 @@ class Manifest:
     source: Source
     plan: Plan
     weights_included: bool
-    incremental_decode: bool
+    decode_recomputes: str  # why decode recomputes the prefix ("": it decodes against the KV cache)
     attention_program: str
     output_spec: str  # pytree spec of the attention program's result (``treespec_dumps``)
     segments: list[SegmentSpec]
@@ -108,6 +108,10 @@ class Manifest:
     attention_splits: dict[str, Split] = field(default_factory=dict)  # --attn-tp: split attention weights
     max_positions: int | None = None  # the longest key length the programs are valid for (None: any)
     format_version: int = FORMAT_VERSION
+
+    @property
+    def incremental_decode(self) -> bool:
+        return not self.decode_recomputes
 
     def rank_files(self, role: str, rank: int, tp_rank: int = 0) -> RankFiles:
         for r in self.ranks:
@@ -139,7 +143,7 @@ class Manifest:
             source=Source(**d["source"]),
             plan=Plan(**d["plan"]),
             weights_included=d["weights_included"],
-            incremental_decode=d["incremental_decode"],
+            decode_recomputes=d["decode_recomputes"],
             attention_program=d["attention_program"],
             output_spec=d["output_spec"],
             segments=[SegmentSpec.from_dict(s) for s in d["segments"]],

@@ -105,7 +105,7 @@ class DisaggregatedModel:
         self.ffn_ranks = ffn
         self.attention = attention[0]
         self.ffn = ffn[0]
-        self.incremental = incremental  # False: decode recomputes the prefix (inline recurrent mixers)
+        self.incremental = incremental  # False: decode recomputes the prefix (see Report.decode_recomputes)
         self._report = report
         self.generation_config = generation_config
         self.micro_batches = micro_batches

@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from afdc.errors import AfdcError
+from afdc.artifact.manifest import Manifest, read_manifest
+from afdc.errors import AfdcError, UnsupportedModelError
 from afdc.serve.health import MIDDLEWARE
 from afdc.serve.settings import WorkerSettings
 
@@ -47,14 +48,28 @@ def check_serving_environment() -> None:
             ) from err
 
 
+def check_servable(manifest: Manifest) -> None:
+    """Refuse an artifact that vLLM's paged KV cache cannot run, before vLLM's engine starts."""
+    if not manifest.incremental_decode:
+        raise UnsupportedModelError(
+            f"this model's decode recomputes the prefix ({manifest.decode_recomputes}): "
+            "it cannot run on a paged KV cache; use afdc.disaggregate / dm.generate instead"
+        )
+    if manifest.max_positions is not None:
+        raise UnsupportedModelError(
+            f"this model's graph is valid for at most {manifest.max_positions} positions, and a serving step "
+            "runs all its scheduled tokens in one call, which can exceed that; use afdc.disaggregate instead"
+        )
+
+
 def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> list[str]:
     """The ``vllm serve`` command line of one attention rank (its environment adds ``settings.to_env()``)."""
-    from afdc.artifact.manifest import read_manifest
     from afdc.compile import model_dir
 
     directory = Path(settings.artifact)
     manifest = read_manifest(directory)
     manifest.rank_files("attn", settings.rank)  # a clear error for a rank the plan does not have
+    check_servable(manifest)
     model = model_dir(directory)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
@@ -121,9 +136,9 @@ class Deployment:
 
     def start(self, startup_timeout: float, say: Callable[[str], None]) -> str:
         """Start every role and wait until the OpenAI API answers; returns its URL."""
-        from afdc.artifact.manifest import read_manifest
-
-        plan = read_manifest(self.artifact).plan
+        manifest = read_manifest(self.artifact)
+        check_servable(manifest)  # before any role starts
+        plan = manifest.plan
         s = self.settings
         env = {**os.environ, "AFDC_TOKEN": s.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
         if s.connector != "loopback":

@@ -38,6 +38,7 @@ from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.paged import PagedBatch, PagedKVStore, SlotSpec, attention_slots
 from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.tensor_parallel import TensorParallelAttention
+from afdc.serve.launch import check_servable
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
 
@@ -103,16 +104,7 @@ class AfdcWorker(WorkerBase):
         s = self.settings
         directory = Path(s.artifact)
         manifest = mf.read_manifest(directory)
-        if not manifest.incremental_decode:
-            raise UnsupportedModelError(
-                "this model's token mixers are not all attention (its decode recomputes the prefix): "
-                "it cannot run on a paged KV cache; use afdc.disaggregate / dm.generate instead"
-            )
-        if manifest.max_positions is not None:
-            raise UnsupportedModelError(
-                f"this model's graph is valid for at most {manifest.max_positions} positions, and a serving step "
-                "runs all its scheduled tokens in one call, which can exceed that; use afdc.disaggregate instead"
-            )
+        check_servable(manifest)
         program = load(directory, "attn", s.rank, self.device, backend="eager")
         dispatch = [manifest.segments[lay.segment].dispatch for lay in manifest.layers]
         in_process = s.connector == "loopback"
