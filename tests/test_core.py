@@ -212,7 +212,25 @@ def test_arguments_that_change_the_result_are_refused(moe):
     ids, mask = demo_batch(model.config.vocab_size)
     with pytest.raises(TypeError, match="inputs_embeds"):
         dm(ids, attention_mask=mask, inputs_embeds=torch.zeros(2, 12, 64))
-    assert dm(ids, attention_mask=mask, use_cache=False, return_dict=True).logits.shape == (2, 12, 512)
+    with pytest.raises(TypeError, match="output_hidden_states"):
+        dm(ids, attention_mask=mask, output_hidden_states=True)
+    with pytest.raises(TypeError, match=r"'labels'\] \(compute a loss from .logits\)"):
+        dm(ids, attention_mask=mask, labels=ids)
+    with pytest.raises(ValueError, match="must be \\[batch, tokens\\]"):
+        dm(ids[None], attention_mask=mask[None])
+    with pytest.raises(ValueError, match="decodes greedily"):
+        dm.generate(ids, attention_mask=mask, do_sample=True)
+    with pytest.raises(TypeError, match="repetition_penalty"):
+        dm.generate(ids, attention_mask=mask, repetition_penalty=1.2)
+    # what asks for nothing more is accepted, as the model accepts it
+    out = dm(ids, attention_mask=mask, use_cache=False, return_dict=True, output_hidden_states=False, labels=None)
+    assert out.logits.shape == (2, 12, 512)
+    as_tuple = dm(ids, attention_mask=mask, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], out.logits)
+    # sampling parameters are ignored under greedy decoding, as transformers' generate ignores them
+    greedy = dm.generate(ids, attention_mask=mask, max_new_tokens=3)
+    same = dm.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, temperature=0.3, top_p=0.5)
+    assert torch.equal(greedy, same)
 
 
 def test_rows_dispatch_shares_out_the_tokens():

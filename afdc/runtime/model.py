@@ -66,6 +66,8 @@ class DefaultPositions(enum.Enum):
 
 # Arguments of a transformers forward that do not change the logits.
 _IGNORED_KWARGS = {"use_cache", "return_dict", "past_key_values"}
+# Arguments of transformers' generate that greedy decoding ignores (as generate itself does).
+_SAMPLING_KWARGS = {"temperature", "top_k", "top_p", "min_p", "typical_p"}
 
 
 def _concat(outputs: list):
@@ -227,20 +229,34 @@ class DisaggregatedModel:
         return _concat([out for outs, _ in results for out in outs])
 
     def __call__(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None, **kwargs
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs,
     ):
+        """The model's own call on token ids: the same output object (a tuple under
+        ``return_dict=False``). Hidden states, attentions, labels and ``inputs_embeds`` are not
+        available: the captured programs compute the logits from token ids."""
         if kwargs.get("past_key_values") is not None:
             raise ValueError("afdc keeps its KV cache on the attention side; use dm.generate for decoding")
-        unsupported = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None)
-        if unsupported:
+        # False, like None, asks for nothing (output_hidden_states=False)
+        asked = {k for k, v in kwargs.items() if v is not None and v is not False}
+        unsupported = sorted(asked - _IGNORED_KWARGS)
+        if input_ids is None or unsupported:
             raise TypeError(
-                f"the disaggregated model takes input_ids, attention_mask and position_ids; got {unsupported}"
+                "the disaggregated model takes input_ids, attention_mask and position_ids"
+                + (f"; got {unsupported}" if unsupported else "; input_ids is missing")
+                + (" (compute a loss from .logits)" if "labels" in unsupported else "")
             )
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens]; got shape {tuple(input_ids.shape)}")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
             position_ids = self.default_positions.position_ids(input_ids, attention_mask)
-        return self._run(input_ids, attention_mask, position_ids, None)
+        out = self._run(input_ids, attention_mask, position_ids, None)
+        return out.to_tuple() if kwargs.get("return_dict") is False and hasattr(out, "to_tuple") else out
 
     def forward(self, *args, **kwargs):
         return self(*args, **kwargs)
@@ -253,8 +269,24 @@ class DisaggregatedModel:
         max_new_tokens: int = 20,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
+        do_sample: bool = False,
+        num_beams: int = 1,
+        **ignored,
     ) -> torch.Tensor:
-        """Greedy decoding; returns prompt and new tokens like ``model.generate(do_sample=False)``."""
+        """Greedy decoding; returns prompt and new tokens like ``model.generate(do_sample=False)``.
+
+        Sampling parameters are accepted and ignored, as greedy ``generate`` ignores them; sampling
+        and beam search are refused (a deployment served by ``afdc serve`` samples, in vLLM)."""
+        if do_sample or num_beams != 1:
+            raise ValueError(
+                "dm.generate decodes greedily (do_sample=False, num_beams=1); for sampling, serve the model "
+                "(afdc compile, then afdc up / afdc serve) and sample through vLLM's API"
+            )
+        if set(ignored) - _SAMPLING_KWARGS:
+            raise TypeError(
+                f"dm.generate takes input_ids, attention_mask, max_new_tokens, eos_token_id and pad_token_id; "
+                f"got {sorted(set(ignored) - _SAMPLING_KWARGS)}"
+            )
         cfg = self.generation_config
         if eos_token_id is None and cfg is not None:
             eos_token_id = cfg.eos_token_id
