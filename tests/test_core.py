@@ -70,11 +70,16 @@ def test_router_on_attention_side_sends_topk():
     assert check(model, dm, *demo_batch(model.config.vocab_size)).ok()
 
 
-def test_a_hidden_state_and_its_reshape_cross_once():
-    """GraniteMoE-shared's router and experts read the flattened hidden state, its shared expert
-    the unflattened one: under --router attn the FFN side redoes the flattening."""
-    model = build_type("granitemoeshared", {**TINY_COMMON, "num_local_experts": 4, "num_experts_per_tok": 2,
-                                            "shared_intermediate_size": 32})
+@pytest.mark.parametrize("model_type, overrides", [
+    ("granitemoeshared", {"num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32}),
+    ("aria_text", {"moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 1}),
+])
+def test_a_hidden_state_and_its_reshape_cross_once(model_type, overrides):
+    """Routers and experts that read the flattened hidden state while a shared expert reads it
+    unflattened: under --router attn the hidden state crosses once, the FFN side redoes the
+    flattening and the attention side keeps it as the router's input (GraniteMoE-shared flattens
+    before the MoE block; Aria inside it, where the cut first moves it to the FFN side for its sizes)."""
+    model = build_type(model_type, {**TINY_COMMON, **overrides})
     dm = afdc.disaggregate(model, plan="1A2F", router="attn")
     hidden = TINY_COMMON["hidden_size"]
     for layer in dm.report().layers:

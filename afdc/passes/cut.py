@@ -157,9 +157,29 @@ def cut_region(
         reshapes = {v for v in cut.to_ffn if v in members and v not in pinned_attn and gf.is_op(v, *_RESHAPES)}
         if not reshapes:
             break
-        cut = _crossings(region, ffn | reshapes, free, index)
+        cut = _keep_returned_reshapes(_crossings(region, ffn | reshapes, free, index), index)
         ffn = set(cut.ffn_nodes)
     return _redo_reshapes(cut, index)
+
+
+def _keep_returned_reshapes(cut: Cut, index: dict[fx.Node, int]) -> Cut:
+    """``cut`` with each value it would return that is only a reshape of a value it sends kept on
+    the attention side and redone on the FFN side: a flattening moved to the FFN side for its sizes
+    may also be read by a router on the attention side (Aria under ``--router attn``), which would
+    otherwise wait for the FFN output that waits for it."""
+    sent, ffn = set(cut.to_ffn), set(cut.ffn_nodes)
+    kept: set[fx.Node] = set()
+    for v in cut.to_attn:
+        chain = [v]
+        while gf.is_op(chain[-1], *_RESHAPES) and chain[-1].args[0] in ffn:
+            chain.append(chain[-1].args[0])
+        if gf.is_op(chain[-1], *_RESHAPES) and chain[-1].args[0] in sent:
+            kept.update(chain)
+    if not kept:
+        return cut
+    order = index.__getitem__
+    return Cut(cut.region, [n for n in cut.ffn_nodes if n not in kept], cut.to_ffn,
+               [v for v in cut.to_attn if v not in kept], sorted(kept | set(cut.redone), key=order))
 
 
 def _redo_reshapes(cut: Cut, index: dict[fx.Node, int]) -> Cut:
@@ -177,7 +197,7 @@ def _redo_reshapes(cut: Cut, index: dict[fx.Node, int]) -> Cut:
     if not redone:
         return cut
     sharing = Cut(cut.region, cut.ffn_nodes, [v for v in cut.to_ffn if v not in redone], cut.to_attn,
-                  sorted(set(redone), key=index.__getitem__))
+                  sorted({*redone, *cut.redone}, key=index.__getitem__))
     return sharing if _sizes_recomputable(sharing) else cut
 
 
