@@ -24,6 +24,7 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -188,6 +189,28 @@ def _example_inputs(model: PreTrainedModel, kv_extra: int) -> dict[str, torch.Te
     return inputs
 
 
+class _HostConstants(TorchFunctionMode):
+    """Make the constants a forward creates from Python values on the host, not on the meta
+    device, so that a capture of a meta model keeps their values: ``torch.tensor(<number>,
+    device=...)`` (GPT-Neo's mask value; a 0-dim host tensor mixes with any device's) and the
+    index tensor of ``x[..., [i, j]]`` (Falcon's key/value split; host indices index any device)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tensor and args and isinstance(args[0], (bool, int, float)):
+            kwargs = {**kwargs, "device": "cpu"}
+        elif func is torch.Tensor.__getitem__:
+            index = args[1]
+            args = (args[0], tuple(map(_host_index, index)) if isinstance(index, tuple) else _host_index(index))
+        return func(*args, **kwargs)
+
+
+def _host_index(index):
+    if isinstance(index, list) and index and all(type(i) is int for i in index):
+        return torch.tensor(index)
+    return index
+
+
 def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export.ExportedProgram:
     """``mode``: "incremental" (kv and s independent, every guard proven), "relaxed" (see
     :func:`_relaxed_limit`; traced with kv == s, which export may then tie) or "static"."""
@@ -204,13 +227,14 @@ def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level, fake_log.level = fake_log.level, logging.CRITICAL
     try:
-        ep = torch.export.export(
-            model,
-            args=(),
-            kwargs=inputs,
-            dynamic_shapes=None if mode == "static" else {name: dims[name] for name in inputs},
-            strict=False,
-        )
+        with _HostConstants() if inputs["input_ids"].is_meta else contextlib.nullcontext():
+            ep = torch.export.export(
+                model,
+                args=(),
+                kwargs=inputs,
+                dynamic_shapes=None if mode == "static" else {name: dims[name] for name in inputs},
+                strict=False,
+            )
         return ep.run_decompositions({}) if functional else ep
     finally:
         fake_log.level = level

@@ -78,17 +78,22 @@ def _checkpoint_dir(source: str, revision: str | None) -> Path:
         ) from err
 
 
-def _computed_state(model: PreTrainedModel, names: set[str]) -> dict[str, torch.Tensor]:
+def _computed_state(
+    model: PreTrainedModel, names: set[str], captured: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Buffers the programs read that no checkpoint holds (rotary tables, embedding scales), computed
     the way ``from_pretrained`` does after a meta-device load: real storage, then the model's own
-    ``_init_weights`` on the modules that own them."""
+    ``_init_weights`` on the modules that own them; and the constants the forward creates, as
+    captured (on the meta device only those made from Python numbers keep their value)."""
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    constants = sorted(n for n in names if n not in buffers)
-    if constants:
+    constants = {n: captured[n] for n in names if n not in buffers}
+    lost = sorted(n for n, c in constants.items() if c.is_meta)
+    if lost:
         raise UnsupportedModelError(
-            f"the forward creates tensor constants ({', '.join(constants[:4])}) that a meta-device capture cannot "
-            "hold; afdc compile cannot write this model (afdc.disaggregate on the loaded model still works)"
+            f"the forward creates tensor constants ({', '.join(lost[:4])}) from data a meta-device capture does "
+            "not hold; afdc compile cannot write this model (afdc.disaggregate on the loaded model still works)"
         )
+    names = names - constants.keys()
     owners = {}
     for name in sorted(names):
         owner, _, leaf = name.rpartition(".")
@@ -105,7 +110,7 @@ def _computed_state(model: PreTrainedModel, names: set[str]) -> dict[str, torch.
     unset = [n for n, v in state.items() if v.is_floating_point() and v.isnan().any()]
     if unset:
         raise UnsupportedModelError(f"the model's _init_weights does not compute {', '.join(unset)}; cannot write it")
-    return state
+    return {**state, **constants}
 
 
 @contextlib.contextmanager
@@ -171,7 +176,7 @@ def compile_model(
     checkpoint = _checkpoint_dir(source, revision) if weights else None
     checkpointed = set(model.state_dict())
     targets = _rank_targets(built)
-    state = _computed_state(model, {t.name for ts in targets.values() for t in ts} - checkpointed)
+    state = _computed_state(model, {t.name for ts in targets.values() for t in ts} - checkpointed, built.attrs)
 
     with _staging(out, force) as tmp:
         (tmp / "programs").mkdir()

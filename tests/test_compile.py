@@ -80,6 +80,22 @@ def test_artifact_matches_monolith(saved, tmp_path, model_type, plan):
     assert {n for n, _ in model.named_parameters()} <= attn | ffn <= set(model.state_dict())
 
 
+@pytest.mark.parametrize("model_type", ["gpt_neo", "falcon"])
+def test_constants_the_forward_creates_are_written_with_their_values(saved, tmp_path, model_type):
+    """GPT-Neo makes its mask value with torch.tensor(finfo.min, device=...), Falcon indexes with
+    Python lists (qkv[..., [-2], :]): on the meta device the capture makes these on the host, so
+    the artifact holds their values."""
+    model, src = saved(model_type)
+    afdc.compile_model(str(src), "1A2F", tmp_path / "art", progress=False)
+    dm = afdc.load_deployment(tmp_path / "art")
+    constants = [t for n, t in dm.attention.module.state_dict().items() if n.startswith("_tensor_constant")]
+    assert constants and not any(t.is_meta for t in constants)
+    ids, mask = _batch(model.config.vocab_size)
+    ref, pos = _reference(model, ids, mask)
+    got = dm(ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_expert_parallel_rank_files_hold_their_experts(saved, tmp_path, model_type):
     model, src = saved(model_type)
