@@ -55,6 +55,9 @@ class ModelEntry:
     # Why the FFN cannot be sharded over several FFN ranks (TP or EP); empty: it can. Dense
     # layers can still run on several FFN ranks whole (--dense-ffn replicate).
     unshardable: str = ""
+    # How the default plan splits the MoE layers over FFN ranks: "ep" (experts partitioned) or
+    # "tp" (each expert's weights split: experts computed densely, or in a Python loop)
+    moe_split: str = "ep"
 
     @property
     def config_kwargs(self) -> dict:
@@ -207,7 +210,8 @@ ENTRIES: list[ModelEntry] = [
     _e("Llama 4 (text)", "llama4_text", "moe",
        {"num_local_experts": _E, "num_experts_per_tok": 1, "intermediate_size_mlp": 64,
         "interleave_moe_layer_step": 2, "attention_chunk_size": 4, "no_rope_layer_interval": 2},
-       "chunked attention (4), NoPE layer, MoE on alternate layers", moe=1),
+       "chunked attention (4), NoPE layer, MoE on alternate layers (every expert runs on every token)",
+       moe=1, moe_split="tp"),
     _e("DeepSeek-V3.2", "deepseek_v32", "moe",
        {"first_k_dense_replace": 1, "n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K,
         "moe_intermediate_size": _MOE_I, **_MLA, "n_group": 1, "topk_group": 1, **_DSA},
@@ -234,8 +238,8 @@ ENTRIES: list[ModelEntry] = [
        "gated projection of them is a second FFN region (each FFN rank takes its share of the input)",
        moe=2, dense=2),
     _e("JetMoE", "jetmoe", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K, "kv_channels": 8},
-       "mixture-of-attention-heads attention, MoE MLP", moe=2,
-       unshardable="experts run in a data-dependent Python loop, not as stacked expert weights"),
+       "mixture-of-attention-heads attention, MoE experts in a Python loop over a stacked weight", moe=2,
+       moe_split="tp"),
     _e("AFMoE", "afmoe", "moe",
        {"num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, "num_dense_layers": 1,
         "num_shared_experts": 1, "sliding_window": 4, "global_attn_every_n_layers": 2}, moe=1),

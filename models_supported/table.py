@@ -37,7 +37,7 @@ def support_table_markdown() -> str:
         status = "verified"
         if e.notes:
             status += f" ({e.notes})"
-        ranks = "EP" if e.moe_layers else "TP"
+        ranks = e.moe_split.upper() if e.moe_layers else "TP"
         if e.unshardable:
             ranks = f"{'no' if e.moe_layers else 'replicated only'}: {e.unshardable}"
         lines.append(

@@ -3,8 +3,9 @@
 For each tiny model: (a) prefill logits match the monolith on a left-padded batch, (b) greedy
 generation is token-identical, (c) the attention and FFN programs own disjoint parameter sets
 that together are all of the model's parameters, and (d) the split found the expected number of
-dense and MoE FFN layers; all under plan 2A2F (2 attention ranks, each FFN layer over 2 FFN
-ranks), or 1A1F where the entry records why its FFN cannot be split (and 2A2F must say so).
+dense and MoE FFN layers, the MoE ones split over the FFN ranks as the support table says (EP or
+TP); all under plan 2A2F (2 attention ranks, each FFN layer over 2 FFN ranks), or 1A1F where the
+entry records why its FFN cannot be split (and 2A2F must say so).
 Refused architectures must raise :class:`afdc.UnsupportedModelError` with the recorded message.
 
 Every entry and every refusal runs by default; ``AFDC_QUICK=1`` runs only the ``CORE`` subset
@@ -108,6 +109,8 @@ def check_entry(entry: ModelEntry):
         f"expected {entry.dense_layers} / {entry.moe_layers}"
     )
 
+    if entry.moe_layers and not entry.unshardable:  # as the support table says
+        assert {layer.ffn_split for layer in layers if layer.kind == "moe"} == {entry.moe_split}, entry.name
     if entry.unshardable:
         with pytest.raises(afdc.PlanError, match="cannot be split"):
             afdc.disaggregate(model, plan="2A2F")
@@ -137,4 +140,5 @@ def test_catalog_is_consistent() -> None:
     assert not CORE - set(types) - set(REFUSED), sorted(CORE - set(types) - set(REFUSED))
     for e in ENTRIES:
         assert e.family in FAMILIES, e.name
+        assert e.moe_split in ("ep", "tp"), e.name
         assert e.dense_layers >= 0 and e.moe_layers >= 0 and e.dense_layers + e.moe_layers >= 1, e.name

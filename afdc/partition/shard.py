@@ -427,6 +427,8 @@ class _Propagation:
             return self._cat(node)
         if name in ("sum", "mean"):
             return self._reduced(node, self._sum(node))
+        if name in ("index_add", "index_add_"):
+            return self._index_add(node)
         tensors = [self._settle(t) for t in tensors]  # a weight read by an op with no rule stays whole
         if all(t.replicated for t in tensors):
             return self._replicated_outputs(node)
@@ -495,6 +497,23 @@ class _Propagation:
         if len(tensors) == 1 and owned[0] and self._zero_at_zero(name, args):
             return Layout(Kind.OWNED, blame=blame)
         return Layout(Kind.OWNED_ONLY, blame=blame)
+
+    def _index_add(self, node: fx.Node) -> Layout:
+        """``index_add(x, dim, index, source)`` is ``x`` plus ``source`` scattered: linear in the
+        two together, so a partial ``source`` (experts' outputs summed back into their tokens)
+        makes a partial result, ``x`` counting once if it is whole."""
+        x, index, source = (self._settle(self._get(a)) for a in (node.args[0], node.args[2], node.args[3]))
+        partial = (Kind.PARTIAL, Kind.OWNED)
+        blame = _union((x, index, source))
+        if not index.replicated or not {x.kind, source.kind} <= {Kind.REPLICATED, *partial}:
+            raise _Conflict(blame, f"{node.format_node()} has no rule for split values")
+        if source.replicated and x.replicated:
+            return R
+        if x.replicated:
+            self.lead_only[node] = 0
+        elif source.replicated:
+            self.lead_only[node] = 3
+        return Layout(Kind.PARTIAL, blame=blame)
 
     def _zero_at_zero(self, name: str, args) -> bool:
         if name in _ZERO_AT_ZERO or name in gf.IDENTITY_OPS or name in _MUL or name in _DIV:
@@ -773,11 +792,14 @@ class _Propagation:
         return [replace(lay, blocks=lay.blocks // n)] * n
 
     def _slice(self, node: fx.Node, name: str) -> Layout:
-        lay = self._settle(self._get(node.args[0]))
-        if lay.kind not in (Kind.SPLIT, Kind.EXPERTS):
-            return lay
+        lay = self._get(node.args[0])
         rank = len(_shape(node.args[0]))
         dim = node.args[1] % rank if len(node.args) > 1 else 0
+        if lay.kind is Kind.WEIGHT and name == "select":  # one expert of a stack (JetMoE's loop): undecided
+            return replace(lay, dims=lay.dims[:dim] + lay.dims[dim + 1 :])
+        lay = self._settle(lay)
+        if lay.kind not in (Kind.SPLIT, Kind.EXPERTS):
+            return lay
         if dim != lay.dim:
             return replace(lay, dim=lay.dim - 1) if name == "select" and dim < lay.dim else lay
         start, end, step = _slice_args(node)
