@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing as mp
 import socket
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from afdc.runtime import wire
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import Dispatch, ExpertRouting
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, free_port
-from afdc.runtime.server import FFNServer
+from afdc.runtime.server import FFNServer, serve_program
 from models_supported import catalog
 
 NEW_TOKENS = 5
@@ -262,6 +263,30 @@ def test_ffn_server_from_the_cli(reference, tmp_path):
         _, log = server.communicate(timeout=60)
     assert server.returncode == 0, log
     assert "serving generation" in log and "stopped" in log
+
+
+def test_ffn_server_outlives_its_store_host(reference):
+    """The store lives with attention rank 0: when that process leaves and comes back at the same
+    address, a running FFN server reconnects and serves it, without a restart."""
+    model, ids, mask, ref = reference("qwen3_moe")
+    dm = afdc.disaggregate(model, "1A1F")
+    options = RuntimeOptions(connector="gloo", rendezvous=f"127.0.0.1:{free_port()}", token="t", timeout=60,
+                             join_timeout=60)
+    server = mp.get_context("spawn").Process(
+        target=serve_program, args=(dm.ffn_ranks[0], dm.layout, dm.deployment, options), daemon=True
+    )
+    dm.connect(options, host=True)
+    server.start()
+    try:
+        for _ in range(2):  # the second time against a new store
+            assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+            dm.disconnect()  # closes the store
+            dm.connect(options, host=True)
+    finally:
+        dm.disconnect()
+        server.terminate()
+        server.join(60)
+    assert server.exitcode == 0
 
 
 def test_cli_serve_errors(tmp_path):

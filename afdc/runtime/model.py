@@ -162,9 +162,11 @@ class DisaggregatedModel:
                 r.program.timeout = options.timeout + options.join_timeout
 
     def disconnect(self) -> None:
-        """Leave the deployment; the FFN layers run in-process again."""
+        """Leave the deployment; the FFN layers run in-process again. A store this process hosts
+        closes: FFN servers wait ``join_timeout`` for one to come back at its address."""
         for r in self.ranks:
             r.close()
+        self._store_host = None
 
     @contextlib.contextmanager
     def launch(self, connector: str | None = None, **options) -> Iterator:

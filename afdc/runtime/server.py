@@ -26,16 +26,18 @@ from collections import defaultdict
 from typing import NoReturn
 
 import torch
+import torch.distributed as dist
 
 from afdc.errors import AfdcError
 from afdc.runtime import wire
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
-from afdc.runtime.rendezvous import Layout, Rendezvous
+from afdc.runtime.rendezvous import Layout, Rendezvous, RendezvousError
 from afdc.runtime.transport import LEFT, Failure, Incoming, Transport, transport_class
 
 log = logging.getLogger("afdc.server")
+_RECONNECT_SLICE = 1.0  # s: how often a server waiting for a lost store checks whether it was stopped
 
 
 class FFNServer:
@@ -50,47 +52,84 @@ class FFNServer:
         self.options = options
         self.metrics = Metrics("ffn", program.rank)
         self.stopping = threading.Event()
+        self.rdv: Rendezvous | None = None  # the deployment's store, while the server runs
 
     def serve(self) -> None:
-        """Serve until :meth:`stop` (or SIGTERM, when running in the main thread)."""
+        """Serve until :meth:`stop` (or SIGTERM, when running in the main thread).
+
+        The store lives with its host (attention rank 0, or the launcher): when it goes away the
+        server reconnects to a new one at the same address for up to ``join_timeout`` seconds
+        (a restarted attention rank 0), then gives up with :class:`RendezvousError`."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        self.rdv = self._rendezvous()
+        stop_logging = self.metrics.log_every(self.options.log_interval, self._publish)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    self._serve_store()
+                except dist.DistError as err:
+                    if self.stopping.is_set():
+                        break
+                    log.warning(
+                        "ffn rank %d: lost the rendezvous store at %s (%s); waiting up to %g s for it to come back",
+                        self.rank, self.options.rendezvous, str(err).splitlines()[0], self.options.join_timeout,
+                    )
+                    if not self._reconnect():
+                        break
+        finally:
+            stop_logging.set()
+            self._publish(self.metrics.snapshot())
+        log.info("ffn rank %d: stopped", self.rank)
+
+    def _rendezvous(self, connect_timeout: float | None = None) -> Rendezvous:
         rdv = Rendezvous(
             self.options.rendezvous,
             self.layout,
             self.deployment,
             self.options.token,
-            connect_timeout=self.options.join_timeout,
+            connect_timeout=self.options.join_timeout if connect_timeout is None else connect_timeout,
         )
-        stop_logging = self.metrics.log_every(self.options.log_interval, lambda snap: self._publish(rdv, snap))
-        cls = transport_class(self.options.connector)
         rdv.bump()  # a (re)started rank: everyone regroups with it
-        try:
-            while not self.stopping.is_set():
-                group = rdv.join(self.slot, cls.address(rdv, self.slot), timeout=None, stop=self.stopping)
-                if group is None:
-                    break
-                log.info("ffn rank %d: serving generation %d", self.rank, group.generation)
-                transport = cls(rdv, group, self.slot, "ffn", timeout=self.options.timeout, device=self.program.device)
-                try:
-                    self._serve_generation(rdv, transport)
-                finally:
-                    transport.close()
-        finally:
-            stop_logging.set()
-            self._publish(rdv, self.metrics.snapshot())
-        log.info("ffn rank %d: stopped", self.rank)
+        return rdv
+
+    def _reconnect(self) -> bool:
+        """Reach a new store within ``join_timeout``; False when stopped while waiting."""
+        deadline = time.monotonic() + self.options.join_timeout
+        while True:
+            try:
+                self.rdv = self._rendezvous(max(0.1, min(_RECONNECT_SLICE, deadline - time.monotonic())))
+                return True
+            except RendezvousError:
+                if self.stopping.is_set():
+                    return False
+                if time.monotonic() > deadline:
+                    raise
+
+    def _serve_store(self) -> None:
+        """Serve generation after generation of the deployment, until stopped."""
+        cls = transport_class(self.options.connector)
+        while not self.stopping.is_set():
+            group = self.rdv.join(self.slot, cls.address(self.rdv, self.slot), timeout=None, stop=self.stopping)
+            if group is None:
+                return
+            log.info("ffn rank %d: serving generation %d", self.rank, group.generation)
+            transport = cls(self.rdv, group, self.slot, "ffn", timeout=self.options.timeout, device=self.program.device)
+            try:
+                self._serve_generation(transport)
+            finally:
+                transport.close()
 
     def stop(self) -> None:
         self.stopping.set()
 
-    def _publish(self, rdv: Rendezvous, snapshot: dict) -> None:
+    def _publish(self, snapshot: dict) -> None:
         try:
-            rdv.store.set(f"metrics/ffn/{self.rank}", json.dumps(snapshot))
+            self.rdv.store.set(f"metrics/ffn/{self.rank}", json.dumps(snapshot))
         except RuntimeError as err:  # the store went away with its host; metrics are best effort
             log.debug("could not publish metrics: %s", err)
 
-    def _serve_generation(self, rdv: Rendezvous, transport: Transport) -> None:
+    def _serve_generation(self, transport: Transport) -> None:
         gen = transport.group.generation
         while True:
             items = self._arrived(transport.inbox, self.options.poll_interval)
@@ -98,7 +137,7 @@ class FFNServer:
             if self.stopping.is_set():  # drain what has arrived, then go
                 self._handle(transport, self._arrived(transport.inbox, 0))
                 return
-            if not items and rdv.generation() != gen:
+            if not items and self.rdv.generation() != gen:
                 return
 
     def _arrived(self, inbox: queue.Queue, wait: float) -> list[Incoming | Failure]:
