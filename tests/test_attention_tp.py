@@ -91,6 +91,10 @@ def test_attention_tp_refuses_what_it_cannot_split():
         afdc.disaggregate(model, "1A1F", attention_tp=4)
     with pytest.raises(afdc.PlanError, match="--attn-tp must be at least 1"):
         afdc.Plan.parse("1A1F", attention_tp=0)
+    # XGLM's embedding is an index_select (its weight kept whole) and its attention folds the
+    # heads into the batch dim, which no rule splits: every weight stays whole, and it says why
+    with pytest.raises(afdc.PlanError, match="reshape"):
+        afdc.disaggregate(catalog.build(catalog.entry("xglm")), "1A1F", attention_tp=2)
 
 
 def test_attention_tp_artifact(tmp_path):

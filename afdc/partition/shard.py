@@ -720,7 +720,7 @@ class _Propagation:
         indexed = [d for d, i in enumerate(pos) if i is not None]
         if indexed != [0]:
             return self._all_replicated(node, [src])
-        added = node.args[1][0].meta["val"].dim() - 1
+        added = pos[0].meta["val"].dim() - 1  # dims the index tensor adds in place of dim 0
         if lay.kind is Kind.WEIGHT:
             if self.mode is FFNParallel.EP and name == "index":
                 lay = self._decide(lay, 0, experts=True)
