@@ -95,6 +95,9 @@ def test_attention_tp_refuses_what_it_cannot_split():
     # heads into the batch dim, which no rule splits: every weight stays whole, and it says why
     with pytest.raises(afdc.PlanError, match="reshape"):
         afdc.disaggregate(catalog.build(catalog.entry("xglm")), "1A1F", attention_tp=2)
+    # Doge's dynamic mask has a value per head computed from all of them: it cannot follow a split
+    with pytest.raises(afdc.PlanError, match="mask has a value per head"):
+        afdc.disaggregate(catalog.build(catalog.entry("doge")), "1A1F", attention_tp=2)
 
 
 def test_attention_tp_artifact(tmp_path):

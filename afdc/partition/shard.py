@@ -453,11 +453,17 @@ class _Propagation:
                 self._settle(sinks)
             return R
         single_kv = k.replicated and v.replicated and node.args[1].meta["val"].shape[1] == 1
-        if q in heads and mask.replicated and (len(heads) == 3 or single_kv):
+        # a mask of its own per head (Doge's dynamic mask) must be split with the heads
+        per_head = isinstance(node.args[3], fx.Node) and _shape(node.args[3])[1] != 1
+        by_heads = mask.kind is Kind.SPLIT and mask.dim == 1 and mask.pieces == (1, ())
+        mask_fits = by_heads if per_head else mask.replicated
+        if q in heads and mask_fits and (len(heads) == 3 or single_kv):
             if sinks is not None and sinks.kind is Kind.WEIGHT:
                 sinks = self._decide(sinks, 0)
             if sinks is None or (sinks.kind is Kind.SPLIT and sinks.dim == 0 and sinks.pieces == (1, ())):
                 return Layout(Kind.SPLIT, 2, 1, blame)
+        if q in heads and not mask_fits:
+            raise _Conflict(blame, "the attention mask has a value per head (a dynamic mask), not split with them")
         raise _Conflict(blame, f"{node.format_node()}: queries, keys and values are not split by the same heads")
 
     def _replicated_outputs(self, node: fx.Node):
