@@ -92,8 +92,9 @@ def test_attention_tp_refuses_what_it_cannot_split():
     with pytest.raises(afdc.PlanError, match="--attn-tp must be at least 1"):
         afdc.Plan.parse("1A1F", attention_tp=0)
     # XGLM's embedding is an index_select (its weight kept whole) and its attention folds the
-    # heads into the batch dim, which no rule splits: every weight stays whole, and it says why
-    with pytest.raises(afdc.PlanError, match="reshape"):
+    # heads into the batch dim, which no rule splits: every weight stays whole, and it says why,
+    # naming the line of model source
+    with pytest.raises(afdc.PlanError, match=r"reshape at modeling_xglm\.py:\d+ \(\w+ = \w+\.reshape"):
         afdc.disaggregate(catalog.build(catalog.entry("xglm")), "1A1F", attention_tp=2)
     # Doge's dynamic mask has a value per head computed from all of them: it cannot follow a split
     with pytest.raises(afdc.PlanError, match="mask has a value per head"):

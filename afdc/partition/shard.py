@@ -432,7 +432,7 @@ class _Propagation:
         tensors = [self._settle(t) for t in tensors]  # a weight read by an op with no rule stays whole
         if all(t.replicated for t in tensors):
             return self._replicated_outputs(node)
-        raise _Conflict(_union(tensors), f"{node.format_node()} has no rule for split or partial values")
+        raise _Conflict(_union(tensors), f"{gf.where(node)} has no rule for split or partial values")
 
     def _reduced(self, node: fx.Node, lay: Layout) -> Layout:
         if self.reduce_partials and lay.kind is Kind.PARTIAL:
@@ -464,7 +464,7 @@ class _Propagation:
                 return Layout(Kind.SPLIT, 2, 1, blame)
         if q in heads and not mask_fits:
             raise _Conflict(blame, "the attention mask has a value per head (a dynamic mask), not split with them")
-        raise _Conflict(blame, f"{node.format_node()}: queries, keys and values are not split by the same heads")
+        raise _Conflict(blame, f"{gf.where(node)}: queries, keys and values are not split by the same heads")
 
     def _replicated_outputs(self, node: fx.Node):
         val = node.meta.get("val")
@@ -490,7 +490,7 @@ class _Propagation:
         if Kind.PARTIAL in kinds or Kind.EXPERTS in kinds:
             if kinds <= {Kind.PARTIAL, Kind.OWNED}:
                 return self._pointwise_partial(node, name, tensors, lays, blame)
-            raise _Conflict(blame, f"{node.format_node()} mixes a partial sum with another layout")
+            raise _Conflict(blame, f"{gf.where(node)} mixes a partial sum with another layout")
         # Only OWNED / OWNED_ONLY / REPLICATED remain: track which elements are exact zeros.
         args = [self._get(a) if isinstance(a, fx.Node) else a for a in node.args]
         owned = [isinstance(a, Layout) and a.kind is Kind.OWNED for a in args]
@@ -512,7 +512,7 @@ class _Propagation:
         partial = (Kind.PARTIAL, Kind.OWNED)
         blame = _union((x, index, source))
         if not index.replicated or not {x.kind, source.kind} <= {Kind.REPLICATED, *partial}:
-            raise _Conflict(blame, f"{node.format_node()} has no rule for split values")
+            raise _Conflict(blame, f"{gf.where(node)} has no rule for split values")
         if source.replicated and x.replicated:
             return R
         if x.replicated:
@@ -543,14 +543,14 @@ class _Propagation:
             return Layout(Kind.PARTIAL, blame=blame)
         if linear_in_first and sum(partial) == 1 and (partial[0] or name in _MUL):
             return Layout(Kind.PARTIAL, blame=blame)
-        raise _Conflict(blame, f"{node.format_node()} is not linear in the partial sum")
+        raise _Conflict(blame, f"{gf.where(node)} is not linear in the partial sum")
 
     def _pointwise_split(self, node, tensors, lays) -> Layout:
         out_rank = node.meta["val"].dim()
         split = [(t, lay) for t, lay in zip(tensors, lays) if lay.kind is Kind.SPLIT]
         dims = {(lay.dim + out_rank - t.meta["val"].dim(), lay.pieces) for t, lay in split}
         if len(dims) > 1:
-            raise _Conflict(_union(lays), f"{node.format_node()} combines values split differently")
+            raise _Conflict(_union(lays), f"{gf.where(node)} combines values split differently")
         (dim, (blocks, sections)), = dims
         out_size = _shape(node)[dim]
         for t, lay in zip(tensors, lays):
@@ -561,7 +561,7 @@ class _Propagation:
             elif lay.kind is Kind.SPLIT or size == 1 or self._broadcast_locally(t, own_dim):
                 continue
             elif not (lay.replicated and size == out_size and self._narrow(node, t, own_dim, blocks, sections)):
-                raise _Conflict(_union(lays), f"{node.format_node()} mixes a split value with a full one")
+                raise _Conflict(_union(lays), f"{gf.where(node)} mixes a split value with a full one")
         return Layout(Kind.SPLIT, dim, blocks, _union(self._get(t) for t in tensors), sections=sections)
 
     def _narrow(self, node: fx.Node, operand: fx.Node, dim: int, blocks: int, sections: tuple[int, ...]) -> bool:
@@ -639,7 +639,7 @@ class _Propagation:
         la = self._settle(la)
         if lb.kind is Kind.EXPERTS:
             if name not in _GROUPED or map_b[lb.dim] != "e":
-                raise _Conflict(lb.blame, f"{node.format_node()} uses expert weights other than as a grouped matmul")
+                raise _Conflict(lb.blame, f"{gf.where(node)} uses expert weights other than as a grouped matmul")
             if la.kind not in _ROW_WISE:
                 raise _Conflict(la.blame | lb.blame, "a grouped matmul over split inputs")
             return Layout(Kind.OWNED, blame=la.blame | lb.blame)
@@ -651,7 +651,7 @@ class _Propagation:
                 return Layout(Kind.PARTIAL, blame=blame)
             if isinstance(map_a[la.dim], int) and map_a[la.dim] == map_b[lb.dim] and la.pieces == lb.pieces:
                 return replace(la, dim=map_a[la.dim], blame=blame)  # the same batch dim (heads)
-            raise _Conflict(blame, f"{node.format_node()} contracts values split differently")
+            raise _Conflict(blame, f"{gf.where(node)} contracts values split differently")
         split = la if la.kind is Kind.SPLIT else lb if lb.kind is Kind.SPLIT else None
         if split is not None:
             own, other, other_map, other_shape = (
@@ -662,14 +662,14 @@ class _Propagation:
             shared = [d for d, m in other_map.items() if m == out_dim]
             if isinstance(out_dim, int) and other.replicated and all(other_shape[d] == 1 for d in shared):
                 return replace(split, dim=out_dim, blame=blame)
-            raise _Conflict(blame, f"{node.format_node()} contracts a split value with a full one")
+            raise _Conflict(blame, f"{gf.where(node)} contracts a split value with a full one")
         kinds = {la.kind, lb.kind} - {Kind.REPLICATED}
         if len(kinds) == 1 and Kind.REPLICATED in {la.kind, lb.kind}:
             (kind,) = kinds  # linear in one operand: partial stays partial, owned rows stay owned
             if kind is Kind.OWNED_ONLY or (kind is Kind.OWNED and name in _GROUPED and lb.replicated):
                 return Layout(kind, blame=blame)
             return Layout(Kind.PARTIAL if kind is Kind.OWNED else kind, blame=blame)
-        raise _Conflict(blame, f"{node.format_node()} multiplies two split or partial values")
+        raise _Conflict(blame, f"{gf.where(node)} multiplies two split or partial values")
 
     def _bias(self, node: fx.Node, bias: fx.Node, out: Layout) -> Layout:
         lay = self._get(bias)
@@ -684,13 +684,13 @@ class _Propagation:
                 return out
         elif self._settle(lay).replicated:
             return out
-        raise _Conflict(out.blame | lay.blame, f"{node.format_node()}: the bias cannot follow the split")
+        raise _Conflict(out.blame | lay.blame, f"{gf.where(node)}: the bias cannot follow the split")
 
     def _all_replicated(self, node: fx.Node, args) -> Layout:
         lays = [self._settle(self._get(a)) for a in args]
         if all(lay.replicated for lay in lays):
             return R
-        raise _Conflict(_union(lays), f"{node.format_node()} has no rule for split values")
+        raise _Conflict(_union(lays), f"{gf.where(node)} has no rule for split values")
 
     # -- data movement ---------------------------------------------------------------------------
 
@@ -736,13 +736,13 @@ class _Propagation:
             return Layout(Kind.OWNED, blame=lay.blame)
         if lay.kind is Kind.SPLIT and lay.dim > 0:
             return replace(lay, dim=lay.dim + added)
-        raise _Conflict(lay.blame, f"{node.format_node()} indexes a split dimension")
+        raise _Conflict(lay.blame, f"{gf.where(node)} indexes a split dimension")
 
     def _reshape(self, node: fx.Node) -> Layout:
         lay = self._settle(self._get(node.args[0]))
         if lay.kind is not Kind.SPLIT:
             if lay.kind is Kind.EXPERTS:
-                raise _Conflict(lay.blame, f"{node.format_node()} reshapes expert weights")
+                raise _Conflict(lay.blame, f"{gf.where(node)} reshapes expert weights")
             return lay
         src, out = _shape(node.args[0]), _shape(node)
         before = math.prod(src[: lay.dim])
@@ -763,7 +763,7 @@ class _Propagation:
                 if sizes is not None and j < len(sizes) and isinstance(sizes[j], int) and sizes[j] > 0:
                     self._local_size((node, 1, j), sizes[j])
                 return replace(lay, dim=j)
-        raise _Conflict(lay.blame, f"{node.format_node()} reshapes across a split dimension")
+        raise _Conflict(lay.blame, f"{gf.where(node)} reshapes across a split dimension")
 
     def _chunk(self, node: fx.Node, name: str):
         lay = self._settle(self._get(node.args[0]))
@@ -775,19 +775,19 @@ class _Propagation:
             if lay.kind is Kind.SPLIT and name == "unbind" and lay.dim > dim:
                 return [replace(lay, dim=lay.dim - 1)] * n
             if lay.kind is Kind.EXPERTS:
-                raise _Conflict(lay.blame, f"{node.format_node()} splits expert weights")
+                raise _Conflict(lay.blame, f"{gf.where(node)} splits expert weights")
             return [lay] * n
         sizes = tuple(int(t.shape[dim]) for t in node.meta["val"])
         if name == "split_with_sizes" and len(set(sizes)) > 1:  # a fused [q; k; v]: one section each
             if lay.pieces == (1, ()):
                 raise _NeedBlocks(lay.blame, sections=sizes)
             if lay.sections != sizes:
-                raise _Conflict(lay.blame, f"{node.format_node()} splits a split dimension unlike its sections")
+                raise _Conflict(lay.blame, f"{gf.where(node)} splits a split dimension unlike its sections")
             for i, size in enumerate(node.args[1]):
                 self._local_size((node, 1, i), size)
             return [replace(lay, sections=())] * n
         if name == "unbind" or len(set(sizes)) != 1 or lay.sections:
-            raise _Conflict(lay.blame, f"{node.format_node()} splits a split dimension unevenly")
+            raise _Conflict(lay.blame, f"{gf.where(node)} splits a split dimension unevenly")
         if lay.blocks % n:
             raise _NeedBlocks(lay.blame, lay.blocks * n // math.gcd(lay.blocks, n))
         if name == "split":
@@ -817,7 +817,7 @@ class _Propagation:
         interleaved = whole and step > 1 and lay.blocks == 1 and (full // self.ranks) % step == 0
         if lay.kind is Kind.SPLIT and name == "slice" and interleaved:
             return lay
-        raise _Conflict(lay.blame, f"{node.format_node()} slices a split dimension")
+        raise _Conflict(lay.blame, f"{gf.where(node)} slices a split dimension")
 
     def _slice_section(self, node: fx.Node, lay: Layout, full: int, start: int, end: int) -> Layout:
         """``x[..., start:end]`` of a split dim made of sections (a fused [q; k; v] cut by slices):
@@ -834,7 +834,7 @@ class _Propagation:
         if lay.pieces == (1, ()) and len(sections) > 1:
             raise _NeedBlocks(lay.blame, sections=sections)
         if lay.sections != sections or start not in bounds or end not in bounds:
-            raise _Conflict(lay.blame, f"{node.format_node()} slices a split dimension")
+            raise _Conflict(lay.blame, f"{gf.where(node)} slices a split dimension")
         self._local_size((node, 2, None), start)
         if len(node.args) > 3 and node.args[3] is not None and node.args[3] < full:
             self._local_size((node, 3, None), end)
@@ -851,7 +851,7 @@ class _Propagation:
         if same and isinstance(sizes[lay.dim], int):
             self._local_size((node, 1, lay.dim), sizes[lay.dim])
             return lay
-        raise _Conflict(lay.blame, f"{node.format_node()} makes a tensor unlike the split one it is made from")
+        raise _Conflict(lay.blame, f"{gf.where(node)} makes a tensor unlike the split one it is made from")
 
     def _layer_norm(self, node: fx.Node) -> Layout:
         """A norm over trailing dims that leave the split dim alone (per head) keeps the split."""
@@ -863,7 +863,7 @@ class _Propagation:
         per_head = lay.kind is Kind.SPLIT and lay.dim < len(_shape(node.args[0])) - normalized
         if per_head and all(p.replicated for p in params):
             return lay
-        raise _Conflict(_union([lay, *params]), f"{node.format_node()} normalizes over a split dimension")
+        raise _Conflict(_union([lay, *params]), f"{gf.where(node)} normalizes over a split dimension")
 
     def _cat(self, node: fx.Node) -> Layout:
         lays = [self._settle(self._get(a)) for a in node.args[0]]
@@ -877,7 +877,7 @@ class _Propagation:
                 return lay
             if gf.op_name(node) == "stack":  # a new dim at `dim`: the split dim moves past it
                 return replace(lay, dim=lay.dim + (dim <= lay.dim))
-        raise _Conflict(_union(lays), f"{node.format_node()} joins values laid out differently")
+        raise _Conflict(_union(lays), f"{gf.where(node)} joins values laid out differently")
 
     def _sum(self, node: fx.Node) -> Layout:
         lay = self._settle(self._get(node.args[0]))
@@ -897,7 +897,7 @@ class _Propagation:
                 self.mean_refused = self.reduce_partials
             else:
                 return replace(lay, dim=lay.dim - (0 if keep else sum(d < lay.dim for d in dims)))
-        raise _Conflict(lay.blame, f"{node.format_node()} reduces a value laid out as {lay.kind.value}")
+        raise _Conflict(lay.blame, f"{gf.where(node)} reduces a value laid out as {lay.kind.value}")
 
     def _reduction(self, arg) -> str:
         lay = self._settle(self._get(arg))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import sympy
 import torch
@@ -33,6 +35,16 @@ def op_name(node: fx.Node) -> str:
     """The aten op a node calls, without namespace or overload (``linear``); "" for anything else."""
     target = node.target
     return target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
+
+
+def where(node: fx.Node) -> str:
+    """``node`` for a person: its op and the line of model source it was traced from."""
+    what = op_name(node) or node.name
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return f"{what} ({node.name})"
+    path, line, code = frames[-1]
+    return f"{what} at {Path(path).name}:{line} ({code.strip()})"
 
 
 def ancestors(graph: fx.Graph) -> dict[fx.Node, int]:
