@@ -73,7 +73,7 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
             return env[n]
         if isinstance(n.meta.get("val"), torch.SymInt):
             return emitter.emit(n.meta["val"])
-        raise UnsupportedModelError(f"the attention program needs {n.name}, which the cut left on the FFN side")
+        raise UnsupportedModelError(f"the attention program needs {gf.where(n)}, which the cut left on the FFN side")
 
     def waits(node: fx.Node) -> bool:
         unsent = (p in returned and returned[p][0].region.index not in tickets for p in node.all_input_nodes)
@@ -153,7 +153,7 @@ def extract_segment(cut: Cut, free: set[fx.Node]) -> tuple[fx.Graph, list[str], 
             return env[n]
         if isinstance(n.meta.get("val"), torch.SymInt):
             return emitter.emit(n.meta["val"])
-        raise UnsupportedModelError(f"FFN segment needs {n.name} from the attention side", cut.region.label)
+        raise UnsupportedModelError(f"FFN segment needs {gf.where(n)} from the attention side", cut.region.label)
 
     for k, n in enumerate(computed):
         env[n] = _copy(g, n, lookup, name=f"v{k}")

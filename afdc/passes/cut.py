@@ -230,7 +230,7 @@ def _crossings(region: FFNRegion, ffn: set[fx.Node], free: set[fx.Node], index) 
     to_attn = {n for n in ffn if any(u not in ffn for u in n.users)}
     for n in to_attn:
         if not gf.is_tensor(n):
-            raise UnsupportedModelError(f"a non-tensor value ({n.name}) would cross the cut", region.label)
+            raise UnsupportedModelError(f"a non-tensor value ({gf.where(n)}) would cross the cut", region.label)
     order = index.__getitem__
     return Cut(region, sorted(ffn, key=order), sorted(to_ffn, key=order), sorted(to_attn, key=order))
 
