@@ -228,6 +228,7 @@ def test_arguments_that_change_the_result_are_refused(moe):
     with pytest.raises(TypeError, match="repetition_penalty"):
         dm.generate(ids, attention_mask=mask, repetition_penalty=1.2)
     # what asks for nothing more is accepted, as the model accepts it
+    assert dm.eval() is dm and ids.to(dm.device).device == model.device
     out = dm(ids, attention_mask=mask, use_cache=False, return_dict=True, output_hidden_states=False, labels=None)
     assert out.logits.shape == (2, 12, 512)
     as_tuple = dm(ids, attention_mask=mask, return_dict=False)

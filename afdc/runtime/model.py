@@ -133,6 +133,16 @@ class DisaggregatedModel:
     def layout(self) -> Layout:
         return Layout(len(self.attention_ranks), len(self.ffn_ranks))
 
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go: attention rank 0's device (as ``model.device``)."""
+        return device_of(self.attention)
+
+    def eval(self) -> DisaggregatedModel:
+        """A no-op, as code written for the model calls it: the programs were captured from the
+        model in eval mode and only run inference."""
+        return self
+
     def report(self):
         """What was split, what crosses the cut, and how many bytes per token."""
         return self._report
