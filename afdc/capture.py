@@ -131,10 +131,6 @@ class CapturedGraph:
     # that is not shape-polymorphic says why: a static export records the dynamic ones' errors.
     specialized: str = ""
 
-    @property
-    def incremental(self) -> bool:
-        return not self.recompute
-
 
 @contextlib.contextmanager
 def _afdc_attention(model: PreTrainedModel) -> Iterator[None]:

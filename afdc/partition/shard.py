@@ -454,7 +454,7 @@ class _Propagation:
             return R
         single_kv = k.replicated and v.replicated and node.args[1].meta["val"].shape[1] == 1
         # a mask of its own per head (Doge's dynamic mask) must be split with the heads
-        per_head = isinstance(node.args[3], fx.Node) and _shape(node.args[3])[1] != 1
+        per_head = isinstance(node.args[3], fx.Node) and len(_shape(node.args[3])) == 4 and _shape(node.args[3])[1] != 1
         by_heads = mask.kind is Kind.SPLIT and mask.dim == 1 and mask.pieces == (1, ())
         mask_fits = by_heads if per_head else mask.replicated
         if q in heads and mask_fits and (len(heads) == 3 or single_kv):
@@ -519,7 +519,7 @@ class _Propagation:
             self.lead_only[node] = 0
         elif source.replicated:
             self.lead_only[node] = 3
-        return Layout(Kind.PARTIAL, blame=blame)
+        return self._reduced(node, Layout(Kind.PARTIAL, blame=blame))
 
     def _zero_at_zero(self, name: str, args) -> bool:
         if name in _ZERO_AT_ZERO or name in gf.IDENTITY_OPS or name in _MUL or name in _DIV:
