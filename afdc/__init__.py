@@ -1,13 +1,14 @@
 """afdc: automatic Attention-FFN Disaggregation for Hugging Face decoder models."""
 
 from afdc.api import disaggregate
-from afdc.compile import compile_model, load, load_deployment
+from afdc.artifact.load import load, load_deployment
+from afdc.compile import compile_model
 from afdc.errors import AfdcError, PlanError, UnsupportedModelError
 from afdc.plan import Plan
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import PeerLost
+from afdc.version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "AfdcError",
     "PeerLost",

@@ -15,24 +15,25 @@ import torch.utils._pytree as pytree
 from transformers import PreTrainedModel
 
 from afdc import capture as capture_mod
+from afdc import segment
 from afdc.capture import CapturedGraph
 from afdc.errors import PlanError, UnsupportedModelError
+from afdc.ops import AttentionCall
+from afdc.partition.cut import Cut, RouterPlacement, select_cuts
 from afdc.partition.shard import (
     FFNParallel,
     PartialSumsMeetNonLinearOps,
     ShardedSegment,
-    Split,
     data_parallel,
     shard_attention,
     shard_segment,
     single_rank,
 )
-from afdc.partition.split import Partition, SegmentBinding, partition
+from afdc.partition.split import Partition, partition
 from afdc.passes import graph_facts as gf
 from afdc.passes.aliasing import split_writes
 from afdc.passes.classify import Classification, classify
 from afdc.passes.cleanup import strip_assertions
-from afdc.passes.cut import Cut, RouterPlacement, select_cuts
 from afdc.passes.expert_routing import expert_routing, owner_mask
 from afdc.passes.fusion import copy_graph
 from afdc.passes.portable import portable
@@ -40,24 +41,23 @@ from afdc.plan import Plan
 from afdc.report import LayerReport, Report, layer_report
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.model import DefaultPositions, DisaggregatedModel
-from afdc.runtime.programs import AttentionProgram, ExpertRouting, FFNLayer, FFNProgram, row_major
+from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.tensor_parallel import TensorParallelAttention
+from afdc.segment import ExpertRouting, Segment, SegmentBinding, Split, row_major
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Built:
     """A partitioned model before weights are bound: what disaggregate runs and compile writes."""
 
     plan: Plan
     attention_graph: fx.Graph
     out_spec: pytree.TreeSpec
-    segments: list[ShardedSegment]  # graphs take (weights..., inputs..., rank)
+    segments: list[Segment]  # graphs take (weights..., inputs..., rank)
     layers: list[SegmentBinding]  # per FFN layer: its segment and weight names
     attrs: dict[str, torch.Tensor]  # every weight, buffer and constant a program reads, by name
     recompute: str  # why decode recomputes the prefix ("": it decodes against the KV cache)
     report: Report
-    inputs: list[list[list[int] | None]]  # per segment, per input: its token layout (FFNProgram)
-    routing: list[ExpertRouting | None]  # per segment: tokens sent only to their experts' ranks
     attention_splits: dict[str, Split]  # --attn-tp: how the TP ranks hold attention weights (absent: whole)
     max_positions: int | None  # the longest key length the captured graph is valid for (None: any)
 
@@ -183,28 +183,27 @@ def _shard_one(
     return routed
 
 
-def _routed(segment: ShardedSegment, tokens) -> tuple[ShardedSegment, ExpertRouting | None]:
+def _routed(sharded: ShardedSegment, tokens) -> tuple[ShardedSegment, ExpertRouting | None]:
     """An expert-parallel segment with proven routing: as it is, or with its rank-0-only terms
     moved to rows the attention side marks; else the segment unchanged, broadcast to every rank."""
-    whole = [i for i, split in enumerate(segment.splits) if split.dim is None]
-    if (routing := expert_routing(segment.graph, tokens, whole)) is not None:
-        return segment, routing
-    masked = owner_mask(segment.graph, tokens)
+    whole = [i for i, split in enumerate(sharded.splits) if split.dim is None]
+    if (routing := expert_routing(sharded.graph, tokens, whole)) is not None:
+        return sharded, routing
+    masked = owner_mask(sharded.graph, tokens)
     if masked is not None and (routing := expert_routing(masked, tokens, whole)) is not None:
-        return replace(segment, graph=masked), routing
-    return segment, None
+        return replace(sharded, graph=masked), routing
+    return sharded, None
 
 
 def _stacked_weights(graph: fx.Graph) -> bool:
     """Whether the segment has weights of rank 3 or more (stacked experts)."""
-    return any(n.name.startswith("w") and n.meta["val"].dim() >= 3 for n in graph.find_nodes(op="placeholder"))
+    return any(w.meta["val"].dim() >= 3 for w in segment.weights(graph))
 
 
 def _rows_split(graph: fx.Graph, tokens) -> bool:
     """Whether every input and output of the segment is token-major ([b, s, ...] or [b*s, ...]),
     so that each FFN rank can take a contiguous range of the tokens."""
-    (output,) = graph.find_nodes(op="output")
-    values = [n for n in graph.find_nodes(op="placeholder") if n.name.startswith("x")] + list(output.args[0])
+    values = segment.inputs(graph) + segment.outputs(graph)
     return all(row_major(gf.token_layout(v, tokens)) for v in values if isinstance(v, fx.Node))
 
 
@@ -251,10 +250,15 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     tokens = gf.token_symbols(graph)
     for lr, binding in zip(layers_report, part.layers):
         lr.segment = binding.segment
-    segments, routing = [seg for seg, _ in shards], [r for _, r in shards]
-    inputs = [
-        [gf.token_layout(n, tokens) for n in seg.graph.find_nodes(op="placeholder")[len(seg.splits) : -1]]
-        for seg in segments
+    segments = [
+        Segment(
+            graph=seg.graph,
+            splits=tuple(seg.splits),
+            reduce=tuple(seg.reduce),
+            inputs=tuple(gf.token_layout(n, tokens) for n in segment.inputs(seg.graph)),
+            routing=routing,
+        )
+        for seg, routing in shards
     ]
     for lr, binding in zip(layers_report, part.layers):
         lr.ffn_split = segments[binding.segment].describe()
@@ -270,7 +274,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         plan=str(plan),
         router=plan.router,
         decode_recomputes=recompute,
-        attention_calls=sum(1 for n in graph.nodes if n.target is torch.ops.afdc.attention.default),
+        attention_calls=len(AttentionCall.all_in(graph)),
         attention_parameters=sum(captured.attrs[n].numel() for n in attention_params),
         ffn_parameters=sum(captured.attrs[n].numel() for n in ffn_weights & params),
         segment_graphs=len(part.segments),
@@ -280,32 +284,22 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         max_positions=captured.max_positions,
     )
     return Built(
-        plan,
-        attention_graph,
-        captured.out_spec,
-        segments,
-        part.layers,
-        captured.attrs,
-        recompute,
-        report,
-        inputs,
-        routing,
-        attention_splits,
-        captured.max_positions,
+        plan=plan,
+        attention_graph=attention_graph,
+        out_spec=captured.out_spec,
+        segments=segments,
+        layers=part.layers,
+        attrs=captured.attrs,
+        recompute=recompute,
+        report=report,
+        attention_splits=attention_splits,
+        max_positions=captured.max_positions,
     )
 
 
 def ffn_program(built: Built, weights: dict[str, torch.Tensor], rank: int) -> FFNProgram:
     """FFN rank ``rank`` of ``built``; ``weights`` holds that rank's (already local) tensors."""
-    return FFNProgram(
-        [s.graph for s in built.segments],
-        [FFNLayer(b.segment, b.weights) for b in built.layers],
-        weights,
-        [s.reduce for s in built.segments],
-        rank,
-        built.inputs,
-        built.routing,
-    )
+    return FFNProgram(segments=built.segments, layers=built.layers, weights=weights, rank=rank)
 
 
 def _local(weight: torch.Tensor, split: Split, rank: int, ranks: int) -> torch.Tensor:
@@ -345,11 +339,11 @@ def disaggregate(
     for program in ffn:
         program.use_backend(built.plan.backend)
     return DisaggregatedModel(
-        [attention] * built.plan.attention_ranks,
-        ffn,
-        not built.recompute,
-        built.report,
-        getattr(model, "generation_config", None),
+        attention=[attention] * built.plan.attention_ranks,
+        ffn=ffn,
+        incremental=not built.recompute,
+        report=built.report,
+        generation_config=getattr(model, "generation_config", None),
         micro_batches=built.plan.micro_batches,
         deployment=deployment_id(str(built.plan), attention.module.code, *(s.code for s in ffn[0].segments)),
         connector=connector,

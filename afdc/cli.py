@@ -158,12 +158,12 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
             raise click.UsageError("an FFN rank serves attention ranks over gloo or shm, not loopback")
         if vllm_args:
             raise click.UsageError(f"unexpected arguments for an FFN rank: {' '.join(vllm_args)}")
-        from afdc.runtime.launch import serve_artifact
+        from afdc.artifact.load import serve_ffn_rank
         from afdc.runtime.options import RuntimeOptions
 
         options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
                                  join_timeout=join_timeout, log_interval=log_interval)
-        serve_artifact(artifact, rank, options, device, backend)
+        serve_ffn_rank(artifact, rank, options, device, backend)
     except AfdcError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)

@@ -28,24 +28,19 @@ from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
-from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
+from safetensors.torch import save_file
+from transformers import PretrainedConfig, PreTrainedModel
 
-import afdc
 from afdc.api import Built, build
 from afdc.artifact import manifest as mf
-from afdc.artifact.program_source import load_program, write_program
+from afdc.artifact.program_source import write_program
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
-from afdc.partition.shard import Split
 from afdc.plan import Plan
 from afdc.report import Crossing as ReportCrossing
-from afdc.runtime.exchange import deployment_id
-from afdc.runtime.model import DisaggregatedModel
-from afdc.runtime.programs import AttentionProgram, FFNLayer, FFNProgram
-from afdc.runtime.rendezvous import Layout
-from afdc.runtime.tensor_parallel import TensorParallelAttention
+from afdc.segment import Split
 from afdc.source import empty_model, load_config
+from afdc.version import __version__
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -188,7 +183,7 @@ def compile_model(
             rel = f"programs/ffn_segment_{i}.py"
             write_program(seg.graph, tmp / rel)
             written.append(rel)
-            segments.append(mf.SegmentSpec(rel, seg.splits, seg.reduce, built.inputs[i], built.routing[i]))
+            segments.append(mf.SegmentSpec.of(rel, seg))
 
         files: dict[str, list[str]] = {}
         to_stream = []
@@ -217,7 +212,7 @@ def compile_model(
         ]
         ranks += [mf.RankFiles("ffn", r, files[f"ffn-{r}"]) for r in range(plan.ffn_ranks)]
         manifest = mf.Manifest(
-            afdc_version=afdc.__version__,
+            afdc_version=__version__,
             source=mf.Source(source, revision, config.model_type, _config_sha256(config)),
             plan=plan,
             weights_included=weights,
@@ -258,133 +253,8 @@ def _copy_hf_files(checkpoint: Path, out: Path) -> list[str]:
     return copied
 
 
-def model_dir(directory: str | Path) -> Path:
-    """The artifact's ``model/`` directory (config and tokenizer, for a serving engine), verified."""
-    directory = Path(directory)
-    manifest = mf.read_manifest(directory)
-    if not manifest.model_files:
-        raise mf.ArtifactError(
-            f"{directory} holds no model config and tokenizer ({mf.MODEL_DIR}/): it was compiled without weights "
-            "or by an older afdc; compile it again from the model directory to serve it"
-        )
-    mf.verify(directory, manifest, manifest.model_files)
-    return directory / mf.MODEL_DIR
-
-
 def _file_entry(directory: Path, rel: str, digests: dict[Path, FileDigest]) -> mf.FileEntry:
     digest = digests.get(directory / rel)
     if digest is not None:
         return mf.FileEntry(rel, digest.sha256, digest.size)
     return mf.FileEntry(rel, mf.sha256_file(directory / rel), (directory / rel).stat().st_size)
-
-
-# -- loading ---------------------------------------------------------------------------------------
-
-
-def _load_weights(
-    directory: Path, manifest: mf.Manifest, role: str, rank: int, device, tp_rank: int = 0
-) -> dict[str, torch.Tensor]:
-    files = manifest.rank_files(role, rank, tp_rank).weights
-    if not manifest.weights_included:
-        raise mf.ArtifactError(
-            f"{directory} was compiled with --no-weights (a plan only); compile it again with weights to run it"
-        )
-    mf.verify(directory, manifest, files)
-    tensors: dict[str, torch.Tensor] = {}
-    for rel in files:
-        state = rel.endswith("-state.safetensors")
-        for name, t in load_file(directory / rel, device=str(device)).items():
-            tensors[name] = t if state else torch.nn.Parameter(t, requires_grad=False)
-    return tensors
-
-
-def load(
-    directory: str | Path,
-    role: str,
-    rank: int = 0,
-    device: str | torch.device = "cpu",
-    backend: str | None = None,
-    tp_rank: int | None = None,
-) -> AttentionProgram | TensorParallelAttention | FFNProgram:
-    """Rank ``rank`` of role ``attn`` or ``ffn`` of a compiled artifact, with only its own weights,
-    on ``device``, run by ``backend`` (default: the one the artifact was compiled with).
-
-    Under ``--attn-tp N`` an attention rank is N TP ranks: all of them, run as threads of this
-    process, or with ``tp_rank`` only that one (it then runs inside a TP group, see
-    :mod:`afdc.runtime.tensor_parallel`). The manifest's format version and the SHA-256 of every
-    file read are checked first.
-    """
-    directory = Path(directory)
-    manifest = mf.read_manifest(directory)
-    tp = manifest.plan.attention_tp if role == "attn" else 1
-    shards = [tp_rank] if tp_rank is not None else list(range(tp))
-    programs = [_load(directory, manifest, role, rank, torch.device(device), t) for t in shards]
-    program = programs[0] if len(programs) == 1 else TensorParallelAttention(programs)
-    program.use_backend(backend or manifest.plan.backend)
-    return program
-
-
-def _load(
-    directory: Path, manifest: mf.Manifest, role: str, rank: int, device: torch.device, tp_rank: int
-) -> AttentionProgram | FFNProgram:
-    manifest.rank_files(role, rank, tp_rank)  # a clear error for a role or rank the plan does not have
-    weights = _load_weights(directory, manifest, role, rank, device, tp_rank)
-    if role == "attn":
-        mf.verify(directory, manifest, [manifest.attention_program])
-        module = load_program(directory / manifest.attention_program, weights, device)
-        return AttentionProgram(module, pytree.treespec_loads(manifest.output_spec))
-    programs = [s.program for s in manifest.segments]
-    mf.verify(directory, manifest, programs)
-    segments = [load_program(directory / p, {}, device).graph for p in programs]
-    return FFNProgram(
-        segments,
-        [FFNLayer(lay.segment, lay.weights) for lay in manifest.layers],
-        weights,
-        [s.reduce for s in manifest.segments],
-        rank,
-        [s.inputs for s in manifest.segments],
-        [s.routing for s in manifest.segments],
-    )
-
-
-def _generation_config(directory: Path) -> GenerationConfig | None:
-    """What the model's own ``generate`` stops and pads with: its checkpoint's generation config,
-    else its config's defaults; None for an artifact compiled without weights (no model files)."""
-    files = directory / mf.MODEL_DIR
-    if (files / "generation_config.json").is_file():
-        return GenerationConfig.from_pretrained(files)
-    if (files / "config.json").is_file():
-        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(files))
-    return None
-
-
-def deployment_of(directory: str | Path) -> tuple[Layout, bytes]:
-    """The slots of an artifact's plan and the id its ranks check on every message (from the
-    manifest's bytes, so ranks of different compiles never mix)."""
-    manifest = mf.read_manifest(Path(directory))
-    raw = (Path(directory) / mf.MANIFEST).read_bytes()
-    return Layout(manifest.plan.attention_ranks, manifest.plan.ffn_ranks), deployment_id(raw)
-
-
-def load_deployment(
-    directory: str | Path, device: str | torch.device = "cpu", connector: str = "gloo", backend: str | None = None
-) -> DisaggregatedModel:
-    """Every rank of an artifact in this process, joined by the loopback connector;
-    ``dm.launch()`` moves the FFN ranks to server processes over ``connector``."""
-    directory = Path(directory)
-    manifest = mf.read_manifest(directory)
-    plan = manifest.plan
-    attention = [load(directory, "attn", a, device, backend) for a in range(plan.attention_ranks)]
-    ffn = [load(directory, "ffn", r, device, backend) for r in range(plan.ffn_ranks)]
-    return DisaggregatedModel(
-        attention,
-        ffn,
-        manifest.incremental_decode,
-        None,
-        _generation_config(directory),
-        micro_batches=plan.micro_batches,
-        deployment=deployment_of(directory)[1],
-        artifact=directory,
-        connector=connector,
-        max_positions=manifest.max_positions,
-    )

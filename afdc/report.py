@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.fx as fx
 
+from afdc.partition.cut import Cut
 from afdc.passes import graph_facts as gf
-from afdc.passes.cut import Cut
 
 
 @dataclass

@@ -39,7 +39,7 @@ from transformers.core_model_loading import dot_natural_key, revert_weight_conve
 
 from afdc.artifact.checkpoint import INDEX_NAME
 from afdc.artifact.reshard import TargetFile, TargetTensor, encode_header, reshard
-from afdc.partition.shard import ShardSlice
+from afdc.segment import ShardSlice
 from afdc.source import empty_model
 
 TARGET_RATIO = 0.5

@@ -44,7 +44,8 @@ import afdc
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.launch import LocalCluster
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.programs import FFNLayer, FFNProgram
+from afdc.runtime.programs import FFNProgram
+from afdc.segment import Segment, SegmentBinding
 from afdc.runtime.rendezvous import Layout, Rendezvous
 
 HIDDEN = 4096
@@ -57,7 +58,8 @@ def identity_program() -> FFNProgram:
     x = g.placeholder("x")
     g.placeholder("rank")
     g.output((x,))
-    return FFNProgram([g], [FFNLayer(0, [])], {}, [["first"]], inputs=[[[-1, HIDDEN]]])
+    segment = Segment(graph=g, splits=(), reduce=("first",), inputs=([-1, HIDDEN],))
+    return FFNProgram(segments=[segment], layers=[SegmentBinding(0, [])], weights={}, rank=0)
 
 
 class _EchoDeployment:

@@ -14,7 +14,7 @@ import torch
 import afdc
 from afdc.artifact.manifest import ArtifactError, read_manifest
 from afdc.demo import demo_batch
-from afdc.partition.shard import Split
+from afdc.segment import Split
 from afdc.runtime.rendezvous import PeerLost
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from models_supported import catalog

@@ -18,7 +18,7 @@ from afdc.artifact.manifest import ArtifactError, read_manifest
 from afdc.cli import main
 from afdc.demo import demo_batch
 from afdc.errors import AfdcError
-from afdc.runtime.programs import ExpertRouting
+from afdc.segment import ExpertRouting
 from models_supported import catalog
 
 # One architecture per family of models_supported (MoE: three routing styles, plus renamed experts).

@@ -13,9 +13,9 @@ import afdc
 from afdc.cli import main
 from afdc.demo import demo_batch, demo_model
 from afdc.equivalence import check
-from afdc.passes.mincut import FlowGraph
+from afdc.partition.mincut import FlowGraph
 from afdc.runtime import connector as connectors
-from afdc.runtime.programs import Dispatch, Share
+from afdc.segment import Dispatch, Share
 from models_supported.catalog import ENTRIES, TINY_COMMON, build_type
 
 

@@ -23,7 +23,7 @@ from afdc.api import build
 from afdc.runtime import connector as connectors
 from afdc.runtime import wire
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.programs import Dispatch, ExpertRouting
+from afdc.segment import Dispatch, ExpertRouting
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, free_port
 from afdc.runtime.server import FFNServer, serve_program
 from models_supported import catalog

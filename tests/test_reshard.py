@@ -25,7 +25,7 @@ from transformers.core_model_loading import Chunk, Concatenate, Interleave, Spli
 
 from afdc.artifact.checkpoint import Checkpoint, CheckpointError, resolve
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
-from afdc.partition.shard import ShardSlice
+from afdc.segment import ShardSlice
 from afdc.source import empty_model
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, vocab_size=128, num_attention_heads=4, num_key_value_heads=2)

@@ -12,10 +12,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch.fx as fx
+
 from afdc.errors import AfdcError
-from afdc.partition.shard import Split
 from afdc.plan import Plan
-from afdc.runtime.programs import Dispatch, ExpertRouting
+from afdc.segment import ExpertRouting, Segment, Split
 
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
@@ -70,9 +71,17 @@ class SegmentSpec:
         routing = ExpertRouting(**d["routing"]) if d.get("routing") else None
         return cls(d["program"], [Split(**s) for s in d["splits"]], d["reduce"], d["inputs"], routing)
 
-    @property
-    def dispatch(self) -> Dispatch:
-        return Dispatch(tuple(self.reduce), tuple(self.inputs), self.routing)
+    @classmethod
+    def of(cls, program: str, segment: Segment) -> SegmentSpec:
+        """The spec of ``segment``, whose graph is written to ``program``."""
+        return cls(program, list(segment.splits), list(segment.reduce), list(segment.inputs), segment.routing)
+
+    def segment(self, graph: fx.Graph) -> Segment:
+        """The segment this spec describes, running ``graph`` (its program, read back)."""
+        return Segment(
+            graph=graph, splits=tuple(self.splits), reduce=tuple(self.reduce), inputs=tuple(self.inputs),
+            routing=self.routing,
+        )
 
 
 @dataclass

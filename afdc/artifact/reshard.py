@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from afdc.artifact.checkpoint import DTYPES, Checkpoint, Layout, Piece, SourceReader, resolve
-from afdc.partition.shard import ShardSlice
+from afdc.segment import ShardSlice
 
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 WORKERS = min(4, os.cpu_count() or 1)  # file writes are memory-bound: more threads than this only contend

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from afdc import segment
 from afdc.passes.fuse_activation import fuse_activations
 from afdc.passes.fuse_moe import fuse_moe, fuse_shared_experts
 from afdc.passes.fuse_norms import fuse_norms
@@ -61,7 +62,7 @@ def annotate(module: fx.GraphModule, args: tuple) -> None:
     fakes = []
     for node, value in zip(module.graph.find_nodes(op="placeholder"), args):
         if isinstance(value, torch.Tensor):
-            how = DimDynamic.STATIC if node.name.startswith("w") else DimDynamic.DYNAMIC
+            how = DimDynamic.STATIC if segment.is_weight(node) else DimDynamic.DYNAMIC
             context = StatelessSymbolicContext(dynamic_sizes=[how] * value.dim())
             value = mode.from_tensor(value, symbolic_context=context)
         fakes.append(value)

@@ -36,11 +36,15 @@ intermediate ``act(gate) * up`` is rounded to the weights' dtype, the input of t
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from afdc.codegen import autotune
 from afdc.codegen.triton_support import interpreting, jit, launches, next_power_of_2, tl
+from afdc.ops.call import bound
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
@@ -616,3 +620,59 @@ def _(x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_
     _check(x, *output_major(w_gate_up, w_down, transposed), topk_ids, activation, b_gate_up, b_down, alpha, limit,
            (s_gate, s_up, s_down, s_scale))
     return torch.empty_like(x)
+
+
+@dataclass(frozen=True)
+class FusedMoeCall:
+    """One ``afdc::fused_moe`` node's arguments by name (tensors are graph values)."""
+
+    node: fx.Node
+    x: fx.Node
+    w_gate_up: fx.Node
+    w_down: fx.Node
+    topk_weights: fx.Node
+    topk_ids: fx.Node
+    first_expert: object  # an int, or a graph value (rank * experts per rank) on a sharded rank
+    activation: str
+    b_gate_up: fx.Node | None = None
+    b_down: fx.Node | None = None
+    transposed: bool = False
+    interleaved: bool = False
+    alpha: float | None = None
+    limit: float | None = None
+    s_gate: fx.Node | None = None
+    s_up: fx.Node | None = None
+    s_down: fx.Node | None = None
+    s_scale: fx.Node | None = None
+
+    OP = torch.ops.afdc.fused_moe.default
+
+    @classmethod
+    def of(cls, node: fx.Node) -> FusedMoeCall:
+        return cls(node, **bound(node, cls.OP))
+
+    @classmethod
+    def matches(cls, node: fx.Node) -> bool:
+        return node.op == "call_function" and node.target is cls.OP
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.s_down is not None
+
+    @property
+    def has_biases(self) -> bool:
+        return self.b_gate_up is not None or self.b_down is not None
+
+    @classmethod
+    def emit(cls, graph: fx.Graph, **arguments) -> fx.Node:
+        """A new call; arguments left at their defaults are left out of the node."""
+        names = [a.name for a in cls.OP._schema.arguments]
+        required = names[: names.index("activation") + 1]
+        args = tuple(arguments[n] for n in required)
+        defaults = {f.name: f.default for f in fields(cls) if f.name in names and f.name not in required}
+        kwargs = {k: v for k, v in arguments.items() if k not in required and v != defaults[k]}
+        return graph.call_function(cls.OP, args, kwargs)
+
+    def arguments(self) -> dict:
+        """Every argument by name, to emit a changed call (``emit(graph, **{**call.arguments(), ...})``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "node"}

@@ -20,14 +20,16 @@ import enum
 import itertools
 import math
 import operator
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
 
+from afdc import segment
 from afdc.errors import PlanError
 from afdc.passes import graph_facts as gf
+from afdc.segment import Split
 
 
 class FFNParallel(enum.Enum):
@@ -69,92 +71,6 @@ R = Layout(Kind.REPLICATED)
 _ROW_WISE = (Kind.REPLICATED, Kind.OWNED, Kind.OWNED_ONLY)  # what a grouped matmul keeps row by row
 
 
-@dataclass(frozen=True)
-class ShardSlice:
-    """Which part of a full tensor one rank holds.
-
-    Along ``dim``, the tensor is ``blocks`` equal consecutive blocks (e.g. a fused [gate; up]), or
-    the consecutive ``sections`` of the given sizes (a fused [q; k; v] with fewer key/value heads),
-    and each is split into ``parts`` near-equal ranges: rank ``part`` holds, of each block or
-    section of size n starting at o, rows [o + part*n//parts, o + (part+1)*n//parts), concatenated
-    in order. ``dim=None`` is the whole tensor (replicated). Expert parallelism is dim 0 of a
-    stacked [E, ...] expert weight; tensor parallelism of a fused gate_up is ``blocks=2``.
-    """
-
-    dim: int | None = None
-    blocks: int = 1
-    part: int = 0
-    parts: int = 1
-    sections: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        object.__setattr__(self, "sections", tuple(self.sections))
-        if self.parts < 1 or self.blocks < 1 or not 0 <= self.part < self.parts:
-            raise ValueError(f"{self}: needs parts >= 1, blocks >= 1 and 0 <= part < parts")
-        if self.dim is None and (self.blocks, self.parts, self.sections) != (1, 1, ()):
-            raise ValueError(f"{self}: a replicated slice (dim=None) has blocks=1, parts=1 and no sections")
-        if self.sections and self.blocks != 1:
-            raise ValueError(f"{self}: sections or blocks, not both")
-        if self.dim is not None and self.dim < 0:
-            raise ValueError(f"{self}: dim counts from 0")
-
-    def index(self, full: Sequence[int]) -> list[tuple[int, int]]:
-        """The [start, stop) row ranges along ``dim`` this rank holds, in order ([] when replicated)."""
-        if self.dim is None:
-            return []
-        if self.dim >= len(full) or sum(self.sizes(full[self.dim])) != full[self.dim]:
-            raise ValueError(f"{self} does not fit a tensor of shape {list(full)}")
-        ranges, start = [], 0
-        for n in self.sizes(full[self.dim]):
-            ranges.append((start + self.part * n // self.parts, start + (self.part + 1) * n // self.parts))
-            start += n
-        return ranges
-
-    def sizes(self, size: int) -> tuple[int, ...]:
-        """The blocks or sections a dim of ``size`` is made of."""
-        return self.sections or (size // self.blocks,) * self.blocks
-
-    def local_shape(self, full: Sequence[int]) -> tuple[int, ...]:
-        if self.dim is None:
-            return tuple(full)
-        rows = sum(hi - lo for lo, hi in self.index(full))
-        return (*full[: self.dim], rows, *full[self.dim + 1 :])
-
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full in-memory tensor (what the written file holds for it)."""
-        if self.dim is None:
-            return tensor
-        return torch.cat([tensor.narrow(self.dim, lo, hi - lo) for lo, hi in self.index(tensor.shape)], self.dim)
-
-
-@dataclass(frozen=True)
-class Split:
-    """How the F ranks hold one weight: replicated (``dim`` None) or split along ``dim``."""
-
-    dim: int | None = None
-    blocks: int = 1  # the dim is this many equal blocks (a fused [gate; up]), each split evenly
-    experts: bool = False  # ``dim`` is the expert dimension (expert parallel)
-    sections: tuple[int, ...] = ()  # or these unequal sections (a fused [q; k; v]), each split evenly
-
-    def __post_init__(self):
-        object.__setattr__(self, "sections", tuple(self.sections))  # read back from JSON as a list
-
-    def slice(self, rank: int, ranks: int) -> ShardSlice:
-        """The part of the full weight that rank ``rank`` of ``ranks`` holds."""
-        if self.dim is None or ranks == 1:
-            return ShardSlice()
-        return ShardSlice(self.dim, self.blocks, rank, ranks, self.sections)
-
-    def divides(self, size: int, ranks: int) -> bool:
-        """Whether ``ranks`` split each block or section of a dim of ``size`` evenly."""
-        parts = ShardSlice(0, self.blocks, 0, 1, self.sections).sizes(size)
-        return sum(parts) == size and all(n % ranks == 0 for n in parts)
-
-    def local(self, tensor: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
-        """Rank ``rank``'s part of the full ``tensor``."""
-        return self.slice(rank, ranks).take(tensor).contiguous()
-
-
 @dataclass
 class ShardedSegment:
     """A segment graph taking ``(weights..., inputs..., rank)``, how each rank holds each weight,
@@ -168,11 +84,7 @@ class ShardedSegment:
 
     def describe(self) -> str:
         """``ep``, ``tp``, ``dp`` or ``replicated``: how the FFN ranks share this segment's work."""
-        if self.reduce and all(how == "rows" for how in self.reduce):
-            return "dp"
-        if any(s.experts for s in self.splits):
-            return "ep"
-        return "tp" if any(s.dim is not None for s in self.splits) else "replicated"
+        return segment.describe(self.splits, self.reduce)
 
 
 class _Conflict(Exception):
@@ -211,11 +123,6 @@ def _slice_args(node: fx.Node) -> tuple:
     """``aten.slice(x, dim, start=None, end=None, step=1)``'s start (0 for None), end and step."""
     start, end, step = [*node.args[2:5], *[None] * (5 - max(len(node.args), 2))][:3]
     return start or 0, end, step or 1
-
-
-def _weight_inputs(graph: fx.Graph) -> list[fx.Node]:
-    """The segment's weight placeholders (``w0``, ``w1``, ...; inputs are ``x0``, ...)."""
-    return [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("w")]
 
 
 def _shape(node: fx.Node) -> list:
@@ -257,7 +164,7 @@ class _Propagation:
 
     def __post_init__(self) -> None:
         if self.weights is None:
-            self.weights = {w: i for i, w in enumerate(_weight_inputs(self.graph))}
+            self.weights = {w: i for i, w in enumerate(segment.weights(self.graph))}
         self._nodes = list(self.graph.nodes)
         self._order = {n: i for i, n in enumerate(self._nodes)}
         self._first_use: dict[int, int] = {}
@@ -912,7 +819,7 @@ def single_rank(graph: fx.Graph) -> ShardedSegment:
     """The segment for a plan with one FFN rank: unchanged, plus the (unused) rank input."""
     outputs = len(next(n for n in graph.nodes if n.op == "output").args[0])
     unchanged = _rewrite(graph, _Propagation(graph, FFNParallel.TP, 1, {}), 1)
-    return ShardedSegment(unchanged, [Split()] * len(_weight_inputs(graph)), ["first"] * outputs)
+    return ShardedSegment(unchanged, [Split()] * len(segment.weights(graph)), ["first"] * outputs)
 
 
 def data_parallel(graph: fx.Graph) -> ShardedSegment:
@@ -934,7 +841,7 @@ def shard_segment(
 
     ``label`` (the layer) and ``names`` (its weights) only name things in errors.
     """
-    weights = _weight_inputs(graph)
+    weights = segment.weights(graph)
     names = names or [w.name for w in weights]
     prop = _Propagation(graph, mode, ranks, {i: Split() for i in whole})
 
@@ -1033,7 +940,7 @@ def _rewrite(graph: fx.Graph, prop: _Propagation, ranks: int) -> fx.Graph:
             if node in prop.averaged:
                 env[node] = new.call_function(torch.ops.aten.div.Tensor, (env[node], ranks))
         if node is placeholders[-1] and not prop.reduce_partials:
-            rank = new.placeholder("rank")
+            rank = segment.add_rank(new)
     new.lint()
     return new
 

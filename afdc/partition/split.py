@@ -14,18 +14,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from afdc import segment
 from afdc.errors import UnsupportedModelError
+from afdc.ops import RecvCall, SendCall
+from afdc.partition.cut import Cut
 from afdc.partition.symbolic import SymEmitter
 from afdc.passes import graph_facts as gf
-from afdc.passes.cut import Cut
-
-
-@dataclass
-class SegmentBinding:
-    """Which segment graph an FFN layer runs and the attribute names of its weights, in order."""
-
-    segment: int
-    weights: list[str]
+from afdc.segment import SegmentBinding
 
 
 @dataclass
@@ -66,9 +61,7 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
             cut, i = returned[n]
             layer = cut.region.index
             shape = [emitter.emit(d) for d in n.meta["val"].shape]
-            env[n] = new.call_function(
-                torch.ops.afdc.recv.default, (tickets[layer], layer, i, shape, n.meta["val"].dtype)
-            )
+            env[n] = RecvCall.emit(new, tickets[layer], layer, i, shape, n.meta["val"].dtype)
             env[n].meta["val"] = n.meta["val"]
             return env[n]
         if isinstance(n.meta.get("val"), torch.SymInt):
@@ -91,9 +84,7 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
             pending.discard(node)
             if not pending:
                 layer = cut.region.index
-                tickets[layer] = new.call_function(
-                    torch.ops.afdc.send.default, ([env[v] for v in cut.to_ffn], layer)
-                )
+                tickets[layer] = SendCall.emit(new, [env[v] for v in cut.to_ffn], layer)
                 sent = True
         return sent
 
@@ -141,10 +132,10 @@ def extract_segment(cut: Cut, free: set[fx.Node]) -> tuple[fx.Graph, list[str], 
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, w in enumerate(weights):
-        env[w] = g.placeholder(f"w{i}")
+        env[w] = segment.add_weight(g, i)
         env[w].meta = dict(w.meta)
     for i, x in enumerate(cut.to_ffn):
-        env[x] = g.placeholder(f"x{i}")
+        env[x] = segment.add_input(g, i)
         env[x].meta = dict(x.meta)
     emitter = SymEmitter(g, [env[x] for x in cut.to_ffn])
 

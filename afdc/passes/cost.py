@@ -21,10 +21,10 @@ import sympy
 import torch
 import torch.fx as fx
 
+from afdc.partition.mincut import INF, FlowGraph
 from afdc.passes import aliasing
 from afdc.passes import graph_facts as gf
 from afdc.passes.layers import LayerPattern
-from afdc.passes.mincut import INF, FlowGraph
 
 aten = torch.ops.aten
 

@@ -25,10 +25,12 @@ from collections.abc import Collection
 import torch
 import torch.fx as fx
 
+from afdc import segment
+from afdc.codegen.fused_moe import FusedMoeCall
 from afdc.passes import graph_facts as gf
 from afdc.passes.fuse_moe import fuse_moe
 from afdc.passes.fusion import constant_factor, copy_graph, val
-from afdc.runtime.programs import ExpertRouting, row_major, token_major
+from afdc.segment import ExpertRouting, row_major, token_major
 
 _PASS_THROUGH = {"view", "reshape", "to", "_to_copy", "type_as", "contiguous", "clone"}
 # ops that compute each token's row from that row alone, given reductions over the last dim only
@@ -110,7 +112,7 @@ def _routing_key(ids, inputs: list[fx.Node]) -> tuple[int, int | None] | None:
 def _lead_terms(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]] | None:
     """``(rank == 0, term * (rank == 0))`` for each term sharding added on rank 0 only; None when
     such a condition is used any other way."""
-    rank = graph.find_nodes(op="placeholder")[-1]
+    rank = segment.rank(graph)
     leads = [u for u in rank.users if u.target is operator.eq and u.args == (rank, 0)]
     uses = [(lead, m) for lead in leads for m in lead.users]
     if not all(gf.op_name(m) == "mul" and m.args[1] is lead and len(m.users) for lead, m in uses):
@@ -129,10 +131,8 @@ def owner_mask(graph: fx.Graph, tokens) -> fx.Graph | None:
     if not row_major(layouts[0]) or any(lay != layouts[0] for lay in layouts):
         return None
     new = copy_graph(graph)
-    placeholders = new.find_nodes(op="placeholder")
-    inputs = [p for p in placeholders if p.name.startswith("x")]
-    with new.inserting_before(placeholders[-1]):
-        mask = new.placeholder(f"x{len(inputs)}")
+    with new.inserting_before(segment.rank(new)):
+        mask = segment.add_input(new, len(segment.inputs(new)))
     uses = _lead_terms(new)
     term = val(uses[0][1].args[0])
     mask.meta["val"] = term.new_empty((*term.shape[:-1], 1), dtype=torch.bool)
@@ -161,11 +161,8 @@ def expert_routing(graph: fx.Graph, tokens, whole: Collection[int] = ()) -> Expe
     indices of the weights every rank holds whole (the graph keeps full shapes, so it cannot say)."""
     copy = copy_graph(graph)
     fuse_moe(copy)
-    placeholders = copy.find_nodes(op="placeholder")
-    inputs = [p for p in placeholders if p.name.startswith("x")]
-    weight_inputs = [p for p in placeholders if p.name.startswith("w")]
+    inputs, weight_inputs, rank = segment.inputs(copy), segment.weights(copy), segment.rank(copy)
     whole_weights = frozenset(weight_inputs[i] for i in whole)
-    rank = placeholders[-1]
     (output,) = copy.find_nodes(op="output")
     outs = output.args[0]
     if len(outs) != 1 or not all(token_major(gf.token_layout(n, tokens)) for n in [*inputs, outs[0]]):
@@ -175,9 +172,10 @@ def expert_routing(graph: fx.Graph, tokens, whole: Collection[int] = ()) -> Expe
         moe, term, owner = _scaled_source(masked[0]), masked[1], masked[2]
         if not _row_local(term, set(inputs), tokens, whole_weights):
             return None
-    if gf.op_name(moe) != "fused_moe" or moe.target.namespace != "afdc":
+    if not FusedMoeCall.matches(moe):
         return None
-    x, weights, ids, first = (moe.args[i] for i in (0, 3, 4, 5))
+    call = FusedMoeCall.of(moe)
+    x, weights, ids, first = call.x, call.topk_weights, call.topk_ids, call.first_expert
     # the expert split wrote first = rank * (experts per rank); placeholders keep the full shapes
     if not (isinstance(first, fx.Node) and first.target is operator.mul and first.args[0] is rank):
         return None

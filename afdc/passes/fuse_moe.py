@@ -33,8 +33,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from afdc.codegen import fused_moe as _fused_moe_op  # noqa: F401 (defines the ops this pass emits)
-from afdc.codegen import moe_routing as _moe_route_op  # noqa: F401
+from afdc.codegen import moe_routing as _moe_route_op  # noqa: F401 (defines the routing op this pass emits)
+from afdc.codegen.fused_moe import FusedMoeCall
 from afdc.passes.fuse_activation import activation_of
 from afdc.passes.fusion import (
     FusionReport,
@@ -67,7 +67,7 @@ def fuse_moe(graph: fx.Graph) -> FusionReport:
 def fuse_shared_experts(graph: fx.Graph) -> FusionReport:
     """Move every shared expert added to a fused MoE's output into that ``fused_moe``. Separate
     from :func:`fuse_moe`, whose graph the expert-routing proof reads with the term still added."""
-    added = [n for n in graph.nodes if n.target is torch.ops.afdc.fused_moe.default and _sum_with(n) is not None]
+    added = [n for n in graph.nodes if FusedMoeCall.matches(n) and _sum_with(n) is not None]
     report = run_matches(graph, "shared_expert", added, lambda n: _take_shared_expert(graph, n))
     graph.lint()
     return report
@@ -285,10 +285,9 @@ def _rewrite_experts(graph: fx.Graph, up_proj: fx.Node) -> None:
     options = {"b_gate_up": b_gate_up, "b_down": b_down, "transposed": transposed, "interleaved": interleaved,
                "alpha": alpha, "limit": limit}
     with graph.inserting_before(out):
-        fused = graph.call_function(
-            torch.ops.afdc.fused_moe.default,
-            (x, w_gate_up, w_down, weights, ids, first, activation),
-            {key: value for key, value in options.items() if value is not None and value is not False},
+        fused = FusedMoeCall.emit(
+            graph, x=x, w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights, topk_ids=ids, first_expert=first,
+            activation=activation, **options,
         )
     fused.meta = dict(out.meta)
     out.replace_all_uses_with(fused)
@@ -388,8 +387,8 @@ def _take_shared_expert(graph: fx.Graph, moe: fx.Node) -> None:
     where ``chain`` is casts, views and constant scalings (which move into the routing weights) and
     the factors are per row (Qwen2-MoE's sigmoid gate, the owner mark of expert routing),
     multiplied into ``s_scale``."""
-    expect(not any(k.startswith("b_") or k.startswith("s_") for k in moe.kwargs),
-           "experts with biases, or a shared expert already")
+    call = FusedMoeCall.of(moe)
+    expect(not call.has_biases and not call.has_shared_expert, "experts with biases, or a shared expert already")
     chain, add = _sum_with(moe)
     expect(shapes_match(val(add).shape, val(chain[-1]).shape) and val(add).dtype == val(chain[-1]).dtype,
            "the sum has another shape or dtype than the experts' output")
@@ -406,7 +405,7 @@ def _take_shared_expert(graph: fx.Graph, moe: fx.Node) -> None:
     # the same rows as the experts' (checked by _shared_mlp), as [tokens, H] or shaped like the sum
     expect(val(term) is not None and val(term).shape in (val(moe).shape, val(add).shape),
            "the shared expert's rows are not the experts' rows")
-    w_gate, w_up, w_down = _shared_mlp(term, moe.args[0], moe.args[6])
+    w_gate, w_up, w_down = _shared_mlp(term, call.x, call.activation)
     with graph.inserting_before(add):
         if w_up is None:
             w_gate, w_up = _weight_halves(graph, w_gate)
@@ -419,12 +418,13 @@ def _take_shared_expert(graph: fx.Graph, moe: fx.Node) -> None:
                 product.meta["val"] = val(shared["s_scale"]) * val(flat)
                 flat = product
             shared["s_scale"] = flat
-        args = list(moe.args)
+        arguments = call.arguments()
         scaling = math.prod(c for c in map(constant_factor, chain[1:]) if c is not None)
         if scaling != 1.0:  # the routed sum's scaling, not the shared expert's: into the routing weights
-            args[3] = graph.call_function(torch.ops.aten.mul.Tensor, (args[3], scaling))
-            args[3].meta["val"] = val(moe.args[3]) * scaling
-        out = graph.call_function(moe.target, tuple(args), {**moe.kwargs, **shared})
+            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (call.topk_weights, scaling))
+            scaled.meta["val"] = val(call.topk_weights) * scaling
+            arguments["topk_weights"] = scaled
+        out = FusedMoeCall.emit(graph, **{**arguments, **shared})
         out.meta = dict(moe.meta)
         for node in chain[1:]:  # the same casts and views, now of the sum
             if constant_factor(node) is None:

@@ -19,7 +19,8 @@ import torch
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
 from afdc.runtime.exchange import AttentionEndpoint, RemoteConnector
-from afdc.runtime.programs import AttentionProgram, Dispatch, FFNProgram, combine
+from afdc.runtime.programs import AttentionProgram, FFNProgram, combine
+from afdc.segment import Dispatch
 
 
 @dataclass

@@ -7,17 +7,14 @@ sends the segment's inputs, then receives its outputs one by one.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from afdc.ops import context
 from afdc.runtime import wire
-
-_LOCAL = threading.local()  # micro-batches run in threads, each with its own connector
 
 
 @dataclass
@@ -82,24 +79,10 @@ class LoopbackConnector(Connector):
         return out
 
 
-def _stack() -> list[Connector]:
-    if not hasattr(_LOCAL, "stack"):
-        _LOCAL.stack = []
-    return _LOCAL.stack
-
-
 def current() -> Connector:
-    stack = _stack()
-    if not stack:
-        raise RuntimeError("an afdc send/recv op ran with no active connector; run the program through afdc's runtime")
-    return stack[-1]
+    return context.current_link()
 
 
-@contextlib.contextmanager
-def active(connector: Connector) -> Iterator[Connector]:
-    stack = _stack()
-    stack.append(connector)
-    try:
-        yield connector
-    finally:
-        stack.pop()
+def active(connector: Connector):
+    """Make ``connector`` the one send/recv ops talk to, for the ``with`` block."""
+    return context.link_active(connector)

@@ -21,9 +21,9 @@ from afdc.runtime import wire
 from afdc.runtime.connector import Connector
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.programs import Dispatch, Share
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.transport import Failure, Incoming, Transport, transport_class
+from afdc.segment import Dispatch, Share
 
 
 def deployment_id(*parts: str | bytes) -> bytes:

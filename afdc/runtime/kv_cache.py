@@ -10,39 +10,12 @@ from scratch. :class:`KVCache` is the contiguous cache of ``dm.generate``;
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
-from typing import Protocol
-
 import torch
 
-from afdc import ops  # ops imports this module: use ops.* only at call time
+from afdc.ops import reference_attention
+from afdc.ops.context import AttentionCache, cache_active, current_cache
 
-_LOCAL = threading.local()  # micro-batches run in threads, each with its own cache
-
-
-class AttentionCache(Protocol):
-    """What the attention op hands its call to while the cache is active.
-
-    ``attend`` stores ``k``/``v`` (``[b, hk, s, d]``) in ``slot`` and returns the attention of ``q``
-    (``[b, hq, s, d]``) over everything cached for the slot, ``[b, s, hq, dv]``. ``mask`` and
-    ``window`` are the call's own; a cache that knows better where each query's keys are (a paged
-    cache over a flat batch of requests) may ignore them.
-    """
-
-    def attend(
-        self,
-        slot: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        scale: float,
-        softcap: float,
-        sinks: torch.Tensor | None,
-        window: int,
-    ) -> torch.Tensor: ...
+__all__ = ["AttentionCache", "KVCache", "active", "current"]
 
 
 class KVCache:
@@ -72,21 +45,8 @@ class KVCache:
     def attend(self, slot, q, k, v, mask, scale, softcap, sinks, window) -> torch.Tensor:
         """The queries are the last ``s`` of the cached keys, and the call's mask covers them all."""
         k, v = self.update(slot, k, v)
-        return ops.reference_attention(q, k, v, mask, scale, softcap, sinks)
+        return reference_attention(q, k, v, mask, scale, softcap, sinks)
 
 
-def current() -> AttentionCache | None:
-    return getattr(_LOCAL, "cache", None)
-
-
-@contextlib.contextmanager
-def active(cache: AttentionCache | None) -> Iterator[None]:
-    """Make ``cache`` the one attention ops hand their calls to (``None``: no cache)."""
-    if cache is None:
-        yield
-        return
-    outer, _LOCAL.cache = current(), cache
-    try:
-        yield
-    finally:
-        _LOCAL.cache = outer
+current = current_cache
+active = cache_active

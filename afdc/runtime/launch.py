@@ -2,7 +2,7 @@
 
 The launcher hosts the rendezvous store (on a free local port unless told otherwise), makes a
 fresh deployment token unless one is given, and starts one FFN server process per FFN rank:
-from the artifact's files when the model came from ``afdc compile``, otherwise from the
+as the model's ``ffn_source`` makes it (an artifact's loader reads the files), otherwise from the
 in-memory FFN programs (their weights travel through shared memory, not copies).
 """
 
@@ -12,25 +12,23 @@ import json
 import logging
 import multiprocessing as mp
 import secrets
+from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import NoReturn
 
 from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous, free_port
 from afdc.runtime.server import serve_program
 
 log = logging.getLogger("afdc.launch")
 
 
-def serve_artifact(
-    directory: str | Path, rank: int, options: RuntimeOptions, device: str = "cpu", backend: str | None = None
+def serve_loaded(
+    source: Callable[[int], FFNProgram], rank: int, layout: Layout, deployment: bytes, options: RuntimeOptions
 ) -> NoReturn:
-    """Run FFN rank ``rank`` of a compiled artifact until stopped (``afdc serve --role ffn``)."""
-    from afdc.compile import deployment_of, load
-
-    layout, deployment = deployment_of(directory)
-    serve_program(load(directory, "ffn", rank, device, backend), layout, deployment, options)
+    """Run FFN rank ``rank``, as ``source`` makes it in this process, until stopped."""
+    serve_program(source(rank), layout, deployment, options)
 
 
 class LocalCluster:
@@ -54,9 +52,8 @@ class LocalCluster:
         old = self.processes[rank]
         if old is not None and old.is_alive():
             raise RuntimeError(f"FFN rank {rank} is still running (pid {old.pid}); kill it first")
-        if self.dm.artifact is not None:
-            program = self.dm.ffn_ranks[rank]
-            target, args = serve_artifact, (self.dm.artifact, rank, self.options, str(program.device), program.backend)
+        if self.dm.ffn_source is not None:
+            target, args = serve_loaded, (self.dm.ffn_source, rank, self.layout, self.dm.deployment, self.options)
         else:
             target, args = serve_program, (self.dm.ffn_ranks[rank], self.layout, self.dm.deployment, self.options)
         proc = self._ctx.Process(target=target, args=args, name=f"afdc-ffn-{rank}", daemon=True)

@@ -14,9 +14,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
@@ -90,15 +89,15 @@ class DisaggregatedModel:
 
     def __init__(
         self,
+        *,
         attention: list[AttentionProgram],
         ffn: list[FFNProgram],
         incremental: bool,
         report,
         generation_config=None,
-        *,
         micro_batches: int = 1,
         deployment: bytes = b"",
-        artifact: Path | None = None,
+        ffn_source: Callable[[int], FFNProgram] | None = None,
         connector: str = "gloo",
         max_positions: int | None = None,
         default_positions: DefaultPositions = DefaultPositions.COUNT_PADDING,
@@ -112,7 +111,8 @@ class DisaggregatedModel:
         self.generation_config = generation_config
         self.micro_batches = micro_batches
         self.deployment = deployment  # the id every rank of a launched deployment checks
-        self.artifact = artifact  # the compiled artifact this came from, if any
+        # how a launched FFN server gets rank r's program (None: this process's, through shared memory)
+        self.ffn_source = ffn_source
         self.connector = connector  # the transport launch() uses unless told otherwise
         self.max_positions = max_positions  # the longest key length the programs are valid for (None: any)
         self.default_positions = default_positions  # used when a call gives no position_ids

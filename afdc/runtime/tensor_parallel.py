@@ -15,12 +15,9 @@ which keeps every group's collectives in one order on all its ranks.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import queue
-import threading
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,10 +26,9 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from afdc.errors import AfdcError
+from afdc.ops.context import group_active
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
-
-_LOCAL = threading.local()
 
 
 @dataclass(frozen=True)
@@ -52,28 +48,6 @@ class TPGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.pg.broadcast([tensor.view(-1).view(torch.uint8)], opts).wait(datetime.timedelta(seconds=self.timeout))
-
-
-def current() -> TPGroup | None:
-    return getattr(_LOCAL, "group", None)
-
-
-@contextlib.contextmanager
-def active(group: TPGroup) -> Iterator[TPGroup]:
-    outer, _LOCAL.group = current(), group
-    try:
-        yield group
-    finally:
-        _LOCAL.group = outer
-
-
-def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of ``tensor`` over the active TP group (a copy of it outside one)."""
-    out = tensor.contiguous().clone()
-    group = current()
-    if group is not None and group.size > 1:
-        group.all_reduce(out)
-    return out
 
 
 class TensorParallelConnector(connectors.Connector):
@@ -203,7 +177,7 @@ class TensorParallelAttention(torch.nn.Module):
 
         def run(rank: int):
             tp_link = TensorParallelConnector(groups[rank], link if rank == 0 else None)
-            with connectors.active(tp_link), kv_cache.active(shard_cache(cache, rank)), active(groups[rank]):
+            with connectors.active(tp_link), kv_cache.active(shard_cache(cache, rank)), group_active(groups[rank]):
                 return self.shards[rank](input_ids, attention_mask, position_ids)
 
         others: list[Future] = [self._pool.submit(run, r) for r in range(1, len(self.shards))]

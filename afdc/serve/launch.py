@@ -64,7 +64,7 @@ def check_servable(manifest: Manifest) -> None:
 
 def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> list[str]:
     """The ``vllm serve`` command line of one attention rank (its environment adds ``settings.to_env()``)."""
-    from afdc.compile import model_dir
+    from afdc.artifact.load import model_dir
 
     directory = Path(settings.artifact)
     manifest = read_manifest(directory)

@@ -34,7 +34,7 @@ class WorkerSettings:
 
     def open_rendezvous(self, host: bool = False):
         """This deployment's rendezvous store, reached (or hosted) within ``join_timeout``."""
-        from afdc.compile import deployment_of
+        from afdc.artifact.load import deployment_of
         from afdc.runtime.rendezvous import Rendezvous
 
         layout, deployment = deployment_of(self.artifact)

@@ -28,8 +28,8 @@ from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from afdc.artifact import manifest as mf
+from afdc.artifact.load import deployment_of, load
 from afdc.codegen.backend import resolve as resolve_backend
-from afdc.compile import deployment_of, load
 from afdc.errors import UnsupportedModelError
 from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch

@@ -20,10 +20,10 @@ import torch
 import torch.fx as fx
 
 from afdc.errors import UnsupportedModelError
+from afdc.partition.mincut import INF, FlowGraph
 from afdc.partition.symbolic import SymEmitter
 from afdc.passes import graph_facts as gf
 from afdc.passes.classify import Classification, FFNRegion
-from afdc.passes.mincut import INF, FlowGraph
 
 _SOURCE, _SINK = "attention", "ffn"
 # A weight matrix that only computes the input of the region's largest one (a router, a

@@ -1,0 +1,166 @@
+"""Loading a compiled artifact: each rank's program bound to its own weights, read from the files.
+
+:func:`load` gives one rank, :func:`load_deployment` every rank in this process,
+:func:`serve_ffn_rank` runs an FFN rank as a server. The manifest's format version and the
+SHA-256 of every file read are checked first (:mod:`afdc.artifact.manifest`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.utils._pytree as pytree
+from safetensors.torch import load_file
+from transformers import AutoConfig, GenerationConfig
+
+from afdc.artifact import manifest as mf
+from afdc.artifact.program_source import load_program
+from afdc.runtime.exchange import deployment_id
+from afdc.runtime.model import DisaggregatedModel
+from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.programs import AttentionProgram, FFNProgram
+from afdc.runtime.rendezvous import Layout
+from afdc.runtime.server import serve_program
+from afdc.runtime.tensor_parallel import TensorParallelAttention
+from afdc.segment import SegmentBinding
+
+
+def model_dir(directory: str | Path) -> Path:
+    """The artifact's ``model/`` directory (config and tokenizer, for a serving engine), verified."""
+    directory = Path(directory)
+    manifest = mf.read_manifest(directory)
+    if not manifest.model_files:
+        raise mf.ArtifactError(
+            f"{directory} holds no model config and tokenizer ({mf.MODEL_DIR}/): it was compiled without weights "
+            "or by an older afdc; compile it again from the model directory to serve it"
+        )
+    mf.verify(directory, manifest, manifest.model_files)
+    return directory / mf.MODEL_DIR
+
+
+
+
+
+def _load_weights(
+    directory: Path, manifest: mf.Manifest, role: str, rank: int, device, tp_rank: int = 0
+) -> dict[str, torch.Tensor]:
+    files = manifest.rank_files(role, rank, tp_rank).weights
+    if not manifest.weights_included:
+        raise mf.ArtifactError(
+            f"{directory} was compiled with --no-weights (a plan only); compile it again with weights to run it"
+        )
+    mf.verify(directory, manifest, files)
+    tensors: dict[str, torch.Tensor] = {}
+    for rel in files:
+        state = rel.endswith("-state.safetensors")
+        for name, t in load_file(directory / rel, device=str(device)).items():
+            tensors[name] = t if state else torch.nn.Parameter(t, requires_grad=False)
+    return tensors
+
+
+def load(
+    directory: str | Path,
+    role: str,
+    rank: int = 0,
+    device: str | torch.device = "cpu",
+    backend: str | None = None,
+    tp_rank: int | None = None,
+) -> AttentionProgram | TensorParallelAttention | FFNProgram:
+    """Rank ``rank`` of role ``attn`` or ``ffn`` of a compiled artifact, with only its own weights,
+    on ``device``, run by ``backend`` (default: the one the artifact was compiled with).
+
+    Under ``--attn-tp N`` an attention rank is N TP ranks: all of them, run as threads of this
+    process, or with ``tp_rank`` only that one (it then runs inside a TP group, see
+    :mod:`afdc.runtime.tensor_parallel`). The manifest's format version and the SHA-256 of every
+    file read are checked first.
+    """
+    directory = Path(directory)
+    manifest = mf.read_manifest(directory)
+    tp = manifest.plan.attention_tp if role == "attn" else 1
+    shards = [tp_rank] if tp_rank is not None else list(range(tp))
+    programs = [_load(directory, manifest, role, rank, torch.device(device), t) for t in shards]
+    program = programs[0] if len(programs) == 1 else TensorParallelAttention(programs)
+    program.use_backend(backend or manifest.plan.backend)
+    return program
+
+
+def _load(
+    directory: Path, manifest: mf.Manifest, role: str, rank: int, device: torch.device, tp_rank: int
+) -> AttentionProgram | FFNProgram:
+    manifest.rank_files(role, rank, tp_rank)  # a clear error for a role or rank the plan does not have
+    weights = _load_weights(directory, manifest, role, rank, device, tp_rank)
+    if role == "attn":
+        mf.verify(directory, manifest, [manifest.attention_program])
+        module = load_program(directory / manifest.attention_program, weights, device)
+        return AttentionProgram(module, pytree.treespec_loads(manifest.output_spec))
+    mf.verify(directory, manifest, [s.program for s in manifest.segments])
+    segments = [s.segment(load_program(directory / s.program, {}, device).graph) for s in manifest.segments]
+    layers = [SegmentBinding(lay.segment, lay.weights) for lay in manifest.layers]
+    return FFNProgram(segments=segments, layers=layers, weights=weights, rank=rank)
+
+
+def _generation_config(directory: Path) -> GenerationConfig | None:
+    """What the model's own ``generate`` stops and pads with: its checkpoint's generation config,
+    else its config's defaults; None for an artifact compiled without weights (no model files)."""
+    files = directory / mf.MODEL_DIR
+    if (files / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(files)
+    if (files / "config.json").is_file():
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(files))
+    return None
+
+
+def deployment_of(directory: str | Path) -> tuple[Layout, bytes]:
+    """The slots of an artifact's plan and the id its ranks check on every message (from the
+    manifest's bytes, so ranks of different compiles never mix)."""
+    manifest = mf.read_manifest(Path(directory))
+    raw = (Path(directory) / mf.MANIFEST).read_bytes()
+    return Layout(manifest.plan.attention_ranks, manifest.plan.ffn_ranks), deployment_id(raw)
+
+
+def load_deployment(
+    directory: str | Path, device: str | torch.device = "cpu", connector: str = "gloo", backend: str | None = None
+) -> DisaggregatedModel:
+    """Every rank of an artifact in this process, joined by the loopback connector;
+    ``dm.launch()`` moves the FFN ranks to server processes over ``connector``."""
+    directory = Path(directory)
+    manifest = mf.read_manifest(directory)
+    plan = manifest.plan
+    attention = [load(directory, "attn", a, device, backend) for a in range(plan.attention_ranks)]
+    ffn = [load(directory, "ffn", r, device, backend) for r in range(plan.ffn_ranks)]
+    return DisaggregatedModel(
+        attention=attention,
+        ffn=ffn,
+        incremental=manifest.incremental_decode,
+        report=None,
+        generation_config=_generation_config(directory),
+        micro_batches=plan.micro_batches,
+        deployment=deployment_of(directory)[1],
+        ffn_source=FFNRankLoader(directory, str(ffn[0].device), ffn[0].backend),
+        connector=connector,
+        max_positions=manifest.max_positions,
+    )
+
+
+@dataclass(frozen=True)
+class FFNRankLoader:
+    """Loads FFN rank ``r`` of an artifact (``loader(r)``): what a launched FFN server process runs,
+    so that it reads its weights from the files rather than from this process."""
+
+    directory: Path
+    device: str
+    backend: str
+
+    def __call__(self, rank: int) -> FFNProgram:
+        return load(self.directory, "ffn", rank, self.device, self.backend)
+
+
+def serve_ffn_rank(
+    directory: str | Path, rank: int, options: RuntimeOptions, device: str = "cpu", backend: str | None = None
+) -> NoReturn:
+    """Run FFN rank ``rank`` of a compiled artifact until stopped (``afdc serve --role ffn``)."""
+    layout, deployment = deployment_of(directory)
+    serve_program(load(directory, "ffn", rank, device, backend), layout, deployment, options)

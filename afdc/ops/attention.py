@@ -1,0 +1,150 @@
+"""The opaque attention op, its reference implementation and its typed call.
+
+``afdc::attention`` is what makes attention one opaque node per call site in a captured graph,
+whatever the model's attention backend: the capture registers an attention implementation that
+calls it, and at run time it hands the call to the active cache (:mod:`afdc.ops.context`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from afdc.ops import context
+from afdc.ops.call import bound, calls, position
+
+
+def _mask_for_queries_at_end(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Causal mask when the queries are the last ``q_len`` of ``kv_len`` positions."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    return (torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])[None, None]
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention; q ``[b, hq, s, d]``, k/v ``[b, hk, kv, d]``; returns ``[b, s, hq, dv]``.
+
+    ``mask`` is boolean (True = attend) or additive, broadcastable to ``[b, hq, s, kv]``; None
+    means causal with the queries at the end of the keys. Rows with no key to attend to (left
+    padding) attend to everything rather than producing NaN, which would leak into valid rows
+    through ``0 * NaN`` in the value product.
+    """
+    if mask is None:
+        mask = _mask_for_queries_at_end(q.shape[2], k.shape[2], q.device)
+    if mask.dtype == torch.bool:
+        mask = mask | ~mask.any(dim=-1, keepdim=True)
+    if softcap == 0.0 and sinks is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return out.transpose(1, 2).contiguous()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask.float()
+    if sinks is not None:
+        sink_col = sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2).contiguous()
+
+
+@torch.library.custom_op("afdc::attention", mutates_args=())
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    slot: int,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    window: int,
+) -> torch.Tensor:
+    """One attention call site. ``slot`` names its KV-cache entry in the active cache.
+
+    With a cache active (:func:`afdc.ops.context.cache_active`) the cache stores the call's keys and values
+    and computes the attention: the contiguous cache applies ``mask``, a paged cache over a flat
+    batch of requests ignores it and attends per request. ``window`` (0: none) is the
+    sliding-window or chunk size this call's mask was built with: it tells cost models and paged
+    kernels how many cached keys a query can reach.
+    """
+    cache = context.current_cache()
+    if cache is not None:
+        return cache.attend(slot, q, k, v, mask, scale, softcap, sinks, window)
+    return reference_attention(q, k, v, mask, scale, softcap, sinks)
+
+
+@attention.register_fake
+def _(q, k, v, mask, slot, scale, softcap, sinks, window):
+    b, hq, s, _ = q.shape
+    return q.new_empty((b, s, hq, v.shape[-1]))
+
+
+@torch.library.custom_op("afdc::sampled_rows", mutates_args=())
+def sampled_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """The token rows of ``hidden [1, T, ...]`` whose logits are wanted.
+
+    All of them, unless the active cache context lists ``last_rows`` (a serving step samples each
+    request's last token only: the LM head then runs on R rows, not on every prefill token).
+    """
+    cache = context.current_cache()
+    rows = getattr(cache, "last_rows", None)
+    return hidden.clone() if rows is None else hidden.index_select(1, rows)
+
+
+@sampled_rows.register_fake
+def _(hidden):
+    return hidden.new_empty((hidden.shape[0], torch.library.get_ctx().new_dynamic_size(), *hidden.shape[2:]))
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One ``afdc::attention`` node's arguments by name: q, k, v, mask and sinks are graph values
+    (mask and sinks may be None), the rest constants."""
+
+    node: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    mask: fx.Node | None
+    slot: int
+    scale: float
+    softcap: float
+    sinks: fx.Node | None
+    window: int
+
+    OP = torch.ops.afdc.attention.default
+
+    @classmethod
+    def of(cls, node: fx.Node) -> AttentionCall:
+        return cls(node, **bound(node, cls.OP))
+
+    @classmethod
+    def matches(cls, node: fx.Node) -> bool:
+        return node.op == "call_function" and node.target is cls.OP
+
+    @classmethod
+    def all_in(cls, graph: fx.Graph) -> list[AttentionCall]:
+        """Every attention call of ``graph``, in graph order."""
+        return [cls.of(n) for n in calls(graph, cls.OP)]
+
+    @classmethod
+    def position(cls, name: str) -> int:
+        """Where argument ``name`` stands in the node's ``args`` (for rewriting a call)."""
+        return position(cls.OP, name)
