@@ -16,7 +16,7 @@ FFN_PARALLEL = ("auto", "ep", "tp")  # auto: ep for mixture-of-experts models, t
 DENSE_FFN = ("tp", "replicate")
 ROUTERS = ("ffn", "attn")
 DTYPES = ("bf16", "fp16", "fp32")
-BACKENDS = ("auto", "afdc", "inductor", "eager")  # afdc.codegen.backend says what each runs
+BACKENDS = ("auto", "afdc", "inductor", "eager")  # afdc.lowering says what each runs
 
 
 @dataclass(frozen=True)

@@ -270,11 +270,11 @@ class Dispatch:
     experts: ExpertRouting | None = None
 
     @property
-    def byas_rows(self) -> bool:
+    def by_rows(self) -> bool:
         return bool(self.reduce) and all(how == "rows" for how in self.reduce)
 
     @property
-    def partialas_rows(self) -> bool:
+    def partial_rows(self) -> bool:
         """Whether replies hold some of the message's tokens, as ``[tokens, per-token...]``."""
         return self.by_rows or self.experts is not None
 

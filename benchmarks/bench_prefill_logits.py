@@ -21,10 +21,11 @@ import time
 import torch
 
 import afdc
+from afdc.passes.attention_slots import attention_slots
 from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
-from afdc.runtime.paged import PagedBatch, PagedKVStore, attention_slots
+from afdc.runtime.paged import PagedBatch, PagedKVStore
 from afdc.runtime.programs import combine
 
 

@@ -45,8 +45,8 @@ from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.launch import LocalCluster
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
-from afdc.segment import Segment, SegmentBinding
 from afdc.runtime.rendezvous import Layout, Rendezvous
+from afdc.segment import Segment, SegmentBinding
 
 HIDDEN = 4096
 TOKENS = (1, 16, 256)
@@ -68,7 +68,7 @@ class _EchoDeployment:
     def __init__(self):
         self.layout = Layout(1, 1)
         self.deployment = b"echo0001"
-        self.artifact = None
+        self.ffn_source = None
         self.ffn_ranks = [identity_program()]
 
 

@@ -11,10 +11,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import afdc
 from afdc.codegen import paged_attention
-from afdc.codegen.paged_attention import register, triton_paged_attention
+from afdc.passes.attention_slots import SlotSpec, attention_slots
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache, paged
-from afdc.runtime.paged import PagedBatch, PagedKVStore, SlotSpec, attention_slots, torch_paged_attention
+from afdc.runtime.paged import (
+    PagedBatch,
+    PagedKVStore,
+    kernel_paged_attention,
+    register_paged_attention,
+    torch_paged_attention,
+)
 from afdc.runtime.programs import combine
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,8 +68,8 @@ def _check(
     scale = spec.head_dim**-0.5
     want = torch_paged_attention(batch, 0, q, scale, softcap, sink)
     with monkeypatch.context() as patch:
-        patch.setattr(paged_attention, "torch_paged_attention", _no_fallback)
-        got = triton_paged_attention(batch, 0, q, scale, softcap, sink)
+        patch.setattr(paged, "torch_paged_attention", _no_fallback)
+        got = kernel_paged_attention(batch, 0, q, scale, softcap, sink)
     assert got.shape == want.shape == (1, len(contexts), heads, spec.value_dim)
     assert got.dtype == dtype
     assert want.float().abs().amax() > 0.1  # a real output, not zeros on both sides
@@ -116,13 +122,13 @@ def test_other_steps_fall_back(triton_interpret, monkeypatch):
         if batch is decode:
             monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         want = torch_paged_attention(batch, 0, q, 0.5, 0.0, None)
-        assert torch.equal(triton_paged_attention(batch, 0, q, 0.5, 0.0, None), want)
+        assert torch.equal(kernel_paged_attention(batch, 0, q, 0.5, 0.0, None), want)
 
 
 def test_register(monkeypatch):
     monkeypatch.setattr(paged, "_KERNELS", {})
-    register()
-    assert paged.paged_attention_impl("cuda") is triton_paged_attention
+    register_paged_attention("cuda", kernel_paged_attention)
+    assert paged.paged_attention_impl("cuda") is kernel_paged_attention
     assert paged.paged_attention_impl("cpu") is torch_paged_attention
 
 
@@ -171,7 +177,7 @@ def test_llama_decodes_through_kernel(triton_interpret, monkeypatch):
         fallbacks.append(batch.max_query_len)
         return torch_paged_attention(batch, *args)
 
-    monkeypatch.setattr(paged_attention, "torch_paged_attention", fallback)
-    monkeypatch.setitem(paged._KERNELS, "cpu", triton_paged_attention)
+    monkeypatch.setattr(paged, "torch_paged_attention", fallback)
+    monkeypatch.setitem(paged._KERNELS, "cpu", kernel_paged_attention)
     assert _generate(dm, prompts, 6) == want
     assert fallbacks == [7, 7]  # the prefill step, in both layers

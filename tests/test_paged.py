@@ -17,10 +17,11 @@ from transformers.masking_utils import (
 
 import afdc
 from afdc.ops import reference_attention
+from afdc.passes.attention_slots import SlotSpec, attention_slots
 from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
-from afdc.runtime.paged import PagedBatch, PagedKVStore, SlotSpec, attention_slots
+from afdc.runtime.paged import PagedBatch, PagedKVStore
 from afdc.runtime.programs import combine
 
 HQ, HK, D = 4, 2, 8

@@ -1,10 +1,10 @@
-"""A Triton decode-attention kernel over the paged KV cache (:mod:`afdc.runtime.paged`).
+"""A Triton decode-attention kernel over a paged KV cache.
 
-:func:`triton_paged_attention` has the :data:`~afdc.runtime.paged.PagedAttention` signature;
-:func:`register` makes it the paged attention of CUDA batches. It runs steps in which every
-request decodes one token; any other step (a prefill or prefill chunk in the batch) and anything
-else it does not cover runs :func:`~afdc.runtime.paged.torch_paged_attention` for the whole
-batch, so a registered kernel never changes what the model computes.
+:func:`paged_decode_attention` attends one query per request over that request's cached keys,
+found through its block table, in vLLM's paged layout (keys ``[blocks, block_size, kv_heads,
+head_dim]``). It takes raw tensors only: the runtime's paged cache
+(:mod:`afdc.runtime.paged`) decides when a step is a pure decode step it covers
+(:func:`decode_kernel_runs`) and runs every other step in torch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from afdc.codegen.triton_support import jit, launches, next_power_of_2, tl
-from afdc.runtime.paged import PagedBatch, register_paged_attention, torch_paged_attention
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # keys per loop step, gathered through the block table, so any cache block size works
@@ -119,66 +118,75 @@ def _decode_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv < value_dim)
 
 
-def _runs_kernel(batch: PagedBatch, slot: int, q: torch.Tensor, sinks: torch.Tensor | None) -> bool:
-    """Whether the kernel covers this call (else the torch path runs it)."""
-    keys, values = batch.store.keys[slot], batch.store.values[slot]
-    tensors = (q, keys, values, batch.block_table, batch.seq_lens, *(() if sinks is None else (sinks,)))
+def decode_kernel_runs(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sinks: torch.Tensor | None,
+) -> bool:
+    """Whether :func:`paged_decode_attention` runs on these tensors (device and dtypes)."""
+    tensors = (q, keys, values, block_table, seq_lens, *(() if sinks is None else (sinks,)))
     return (
         launches(*tensors)
-        and batch.max_query_len == 1
         and q.dtype in _DTYPES
         and keys.dtype in _DTYPES
         and (sinks is None or sinks.numel() == q.shape[1])
     )
 
 
-def triton_paged_attention(
-    batch: PagedBatch, slot: int, q: torch.Tensor, scale: float, softcap: float, sinks: torch.Tensor | None
+def paged_decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    block_size: int,
+    window: int,
+    chunked: bool,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Paged attention of a decode step (one query per request) in a Triton kernel; any other
-    step, or a device or dtype the kernel does not run on, falls back to
-    :func:`~afdc.runtime.paged.torch_paged_attention` for the whole batch.
+    """One decode query per request against its cached keys, with an online softmax in fp32.
 
-    Covers grouped-query and multi-query attention, sliding-window and chunked reach, soft-capping,
-    attention sinks and a value head size that differs from the keys'. ``q`` is ``[1, hq, T, d]``;
-    returns ``[1, T, hq, dv]`` in ``q``'s dtype.
+    ``q`` is ``[1, hq, R, d]`` (request ``r``'s query at position ``seq_lens[r] - 1``); ``keys``
+    and ``values`` are ``[blocks, block_size, kv_heads, d | dv]``; ``block_table [R, max_blocks]``
+    names each request's blocks. A query reaches the keys at positions up to its own; with a
+    ``window`` only the last ``window`` of them, or with ``chunked`` only those of its chunk.
+    Covers grouped-query and multi-query attention, soft-capping, attention sinks and a value
+    head size that differs from the keys'. Returns ``[1, R, hq, dv]`` in ``q``'s dtype.
     """
-    if not _runs_kernel(batch, slot, q, sinks):
-        return torch_paged_attention(batch, slot, q, scale, softcap, sinks)
-    spec = batch.store.slots[slot]
-    keys, values = batch.store.keys[slot], batch.store.values[slot]
-    heads = q.shape[1]
-    out = q.new_empty(batch.num_tokens, heads, spec.value_dim)
-    jit(_decode_kernel)[(batch.num_tokens, heads)](
+    requests, heads = q.shape[2], q.shape[1]
+    kv_heads, head_dim, value_dim = keys.shape[2], keys.shape[3], values.shape[3]
+    out = q.new_empty(requests, heads, value_dim)
+    jit(_decode_kernel)[(requests, heads)](
         q,
         keys,
         values,
         out,
-        batch.block_table,
-        batch.seq_lens,
+        block_table,
+        seq_lens,
         q if sinks is None else sinks.contiguous(),  # without sinks, a pointer the kernel never reads
         float(scale),
         float(softcap) if softcap else 1.0,
         *q.stride()[1:],
         *keys.stride()[1:],
         *values.stride()[1:],
-        batch.block_table.stride(0),
+        block_table.stride(0),
         *out.stride()[:2],
-        batch.store.block_size,
-        group=heads // spec.kv_heads,
-        head_dim=spec.head_dim,
-        value_dim=spec.value_dim,
-        window=spec.window,
-        chunked=spec.chunked,
+        block_size,
+        group=heads // kv_heads,
+        head_dim=head_dim,
+        value_dim=value_dim,
+        window=window,
+        chunked=chunked,
         has_softcap=bool(softcap),
         has_sinks=sinks is not None,
-        BLOCK_D=next_power_of_2(spec.head_dim),
-        BLOCK_DV=next_power_of_2(spec.value_dim),
+        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_DV=next_power_of_2(value_dim),
         BLOCK_N=_KEY_TILE,
     )
     return out[None]
-
-
-def register() -> None:
-    """Make :func:`triton_paged_attention` the paged attention of batches on CUDA."""
-    register_paged_attention("cuda", triton_paged_attention)

@@ -10,7 +10,7 @@ blocks and attends per request over the cached keys.
 
 The graph's mask is ignored there: it is causal over the whole flat batch, wrong across
 requests. Which keys a query reaches comes from the slot's :class:`SlotSpec` instead, and
-:func:`attention_slots` derives it by running each call site's mask computation, refusing
+:func:`afdc.passes.attention_slots.attention_slots` derives it by running each call site's mask computation, refusing
 masks the paged path cannot reproduce rather than serving a silently different model.
 """
 
@@ -18,169 +18,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
-import torch.fx as fx
 
-from afdc.errors import UnsupportedModelError
+from afdc.codegen.paged_attention import decode_kernel_runs, paged_decode_attention
 from afdc.ops import reference_attention
-from afdc.passes import graph_facts as gf
-
-_ATTENTION = torch.ops.afdc.attention.default
-
-
-@dataclass(frozen=True)
-class SlotSpec:
-    """One attention call site's cache entry, and which keys its queries reach.
-
-    A query at position ``p`` reaches the keys at positions ``<= p``; with a ``window`` only
-    those in ``(p - window, p]`` (sliding window, transformers' ``kv > q - window``), or with
-    ``chunked`` only those in ``p``'s chunk ``[p // window * window, p]`` (Llama 4's chunked
-    attention). The two are told apart by the mask, not by the window size, which is the same
-    constant in the graph either way.
-    """
-
-    kv_heads: int
-    head_dim: int  # of queries and keys
-    value_dim: int
-    window: int = 0  # 0: no window
-    chunked: bool = False
-
-    def __post_init__(self) -> None:
-        if self.chunked and self.window <= 0:
-            raise ValueError("chunked attention needs a chunk size (window > 0)")
-
-    def allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Whether the query at ``q_pos`` attends to the key at ``k_pos`` (broadcast)."""
-        ok = k_pos <= q_pos
-        if self.chunked:
-            return ok & (k_pos // self.window == q_pos // self.window)
-        if self.window:
-            return ok & (k_pos > q_pos - self.window)
-        return ok
-
-
-# -- reading the slots off the attention graph ----------------------------------------------------
-
-
-def attention_slots(graph: fx.Graph) -> list[SlotSpec]:
-    """The :class:`SlotSpec` of every ``afdc::attention`` call in ``graph``, in slot order.
-
-    ``graph`` is a captured or attention-program graph (``dm.attention.module.graph``). Raises
-    :class:`UnsupportedModelError` for what the paged path cannot serve. It cannot tell from the
-    graph whether other token mixers (convolutions, recurrences) run inline; those models have
-    ``dm.incremental == False`` and must be refused by the caller.
-    """
-    nodes = list(graph.find_nodes(op="call_function", target=_ATTENTION))
-    if not nodes:
-        raise UnsupportedModelError(
-            "the graph has no afdc attention op (the model has no attention, or hard-codes it inline): nothing to page"
-        )
-    _check_incremental(graph)
-    from_tokens = _token_dependent(graph)
-    specs: dict[int, SlotSpec] = {}
-    for node in nodes:
-        q, k, v, mask, slot, _scale, _softcap, _sinks, window = node.args
-        if slot < 0:
-            raise UnsupportedModelError(
-                "an attention call has no cache slot (slot -1: it was not numbered at capture), "
-                "so its keys and values have nowhere to go in a paged cache"
-            )
-        if slot in specs:
-            raise UnsupportedModelError(f"attention slot {slot} is used by two calls; a paged cache needs one each")
-        kv_heads, head_dim = _concrete(k, slot, "keys")
-        value_heads, value_dim = _concrete(v, slot, "values")
-        if value_heads != kv_heads or q.meta["val"].shape[1] % kv_heads:
-            raise UnsupportedModelError(
-                f"attention slot {slot}: {q.meta['val'].shape[1]} query heads over {kv_heads} key and "
-                f"{value_heads} value heads is not grouped-query attention"
-            )
-        if mask in from_tokens:
-            raise UnsupportedModelError(
-                f"attention slot {slot}: its mask is computed from the hidden states (a sparse-attention indexer "
-                "or a learned position bias); the paged cache, which rebuilds masks from positions, cannot reproduce it"
-            )
-        specs[slot] = _reach(graph, mask, window, SlotSpec(kv_heads, head_dim, value_dim), slot)
-    if sorted(specs) != list(range(len(specs))):
-        raise UnsupportedModelError(f"attention slots {sorted(specs)} are not numbered 0..{len(specs) - 1}")
-    return [specs[s] for s in range(len(specs))]
-
-
-def _check_incremental(graph: fx.Graph) -> None:
-    if gf.key_length_tied(graph):
-        raise UnsupportedModelError(
-            "the graph ties the key length to the token count (captured non-incremental: decode "
-            "recomputes the prefix), so it keeps state outside the KV cache that paging cannot hold"
-        )
-
-
-def _concrete(node: fx.Node, slot: int, what: str) -> tuple[int, int]:
-    heads, dim = node.meta["val"].shape[1], node.meta["val"].shape[3]
-    if not isinstance(heads, int) or not isinstance(dim, int):
-        raise UnsupportedModelError(f"attention slot {slot}: the {what}' head count or size is not fixed")
-    return heads, dim
-
-
-def _reach(graph: fx.Graph, mask: fx.Node | None, window: int, spec: SlotSpec, slot: int) -> SlotSpec:
-    """``spec`` with the window the call's mask applies, found by running the mask's computation
-    for 3 queries at the end of ``2 * window + 3`` keys, where causal, sliding-window and chunked
-    masks all differ (for ``window >= 2``; at 1 the last two coincide)."""
-    if mask is None:  # the op's default: causal with the queries at the end
-        return spec
-    kv = 2 * window + 3
-    q_pos, k_pos = torch.arange(kv - 3, kv)[:, None], torch.arange(kv)
-    try:
-        allowed = _run_mask(graph, mask, q_pos.shape[0], kv)
-    except Exception as err:
-        raise UnsupportedModelError(f"attention slot {slot}: could not evaluate its mask ({err})") from err
-    if allowed.dtype != torch.bool:
-        allowed = allowed == 0  # additive: 0 attends, a large negative value does not
-    candidates = [replace(spec, window=window), replace(spec, window=window, chunked=True)] if window else []
-    for candidate in [*candidates, spec]:
-        if bool((allowed.cpu() == candidate.allowed(q_pos, k_pos)).all()):
-            return candidate
-    raise UnsupportedModelError(
-        f"attention slot {slot}: its mask is neither causal nor a sliding window or chunk of {window} "
-        "over positions; the paged cache, which ignores the graph's mask, cannot reproduce it"
-    )
-
-
-def _token_dependent(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes whose values depend on the tokens themselves, not only on their count."""
-    free = gf.data_free(graph)
-    dependent: set[fx.Node] = set()
-    for node in graph.nodes:
-        is_tokens = node.op == "placeholder" and node.target == "input_ids"
-        if node not in free and (is_tokens or any(i in dependent for i in node.all_input_nodes)):
-            dependent.add(node)
-    return dependent
-
-
-def _run_mask(graph: fx.Graph, mask: fx.Node, queries: int, keys: int) -> torch.Tensor:
-    """Evaluate the nodes ``mask`` depends on for one unpadded row of ``queries`` tokens at the
-    end of ``keys`` positions."""
-    needed, stack = set(), [mask]
-    while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
-    sub, env = fx.Graph(), {}
-    for node in graph.nodes:
-        if node in needed:
-            env[node] = sub.node_copy(node, env.__getitem__)
-    sub.output(env[mask])
-    device = next(iter(graph.find_nodes(op="placeholder"))).meta["val"].device
-    device = torch.device("cpu") if device.type == "meta" else device
-    inputs = {
-        "input_ids": torch.zeros(1, queries, dtype=torch.long, device=device),
-        "attention_mask": torch.ones(1, keys, dtype=torch.long, device=device),
-        "position_ids": torch.arange(keys - queries, keys, device=device)[None],
-    }
-    module = fx.GraphModule(graph.owning_module or torch.nn.Module(), sub)
-    return module(*(inputs[n.target] for n in sub.find_nodes(op="placeholder")))
-
+from afdc.passes.attention_slots import SlotSpec
 
 # -- the cache ------------------------------------------------------------------------------------
 
@@ -411,9 +255,26 @@ def torch_paged_attention(
     return batch.unpad(out)
 
 
+def kernel_paged_attention(
+    batch: PagedBatch, slot: int, q: torch.Tensor, scale: float, softcap: float, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """A decode step (one query per request) in afdc's Triton kernel
+    (:func:`afdc.codegen.paged_attention.paged_decode_attention`); any other step, or a device or
+    dtype the kernel does not run on, in :func:`torch_paged_attention` for the whole batch, so the
+    kernel never changes what the model computes."""
+    keys, values = batch.store.keys[slot], batch.store.values[slot]
+    if batch.max_query_len != 1 or not decode_kernel_runs(q, keys, values, batch.block_table, batch.seq_lens, sinks):
+        return torch_paged_attention(batch, slot, q, scale, softcap, sinks)
+    spec = batch.store.slots[slot]
+    return paged_decode_attention(
+        q, keys, values, batch.block_table, batch.seq_lens, block_size=batch.store.block_size,
+        window=spec.window, chunked=spec.chunked, scale=scale, softcap=softcap, sinks=sinks,
+    )
+
+
 def register_paged_attention(device_type: str, kernel: PagedAttention) -> None:
-    """Use ``kernel`` for batches whose store is on ``device_type`` (e.g. a Triton kernel for
-    ``"cuda"``); batches built afterwards pick it up."""
+    """Use ``kernel`` for batches whose store is on ``device_type`` (e.g. :func:`kernel_paged_attention`
+    for ``"cuda"``); batches built afterwards pick it up."""
     _KERNELS[device_type] = kernel
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from afdc.codegen import backend as backends
+from afdc import lowering
 from afdc.segment import Dispatch, Segment, SegmentBinding, as_rows, at_tokens
 
 
@@ -28,14 +28,14 @@ class _Lowered:
         self._lock = threading.Lock()
 
     def use(self, backend: str, device: torch.device) -> None:
-        self.backend = backends.resolve(backend, device)
+        self.backend = lowering.resolve(backend, device)
         self._run = self.module if self.backend == "eager" else None
 
     def __call__(self, *args):
         if self._run is None:
             with self._lock:
                 if self._run is None:
-                    self._run = backends.lower(self.module, self.backend, self.name, args)
+                    self._run = lowering.lower(self.module, self.backend, self.name, args)
         return self._run(*args)
 
     def __getstate__(self):
@@ -76,7 +76,7 @@ class AttentionProgram(torch.nn.Module):
         return pytree.tree_unflatten(list(flat), self.out_spec)
 
     def use_backend(self, backend: str) -> None:
-        """Run under ``backend`` (:mod:`afdc.codegen.backend`) from the next call on; rewrite
+        """Run under ``backend`` (:mod:`afdc.lowering`) from the next call on; rewrite
         ``module``'s graph (as the serving passes do) before this, not after."""
         self._lowered = _Lowered(self.module, "attention program")
         self._lowered.use(backend, device_of(self.module))
@@ -116,7 +116,7 @@ class FFNProgram(torch.nn.Module):
         return list(outputs)
 
     def use_backend(self, backend: str) -> None:
-        """Run every segment under ``backend`` (:mod:`afdc.codegen.backend`); segments are lowered
+        """Run every segment under ``backend`` (:mod:`afdc.lowering`); segments are lowered
         at their first run, on the device of this rank's weights."""
         self.backend = backend
         self._lowered = [_Lowered(s, f"FFN segment {i}") for i, s in enumerate(self.segments)]

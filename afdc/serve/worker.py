@@ -29,13 +29,14 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from afdc.artifact import manifest as mf
 from afdc.artifact.load import deployment_of, load
-from afdc.codegen.backend import resolve as resolve_backend
 from afdc.errors import UnsupportedModelError
+from afdc.lowering import resolve as resolve_backend
+from afdc.passes.attention_slots import SlotSpec, attention_slots
 from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.paged import PagedBatch, PagedKVStore, SlotSpec, attention_slots
+from afdc.runtime.paged import PagedBatch, PagedKVStore, kernel_paged_attention, register_paged_attention
 from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.serve.launch import check_servable
@@ -122,9 +123,7 @@ class AfdcWorker(WorkerBase):
         backend = s.backend or manifest.plan.backend
         program.use_backend(backend)  # lowered after the graph is final
         if resolve_backend(backend, self.device) == "afdc" and self.device.type == "cuda":
-            from afdc.codegen import paged_attention
-
-            paged_attention.register()  # decode steps attend through afdc's Triton kernel
+            register_paged_attention("cuda", kernel_paged_attention)  # decode steps attend in afdc's Triton kernel
         self.micro_batches = s.micro_batches or manifest.plan.micro_batches
         self.dtype = next((p.dtype for p in program.parameters() if p.is_floating_point()), torch.float32)
         if not in_process:
