@@ -116,7 +116,7 @@ AttentionInterface.register(IMPLEMENTATION, _attention_forward)
 AttentionMaskInterface.register(IMPLEMENTATION, _mask)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CapturedGraph:
     """A model's forward as one FX graph whose parameters are ``get_attr`` nodes named by FQN."""
 
@@ -385,4 +385,7 @@ def _to_get_attr_graph(
     if [n.name for n in user_inputs] != list(INPUT_NAMES):
         raise UnsupportedModelError(f"unexpected graph inputs {[n.name for n in user_inputs]}")
     attrs = {name: state[name] for name in lifted.values()}
-    return CapturedGraph(graph, attrs, parameters, ep.call_spec.out_spec, recompute, max_positions, specialized)
+    return CapturedGraph(
+        graph=graph, attrs=attrs, parameter_names=parameters, out_spec=ep.call_spec.out_spec, recompute=recompute,
+        max_positions=max_positions, specialized=specialized,
+    )

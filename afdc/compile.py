@@ -222,14 +222,14 @@ def compile_model(
             segments=segments,
             layers=[
                 mf.LayerSpec(
-                    lr.index,
-                    lr.module,
-                    lr.kind,
-                    lr.segment,
-                    lr.ffn_split,
-                    binding.weights,
-                    _crossings(lr.to_ffn),
-                    _crossings(lr.to_attn, built.segments[lr.segment].reduce),
+                    index=lr.index,
+                    module=lr.module,
+                    kind=lr.kind,
+                    segment=lr.segment,
+                    ffn_split=lr.ffn_split,
+                    weights=binding.weights,
+                    to_ffn=_crossings(lr.to_ffn),
+                    to_attn=_crossings(lr.to_attn, built.segments[lr.segment].reduce),
                 )
                 for lr, binding in zip(built.report.layers, built.layers)
             ],

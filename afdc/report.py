@@ -20,7 +20,7 @@ class Crossing:
     bytes_per_token: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerReport:
     index: int
     module: str
@@ -42,7 +42,7 @@ class LayerReport:
         return sum(c.bytes_per_token for c in self.to_attn)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Report:
     model: str
     plan: str

@@ -44,7 +44,7 @@ class Crossing:
     reduce: str = ""  # FFN outputs: how the FFN ranks' copies combine ("sum", "first" or "rows")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerSpec:
     """One FFN layer: where it sits, which segment program runs it, what crosses each way."""
 
@@ -100,7 +100,7 @@ class Source:
     config_sha256: str  # of the config as JSON with sorted keys
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Manifest:
     afdc_version: str
     source: Source
