@@ -19,7 +19,6 @@ import afdc
 from afdc.cli import main
 from afdc.errors import AfdcError, PlanError
 from afdc.hardware import HardwareError, HardwareProfile, get_profile, load_profiles
-from afdc.passes.cost import FORMULATION_LATENT, FORMULATION_STANDARD, DecodeCost, decode_cost
 from afdc.planner import (
     Assumptions,
     LayerFacts,
@@ -34,6 +33,7 @@ from afdc.planner import (
     require_matplotlib,
     split_for_planning,
 )
+from afdc.planner.cost import FORMULATION_LATENT, FORMULATION_STANDARD, DecodeCost, decode_cost
 from afdc.source import empty_model
 from models_supported.catalog import entry
 

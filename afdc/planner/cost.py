@@ -21,10 +21,12 @@ import sympy
 import torch
 import torch.fx as fx
 
+from afdc.ops import AttentionCall
 from afdc.partition.mincut import INF, FlowGraph
 from afdc.passes import aliasing
 from afdc.passes import graph_facts as gf
-from afdc.passes.layers import LayerPattern
+from afdc.planner.layers import LayerPattern
+from afdc.runtime.model import DisaggregatedModel
 
 aten = torch.ops.aten
 
@@ -114,21 +116,19 @@ class DecodeCost:
 class AttentionSite:
     """What the cost walk needs to know of one attention op."""
 
-    node: fx.Node
+    call: AttentionCall
     cached_k: float  # elements per token kept for keys (in the latent form, shared by all heads)
     cached_v: float  # elements per token kept for values
     latent: bool  # the cache is smaller than K and V: count the absorbed form
-    window: int
     cached_latent: float = 0.0  # latent form: elements per token cached (keys and values share them)
 
 
-def _projection_slice(attn: fx.Node, free: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+def _projection_slice(call: AttentionCall, free: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
     """Nodes between the first projections and the op's k/v inputs, and those first projections."""
-    written = aliasing.writes(attn.graph)
-    targets = [a for a in attn.args[1:3] if isinstance(a, fx.Node)]
+    written = aliasing.writes(call.node.graph)
     inner: set[fx.Node] = set()
     sources: set[fx.Node] = set()
-    stack = list(targets)
+    stack = [call.k, call.v]
     while stack:
         n = stack.pop()
         if n in inner or n in free or not _is_value(n):
@@ -166,9 +166,10 @@ def _reaches_projection(node: fx.Node, free: set[fx.Node]) -> bool:
     return False
 
 
-def attention_site(attn: fx.Node, free: set[fx.Node], tokens) -> AttentionSite:
-    k, v = attn.args[1], attn.args[2]
-    inner, sources = _projection_slice(attn, free)
+def attention_site(call: AttentionCall, free: set[fx.Node], tokens: tuple[sympy.Symbol, sympy.Symbol]) -> AttentionSite:
+    """What a serving engine caches per token for ``call`` (the min-cut the module docstring describes)."""
+    attn, k, v = call.node, call.k, call.v
+    inner, sources = _projection_slice(call, free)
     subs = {tokens[0]: 1, tokens[1]: 1}
 
     def per_token(n: fx.Node) -> float:
@@ -201,12 +202,12 @@ def attention_site(attn: fx.Node, free: set[fx.Node], tokens) -> AttentionSite:
     cut = {n for n in inner if n not in sink_side and any(u in sink_side for u in [*n.users, *feeds.get(n, ())])}
     latent = sum(per_token(n) for n in cut) < per_token(k) + per_token(v)
     if not latent:
-        return AttentionSite(attn, per_token(k), per_token(v), False, int(attn.args[8] or 0))
+        return AttentionSite(call, per_token(k), per_token(v), False)
     written = aliasing.writes(attn.graph)
     anc_k, anc_v = _ancestors_within(k, inner, written) | {k}, _ancestors_within(v, inner, written) | {v}
     cached_k = sum(per_token(n) for n in cut if n in anc_k)
     cached_v = sum(per_token(n) for n in cut if n in anc_v)
-    return AttentionSite(attn, cached_k, cached_v, True, int(attn.args[8] or 0), sum(per_token(n) for n in cut))
+    return AttentionSite(call, cached_k, cached_v, True, sum(per_token(n) for n in cut))
 
 
 def _ancestors_within(node: fx.Node, inner: set[fx.Node], written) -> set[fx.Node]:
@@ -222,10 +223,12 @@ def _ancestors_within(node: fx.Node, inner: set[fx.Node], written) -> set[fx.Nod
 
 
 def attention_cost(site: AttentionSite, context: int, kv_dtype_bytes: int) -> LayerCost:
-    q = site.node.args[0].meta["val"]
+    """One decoded token's KV read and QK/PV FLOPs in ``site`` at ``context`` keys (fewer past its window)."""
+    q = site.call.q.meta["val"]
     hq, dk = int(q.shape[1]), int(q.shape[-1])
-    dv = int(site.node.meta["val"].shape[-1])
-    keys = min(context, site.window) if site.window else context
+    dv = int(site.call.node.meta["val"].shape[-1])
+    window = site.call.window
+    keys = min(context, window) if window else context
     # absorbed MLA: every head scores against the cached key dims and sums the cached value dims
     per_head = site.cached_k + site.cached_v if site.latent else dk + dv
     cached = site.cached_latent if site.latent else site.cached_k + site.cached_v
@@ -237,7 +240,8 @@ def _per_token(expr: sympy.Expr, tokens) -> float:
     return float(expr.subs(subs)) if expr.free_symbols - set(subs) == set() else math.nan
 
 
-def graph_flops(graph: fx.Graph, tokens, skip: set[fx.Node] = frozenset()) -> float:
+def graph_flops(graph: fx.Graph, tokens: tuple[sympy.Symbol, sympy.Symbol], skip: set[fx.Node] = frozenset()) -> float:
+    """One token's matrix-product FLOPs in ``graph`` (NaN if a count keeps a symbol besides the tokens')."""
     total = sympy.Integer(0)
     for n in graph.nodes:
         if n not in skip:
@@ -245,7 +249,9 @@ def graph_flops(graph: fx.Graph, tokens, skip: set[fx.Node] = frozenset()) -> fl
     return _per_token(total, tokens)
 
 
-def decode_cost(dm, context: int, kv_dtype_bytes: int | None = None, layers: LayerPattern | None = None) -> DecodeCost:
+def decode_cost(
+    dm: DisaggregatedModel, context: int, kv_dtype_bytes: int | None = None, layers: LayerPattern | None = None
+) -> DecodeCost:
     """Cost of one decoded token at ``context`` for a :class:`DisaggregatedModel`.
 
     With ``layers``, ``dm`` holds only the pattern's prefix of the layers, and the cost is the
@@ -254,10 +260,10 @@ def decode_cost(dm, context: int, kv_dtype_bytes: int | None = None, layers: Lay
     graph = dm.attention.module.graph
     tokens = gf.token_symbols(graph)
     free = gf.data_free(graph)
-    attn_nodes = [n for n in graph.nodes if n.target is torch.ops.afdc.attention.default]
+    attn_calls = AttentionCall.all_in(graph)
     if kv_dtype_bytes is None:
-        kv_dtype_bytes = attn_nodes[0].args[1].meta["val"].element_size() if attn_nodes else 2
-    sites = [attention_site(n, free, tokens) for n in attn_nodes]
+        kv_dtype_bytes = attn_calls[0].k.meta["val"].element_size() if attn_calls else 2
+    sites = [attention_site(c, free, tokens) for c in attn_calls]
     attn_layers = [attention_cost(s, context, kv_dtype_bytes) for s in sites]
     ffn_layers = []
     for layer, binding in zip(dm.report().layers, dm.ffn.layers):
@@ -271,7 +277,7 @@ def decode_cost(dm, context: int, kv_dtype_bytes: int | None = None, layers: Lay
         )
     linear_flops = graph_flops(graph, tokens)
     if layers is not None:
-        attn_layers = layers.expand(attn_layers, [layers.layer_of_node(n) for n in attn_nodes])
+        attn_layers = layers.expand(attn_layers, [layers.layer_of_node(c.node) for c in attn_calls])
         ffn_layers = layers.expand(ffn_layers, [layers.layer_of(r.module) for r in dm.report().layers])
         parts = [(layers.layer_of_node(n), _per_token(f, tokens)) for n in graph.nodes if (f := op_flops(n)) != 0]
         linear_flops = layers.total(linear_flops, parts)

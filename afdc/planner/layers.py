@@ -22,7 +22,7 @@ import enum
 import functools
 import types
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +76,7 @@ class LayerPattern:
                 return index
         return None
 
-    def _by_layer(self, items: Iterable, owners: Iterable[int | None], compare) -> dict[int, list]:
+    def _by_layer(self, items: Iterable, owners: Iterable[int | None], compare: Callable) -> dict[int, list]:
         """The prefix's items grouped by layer, after checking that layers with one signature
         have equal items (by ``compare``)."""
         grouped: dict[int, list] = defaultdict(list)
@@ -88,7 +88,7 @@ class LayerPattern:
                 raise LayerMismatch(f"layers {self.first[i]} and {i} have one signature but cost differently")
         return grouped
 
-    def expand(self, items: list, owners: list[int | None], compare=lambda x: x) -> list:
+    def expand(self, items: list, owners: list[int | None], compare: Callable = lambda x: x) -> list:
         """The whole model's per-layer list from the prefix capture's (in layer order, every item
         in a layer): the items of layer ``first[j]`` stand for each layer ``j`` past the prefix."""
         if None in owners or owners != sorted(owners):

@@ -1,0 +1,221 @@
+"""What the planner knows of a model: one decoded token's cost and each side's weights, per layer.
+
+The inputs are what the graph says a token costs (:func:`afdc.planner.cost.decode_cost`) and the
+weights each side holds (the split report's parameter counts times the weight dtype). Capturing a
+long model is slow, so :func:`split_for_planning` captures only a prefix of its layers where that
+prefix can stand for the whole (:mod:`afdc.planner.layers`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from afdc.api import disaggregate
+from afdc.errors import PlanError
+from afdc.hardware import dtype_bytes
+from afdc.passes import graph_facts as gf
+from afdc.planner.cost import DecodeCost, LayerCost, decode_cost
+from afdc.planner.layers import LayerPattern, captured_prefix, layer_pattern
+from afdc.report import LayerReport
+from afdc.runtime.model import DisaggregatedModel
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """One decoder layer (an attention call and the FFN layer after it), per decoded token.
+
+    ``count`` identical layers share one entry. Bytes are at the chosen KV and weight dtypes.
+    """
+
+    count: int
+    kv_bytes: float  # KV read (and held) per sequence at the context
+    attention_flops: float
+    linear_flops: float  # this layer's share of the attention side's matmuls (LM head included)
+    attention_weight_bytes: float  # this layer's share of the attention weights read per forward
+    ffn_flops: float  # activated: top-k routed experts + shared experts + router, or the dense FFN
+    ffn_fixed_bytes: float  # FFN weights every token reads: dense FFN, or shared experts + router
+    expert_bytes: float  # one routed expert (0 for a dense FFN)
+    experts: int  # routed experts (0 for a dense FFN)
+    top_k: int
+    to_ffn_bytes: float
+    to_attn_bytes: float
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner knows of a model at one context length and dtype choice."""
+
+    name: str
+    context: int
+    weight_dtype: str
+    kv_dtype: str
+    cost: DecodeCost
+    layers: tuple[LayerFacts, ...]
+    attention_weight_bytes: float  # held by every attention GPU
+    ffn_weight_bytes: float  # all FFN layers
+    ffn_activated_bytes: float  # FFN weights one token reads
+
+    @property
+    def layer_count(self) -> int:
+        return sum(layer.count for layer in self.layers)
+
+    @property
+    def kv_bytes(self) -> float:
+        return sum(layer.count * layer.kv_bytes for layer in self.layers)
+
+    @property
+    def attention_read_bytes(self) -> float:
+        return sum(layer.count * layer.attention_weight_bytes for layer in self.layers)
+
+
+# Context at which a prefix capture is checked against itself: past every sliding window, so
+
+
+# Context at which a prefix capture is checked against itself: past every sliding window, so
+# that layers differing only in their window cost differently
+_CHECK_CONTEXT = 1 << 20
+
+
+def split_for_planning(model: nn.Module) -> tuple[DisaggregatedModel, LayerPattern | None]:
+    """``(dm, pattern)``: ``model`` split for :func:`model_facts`. Capture time grows with the
+    layers captured and most models repeat one or two, so ``dm`` holds only the prefix of the
+    layers that :func:`afdc.planner.layers.layer_pattern` picks, when there is one and it stands
+    for the whole model; else ``dm`` is the whole model and ``pattern`` None."""
+    try:
+        short = _split_prefix(model)
+    except Exception:  # whatever fails on the short path, the full capture gives the answer, only slower
+        short = None
+    return short or (disaggregate(model), None)
+
+
+def _split_prefix(model: nn.Module) -> tuple[DisaggregatedModel, LayerPattern] | None:
+    pattern = layer_pattern(model)
+    if pattern is None:
+        return None
+    with captured_prefix(model, pattern):
+        dm = disaggregate(model)
+    model_facts(dm, _CHECK_CONTEXT, layers=pattern)  # raises LayerMismatch where the prefix cannot stand in
+    return dm, pattern
+
+
+def _embedding_only_parameters(dm: DisaggregatedModel) -> list[tuple[str, int]]:
+    """Parameters the attention program only gathers rows from: a decode step reads a row each,
+    not the table (a table tied to the LM head is read in full by the head, so it stays)."""
+    graph = dm.attention.module.graph
+    params = set(dm.attention.parameter_names())
+    return [
+        (n.target, n.meta["val"].numel())
+        for n in graph.nodes
+        if gf.is_parameter(n, params) and n.users and all(gf.is_op(u, torch.ops.aten.embedding) for u in n.users)
+    ]
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """Parameter counts and FFN layers of the model a split stands for."""
+
+    ffn_layers: list[LayerReport]  # the report's entry per FFN layer
+    attention: float  # held by the attention side
+    attention_read: float  # what the attention side reads per step: all but row-gathered tables
+    ffn: float
+
+
+def _weights(dm: DisaggregatedModel, layers: LayerPattern | None) -> _Weights:
+    report = dm.report()
+    embedding_only = _embedding_only_parameters(dm)
+    embedding = sum(size for _, size in embedding_only)
+    if layers is None:
+        attention = report.attention_parameters
+        return _Weights(report.layers, attention, attention - embedding, report.ffn_parameters)
+    owners = [layers.layer_of(r.module) for r in report.layers]
+    attention_sizes = [(layers.layer_of(k), p.numel()) for k, p in dm.attention.module.named_parameters()]
+    attention = layers.total(report.attention_parameters, attention_sizes)
+    return _Weights(
+        layers.expand(report.layers, owners, lambda r: (r.kind, r.experts, r.top_k, r.ffn_parameters)),
+        attention,
+        attention - layers.total(embedding, [(layers.layer_of(k), size) for k, size in embedding_only]),
+        layers.total(report.ffn_parameters, [(o, r.ffn_parameters) for o, r in zip(owners, report.layers)]),
+    )
+
+
+def _split_moe_parameters(params: float, activated: float, experts: int, top_k: int) -> tuple[float, float]:
+    """(fixed, per expert) parameters of an MoE layer from its total and its activated count.
+
+    total = E * e + fixed and activated = k * e + fixed (router and shared experts are read by
+    every token), so e = (total - activated) / (E - k): no model-specific names needed.
+    """
+    if experts <= top_k:
+        return 0.0, params / experts
+    per_expert = max(params - activated, 0.0) / (experts - top_k)
+    return max(params - experts * per_expert, 0.0), per_expert
+
+
+def _paired_attention(cost: DecodeCost) -> list[LayerCost]:
+    """The attention call before each FFN layer; where the counts differ (layers without an FFN,
+    or without attention) each FFN layer gets the mean, which keeps the totals right."""
+    n = len(cost.ffn_layers)
+    if len(cost.attention_layers) == n:
+        return cost.attention_layers
+    return [LayerCost(kv_bytes=cost.kv_bytes / n, attention_flops=cost.attention_flops / n)] * n
+
+
+def model_facts(
+    dm: DisaggregatedModel,
+    context: int,
+    weight_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    name: str | None = None,
+    layers: LayerPattern | None = None,
+) -> ModelFacts:
+    """Per-token cost and per-side weights of a :class:`DisaggregatedModel` at ``context``; with
+    ``layers``, of the whole model ``dm``'s prefix capture stands for (:func:`split_for_planning`)."""
+    wb, report = dtype_bytes(weight_dtype), dm.report()
+    cost = decode_cost(dm, context, kv_dtype_bytes=dtype_bytes(kv_dtype), layers=layers)
+    if not cost.ffn_layers:
+        raise PlanError("the model has no FFN layers to disaggregate; there is nothing to plan")
+    n = len(cost.ffn_layers)
+    weights = _weights(dm, layers)
+    rows = []
+    for ffn, layer, attn in zip(cost.ffn_layers, weights.ffn_layers, _paired_attention(cost)):
+        activated = ffn.ffn_flops / 2  # every FFN weight a token touches does one multiply-add
+        if layer.kind == "moe" and layer.experts and layer.top_k:
+            fixed, per_expert = _split_moe_parameters(layer.ffn_parameters, activated, layer.experts, layer.top_k)
+            experts, top_k = layer.experts, layer.top_k
+        else:
+            fixed, per_expert, experts, top_k = float(layer.ffn_parameters), 0.0, 0, 0
+        rows.append(
+            LayerFacts(
+                count=1,
+                kv_bytes=attn.kv_bytes,
+                attention_flops=float(attn.attention_flops),
+                linear_flops=cost.linear_flops / n,
+                attention_weight_bytes=weights.attention_read * wb / n,
+                ffn_flops=ffn.ffn_flops,
+                ffn_fixed_bytes=fixed * wb,
+                expert_bytes=per_expert * wb,
+                experts=experts,
+                top_k=top_k,
+                to_ffn_bytes=ffn.cut_bytes_to_ffn,
+                to_attn_bytes=ffn.cut_bytes_to_attn,
+            )
+        )
+    groups = Counter(replace(r, count=1) for r in rows)
+    return ModelFacts(
+        name=name or report.model,
+        context=context,
+        weight_dtype=weight_dtype,
+        kv_dtype=kv_dtype,
+        cost=cost,
+        layers=tuple(replace(r, count=c) for r, c in groups.items()),
+        attention_weight_bytes=weights.attention * wb,
+        ffn_weight_bytes=weights.ffn * wb,
+        ffn_activated_bytes=cost.ffn_flops / 2 * wb,
+    )
