@@ -30,7 +30,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from afdc import ops
 from afdc.errors import UnsupportedModelError
-from afdc.passes import graph_facts as gf
 
 IMPLEMENTATION = "afdc"
 INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
@@ -44,6 +43,18 @@ _slots: list[Iterator[int]] = []
 # mask tensor id -> (mask, the sliding-window or chunk size it was built with), within one capture;
 # holding the mask keeps its id from being reused
 _windows: dict[int, tuple[torch.Tensor, int]] = {}
+
+
+def key_length_tied(graph: fx.Graph) -> bool:
+    """Whether a captured graph needs the key length to equal the token count (captured
+    non-incrementally: decode recomputes the prefix)."""
+    inputs = {n.target: n.meta["val"] for n in graph.find_nodes(op="placeholder")}
+    tokens, keys = (inputs[name].shape[1] for name in ("input_ids", "attention_mask"))
+    return _expr(tokens) == _expr(keys)  # compared as expressions: == on SymInts would add a guard
+
+
+def _expr(dim):
+    return dim.node.expr if isinstance(dim, torch.SymInt) else dim
 
 
 def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
@@ -278,7 +289,7 @@ def _captured(ep: torch.export.ExportedProgram, mode: str, model: PreTrainedMode
     captured = _to_get_attr_graph(ep, names, "", max_positions=limit)
     if not takes_positions(model):
         captured.recompute = _NO_POSITIONS
-    elif gf.key_length_tied(captured.graph):
+    elif key_length_tied(captured.graph):
         captured.recompute = _TIED
     return captured
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
+from afdc.capture import key_length_tied
 from afdc.errors import UnsupportedModelError
 from afdc.ops import AttentionCall
 from afdc.passes import graph_facts as gf
@@ -94,7 +95,7 @@ def attention_slots(graph: fx.Graph) -> list[SlotSpec]:
 
 
 def _check_incremental(graph: fx.Graph) -> None:
-    if gf.key_length_tied(graph):
+    if key_length_tied(graph):
         raise UnsupportedModelError(
             "the graph ties the key length to the token count (captured non-incremental: decode "
             "recomputes the prefix), so it keeps state outside the KV cache that paging cannot hold"

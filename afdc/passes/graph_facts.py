@@ -150,12 +150,6 @@ def token_layout(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) -> li
 _SHAPE_READS = ("sym_size", "sym_numel", "sym_stride", "sym_storage_offset")
 
 
-def key_length_tied(graph: fx.Graph) -> bool:
-    """Whether the captured graph needs the key length to equal the token count."""
-    inputs = {n.target: n.meta["val"] for n in graph.find_nodes(op="placeholder")}
-    return sym_expr(inputs["input_ids"].shape[1]) == sym_expr(inputs["attention_mask"].shape[1])
-
-
 def data_free(graph: fx.Graph) -> set[fx.Node]:
     """Nodes whose values depend on no input data: shape arithmetic, buffers, constants, ``arange``.
 
