@@ -16,7 +16,7 @@ from transformers.masking_utils import (
 )
 
 import afdc
-from afdc.ops import reference_attention
+from afdc.ops import AttentionCall, reference_attention
 from afdc.passes.attention_slots import SlotSpec, attention_slots
 from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime import connector as connectors
@@ -233,13 +233,18 @@ def _check_steps(model, step, store: PagedKVStore) -> None:
 def test_refusals():
     _, dm = _served("gemma2")
     graph = dm.attention.module.graph
-    node = next(iter(graph.find_nodes(op="call_function", target=torch.ops.afdc.attention.default)))
-    args = node.args
+    call = AttentionCall.all_in(graph)[0]
+    node, args = call.node, call.node.args
+
+    def changed(name: str, value) -> tuple:
+        i = AttentionCall.position(name)
+        return (*args[:i], value, *args[i + 1 :])
+
     try:
-        node.args = (*args[:4], -1, *args[5:])
+        node.args = changed("slot", -1)
         with pytest.raises(afdc.UnsupportedModelError, match="no cache slot"):
             attention_slots(graph)
-        node.args = (*args[:8], 3)  # a sliding window of 4 in the mask, 3 on the op
+        node.args = changed("window", 3)  # a sliding window of 4 in the mask, 3 on the op
         with pytest.raises(afdc.UnsupportedModelError, match="cannot reproduce"):
             attention_slots(graph)
     finally:
@@ -249,8 +254,8 @@ def test_refusals():
     ids = next(n for n in graph.find_nodes(op="placeholder") if n.target == "input_ids")
     with graph.inserting_before(node):
         chosen = graph.call_function(torch.ops.aten.ne.Scalar, (ids, -1))
-        picked = graph.call_function(torch.ops.aten.logical_and.default, (args[3], chosen))
-    node.args = (*args[:3], picked, *args[4:])
+        picked = graph.call_function(torch.ops.aten.logical_and.default, (call.mask, chosen))
+    node.args = changed("mask", picked)
     try:
         with pytest.raises(afdc.UnsupportedModelError, match="computed from the hidden states"):
             attention_slots(graph)
