@@ -23,9 +23,9 @@ from afdc.api import build
 from afdc.runtime import connector as connectors
 from afdc.runtime import wire
 from afdc.runtime.options import RuntimeOptions
-from afdc.segment import Dispatch, ExpertRouting
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, free_port
 from afdc.runtime.server import FFNServer, serve_program
+from afdc.segment import Dispatch, ExpertRouting
 from models_supported import catalog
 
 NEW_TOKENS = 5
@@ -418,7 +418,7 @@ def test_one_ffn_run_for_several_senders(model_type):
 def test_shared_memory_ring_reuses_its_start_and_never_overwrites_unread_bytes(tmp_path):
     """The sender places each payload where no unread byte lies: back at the ring's start once the
     receiver has drained it, after the unread ones otherwise, never wrapping inside a payload."""
-    from afdc.runtime.shm import _Ring
+    from afdc.runtime.transport.shm import _Ring
 
     ring = _Ring(tmp_path / "ring", 100, create=True)
     reader = _Ring(tmp_path / "ring", 0, create=False)

@@ -22,7 +22,8 @@ from afdc.runtime.connector import Connector
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
-from afdc.runtime.transport import Failure, Incoming, Transport, transport_class
+from afdc.runtime.transport import transport_class
+from afdc.runtime.transport.base import Failure, Incoming, Transport
 from afdc.segment import Dispatch, Share
 
 

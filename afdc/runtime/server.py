@@ -34,7 +34,8 @@ from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous, RendezvousError
-from afdc.runtime.transport import LEFT, Failure, Incoming, Transport, transport_class
+from afdc.runtime.transport import transport_class
+from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport
 
 log = logging.getLogger("afdc.server")
 _RECONNECT_SLICE = 1.0  # s: how often a server waiting for a lost store checks whether it was stopped

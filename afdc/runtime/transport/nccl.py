@@ -2,7 +2,7 @@
 
 A header is small and its receive must be able to wait indefinitely (a server waits for the
 next message), which NCCL cannot do: its watchdog aborts an operation that outlives the group's
-timeout. So headers keep gloo's parked receives (:mod:`afdc.runtime.gloo`), and a payload's NCCL
+timeout. So headers keep gloo's parked receives (:mod:`afdc.runtime.transport.gloo`), and a payload's NCCL
 receive is posted only once its header has arrived, when the matching send is already queued;
 no NCCL operation waits for longer than a message takes to cross.
 
@@ -27,11 +27,9 @@ import torch.distributed as dist
 
 from afdc.errors import AfdcError
 from afdc.runtime import wire
-from afdc.runtime.gloo import GlooTransport
-from afdc.runtime.transport import register
+from afdc.runtime.transport.gloo import GlooTransport
 
 
-@register("nccl")
 class NcclTransport(GlooTransport):
     def _open_payload_plane(self) -> None:
         if self.device.type != "cuda":

@@ -27,7 +27,7 @@ import torch
 
 from afdc.runtime import wire
 from afdc.runtime.rendezvous import Rendezvous
-from afdc.runtime.transport import LEFT, Failure, Transport, register
+from afdc.runtime.transport.base import LEFT, Failure, Transport
 
 log = logging.getLogger("afdc.shm")
 
@@ -131,7 +131,6 @@ class _Link:
         self.sock.close()
 
 
-@register("shm")
 class ShmTransport(Transport):
     ring_bytes = DEFAULT_RING_BYTES
 

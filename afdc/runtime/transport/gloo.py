@@ -4,7 +4,7 @@ Each generation forms its own gloo process group over the rendezvous store. A me
 sends on the same pair: the fixed-size header, then the payload bytes, with distinct tags; a
 per-peer lock keeps the two in order when several micro-batches send at once. One receiver
 thread per peer posts blocking receives. Payloads ride the same group here; the NCCL transport
-(:mod:`afdc.runtime.nccl`) keeps the headers on gloo and moves the payloads between GPUs.
+(:mod:`afdc.runtime.transport.nccl`) keeps the headers on gloo and moves the payloads between GPUs.
 
 A receive that gives up cannot be withdrawn from gloo (its buffer would swallow the next
 message), so receiver threads wait without a deadline; deadlines are enforced by the
@@ -24,13 +24,12 @@ import torch
 import torch.distributed as dist
 
 from afdc.runtime import wire
-from afdc.runtime.transport import LEFT, Failure, Transport, register
+from afdc.runtime.transport.base import LEFT, Failure, Transport
 
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _NO_DEADLINE = datetime.timedelta(days=365)  # see the module docstring: receives cannot be abandoned
 
 
-@register("gloo")
 class GlooTransport(Transport):
     def _open(self) -> None:
         store = self.rendezvous.prefixed(self.group.generation, "gloo")

@@ -4,7 +4,8 @@ A transport sends typed messages (:mod:`afdc.runtime.wire`) to a peer slot and d
 arrives from any peer, from receiver threads: into one inbox, or straight to a ``deliver``
 callback (the attention side files replies as they land, one thread hand-off fewer). A peer that drops its link or
 sends something malformed shows up in the inbox as a :class:`Failure`; the transport itself
-never raises on the receiving side. Transports are chosen by name from :data:`REGISTRY`.
+never raises on the receiving side. Transports are chosen by connector name from the registry in
+:mod:`afdc.runtime.transport`; this module holds what they all share and imports none of them.
 
 Tensors are sent from any device and delivered on the rank's ``device`` (where its program
 runs): a medium that moves host bytes (gloo, shared memory) stages device tensors through host
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from afdc.errors import AfdcError
 from afdc.runtime.rendezvous import Group, Layout, Rendezvous
 from afdc.runtime.wire import Header, Kind, unpack
 
@@ -101,23 +101,3 @@ class Transport(ABC):
     def address(rendezvous: Rendezvous, slot: int) -> str:
         """What this slot publishes in its hello for peers to reach it (empty: nothing)."""
         return ""
-
-
-REGISTRY: dict[str, type[Transport]] = {}
-
-
-def register(name: str):
-    def deco(cls: type[Transport]) -> type[Transport]:
-        REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def transport_class(name: str) -> type[Transport]:
-    # the implementations register themselves on import
-    from afdc.runtime import gloo, nccl, shm  # noqa: F401
-
-    if name not in REGISTRY:
-        raise AfdcError(f"unknown connector {name!r}; choose one of {sorted(REGISTRY)} (or 'loopback' in-process)")
-    return REGISTRY[name]

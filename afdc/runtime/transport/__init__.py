@@ -1,0 +1,26 @@
+"""The transports by connector name: the one place that knows every concrete transport.
+
+What all transports share lives in :mod:`afdc.runtime.transport.base`, which imports none of them;
+each medium is its own module (:mod:`~afdc.runtime.transport.gloo`, :mod:`~afdc.runtime.transport.nccl`,
+:mod:`~afdc.runtime.transport.shm`). A new transport is added to :data:`REGISTRY` here.
+"""
+
+from __future__ import annotations
+
+from afdc.errors import AfdcError
+from afdc.runtime.transport.base import Transport
+from afdc.runtime.transport.gloo import GlooTransport
+from afdc.runtime.transport.nccl import NcclTransport
+from afdc.runtime.transport.shm import ShmTransport
+
+REGISTRY: dict[str, type[Transport]] = {
+    "gloo": GlooTransport,
+    "nccl": NcclTransport,
+    "shm": ShmTransport,
+}
+
+
+def transport_class(name: str) -> type[Transport]:
+    if name not in REGISTRY:
+        raise AfdcError(f"unknown connector {name!r}; choose one of {sorted(REGISTRY)} (or 'loopback' in-process)")
+    return REGISTRY[name]
