@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from afdc import lowering
-from afdc.segment import Dispatch, Segment, SegmentBinding, as_rows, at_tokens
+from afdc.segment import Dispatch, ExpertRouting, Segment, SegmentBinding, as_rows, at_tokens
 
 
 class _Lowered:
@@ -146,6 +146,11 @@ class FFNProgram(torch.nn.Module):
         ]
         outputs = [as_rows(o, total) for o in self.run(layer, batched)]
         return [list(parts) for parts in zip(*(o.split(tokens) for o in outputs))]
+
+    @property
+    def routing(self) -> list[ExpertRouting | None]:
+        """Per segment: how its tokens go only to their experts' ranks (None: to every rank)."""
+        return [d.experts for d in self._dispatch]
 
     def dispatch(self, layer: int) -> Dispatch:
         """How FFN layer ``layer``'s inputs go out to the FFN ranks and their replies combine."""
