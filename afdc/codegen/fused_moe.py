@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from afdc.codegen import autotune
 from afdc.codegen.triton_support import interpreting, jit, launches, next_power_of_2, tl
-from afdc.ops.call import bound
+from afdc.ops.call import OpCall
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
@@ -623,7 +623,7 @@ def _(x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_
 
 
 @dataclass(frozen=True)
-class FusedMoeCall:
+class FusedMoeCall(OpCall):
     """One ``afdc::fused_moe`` node's arguments by name (tensors are graph values)."""
 
     node: fx.Node
@@ -646,14 +646,6 @@ class FusedMoeCall:
     s_scale: fx.Node | None = None
 
     OP = torch.ops.afdc.fused_moe.default
-
-    @classmethod
-    def of(cls, node: fx.Node) -> FusedMoeCall:
-        return cls(node, **bound(node, cls.OP))
-
-    @classmethod
-    def matches(cls, node: fx.Node) -> bool:
-        return node.op == "call_function" and node.target is cls.OP
 
     @property
     def has_shared_expert(self) -> bool:

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from afdc.ops import context
-from afdc.ops.call import bound, calls, position
+from afdc.ops.call import OpCall
 
 
 def _mask_for_queries_at_end(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -114,7 +114,7 @@ def _(hidden):
 
 
 @dataclass(frozen=True)
-class AttentionCall:
+class AttentionCall(OpCall):
     """One ``afdc::attention`` node's arguments by name: q, k, v, mask and sinks are graph values
     (mask and sinks may be None), the rest constants."""
 
@@ -130,21 +130,3 @@ class AttentionCall:
     window: int
 
     OP = torch.ops.afdc.attention.default
-
-    @classmethod
-    def of(cls, node: fx.Node) -> AttentionCall:
-        return cls(node, **bound(node, cls.OP))
-
-    @classmethod
-    def matches(cls, node: fx.Node) -> bool:
-        return node.op == "call_function" and node.target is cls.OP
-
-    @classmethod
-    def all_in(cls, graph: fx.Graph) -> list[AttentionCall]:
-        """Every attention call of ``graph``, in graph order."""
-        return [cls.of(n) for n in calls(graph, cls.OP)]
-
-    @classmethod
-    def position(cls, name: str) -> int:
-        """Where argument ``name`` stands in the node's ``args`` (for rewriting a call)."""
-        return position(cls.OP, name)

@@ -41,3 +41,27 @@ def position(op: torch._ops.OpOverload, name: str) -> int:
 
 def calls(graph: fx.Graph, op: torch._ops.OpOverload) -> list[fx.Node]:
     return list(graph.find_nodes(op="call_function", target=op))
+
+
+class OpCall:
+    """Base of a typed call: a frozen dataclass whose fields after ``node`` are ``OP``'s arguments."""
+
+    OP: torch._ops.OpOverload
+
+    @classmethod
+    def of(cls, node: fx.Node):
+        return cls(node, **bound(node, cls.OP))
+
+    @classmethod
+    def matches(cls, node: fx.Node) -> bool:
+        return node.op == "call_function" and node.target is cls.OP
+
+    @classmethod
+    def all_in(cls, graph: fx.Graph) -> list:
+        """Every call of ``OP`` in ``graph``, in graph order."""
+        return [cls.of(n) for n in calls(graph, cls.OP)]
+
+    @classmethod
+    def position(cls, name: str) -> int:
+        """Where argument ``name`` stands in the node's ``args`` (for rewriting a call)."""
+        return position(cls.OP, name)

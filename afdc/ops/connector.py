@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from afdc.ops import context
-from afdc.ops.call import bound
+from afdc.ops.call import OpCall
 
 
 @torch.library.custom_op("afdc::send", mutates_args=())
@@ -50,7 +50,7 @@ def _(ticket, layer, index, shape, dtype):
 
 
 @dataclass(frozen=True)
-class SendCall:
+class SendCall(OpCall):
     """An ``afdc::send`` node: the values it sends for FFN segment ``layer``."""
 
     node: fx.Node
@@ -60,16 +60,12 @@ class SendCall:
     OP = torch.ops.afdc.send.default
 
     @classmethod
-    def of(cls, node: fx.Node) -> SendCall:
-        return cls(node, **bound(node, cls.OP))
-
-    @classmethod
     def emit(cls, graph: fx.Graph, tensors: list[fx.Node], layer: int) -> fx.Node:
         return graph.call_function(cls.OP, (tensors, layer))
 
 
 @dataclass(frozen=True)
-class RecvCall:
+class RecvCall(OpCall):
     """An ``afdc::recv`` node: output ``index`` of FFN segment ``layer``, of ``shape`` and ``dtype``."""
 
     node: fx.Node
@@ -80,10 +76,6 @@ class RecvCall:
     dtype: torch.dtype
 
     OP = torch.ops.afdc.recv.default
-
-    @classmethod
-    def of(cls, node: fx.Node) -> RecvCall:
-        return cls(node, **bound(node, cls.OP))
 
     @classmethod
     def emit(cls, graph: fx.Graph, ticket: fx.Node, layer: int, index: int, shape: list, dtype: torch.dtype) -> fx.Node:
