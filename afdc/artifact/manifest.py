@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from afdc.errors import AfdcError
 from afdc.plan import Plan
-from afdc.segment import ExpertRouting, Segment, Split
+from afdc.segment import Dispatch, ExpertRouting, Segment, Split
 
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
@@ -82,6 +82,10 @@ class SegmentSpec:
             graph=graph, splits=tuple(self.splits), reduce=tuple(self.reduce), inputs=tuple(self.inputs),
             routing=self.routing,
         )
+
+    def dispatch(self) -> Dispatch:
+        """How an attention rank sends this segment's tokens and combines its replies."""
+        return Dispatch(tuple(self.reduce), tuple(self.inputs), self.routing)
 
 
 @dataclass

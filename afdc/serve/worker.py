@@ -107,7 +107,7 @@ class AfdcWorker(WorkerBase):
         manifest = mf.read_manifest(directory)
         check_servable(manifest)
         program = load(directory, "attn", s.rank, self.device, backend="eager")
-        dispatch = [manifest.segments[lay.segment].dispatch for lay in manifest.layers]
+        dispatch = [manifest.segments[lay.segment].dispatch() for lay in manifest.layers]
         in_process = s.connector == "loopback"
         ffn = [load(directory, "ffn", r, self.device, s.backend) for r in range(manifest.plan.ffn_ranks)]
         ffn = ffn if in_process else []
