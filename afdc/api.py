@@ -19,13 +19,13 @@ from afdc import segment
 from afdc.capture import CapturedGraph
 from afdc.errors import PlanError, UnsupportedModelError
 from afdc.ops import AttentionCall
+from afdc.partition.attention_tp import shard_attention
 from afdc.partition.cut import Cut, RouterPlacement, select_cuts
 from afdc.partition.shard import (
     FFNParallel,
     PartialSumsMeetNonLinearOps,
     ShardedSegment,
     data_parallel,
-    shard_attention,
     shard_segment,
     single_rank,
 )
