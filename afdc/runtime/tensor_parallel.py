@@ -1,7 +1,7 @@
 """Tensor parallelism inside an attention rank (``--attn-tp N``).
 
 An attention rank of such a plan is N TP ranks, each running the TP-sharded attention program
-(:func:`afdc.partition.shard.shard_attention`) on the same tokens with its own share of the heads,
+(:func:`afdc.partition.attention_tp.shard_attention`) on the same tokens with its own share of the heads,
 of the weights and of the KV cache. They meet in ``afdc::tp_all_reduce`` after each row-split
 projection, over a gloo group of their own. Only TP rank 0 talks to the FFN side: every TP rank
 holds the same (whole) FFN inputs, so rank 0 sends them, and broadcasts each FFN result to the
