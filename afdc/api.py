@@ -344,6 +344,7 @@ def disaggregate(
         incremental=not built.recompute,
         report=built.report,
         generation_config=getattr(model, "generation_config", None),
+        config=model.config,
         micro_batches=built.plan.micro_batches,
         deployment=deployment_id(str(built.plan), attention.module.code, *(s.code for s in ffn[0].segments)),
         connector=connector,

@@ -14,7 +14,7 @@ from typing import NoReturn
 import torch
 import torch.utils._pytree as pytree
 from safetensors.torch import load_file
-from transformers import AutoConfig, GenerationConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from afdc.artifact import manifest as mf
 from afdc.artifact.program_source import load_program
@@ -103,14 +103,18 @@ def _load(
 
 
 def _generation_config(directory: Path) -> GenerationConfig | None:
-    """What the model's own ``generate`` stops and pads with: its checkpoint's generation config,
-    else its config's defaults; None for an artifact compiled without weights (no model files)."""
+    """What the model's own ``generate`` decodes with: its checkpoint's generation config, else its
+    config's defaults; None for an artifact compiled without weights (no model files)."""
     files = directory / mf.MODEL_DIR
     if (files / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(files)
-    if (files / "config.json").is_file():
-        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(files))
-    return None
+    config = _config(directory)
+    return GenerationConfig.from_model_config(config) if config is not None else None
+
+
+def _config(directory: Path) -> PretrainedConfig | None:
+    files = directory / mf.MODEL_DIR
+    return AutoConfig.from_pretrained(files) if (files / "config.json").is_file() else None
 
 
 def deployment_of(directory: str | Path) -> tuple[Layout, bytes]:
@@ -137,6 +141,7 @@ def load_deployment(
         incremental=manifest.incremental_decode,
         report=None,
         generation_config=_generation_config(directory),
+        config=_config(directory),
         micro_batches=plan.micro_batches,
         deployment=deployment_of(directory)[1],
         ffn_source=FFNRankLoader(directory, str(ffn[0].device), ffn[0].backend),

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from afdc.errors import AfdcError
 from afdc.runtime import connector as connectors
-from afdc.runtime import kv_cache
+from afdc.runtime import generation, kv_cache
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch, run_concurrently
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions
@@ -65,8 +65,6 @@ class DefaultPositions(enum.Enum):
 
 # Arguments of a transformers forward that do not change the logits.
 _IGNORED_KWARGS = {"use_cache", "return_dict", "past_key_values"}
-# Arguments of transformers' generate that greedy decoding ignores (as generate itself does).
-_SAMPLING_KWARGS = {"temperature", "top_k", "top_p", "min_p", "typical_p"}
 
 
 def _concat(outputs: list):
@@ -95,6 +93,7 @@ class DisaggregatedModel:
         incremental: bool,
         report,
         generation_config=None,
+        config=None,
         micro_batches: int = 1,
         deployment: bytes = b"",
         ffn_source: Callable[[int], FFNProgram] | None = None,
@@ -109,6 +108,7 @@ class DisaggregatedModel:
         self.incremental = incremental  # False: decode recomputes the prefix (see Report.decode_recomputes)
         self._report = report
         self.generation_config = generation_config
+        self.config = config  # the model's config, as generate's processors read it (None: defaults)
         self.micro_batches = micro_batches
         self.deployment = deployment  # the id every rank of a launched deployment checks
         # how a launched FFN server gets rank r's program (None: this process's, through shared memory)
@@ -274,42 +274,18 @@ class DisaggregatedModel:
         return self(*args, **kwargs)
 
     @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int = 20,
-        eos_token_id: int | list[int] | None = None,
-        pad_token_id: int | None = None,
-        do_sample: bool = False,
-        num_beams: int = 1,
-        **ignored,
-    ) -> torch.Tensor:
-        """Greedy decoding; returns prompt and new tokens like ``model.generate(do_sample=False)``.
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """``model.generate(input_ids, attention_mask=..., **kwargs)``: prompt and new tokens.
 
-        Sampling parameters are accepted and ignored, as greedy ``generate`` ignores them; sampling
-        and beam search are refused (a deployment served by ``afdc serve`` samples, in vLLM)."""
-        if do_sample or num_beams != 1:
-            raise ValueError(
-                "dm.generate decodes greedily (do_sample=False, num_beams=1); for sampling, serve the model "
-                "(afdc compile, then afdc up / afdc serve) and sample through vLLM's API"
-            )
-        if set(ignored) - _SAMPLING_KWARGS:
-            raise TypeError(
-                f"dm.generate takes input_ids, attention_mask, max_new_tokens, eos_token_id and pad_token_id; "
-                f"got {sorted(set(ignored) - _SAMPLING_KWARGS)}"
-            )
-        cfg = self.generation_config
-        if eos_token_id is None and cfg is not None:
-            eos_token_id = cfg.eos_token_id
-        if pad_token_id is None and cfg is not None:
-            pad_token_id = cfg.pad_token_id
-        eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
-        if pad_token_id is None and eos.numel():
-            pad_token_id = int(eos[0])
+        The next token is chosen as transformers' ``generate`` chooses it, by its own logits
+        processors and stopping criteria built from the model's generation config and the
+        arguments (see :mod:`afdc.runtime.generation`): greedy, or sampling when asked
+        (``do_sample``). What it cannot honour (beam search, guidance, dict outputs) it refuses by
+        name. The KV cache stays on the attention side; a model captured non-incrementally
+        recomputes the prefix each step."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-
+        rules = generation.decoding(self.config, self.generation_config, input_ids, attention_mask, kwargs)
         tasks = self._tasks(input_ids.shape[0])
         caches = (
             {(rank, mb): kv_cache.KVCache() for rank, parts in tasks.items() for mb, _ in parts}
@@ -318,18 +294,17 @@ class DisaggregatedModel:
         )
         tokens, mask = input_ids, attention_mask
         step_ids, step_pos = input_ids, positions_from_mask(mask)
-        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
+        unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        while True:  # until the stopping criteria (max_length among them) end every row
             if not self.incremental:
                 step_ids, step_pos = tokens, positions_from_mask(mask)
             logits = self._run(step_ids, mask, step_pos, caches).logits[:, -1, :]
-            nxt = logits.argmax(-1)
-            if eos.numel():
-                nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
-                finished |= torch.isin(nxt, eos)
+            scores = rules.scores(tokens, logits)
+            nxt = rules.choose(scores, unfinished)
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
-            if eos.numel() and bool(finished.all()):
+            unfinished = rules.unfinished(tokens, scores, unfinished)
+            if not bool(unfinished.any()):
                 break
         return tokens
