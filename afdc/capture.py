@@ -8,7 +8,9 @@ key lengths, on real or meta tensors.
 
 The graph's inputs are ``input_ids [b, s]``, ``attention_mask [b, kv]`` and ``position_ids [b, s]``,
 where the queries are the last ``s`` of the ``kv`` positions: the same graph runs prefill
-(``kv == s``) and incremental decode against the KV cache held by the attention op.
+(``kv == s``) and incremental decode against the KV cache held by the attention op. What the
+forward reads of its cache (how many tokens it holds: every cache position in transformers is
+``arange(s) + cache length``) is answered as ``kv - s`` by a stand-in cache that stores nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from afdc import ops
@@ -127,6 +129,58 @@ AttentionInterface.register(IMPLEMENTATION, _attention_forward)
 AttentionMaskInterface.register(IMPLEMENTATION, _mask)
 
 
+class _CacheLength(Cache):
+    """The forward's cache during capture: it holds nothing, and says it holds ``past`` tokens.
+
+    afdc's attention op keeps the keys and values, so the forward needs no real cache; but
+    without one it would place every call's tokens at cache positions ``0..s-1`` and decode
+    would read the wrong position wherever the forward reads it (Llama 4's NoPE temperature,
+    which grows with the position). With this stand-in the positions are ``kv - s + i``: the
+    queries are the last ``s`` of the ``kv`` keys, as the attention op places them."""
+
+    def __init__(self, past):
+        super().__init__(layers=[])
+        self.past = past
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0):
+        return self.past
+
+    def get_query_offset(self, layer_idx: int = 0):
+        return self.past
+
+    def get_mask_sizes(self, query_length, layer_idx):
+        return self.past + query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+class _WithCacheLength(torch.nn.Module):
+    """``model`` called with a :class:`_CacheLength` of ``kv - s`` tokens, the cache left out of
+    its output (export cannot return it)."""
+
+    def __init__(self, model: PreTrainedModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids=None):
+        cache = _CacheLength(attention_mask.shape[1] - input_ids.shape[1])
+        positions = {} if position_ids is None else {"position_ids": position_ids}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **positions)
+        return type(out)(**{k: v for k, v in out.items() if k != "past_key_values"})
+
+
+_WRAPPED = "model."  # the FQN prefix of the model's tensors inside _WithCacheLength
+
+
+def _reads_cache(model: PreTrainedModel) -> bool:
+    return "past_key_values" in inspect.signature(model.forward).parameters
+
+
 @dataclass(kw_only=True)
 class CapturedGraph:
     """A model's forward as one FX graph whose parameters are ``get_attr`` nodes named by FQN."""
@@ -218,9 +272,13 @@ def _host_index(index):
     return index
 
 
-def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export.ExportedProgram:
+def _export(
+    model: PreTrainedModel, mode: str, functional: bool, cache: bool
+) -> torch.export.ExportedProgram:
     """``mode``: "incremental" (kv and s independent, every guard proven), "relaxed" (see
-    :func:`_relaxed_limit`; traced with kv == s, which export may then tie) or "static"."""
+    :func:`_relaxed_limit`; traced with kv == s, which export may then tie) or "static".
+    ``cache``: the forward gets a :class:`_CacheLength` (its tensors' names then start with
+    :data:`_WRAPPED`)."""
     batch = torch.export.Dim("batch")  # strict in every mode: one batch size, never specialized
     if mode == "relaxed":
         seq = kv = torch.export.Dim.DYNAMIC
@@ -236,7 +294,7 @@ def _export(model: PreTrainedModel, mode: str, functional: bool) -> torch.export
     try:
         with _HostConstants() if inputs["input_ids"].is_meta else contextlib.nullcontext():
             ep = torch.export.export(
-                model,
+                _WithCacheLength(model) if cache else model,
                 args=(),
                 kwargs=inputs,
                 dynamic_shapes=None if mode == "static" else {name: dims[name] for name in inputs},
@@ -262,24 +320,33 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     """
     model.eval()
     errors = []
+    # with the stand-in cache first; a forward that wants more of a cache (a hybrid's states) is
+    # captured without it, as before (its cache positions then start at 0 in every call)
+    attempts = [(mode, cache) for mode in ("incremental", "relaxed", "static") for cache in (True, False)]
     with _afdc_attention(model), torch.no_grad():
-        for mode in ("incremental", "relaxed", "static"):
+        for mode, cache in attempts:
+            if cache and not _reads_cache(model):
+                continue
             try:
-                ep = _export(model, mode, functional)
+                ep = _export(model, mode, functional, cache)
             except UnsupportedModelError:
                 raise
             except Exception as err:
                 errors.append(f"{mode}: {(str(err).splitlines() or [type(err).__name__])[0]}")
                 continue
-            return _captured(ep, mode, model, "; ".join(errors))
+            return _captured(ep, mode, model, "; ".join(errors), _WRAPPED if cache else "")
     raise UnsupportedModelError("torch.export could not capture the forward: " + "; ".join(errors))
 
 
-def _captured(ep: torch.export.ExportedProgram, mode: str, model: PreTrainedModel, errors: str) -> CapturedGraph:
-    """The graph of an export in ``mode``. A relaxed export whose guards fail short of the model's
-    context is kept as a specialized graph: classifying it says what the model is (re-exporting
-    statically would say the same, slower)."""
-    names = _canonical_names(model)
+def _captured(
+    ep: torch.export.ExportedProgram, mode: str, model: PreTrainedModel, errors: str, prefix: str
+) -> CapturedGraph:
+    """The graph of an export in ``mode``, its tensors named without ``prefix``. A relaxed export
+    whose guards fail short of the model's context is kept as a specialized graph: classifying it
+    says what the model is (re-exporting statically would say the same, slower)."""
+    canonical = _canonical_names(model)
+    unwrapped = {name: name.removeprefix(prefix) for name in (*ep.state_dict, *ep.constants)}
+    names = {name: canonical.get(bare, bare) for name, bare in unwrapped.items()}
     if mode == "static":
         return _to_get_attr_graph(ep, names, _ONE_LENGTH, specialized=errors)
     try:

@@ -298,6 +298,11 @@ _NO_FFN_SSM = (
     "no FFN region found: this is a pure sequence-mixer (state-space) model with no position-wise weight branch "
     "added to the residual stream"
 )
+_EXPERT_LOOP = (
+    "the MoE loops over the experts that received tokens (nonzero(): a data-dependent loop); capturing it needs "
+    "a batched formulation of its experts (transformers' experts interface does not cover this block) or an "
+    "opaque expert op that FFN ranks run with the block's own code"
+)
 _DATA_DEPENDENT = (
     "torch.export could not capture the forward: incremental: Could not guard on data-dependent expression"
 )
@@ -337,8 +342,8 @@ REFUSED_CAUSE: dict[str, str] = {
     "rwkv": "the WKV recurrence scans the sequence in a Python loop",
     "mamba": "pure state-space model: no FFN to disaggregate",
     "falcon_mamba": "pure state-space model: no FFN to disaggregate",
-    "dbrx": "the MoE loops over the experts that received tokens (nonzero(): a data-dependent loop)",
-    "longcat_flash": "the MoE loops over the experts that received tokens (nonzero(): a data-dependent loop)",
+    "dbrx": _EXPERT_LOOP,
+    "longcat_flash": _EXPERT_LOOP + "; its zero-compute (identity) experts too",
     "deepseek_v4": "compressed sparse attention's compressor assumes a full block of 4 tokens: the graph holds only "
                    "from 4 tokens on (its hyper-connections and hash routing split as they should)",
 }

@@ -11,6 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import afdc
 from afdc.demo import demo_batch
+from afdc.passes.cache_positions import cache_position_nodes
+from models_supported import catalog
 from models_supported.catalog import TINY_COMMON
 
 VOCAB = TINY_COMMON["vocab_size"]
@@ -113,3 +115,24 @@ def test_unknown_arguments_are_refused_by_name(llama):
     ids, mask = demo_batch(VOCAB)
     with pytest.raises(TypeError, match="no_such_option"):
         dm.generate(ids, attention_mask=mask, no_such_option=1)
+
+
+def test_cache_position_past_floor_scale_in_process_and_from_an_artifact(tmp_path):
+    """Llama 4's NoPE layers scale queries by a temperature that grows with the cache position
+    from ``floor_scale`` on: decode must see each token's position in the cache, not its index
+    within the call. Left-padded batch, decoding well past ``floor_scale``."""
+    entry = next(e for e in catalog.ENTRIES if e.model_type == "llama4_text")
+    config = AutoConfig.for_model("llama4_text", **{**entry.config_kwargs, "floor_scale": 3, "attn_scale": 1.0})
+    assert 0 in config.no_rope_layers  # a NoPE layer, whose temperature is tuned
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = demo_batch(VOCAB, seed=2, shape=(2, 10), pads=(3,))
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(afdc.disaggregate(model).generate(ids, attention_mask=mask, max_new_tokens=12), want)
+    model.save_pretrained(tmp_path / "src")
+    afdc.compile_model(str(tmp_path / "src"), "1A1F", tmp_path / "art", progress=False)
+    got = afdc.load_deployment(tmp_path / "art").generate(ids, attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(got, want)
+    # the serving worker finds the cache positions in the loaded program too (tests/test_paged.py
+    # checks that vLLM-style flat batches then match transformers)
+    assert cache_position_nodes(afdc.load(tmp_path / "art", "attn", 0).module.graph)

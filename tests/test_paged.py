@@ -18,6 +18,7 @@ from transformers.masking_utils import (
 import afdc
 from afdc.ops import AttentionCall, reference_attention
 from afdc.passes.attention_slots import SlotSpec, attention_slots
+from afdc.passes.cache_positions import positions_as_cache_positions
 from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
@@ -133,9 +134,11 @@ MODELS = {
     "llama": {},
     # sliding window 4 on alternate layers, attention and final logit soft-capping
     "gemma2": {"sliding_window": 4, "query_pre_attn_scalar": 8},
-    # chunked attention (chunks of 4) on alternate layers, MoE
+    # chunked attention (chunks of 4) on alternate layers, MoE; NoPE layers whose query temperature
+    # grows with the cache position from floor_scale on
     "llama4_text": {"attention_chunk_size": 4, "num_local_experts": 4, "num_experts_per_tok": 1,
-                    "intermediate_size_mlp": 64, "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2},
+                    "intermediate_size_mlp": 64, "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2,
+                    "floor_scale": 3, "attn_scale": 1.0},
 }  # fmt: skip
 
 
@@ -188,6 +191,9 @@ def test_served_model_matches_transformers(model_type, rows_only):
     program = copy.deepcopy(dm.attention_ranks[0])
     if rows_only:
         assert sample_rows_only(program.module, program.out_spec)
+    # as the worker: each request's tokens at their own cache positions (llama4's NoPE temperature)
+    positions_as_cache_positions(program.module.graph)
+    program.module.recompile()
     slots = attention_slots(dm.attention.module.graph)
     window = {"llama": 0, "gemma2": 4, "llama4_text": 4}[model_type]
     assert [(s.window, s.chunked) for s in slots] == [(window, model_type == "llama4_text"), (0, False)]

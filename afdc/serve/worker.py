@@ -32,6 +32,7 @@ from afdc.artifact.load import deployment_of, load
 from afdc.errors import UnsupportedModelError
 from afdc.lowering import resolve as resolve_backend
 from afdc.passes.attention_slots import SlotSpec, attention_slots
+from afdc.passes.cache_positions import positions_as_cache_positions
 from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.exchange import AttentionEndpoint
@@ -120,6 +121,9 @@ class AfdcWorker(WorkerBase):
         self.slots: list[SlotSpec] = [replace(x, kv_heads=x.kv_heads * self.tp_ranks) for x in _slots(program.module)]
         # logits for each request's last token only (the step samples nothing else)
         self.rows_only = all([sample_rows_only(x.module, x.out_spec) for x in shards])
+        for x in shards:  # a flat batch: each request's tokens sit at their own cache positions
+            positions_as_cache_positions(x.module.graph)
+            x.module.recompile()
         backend = s.backend or manifest.plan.backend
         program.use_backend(backend)  # lowered after the graph is final
         if resolve_backend(backend, self.device) == "afdc" and self.device.type == "cuda":
