@@ -367,8 +367,11 @@ def default_positions(model: PreTrainedModel) -> DefaultPositions:
     mask[0, :2] = 0
     real = mask.bool()
     ref = model(input_ids=ids, attention_mask=mask).logits[real]
-    for rule in (DefaultPositions.COUNT_PADDING, DefaultPositions.SKIP_PADDING):
-        got = model(input_ids=ids, attention_mask=mask, position_ids=rule.position_ids(ids, mask)).logits[real]
+    pad = model.config.get_text_config().pad_token_id
+    rules = [DefaultPositions.COUNT_PADDING, DefaultPositions.SKIP_PADDING]
+    rules += [DefaultPositions.FROM_PAD_TOKEN] if pad is not None else []
+    for rule in rules:
+        got = model(input_ids=ids, attention_mask=mask, position_ids=rule.position_ids(ids, mask, pad)).logits[real]
         if torch.allclose(got, ref, rtol=0, atol=1e-3 * ref.abs().max().item()):
             return rule
     return DefaultPositions.OWN

@@ -349,7 +349,7 @@ def test_a_whole_value_gating_a_split_one_is_narrowed_per_rank():
 
 def test_call_without_position_ids_follows_the_models_own_default():
     """Called without position_ids, Llama counts padding, OPT skips it, and RoBERTa counts from its
-    pad token: the first two are reproduced, the third is refused until position_ids are given."""
+    pad token: each is reproduced (found by calling the model, so never assumed)."""
     from afdc.api import default_positions
     from afdc.runtime.model import DefaultPositions
 
@@ -365,12 +365,11 @@ def test_call_without_position_ids_follows_the_models_own_default():
                               model(input_ids=ids, attention_mask=mask).logits[mask.bool()], atol=1e-5)
     roberta = build_type("roberta", {**TINY_COMMON, "is_decoder": True, "pad_token_id": 1})
     dm = afdc.disaggregate(roberta, "1A1F")
-    assert dm.default_positions is DefaultPositions.OWN
+    assert dm.default_positions is DefaultPositions.FROM_PAD_TOKEN
+    ids = ids.masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        assert torch.allclose(dm(ids, attention_mask=mask).logits[mask.bool()],
+                              roberta(input_ids=ids, attention_mask=mask).logits[mask.bool()], atol=1e-5)
+    dm.default_positions = DefaultPositions.OWN  # a rule none of these reproduces is refused, not guessed
     with pytest.raises(afdc.AfdcError, match="pass position_ids"):
         dm(ids, attention_mask=mask)
-    ids = ids.masked_fill(mask == 0, 1)
-    real = (ids != 1).long()
-    own = real.cumsum(-1) * real + 1  # RoBERTa's rule: counted after its pad token (1), padding at 1
-    with torch.no_grad():
-        assert torch.allclose(dm(ids, attention_mask=mask, position_ids=own).logits[mask.bool()],
-                              roberta(input_ids=ids, attention_mask=mask).logits[mask.bool()], atol=1e-5)

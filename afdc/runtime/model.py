@@ -49,17 +49,23 @@ class DefaultPositions(enum.Enum):
 
     COUNT_PADDING = "count padding"  # transformers' default (cache positions)
     SKIP_PADDING = "skip padding"  # from the attention mask (OPT)
-    OWN = "its own rule"  # e.g. from the pad token (RoBERTa): callers must pass position_ids
+    FROM_PAD_TOKEN = "count from the pad token"  # RoBERTa-style: by token id, pads at the pad id
+    OWN = "its own rule"  # none of the above: callers must pass position_ids
 
-    def position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def position_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int | None = None
+    ) -> torch.Tensor:
         if self is DefaultPositions.COUNT_PADDING:
             return default_position_ids(input_ids)
         if self is DefaultPositions.SKIP_PADDING:
             return positions_from_mask(attention_mask)[:, -input_ids.shape[1] :]
+        if self is DefaultPositions.FROM_PAD_TOKEN and pad_token_id is not None:
+            real = (input_ids != pad_token_id).long()
+            return real.cumsum(-1) * real + pad_token_id
         raise AfdcError(
             "without position_ids this model numbers positions by its own rule (neither counting nor "
-            "skipping padding; RoBERTa-style models count from their pad token), which the captured graph "
-            "does not hold; pass position_ids"
+            "skipping padding, nor counting from its pad token), which the captured graph does not hold; "
+            "pass position_ids"
         )
 
 
@@ -266,7 +272,8 @@ class DisaggregatedModel:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
-            position_ids = self.default_positions.position_ids(input_ids, attention_mask)
+            pad = self.config.get_text_config().pad_token_id if self.config is not None else None
+            position_ids = self.default_positions.position_ids(input_ids, attention_mask, pad)
         out = self._run(input_ids, attention_mask, position_ids, None)
         return out.to_tuple() if kwargs.get("return_dict") is False and hasattr(out, "to_tuple") else out
 
