@@ -344,6 +344,7 @@ def _captured(
     """The graph of an export in ``mode``, its tensors named without ``prefix``. A relaxed export
     whose guards fail short of the model's context is kept as a specialized graph: classifying it
     says what the model is (re-exporting statically would say the same, slower)."""
+    _unwrap_module_stack(ep.graph, prefix)
     canonical = _canonical_names(model)
     unwrapped = {name: name.removeprefix(prefix) for name in (*ep.state_dict, *ep.constants)}
     names = {name: canonical.get(bare, bare) for name, bare in unwrapped.items()}
@@ -359,6 +360,21 @@ def _captured(
     elif key_length_tied(captured.graph):
         captured.recompute = _TIED
     return captured
+
+
+def _unwrap_module_stack(graph: fx.Graph, prefix: str) -> None:
+    """Module paths (report labels, layer lookup) as the model names them: without ``prefix``
+    and without the wrapper's own frame."""
+    if not prefix:
+        return
+    root = prefix.removesuffix(".")
+    for node in graph.nodes:
+        if stack := node.meta.get("nn_module_stack"):
+            node.meta["nn_module_stack"] = {
+                key: ("" if path == root else path.removeprefix(prefix), cls)
+                for key, (path, cls) in stack.items()
+                if path
+            }
 
 
 _ONE_LENGTH = "the graph holds for one sequence length only"

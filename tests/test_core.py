@@ -49,6 +49,8 @@ def test_pre_norm_cut_sends_normed_hidden_and_receives_ffn_output(moe):
         assert [c.shape_per_token for c in layer.to_ffn] == [[h]]
         assert [c.shape_per_token for c in layer.to_attn] == [[h]]
     assert dm.report().segment_graphs == 1  # identical layers share one FFN graph
+    # layers are labelled by the model's own module paths (capture's wrapper leaves no trace)
+    assert [layer.module for layer in dm.report().layers] == [f"model.layers.{i}" for i in range(4)]
 
 
 def test_traffic_matches_report(moe):
