@@ -152,7 +152,9 @@ class _CacheLength(Cache):
         return self.past
 
     def get_mask_sizes(self, query_length, layer_idx):
-        return self.past + query_length, 0
+        # older transformers pass the queries' cache positions (a tensor with one per query)
+        queries = query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
+        return self.past + queries, 0
 
     @property
     def is_compileable(self) -> bool:
