@@ -324,11 +324,10 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     errors = []
     # with the stand-in cache first; a forward that wants more of a cache (a hybrid's states) is
     # captured without it, as before (its cache positions then start at 0 in every call)
-    attempts = [(mode, cache) for mode in ("incremental", "relaxed", "static") for cache in (True, False)]
+    caches = (True, False) if _reads_cache(model) else (False,)
+    attempts = [(mode, cache) for mode in ("incremental", "relaxed", "static") for cache in caches]
     with _afdc_attention(model), torch.no_grad():
         for mode, cache in attempts:
-            if cache and not _reads_cache(model):
-                continue
             try:
                 ep = _export(model, mode, functional, cache)
             except UnsupportedModelError:

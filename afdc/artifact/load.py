@@ -102,19 +102,19 @@ def _load(
     return FFNProgram(segments=segments, layers=layers, weights=weights, rank=rank)
 
 
-def _generation_config(directory: Path) -> GenerationConfig | None:
-    """What the model's own ``generate`` decodes with: its checkpoint's generation config, else its
-    config's defaults; None for an artifact compiled without weights (no model files)."""
+def _config(directory: Path) -> PretrainedConfig | None:
+    """The model's config; None for an artifact compiled without weights (no model files)."""
+    files = directory / mf.MODEL_DIR
+    return AutoConfig.from_pretrained(files) if (files / "config.json").is_file() else None
+
+
+def _generation_config(directory: Path, config: PretrainedConfig | None) -> GenerationConfig | None:
+    """What the model's own ``generate`` decodes with: its checkpoint's generation config, else
+    ``config``'s defaults; None without either."""
     files = directory / mf.MODEL_DIR
     if (files / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(files)
-    config = _config(directory)
     return GenerationConfig.from_model_config(config) if config is not None else None
-
-
-def _config(directory: Path) -> PretrainedConfig | None:
-    files = directory / mf.MODEL_DIR
-    return AutoConfig.from_pretrained(files) if (files / "config.json").is_file() else None
 
 
 def deployment_of(directory: str | Path) -> tuple[Layout, bytes]:
@@ -135,13 +135,14 @@ def load_deployment(
     plan = manifest.plan
     attention = [load(directory, "attn", a, device, backend) for a in range(plan.attention_ranks)]
     ffn = [load(directory, "ffn", r, device, backend) for r in range(plan.ffn_ranks)]
+    config = _config(directory)
     return DisaggregatedModel(
         attention=attention,
         ffn=ffn,
         incremental=manifest.incremental_decode,
         report=None,
-        generation_config=_generation_config(directory),
-        config=_config(directory),
+        generation_config=_generation_config(directory, config),
+        config=config,
         micro_batches=plan.micro_batches,
         deployment=deployment_of(directory)[1],
         ffn_source=FFNRankLoader(directory, str(ffn[0].device), ffn[0].backend),
