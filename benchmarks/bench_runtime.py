@@ -8,7 +8,8 @@
     into and out of a shared-memory buffer, both ways.
 (b) Greedy decode tokens/s of a ~100M-parameter Qwen3-MoE-shaped model: the FFN side in a server
     process under 1A1F with m = 1 and m = 2 micro-batches, for each connector, against the
-    monolithic Hugging Face model in this process, as ratios.
+    monolithic Hugging Face model in this process and against afdc in-process (loopback, m = 1),
+    as ratios.
 
 (c) Dense FFN layers over 2 FFN ranks (shm, m = 1), a ~100M-parameter Llama-shaped model:
     ``--dense-ffn tp`` (every rank gets every token and returns a partial sum) against
@@ -21,10 +22,15 @@
     its experts' ranks, the shared expert whole on each rank and added by one of them): bytes
     exchanged per generated token and tokens/s, as ratios attn / ffn.
 
+(e) An idle deployment (1A1F shm, after one generate): the CPU the FFN server and the attention
+    process use over a few seconds of nothing to do, in percent of one core (the shm transport
+    polls its slots; its pacing must not burn cores while idle).
+
 The processes share this machine's cores, so (b), (c) and (d) measure overhead, not the AFD
 speed-up a separate FFN pool gives.
 
-Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8]
+Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8] [--connectors shm]
+                                          [--only a b e]
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from afdc.segment import Segment, SegmentBinding
 
 HIDDEN = 4096
 TOKENS = (1, 16, 256)
-CONNECTORS = ("gloo", "shm")
+CONNECTORS = ["gloo", "shm"]
 
 
 def identity_program() -> FFNProgram:
@@ -152,21 +158,23 @@ def decode_rates(batch: int, new_tokens: int) -> None:
     base = timed(monolith)
     ref = monolith(new_tokens)
     print(f"\n(b) greedy decode, Qwen3-MoE-shaped {params:.0f}M params, batch {batch}, {new_tokens} new tokens, fp32")
-    print(f"{'setup':<34}{'tokens/s':>10}{'vs monolith':>13}")
+    print(f"{'setup':<34}{'tokens/s':>10}{'vs monolith':>13}{'vs in-process':>15}")
     print(f"{'monolith (HF generate, in-process)':<34}{base:>10.1f}{1.0:>13.2f}")
     dm = afdc.disaggregate(model, "1A1F")
+    gen = lambda n: dm.generate(ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0)  # noqa: E731
+    in_process = {}
     for m in (1, 2):
         dm.micro_batches = m
-        rate = timed(lambda n: dm.generate(ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0))
+        rate = in_process[m] = timed(gen)
         print(f"{f'afdc in-process loopback, m={m}':<34}{rate:>10.1f}{rate / base:>13.2f}")
     for connector in CONNECTORS:
         with dm.launch(connector, log_interval=0):
             for m in (1, 2):
                 dm.micro_batches = m
-                gen = lambda n: dm.generate(ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0)  # noqa: E731
                 rate = timed(gen)
                 assert torch.equal(gen(new_tokens), ref), "remote decode differs from the monolith"
-                print(f"{f'afdc 1A1F {connector}, m={m}':<34}{rate:>10.1f}{rate / base:>13.2f}")
+                label = f"afdc 1A1F {connector}, m={m}"
+                print(f"{label:<34}{rate:>10.1f}{rate / base:>13.2f}{rate / in_process[1]:>15.2f}")
 
 
 def _placements(title: str, model, plan: str, option: str, values: tuple[str, str], batch: int, new_tokens: int):
@@ -221,28 +229,62 @@ def shared_expert_routing(batch: int, new_tokens: int) -> None:
     _placements(title, model, "1A4F", "router", ("ffn", "attn"), batch, new_tokens)
 
 
+def idle_cpu(seconds: float = 5.0) -> None:
+    model = demo_moe_100m()
+    ids = torch.randint(1, model.config.vocab_size, (2, 8))
+    dm = afdc.disaggregate(model, "1A1F", connector="shm")
+    with dm.launch(log_interval=0) as cluster:
+        dm.generate(ids, torch.ones_like(ids), max_new_tokens=2, eos_token_id=[], pad_token_id=0)
+        server = cluster.processes[0].pid
+        before, here, t = _cpu_seconds(server), time.process_time(), time.perf_counter()
+        time.sleep(seconds)
+        elapsed = time.perf_counter() - t
+        ffn, attn = _cpu_seconds(server) - before, time.process_time() - here
+    print(f"\n(e) idle deployment (1A1F shm) over {seconds:g} s: FFN server {100 * ffn / elapsed:.1f}% of a core, "
+          f"attention process {100 * attn / elapsed:.1f}%")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--connectors", nargs="+", default=list(CONNECTORS), choices=CONNECTORS)
+    parser.add_argument("--only", nargs="+", default=list("abcde"), choices=list("abcde"), help="sections to run")
     args = parser.parse_args()
+    CONNECTORS[:] = args.connectors
     torch.set_grad_enabled(False)
     print(f"afdc {afdc.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")
+    if "a" in args.only:
+        round_trip_table(args.repeats)
+    if "b" in args.only:
+        decode_rates(args.batch, args.new_tokens)
+    if "c" in args.only:
+        dense_placement(args.batch, args.new_tokens)
+    if "d" in args.only:
+        shared_expert_routing(args.batch, args.new_tokens)
+    if "e" in args.only:
+        idle_cpu()
+
+
+def round_trip_table(repeats: int) -> None:
     print(f"\n(a) round trip of one FFN layer's activations, [{'T'}, {HIDDEN}] bf16, identity FFN server")
     print(f"{'connector':<10}{'T':>5}{'bytes':>10}{'rtt us':>10}{'GB/s':>8}{'floor us':>10}{'rtt/floor':>11}")
-    floors = {t: shm_copy_floor(t * HIDDEN * 2, args.repeats) for t in TOKENS}
+    floors = {t: shm_copy_floor(t * HIDDEN * 2, repeats) for t in TOKENS}
     for connector in CONNECTORS:
-        for tokens, rtt in round_trips(connector, args.repeats):
+        for tokens, rtt in round_trips(connector, repeats):
             nbytes = tokens * HIDDEN * 2
             floor = floors[tokens]
             print(
                 f"{connector:<10}{tokens:>5}{nbytes:>10}{rtt * 1e6:>10.0f}{2 * nbytes / rtt / 1e9:>8.2f}"
                 f"{floor * 1e6:>10.1f}{rtt / floor:>11.1f}"
             )
-    decode_rates(args.batch, args.new_tokens)
-    dense_placement(args.batch, args.new_tokens)
-    shared_expert_routing(args.batch, args.new_tokens)
 
 
 if __name__ == "__main__":

@@ -415,26 +415,35 @@ def test_one_ffn_run_for_several_senders(model_type):
                 torch.testing.assert_close(o, a.reshape(t, -1), atol=1e-5, rtol=1e-5)
 
 
-def test_shared_memory_ring_reuses_its_start_and_never_overwrites_unread_bytes(tmp_path):
-    """The sender places each payload where no unread byte lies: back at the ring's start once the
-    receiver has drained it, after the unread ones otherwise, never wrapping inside a payload."""
-    from afdc.runtime.transport.shm import _Ring
+def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrites_an_untaken_one(tmp_path):
+    """A slot holds one message: the reader sees it only once its sequence number is written, the
+    writer waits (up to its deadline) until the reader has taken the last one, and slots are
+    independent (micro-batches do not wait for each other)."""
+    from afdc.runtime.transport.shm import Mailbox
 
-    ring = _Ring(tmp_path / "ring", 100, create=True)
-    reader = _Ring(tmp_path / "ring", 0, create=False)
-    start = ring.reserve(60, 1.0, "reader")
-    assert start == 0
-    ring.write(0, memoryview(bytes(range(60))))
-    ring.head = 60
-    with pytest.raises(ConnectionError, match="reader has not consumed its ring"):
-        ring.reserve(50, 0.05, "reader")  # 60 unread bytes + 50 do not fit in 100
-    assert ring.reserve(40, 1.0, "reader") == 60  # fits behind the unread bytes
-    assert torch.equal(reader.read(0, 60), torch.arange(60, dtype=torch.uint8))
-    reader.tail = 60  # drained: the next payload starts over at the beginning (of the next lap)
-    assert ring.tail == 60 and ring.reserve(90, 1.0, "reader") == 100
-    ring.head, reader.tail = 130, 100  # 30 unread bytes at [0, 30) of this lap
-    assert ring.reserve(70, 1.0, "reader") == 130  # [30, 100): fits without wrapping
-    with pytest.raises(ConnectionError):
-        ring.reserve(71, 0.05, "reader")  # would wrap, and the next lap's start is still unread
-    reader.tail = 130
-    assert ring.reserve(71, 1.0, "reader") == 200
+    writer = Mailbox(tmp_path / "box", slots=2, slot_bytes=64, create=True)
+    reader = Mailbox(tmp_path / "box")
+    assert (reader.slots, reader.slot_bytes) == (2, 64) and not reader.ready(0) and reader.posted == 0
+
+    def header(micro_batch, tensors):
+        return wire.Header.carrying(wire.Kind.DATA, tensors, deployment=b"12345678", generation=1, step=1, layer=3,
+                                    micro_batch=micro_batch, tokens=1, sender=0)
+
+    def post(slot, tensors, timeout=1.0):
+        payload = memoryview(wire.pack(tensors).numpy())
+        writer.put(slot, header(slot, tensors).encode(), payload, lambda: None, time.monotonic() + timeout, "reader")
+
+    x, y = torch.arange(16, dtype=torch.int32), torch.arange(8, dtype=torch.int64)
+    post(0, [x])
+    assert reader.ready(0) and not reader.ready(1) and reader.posted == 1
+    with pytest.raises(ConnectionError, match="reader has not taken its last message for slot 0"):
+        post(0, [x], timeout=0.05)
+    post(1, [y])  # another slot is free
+    got, payload = reader.take(0)
+    assert got == header(0, [x]) and torch.equal(wire.unpack(payload, got.tensors)[0], x)
+    assert not reader.ready(0) and reader.ready(1)
+    post(0, [x + 1])  # taken: the slot is free again
+    for slot, expected in ((0, x + 1), (1, y)):
+        got, payload = reader.take(slot)
+        assert torch.equal(wire.unpack(payload, got.tensors)[0], expected)
+    assert not writer.fits(65) and writer.fits(64)

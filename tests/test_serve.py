@@ -256,6 +256,17 @@ def test_sampling_parameters_take_effect(moe_server):
     assert tokens(ignore_eos=True, bad_words=[first])[0][0] != greedy[0]
 
 
+def _until_running(url: str, timeout: float = 60.0) -> None:
+    """Wait until vLLM's metrics show a request running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
+        if re.search(r"^vllm:num_requests_running\{[^}]*\} [1-9]", metrics, re.MULTILINE):
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"no request started running within {timeout:g} s")
+
+
 def test_ffn_rank_lost_mid_request(moe_server):
     """SIGKILL the FFN rank while a request decodes: that request ends with a 503 naming the
     lost rank, /health is 503 until the rank is restarted, then requests are served again."""
@@ -267,7 +278,7 @@ def test_ffn_rank_lost_mid_request(moe_server):
     with ThreadPoolExecutor(1) as pool:
         long = pool.submit(client.completions.create, model=model, prompt=PROMPTS[0], max_tokens=120,
                            temperature=0, extra_body={"ignore_eos": True})
-        time.sleep(1.0)
+        _until_running(url)  # the request decodes: kill the FFN rank under it
         d.processes["ffn-0"].kill()
         with pytest.raises(openai.APIStatusError) as lost:
             long.result(timeout=60)

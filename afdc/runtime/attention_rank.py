@@ -47,8 +47,16 @@ def run_concurrently(pool: ThreadPoolExecutor | None, calls: list) -> tuple[list
 class AttentionRank:
     """``ffn``: the FFN ranks' programs, run in-process until :attr:`endpoint` is set."""
 
-    def __init__(self, rank: int, program: AttentionProgram, ffn: list[FFNProgram], dispatch: list[Dispatch]):
+    def __init__(
+        self,
+        rank: int,
+        program: AttentionProgram,
+        ffn: list[FFNProgram],
+        dispatch: list[Dispatch],
+        beside: bool = False,
+    ):
         self.rank = rank
+        self.beside = beside  # other attention ranks run in threads of this process
         self.program = program
         self.ffn = ffn
         self.dispatch = dispatch  # per FFN layer
@@ -62,11 +70,13 @@ class AttentionRank:
         """The program's outputs for each micro-batch of step ``step`` (from :meth:`begin_step`),
         and what crossed the cut."""
 
+        alone = len(batches) == 1 and not self.beside  # the only thread of the process that computes
+
         def one(mb: int, batch: MicroBatch):
             if self.endpoint is None:
                 link = connectors.LoopbackConnector(functools.partial(combine, self.ffn))
             else:
-                link = RemoteConnector(self.endpoint, step, mb, batch.input_ids.numel(), self.dispatch)
+                link = RemoteConnector(self.endpoint, step, mb, batch.input_ids.numel(), self.dispatch, spin=alone)
             with torch.no_grad(), connectors.active(link), kv_cache.active(batch.cache):
                 out = self.program(batch.input_ids, batch.attention_mask, batch.position_ids)
             return out, link.traffic

@@ -1,9 +1,10 @@
 """The attention side of the distributed runtime: one endpoint per attention rank.
 
 The endpoint joins the deployment, sends each micro-batch's FFN inputs to the FFN ranks that
-serve them and collects their replies. The transport's receiver threads file each reply by
-(step, layer, micro-batch) and FFN rank as it lands, so micro-batches can wait for their own
-results in any order. A reply that does not
+serve them and collects their replies, filed by (step, layer, micro-batch) and FFN rank, so
+micro-batches can wait for their own results in any order: a polled transport's replies are
+read out of their slots by the waiting micro-batch thread itself, other transports' receiver
+threads file them as they land. A reply that does not
 come within the timeout, or an FFN rank whose link breaks, raises :class:`afdc.PeerLost`
 naming the rank and the layer; the next step regroups (a restarted FFN rank is picked up then).
 """
@@ -23,7 +24,7 @@ from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.transport import transport_class
-from afdc.runtime.transport.base import Failure, Incoming, Transport
+from afdc.runtime.transport.base import Failure, Incoming, Pacing, Transport
 from afdc.segment import Dispatch, Share
 
 
@@ -93,7 +94,8 @@ class AttentionEndpoint:
         file = functools.partial(self._file, group.generation)
         try:
             transport = cls(
-                self.rendezvous, group, self.slot, "attn", self.options.timeout, deliver=file, device=self.device
+                self.rendezvous, group, self.slot, "attn", self.options.timeout, deliver=file, device=self.device,
+                pacing=Pacing(self.options.spin, self.options.max_sleep),
             )
         except (RuntimeError, OSError) as err:
             self._broken = True
@@ -149,13 +151,22 @@ class AttentionEndpoint:
             self._fail(peer, layer, f"send failed: {err}")
         self.metrics.sent(header.payload_bytes)
 
-    def wait(self, step: int, layer: int, micro_batch: int, ffn_ranks: list[int]) -> list[list[torch.Tensor]]:
-        """The outputs of each of ``ffn_ranks`` for this message, in that order."""
+    def wait(
+        self, step: int, layer: int, micro_batch: int, ffn_ranks: list[int], spin: bool = True
+    ) -> list[list[torch.Tensor]]:
+        """The outputs of each of ``ffn_ranks`` for this message, in that order.
+
+        Over a polled transport the calling micro-batch thread reads its replies out of their
+        slots itself (``spin=False`` where other threads of this process compute meanwhile, see
+        :meth:`Pacing.pauses`); otherwise the transport's receiver threads file them and this waits."""
         key = (step, layer, micro_batch)
         peers = [self.ffn_slots[r] for r in ffn_ranks]
         deadline = time.monotonic() + self.options.timeout
-        with self._cond:
-            while True:
+        polled = self.transport.polled
+        pause = self.transport.pacing.pauses(spin)
+        generation = self._generation
+        while True:
+            with self._cond:
                 for peer in peers:
                     if (key, peer) in self._errors:
                         _, rank = self.layout.role_rank(peer)
@@ -169,7 +180,14 @@ class AttentionEndpoint:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._fail(missing[0], layer, f"no reply within {self.options.timeout:g} s (step {step})")
-                self._cond.wait(left)
+                if not polled:
+                    self._cond.wait(left)
+                    continue
+            arrived = self.transport.receive(missing, micro_batch)
+            for item in arrived:
+                self._file(generation, item)
+            if not arrived:
+                pause()
 
     def _fail(self, peer: int, layer: int, reason: str):
         self._broken = True
@@ -182,9 +200,18 @@ class RemoteConnector(Connector):
     """One micro-batch's connector for one step: sends each layer's inputs to the FFN ranks that
     serve them (:class:`Dispatch`) and combines their replies."""
 
-    def __init__(self, endpoint: AttentionEndpoint, step: int, micro_batch: int, tokens: int, dispatch: list[Dispatch]):
+    def __init__(
+        self,
+        endpoint: AttentionEndpoint,
+        step: int,
+        micro_batch: int,
+        tokens: int,
+        dispatch: list[Dispatch],
+        spin: bool = True,
+    ):
         super().__init__()
         self.endpoint, self.step, self.micro_batch, self.tokens = endpoint, step, micro_batch, tokens
+        self.spin = spin  # whether waiting for a reply may poll without sleeping (no other thread computes)
         self.dispatch = dispatch
         self._shares: dict[int, list[Share]] = {}  # layer -> where its tokens went
         self._replies: dict[int, list[list[torch.Tensor]]] = {}  # layer -> per share, its outputs
@@ -201,7 +228,9 @@ class RemoteConnector(Connector):
     def recv(self, layer: int, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         shares = self._shares[layer]
         if layer not in self._replies:
-            self._replies[layer] = self.endpoint.wait(self.step, layer, self.micro_batch, [s.rank for s in shares])
+            self._replies[layer] = self.endpoint.wait(
+                self.step, layer, self.micro_batch, [s.rank for s in shares], self.spin
+            )
             self.traffic.messages += 1
         # a batched FFN run replies with [tokens, per-token...]: each rank's part takes the program's shape
         replies = [reply[index] for reply in self._replies[layer]]

@@ -13,4 +13,6 @@ class RuntimeOptions:
     timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
     poll_interval: float = 0.2  # how often an idle FFN server looks for a regrouping or a stop
+    spin: float = 2e-3  # shm: seconds a waiting rank polls its slots before it sleeps between polls
+    max_sleep: float = 1e-3  # shm: the longest sleep between two polls (an idle rank's wake-up rate)
     log_interval: float = 30.0  # seconds between metrics log lines (0: never)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
@@ -35,7 +34,7 @@ from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous, RendezvousError
 from afdc.runtime.transport import transport_class
-from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport
+from afdc.runtime.transport.base import LEFT, Failure, Incoming, Pacing, Transport
 
 log = logging.getLogger("afdc.server")
 _RECONNECT_SLICE = 1.0  # s: how often a server waiting for a lost store checks whether it was stopped
@@ -115,7 +114,10 @@ class FFNServer:
             if group is None:
                 return
             log.info("ffn rank %d: serving generation %d", self.rank, group.generation)
-            transport = cls(self.rdv, group, self.slot, "ffn", timeout=self.options.timeout, device=self.program.device)
+            transport = cls(
+                self.rdv, group, self.slot, "ffn", timeout=self.options.timeout, device=self.program.device,
+                pacing=Pacing(self.options.spin, self.options.max_sleep),
+            )
             try:
                 self._serve_generation(transport)
             finally:
@@ -133,27 +135,20 @@ class FFNServer:
     def _serve_generation(self, transport: Transport) -> None:
         gen = transport.group.generation
         while True:
-            items = self._arrived(transport.inbox, self.options.poll_interval)
+            items = self._arrived(transport, self.options.poll_interval)
             self._handle(transport, items)
             if self.stopping.is_set():  # drain what has arrived, then go
-                self._handle(transport, self._arrived(transport.inbox, 0))
+                self._handle(transport, self._arrived(transport, 0))
                 return
             if not items and self.rdv.generation() != gen:
                 return
 
-    def _arrived(self, inbox: queue.Queue, wait: float) -> list[Incoming | Failure]:
-        """Everything in the inbox, waiting up to ``wait`` s for the first item."""
+    def _arrived(self, transport: Transport, wait: float) -> list[Incoming | Failure]:
+        """Everything that has arrived, waiting up to ``wait`` s for the first item."""
         waited = time.monotonic()
-        try:
-            items = [inbox.get(timeout=wait) if wait else inbox.get_nowait()]
-        except queue.Empty:
-            items = []
+        items = transport.collect(wait)
         self.metrics.idle_seconds += time.monotonic() - waited
-        while True:
-            try:
-                items.append(inbox.get_nowait())
-            except queue.Empty:
-                return items
+        return items
 
     def _handle(self, transport: Transport, items: list[Incoming | Failure]) -> None:
         by_layer: dict[int, list[Incoming]] = defaultdict(list)

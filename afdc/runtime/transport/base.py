@@ -15,7 +15,9 @@ memory; NCCL moves GPU memory directly.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +49,37 @@ class Failure:
 Deliver = Callable[["Incoming | Failure"], None]
 
 
+@dataclass(frozen=True)
+class Pacing:
+    """How a rank waits for a word that a peer writes into shared memory.
+
+    It polls for ``spin`` seconds, yielding the core between polls, then sleeps between polls,
+    doubling the sleep up to ``max_sleep``: a busy exchange answers within microseconds, an idle
+    deployment does not burn its cores."""
+
+    spin: float = 2e-3
+    max_sleep: float = 1e-3
+
+    def pauses(self, spin: bool = True) -> Callable[[], None]:
+        """A pause to call between two polls of one wait. ``spin=False`` sleeps from the first
+        pause: a thread that polls takes Python's GIL back from a sched_yield before a thread
+        waiting for it wakes, so where other threads of the process compute meanwhile (the other
+        micro-batches), polling would starve them."""
+        start = time.monotonic()
+        spin_for = self.spin if spin else 0.0
+        sleep = 2e-5
+
+        def pause() -> None:
+            nonlocal sleep
+            if time.monotonic() - start < spin_for:
+                os.sched_yield()
+            else:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, self.max_sleep)
+
+        return pause
+
+
 class Transport(ABC):
     def __init__(
         self,
@@ -57,6 +90,7 @@ class Transport(ABC):
         timeout: float = 60.0,
         deliver: Deliver | None = None,
         device: torch.device | str = "cpu",
+        pacing: Pacing = Pacing(),
     ):
         self.rendezvous = rendezvous
         self.group = group
@@ -64,6 +98,7 @@ class Transport(ABC):
         self.role = role
         self.timeout = timeout  # for forming links and for a send that cannot proceed
         self.device = torch.device(device)
+        self.pacing = pacing
         self.inbox: queue.Queue[Incoming | Failure] = queue.Queue()
         self.deliver: Deliver = deliver or self.inbox.put
         self._open()
@@ -80,6 +115,30 @@ class Transport(ABC):
     def send(self, peer: int, header: Header, tensors: list[torch.Tensor]) -> None:
         """Queue a message to ``peer``; returns before it is delivered where the medium allows."""
 
+    polled = False  # True: data messages wait in slots that the receiving rank reads (:meth:`receive`)
+
+    def receive(self, peers: list[int], micro_batch: int) -> list[Incoming]:
+        """A polled transport's data messages from ``peers`` for ``micro_batch`` that have arrived
+        (without waiting); the rest arrive through ``deliver``."""
+        raise NotImplementedError(f"{type(self).__name__} delivers every message through its receiver threads")
+
+    def collect(self, wait: float) -> list[Incoming | Failure]:
+        """Everything that has arrived for a rank without ``deliver`` (the FFN server), waiting up
+        to ``wait`` s for the first."""
+        try:
+            items = [self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()]
+        except queue.Empty:
+            return []
+        return items + self._drain()
+
+    def _drain(self) -> list[Incoming | Failure]:
+        items = []
+        while True:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return items
+
     def close(self) -> None:
         """Leave this generation: say BYE to every peer (so their receivers stop cleanly), then
         release the links."""
@@ -91,7 +150,10 @@ class Transport(ABC):
 
     def _arrived(self, header: Header, payload: torch.Tensor) -> None:
         """Deliver a message whose payload bytes (uint8, on any device) have all arrived."""
-        self.deliver(Incoming(header, unpack(payload.to(self.device), header.tensors)))
+        self.deliver(self._incoming(header, payload))
+
+    def _incoming(self, header: Header, payload: torch.Tensor) -> Incoming:
+        return Incoming(header, unpack(payload.to(self.device), header.tensors))
 
     @abstractmethod
     def _release(self) -> None:

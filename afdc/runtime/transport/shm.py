@@ -1,12 +1,14 @@
-"""The same-host transport: payloads through shared-memory rings, headers over Unix sockets.
+"""The same-host transport: messages through shared-memory slots, read by the rank that waits.
 
 Each attention rank connects to each FFN rank's Unix socket (abstract namespace, so nothing is
 left on disk) and proves the deployment token for the current generation. Each direction of a
-link gets a ring in ``/dev/shm`` created by its sender: the sender copies the payload into the
-ring and writes header and ring position to the socket; the receiver copies it out and
-publishes how far it has consumed in the ring's first bytes, which is how the sender knows
-what it may overwrite. The socket carries the wake-up and tells at once when a peer dies
-(end of stream). Ring files are unlinked as soon as both ends have mapped them.
+link then gets a :class:`Mailbox` in ``/dev/shm``, created by its sender: a slot per micro-batch,
+each completed by a sequence number written after the message. No socket, thread or wake-up
+sits on the data path: the attention rank's micro-batch thread polls its own reply slot
+(:meth:`ShmTransport.receive`), the FFN server polls every slot (:meth:`ShmTransport.collect`),
+both paced by :class:`~afdc.runtime.transport.base.Pacing`. The socket stays for the handshake,
+ERROR and BYE messages, the rare message too big for a slot, and for hearing at once that a peer
+died (end of stream). Mailbox files are unlinked as soon as both ends have mapped them.
 """
 
 from __future__ import annotations
@@ -27,15 +29,14 @@ import torch
 
 from afdc.runtime import wire
 from afdc.runtime.rendezvous import Rendezvous
-from afdc.runtime.transport.base import LEFT, Failure, Transport
+from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport
 
 log = logging.getLogger("afdc.shm")
 
-_CONTROL = 64  # bytes before the ring's data: the consumed position (int64) written by the receiver
-_POS = struct.Struct("<Q")
-_INLINE = 2**64 - 1  # position meaning "the payload follows on the socket" (larger than the ring)
+_LINE = 64  # control words sit on their own cache lines
+_WORD = struct.Struct("<Q")
 _SHM_DIR = Path("/dev/shm")
-DEFAULT_RING_BYTES = 64 << 20
+_PAYLOAD = -(-wire.HEADER_BYTES // _LINE) * _LINE  # a slot's payload starts on a cache line after its header
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:
@@ -63,67 +64,94 @@ def _read_line(sock: socket.socket, limit: int = 4096) -> dict:
     return json.loads(data)
 
 
-class _Ring:
-    """One direction's shared-memory ring, mapped by both ends.
+class Mailbox:
+    """One direction of a link: a fixed number of message slots in ``/dev/shm``, mapped by both ends.
 
-    The sender's copy and the control word go through memoryview and ``struct``: per message these
-    are a few microseconds cheaper than torch ops, and a round trip is mostly such fixed costs.
+    Line 0 holds the slot count and size, line 1 the doorbell (messages posted so far), line 2 + k
+    slot k's ``seq`` (messages the sender has posted into it) and ``ack`` (messages the receiver has
+    taken out). A message is its :class:`~afdc.runtime.wire.Header` then its payload, written into
+    a free slot (``ack == seq``) before ``seq`` and the doorbell are bumped, so a reader that sees
+    ``seq != ack`` sees the whole message (stores are not reordered with stores on x86-64). Control
+    words and payload copies go through ``struct`` and memoryview: per message that is a few
+    microseconds cheaper than torch ops, and a round trip is mostly such fixed costs.
     """
 
-    def __init__(self, path: Path, size: int, create: bool):
+    def __init__(self, path: Path, slots: int = 0, slot_bytes: int = 0, create: bool = False):
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, _CONTROL + size)
-            self.size = os.fstat(fd).st_size - _CONTROL
-            self._mm = mmap.mmap(fd, _CONTROL + self.size)
+                body = _PAYLOAD + slot_bytes
+                os.ftruncate(fd, (2 + slots) * _LINE + slots * body)
+            self._mm = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
+        if create:
+            _WORD.pack_into(self._mm, 0, slots)
+            _WORD.pack_into(self._mm, 8, slot_bytes)
         self.path = path
+        self.slots, self.slot_bytes = _WORD.unpack_from(self._mm, 0)[0], _WORD.unpack_from(self._mm, 8)[0]
+        self._body = (2 + self.slots) * _LINE
         self._view = memoryview(self._mm)
-        self.head = 0  # sender only: where the next payload may start
 
     @property
-    def tail(self) -> int:
-        return _POS.unpack_from(self._mm, 0)[0]
+    def posted(self) -> int:
+        return _WORD.unpack_from(self._mm, _LINE)[0]
 
-    @tail.setter
-    def tail(self, value: int) -> None:
-        _POS.pack_into(self._mm, 0, value)
+    def _seq(self, k: int) -> int:
+        return _WORD.unpack_from(self._mm, (2 + k) * _LINE)[0]
 
-    def reserve(self, n: int, timeout: float, receiver: str) -> int:
-        """Sender: the ring position where ``n`` bytes go once the receiver has freed the room."""
-        deadline = time.monotonic() + timeout
-        while True:
-            head, tail = self.head, self.tail
-            if tail == head:  # drained: start over at the beginning, whose pages are mapped and warm
-                return head + (-head % self.size)
-            start = head if head % self.size + n <= self.size else head + (-head % self.size)  # never wrap a payload
-            if start + n - tail <= self.size:
-                return start
+    def _ack(self, k: int) -> int:
+        return _WORD.unpack_from(self._mm, (2 + k) * _LINE + 8)[0]
+
+    def _start(self, k: int) -> int:
+        return self._body + k * (_PAYLOAD + self.slot_bytes)
+
+    def fits(self, payload_bytes: int) -> bool:
+        return payload_bytes <= self.slot_bytes
+
+    def ready(self, k: int) -> bool:
+        """Receiver: slot ``k`` holds a message not yet taken."""
+        return self._seq(k) != self._ack(k)
+
+    def put(self, k: int, header: bytes, payload: memoryview, pause, deadline: float, receiver: str) -> None:
+        """Sender: post a message into slot ``k`` once the receiver has taken the last one."""
+        seq = self._seq(k)
+        while self._ack(k) != seq:
             if time.monotonic() > deadline:
-                raise ConnectionError(f"{receiver} has not consumed its ring for {timeout:g} s")
-            time.sleep(1e-4)
+                raise ConnectionError(f"{receiver} has not taken its last message for slot {k}")
+            pause()
+        start = self._start(k)
+        self._view[start : start + len(header)] = header
+        self._view[start + _PAYLOAD : start + _PAYLOAD + payload.nbytes] = payload
+        _WORD.pack_into(self._mm, (2 + k) * _LINE, seq + 1)
+        _WORD.pack_into(self._mm, _LINE, self.posted + 1)
 
-    def write(self, offset: int, payload: memoryview) -> None:
-        self._view[_CONTROL + offset : _CONTROL + offset + payload.nbytes] = payload
-
-    def read(self, offset: int, n: int) -> torch.Tensor:
-        """A copy of ``n`` bytes at ``offset``, as a uint8 tensor in torch's own (aligned) memory: the
-        FFN and attention programs compute on it, and a matmul over a bytearray-backed tensor ran
-        several times slower."""
-        if n == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(self._mm, dtype=torch.uint8, offset=_CONTROL + offset, count=n).clone()
+    def take(self, k: int) -> tuple[wire.Header, torch.Tensor]:
+        """Receiver: the message in slot ``k``, its payload copied out (into torch's own aligned
+        memory: the programs compute on it, and a matmul over a tensor backed by a mapping ran
+        several times slower), and the slot freed."""
+        start = self._start(k)
+        header = wire.Header.decode(self._mm[start : start + wire.HEADER_BYTES])
+        n = header.payload_bytes
+        if n > self.slot_bytes:
+            raise wire.WireError(f"slot {k} claims {n} bytes, more than its {self.slot_bytes}")
+        payload = torch.empty(n, dtype=torch.uint8)
+        if n:  # a memcpy: torch's copy would start its thread pool, which competes with polling ranks
+            memoryview(payload.numpy())[:] = self._view[start + _PAYLOAD : start + _PAYLOAD + n]
+        _WORD.pack_into(self._mm, (2 + k) * _LINE + 8, self._seq(k))
+        return header, payload
 
 
 class _Link:
-    """A connected peer: the socket, the ring this end writes and the ring it reads."""
+    """A connected peer: the socket (handshake, control messages, messages too big for a slot, and
+    the peer's death as end of stream), the mailbox this end writes and the one it reads."""
 
-    def __init__(self, sock: socket.socket, out_ring: _Ring, in_ring: _Ring):
-        self.sock, self.out_ring, self.in_ring = sock, out_ring, in_ring
-        self.lock = threading.Lock()
+    def __init__(self, sock: socket.socket, outbound: Mailbox, inbound: Mailbox):
+        self.sock, self.outbound, self.inbound = sock, outbound, inbound
+        self.lock = threading.Lock()  # one writer at a time, on the socket and per slot
+        self.reading = threading.Lock()  # one reader per inbound slot (micro-batches may share one)
+        self.seen = 0  # the inbound doorbell when its slots were last scanned
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -132,7 +160,9 @@ class _Link:
 
 
 class ShmTransport(Transport):
-    ring_bytes = DEFAULT_RING_BYTES
+    slots = 8  # per link and direction; micro-batch m uses slot m % slots
+    slot_bytes = 8 << 20  # a bigger message goes over the socket
+    polled = True
 
     def _open(self) -> None:
         self._links: dict[int, _Link] = {}
@@ -151,8 +181,8 @@ class ShmTransport(Transport):
     def address(rendezvous: Rendezvous, slot: int) -> str:
         return f"\0afdc-{rendezvous.deployment.hex()}-{slot}-{os.getpid()}"
 
-    def _new_ring(self) -> _Ring:
-        return _Ring(_SHM_DIR / f"afdc-{uuid.uuid4().hex}", self.ring_bytes, create=True)
+    def _new_mailbox(self) -> Mailbox:
+        return Mailbox(_SHM_DIR / f"afdc-{uuid.uuid4().hex}", self.slots, self.slot_bytes, create=True)
 
     def _connect(self, peer: int, address: str) -> None:
         deadline = time.monotonic() + self.timeout
@@ -166,21 +196,21 @@ class ShmTransport(Transport):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
-        ring = self._new_ring()
+        outbound = self._new_mailbox()
         try:
             gen = self.group.generation
             proof = self.rendezvous.proof(gen, self.slot)
             sock.settimeout(self.timeout)
-            _send_line(sock, {"slot": self.slot, "generation": gen, "proof": proof, "ring": str(ring.path)})
+            _send_line(sock, {"slot": self.slot, "generation": gen, "proof": proof, "mailbox": str(outbound.path)})
             reply = _read_line(sock)
             if "error" in reply:
                 raise ConnectionError(f"refused by the FFN rank: {reply['error']}")
-            in_ring = _Ring(Path(reply["ring"]), 0, create=False)
+            inbound = Mailbox(Path(reply["mailbox"]))
             _send_line(sock, {"mapped": True})
         finally:
-            ring.path.unlink(missing_ok=True)
+            outbound.path.unlink(missing_ok=True)
         sock.settimeout(None)
-        self._start(peer, _Link(sock, ring, in_ring))
+        self._start(peer, _Link(sock, outbound, inbound))
 
     def _accept(self) -> None:
         while not self._closed:
@@ -192,7 +222,7 @@ class ShmTransport(Transport):
 
     def _handshake(self, sock: socket.socket) -> None:
         """Verify a connecting attention rank; a stranger is refused and logged, nothing else changes."""
-        ring = None
+        outbound = None
         try:
             sock.settimeout(self.timeout)
             hello = _read_line(sock)
@@ -209,18 +239,18 @@ class ShmTransport(Transport):
                 _send_line(sock, {"error": reason})
                 sock.close()
                 return
-            in_ring = _Ring(Path(hello["ring"]), 0, create=False)
-            ring = self._new_ring()
-            _send_line(sock, {"ring": str(ring.path)})
-            _read_line(sock)  # the peer mapped our ring: it can go from the file system
+            inbound = Mailbox(Path(hello["mailbox"]))
+            outbound = self._new_mailbox()
+            _send_line(sock, {"mailbox": str(outbound.path)})
+            _read_line(sock)  # the peer mapped our mailbox: it can go from the file system
             sock.settimeout(None)
-            self._start(slot, _Link(sock, ring, in_ring))
+            self._start(slot, _Link(sock, outbound, inbound))
         except (OSError, ValueError, KeyError, TypeError, ConnectionError) as err:
             log.warning("refused a connection: malformed handshake (%s)", err)
             sock.close()
         finally:
-            if ring is not None:
-                ring.path.unlink(missing_ok=True)
+            if outbound is not None:
+                outbound.path.unlink(missing_ok=True)
 
     def _start(self, peer: int, link: _Link) -> None:
         with self._lock:
@@ -231,40 +261,62 @@ class ShmTransport(Transport):
         threading.Thread(target=self._receive, args=(peer, link), daemon=True, name=f"afdc-shm-{peer}").start()
 
     def send(self, peer: int, header: wire.Header, tensors: list[torch.Tensor]) -> None:
+        """DATA and RESULT messages go into the micro-batch's slot; the rest (ERROR, BYE) and what
+        does not fit a slot go over the socket, header then payload."""
         link = self._links.get(peer)
         if link is None:
             raise ConnectionError(f"no link to slot {peer}")
-        payload = wire.pack(tensors).cpu()
-        n = payload.numel()
+        payload = memoryview(wire.pack(tensors).cpu().numpy())
+        head = header.encode()
         with link.lock:
-            ring = link.out_ring
-            if n > ring.size:
-                link.sock.sendall(header.encode() + _POS.pack(_INLINE) + payload.numpy().tobytes())
-                return
-            start = ring.reserve(n, self.timeout, f"slot {peer}")
-            ring.write(start % ring.size, memoryview(payload.numpy()))
-            ring.head = start + n
-            link.sock.sendall(header.encode() + _POS.pack(start))
+            box = link.outbound
+            if header.kind in (wire.Kind.DATA, wire.Kind.RESULT) and box.fits(payload.nbytes):
+                slot = header.micro_batch % box.slots
+                box.put(slot, head, payload, self.pacing.pauses(), time.monotonic() + self.timeout, f"slot {peer}")
+            else:
+                link.sock.sendall(head)
+                link.sock.sendall(payload)
+
+    def receive(self, peers: list[int], micro_batch: int) -> list[Incoming]:
+        arrived = []
+        for peer in peers:
+            link = self._links.get(peer)
+            slot = micro_batch % self.slots
+            if link is None or not link.inbound.ready(slot) or not link.reading.acquire(blocking=False):
+                continue
+            try:
+                arrived.append(self._incoming(*link.inbound.take(slot)))
+            finally:
+                link.reading.release()
+        return arrived
+
+    def collect(self, wait: float) -> list[Incoming | Failure]:
+        deadline = time.monotonic() + wait
+        pause = self.pacing.pauses()
+        while True:
+            items: list[Incoming | Failure] = self._drain()
+            for link in list(self._links.values()):
+                box = link.inbound
+                posted = box.posted  # read before the scan: a message posted after it rings again
+                if posted == link.seen:
+                    continue
+                link.seen = posted
+                for slot in range(box.slots):
+                    if box.ready(slot):
+                        items.append(self._incoming(*box.take(slot)))
+            if items or time.monotonic() >= deadline:
+                return items
+            pause()
 
     def _receive(self, peer: int, link: _Link) -> None:
         try:
             while True:
-                head = _read_exact(link.sock, wire.HEADER_BYTES + _POS.size)
-                header = wire.Header.decode(head[: wire.HEADER_BYTES])
-                (pos,) = _POS.unpack_from(head, wire.HEADER_BYTES)
+                header = wire.Header.decode(_read_exact(link.sock, wire.HEADER_BYTES))
                 if header.kind == wire.Kind.BYE:
                     raise ConnectionError(LEFT)
                 n = header.payload_bytes
-                if pos == _INLINE:
-                    payload = torch.frombuffer(bytearray(_read_exact(link.sock, n)), dtype=torch.uint8)
-                else:
-                    ring = link.in_ring
-                    offset = pos % ring.size
-                    if offset + n > ring.size:
-                        raise wire.WireError(f"ring position {pos} + {n} bytes runs past the ring")
-                    payload = ring.read(offset, n)
-                    ring.tail = pos + n
-                self._arrived(header, payload)
+                payload = torch.frombuffer(bytearray(_read_exact(link.sock, n)), dtype=torch.uint8) if n else None
+                self._arrived(header, payload if payload is not None else torch.empty(0, dtype=torch.uint8))
         except (OSError, ConnectionError, wire.WireError) as err:
             if not self._closed:
                 self.deliver(Failure(peer, str(err)))
