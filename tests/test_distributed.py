@@ -330,6 +330,27 @@ def test_wrong_token_is_refused_at_rendezvous(caplog):
         caplog.clear()
 
 
+@pytest.mark.parametrize(("plan", "connector"), [("2A1F", "shm"), ("2A2F", "gloo")])
+def test_ffn_server_runs_each_layer_once_for_every_attention_rank(reference, plan, connector):
+    """The step plans tell each FFN server which attention ranks send a layer: it runs the layer
+    once over both ranks' tokens. Only the first step may run alone (a rank still joining
+    announces it late). The window is long, so no lag on a loaded machine
+    splits a run, and a wrong expectation would stall the test rather than pass."""
+    model, ids, mask, ref = reference("qwen3_moe")
+    dm = afdc.disaggregate(model, plan, connector=connector)
+    with dm.launch(timeout=60, gather=30.0) as cluster:
+        assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+        exchanges = [snap["exchange_ms"]["count"] for snap in dm.metrics()]
+    assert exchanges[0] == exchanges[1] > 0
+    layers = len(dm.ffn.layers)
+    steps = exchanges[0] // layers  # the prefill, then one token per row a step
+    tokens = layers * ids.numel() + layers * (steps - 1) * ids.shape[0]
+    for snap in cluster.metrics().values():
+        runs = snap["batch_tokens"]["count"]
+        assert exchanges[0] <= runs <= exchanges[0] + layers  # without the plans: up to twice as many
+        assert round(snap["batch_tokens"]["mean"] * runs) == tokens
+
+
 def test_shm_server_refuses_strangers_and_keeps_serving(reference, caplog):
     model, ids, mask, ref = reference("qwen3_moe")
     dm = afdc.disaggregate(model, "1A1F", connector="shm")

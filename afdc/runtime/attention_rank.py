@@ -71,6 +71,8 @@ class AttentionRank:
         and what crossed the cut."""
 
         alone = len(batches) == 1 and not self.beside  # the only thread of the process that computes
+        if self.endpoint is not None:
+            self.endpoint.announce(step, [b.input_ids.numel() for b in batches])
 
         def one(mb: int, batch: MicroBatch):
             if self.endpoint is None:

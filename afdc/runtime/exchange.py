@@ -128,6 +128,28 @@ class AttentionEndpoint:
 
     # -- exchange ----------------------------------------------------------------------------
 
+    def announce(self, step: int, tokens: list[int]) -> None:
+        """Tell every FFN rank what step ``step`` holds (each micro-batch's token count), so each
+        runs a layer once it has heard from every attention rank that sends it one."""
+        assert self.transport is not None
+        counts = [torch.tensor(tokens, dtype=torch.int64)]
+        header = wire.Header.carrying(
+            wire.Kind.STEP,
+            counts,
+            deployment=self.rendezvous.deployment,
+            generation=self.transport.group.generation,
+            step=step,
+            layer=0,
+            micro_batch=len(tokens),
+            tokens=sum(tokens),
+            sender=self.slot,
+        )
+        for peer in self.ffn_slots:
+            try:
+                self.transport.send(peer, header, counts)
+            except (RuntimeError, OSError) as err:
+                self._fail(peer, None, f"could not send the step plan: {err}")
+
     def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor], ffn_rank: int):
         """Send one message to FFN rank ``ffn_rank`` (a micro-batch's layer may go to several)."""
         assert self.transport is not None
@@ -189,7 +211,7 @@ class AttentionEndpoint:
             if not arrived:
                 pause()
 
-    def _fail(self, peer: int, layer: int, reason: str):
+    def _fail(self, peer: int, layer: int | None, reason: str):
         self._broken = True
         self.metrics.errors += 1
         _, rank = self.layout.role_rank(peer)

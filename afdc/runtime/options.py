@@ -15,4 +15,5 @@ class RuntimeOptions:
     poll_interval: float = 0.2  # how often an idle FFN server looks for a regrouping or a stop
     spin: float = 2e-3  # shm: seconds a waiting rank polls its slots before it sleeps between polls
     max_sleep: float = 1e-3  # shm: the longest sleep between two polls (an idle rank's wake-up rate)
+    gather: float = 2e-3  # FFN: seconds a layer's message waits for the other attention ranks' (one FFN run)
     log_interval: float = 30.0  # seconds between metrics log lines (0: never)

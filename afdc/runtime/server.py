@@ -1,8 +1,9 @@
 """The FFN server: one FFN rank, serving every attention rank of a deployment.
 
 It loads nothing but its FFN program and weights, joins the deployment, and loops: take every
-message that has arrived, group the messages by FFN layer, run each layer once over all their
-tokens (the bigger FFN batch is the point of AFD), and reply to each sender with its rows. It
+message that has arrived, hold each until every attention rank that sends that layer and
+micro-batch in its current step has (:mod:`afdc.runtime.gathering`), run each layer once over all
+their tokens (the bigger FFN batch is the point of AFD), and reply to each sender with its rows. It
 holds no state between messages, so a restarted server loses nothing: it bumps the rendezvous
 generation and the attention ranks regroup with it at their next step.
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from afdc.errors import AfdcError
 from afdc.runtime import wire
+from afdc.runtime.gathering import Gathering
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
@@ -134,13 +136,17 @@ class FFNServer:
 
     def _serve_generation(self, transport: Transport) -> None:
         gen = transport.group.generation
+        gathering = Gathering(self.program, self.layout.ffn_ranks, self.options.gather)
         while True:
-            items = self._arrived(transport, self.options.poll_interval)
-            self._handle(transport, items)
+            deadline = gathering.deadline()
+            wait = self.options.poll_interval if deadline is None else max(0.0, deadline - time.monotonic())
+            items = self._arrived(transport, wait)
+            self._handle(transport, gathering, items)
             if self.stopping.is_set():  # drain what has arrived, then go
-                self._handle(transport, self._arrived(transport, 0))
+                self._handle(transport, gathering, self._arrived(transport, 0))
+                self._run(transport, [w.message for w in gathering.waiting])
                 return
-            if not items and self.rdv.generation() != gen:
+            if not items and not gathering.waiting and self.rdv.generation() != gen:
                 return
 
     def _arrived(self, transport: Transport, wait: float) -> list[Incoming | Failure]:
@@ -150,30 +156,39 @@ class FFNServer:
         self.metrics.idle_seconds += time.monotonic() - waited
         return items
 
-    def _handle(self, transport: Transport, items: list[Incoming | Failure]) -> None:
-        by_layer: dict[int, list[Incoming]] = defaultdict(list)
+    def _handle(self, transport: Transport, gathering: Gathering, items: list[Incoming | Failure]) -> None:
         for item in items:
             if isinstance(item, Failure):
                 role, rank = self.layout.role_rank(item.peer)
                 level = logging.INFO if item.reason == LEFT else logging.WARNING
                 log.log(level, "ffn rank %d: %s rank %d: %s", self.rank, role, rank, item.reason)
+                gathering.forget(item.peer)
                 continue
             self.metrics.received(item.header.payload_bytes)
             reason = self._check(item.header, transport.group.generation)
             if reason:
                 self._refuse(transport, item.header, reason)
+            elif item.header.kind == wire.Kind.STEP:
+                gathering.plan(item.header.sender, item.header.step, tuple(item.tensors[0].tolist()))
             else:
-                by_layer[item.header.layer].append(item)
-        for layer, messages in by_layer.items():
-            tokens = [m.header.tokens for m in messages]
+                gathering.add(item)
+        self._run(transport, gathering.ready())
+
+    def _run(self, transport: Transport, messages: list[Incoming]) -> None:
+        """Run each FFN layer once over all of its messages and reply to each sender."""
+        by_layer: dict[int, list[Incoming]] = defaultdict(list)
+        for m in messages:
+            by_layer[m.header.layer].append(m)
+        for layer, group in by_layer.items():
+            tokens = [m.header.tokens for m in group]
             try:
-                outputs = self.program.run_batch(layer, [m.tensors for m in messages], tokens)
+                outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
             except Exception as err:  # the program rejected these inputs: tell the senders why
-                for m in messages:
+                for m in group:
                     self._refuse(transport, m.header, f"FFN layer {layer} failed: {type(err).__name__}: {err}")
                 continue
             self.metrics.batch_tokens.observe(sum(tokens))
-            for m, outs in zip(messages, outputs):
+            for m, outs in zip(group, outputs):
                 self._reply(transport, m.header, wire.Kind.RESULT, outs)
 
     def _check(self, h: wire.Header, generation: int) -> str:
@@ -181,8 +196,10 @@ class FFNServer:
             return "the message is for another artifact or plan (deployment id mismatch)"
         if h.generation != generation:
             return f"the message is from generation {h.generation}, this server is in {generation}"
+        if h.kind == wire.Kind.STEP:
+            return ""
         if h.kind != wire.Kind.DATA:
-            return f"an FFN server only takes DATA messages, got {h.kind.name}"
+            return f"an FFN server only takes DATA and STEP messages, got {h.kind.name}"
         if not 0 <= h.layer < len(self.program.layers):
             return f"FFN layer {h.layer} does not exist (the program has {len(self.program.layers)})"
         return ""

@@ -40,6 +40,7 @@ class Kind(enum.IntEnum):
     RESULT = 2  # FFN -> attention: the outputs for that message
     ERROR = 3  # FFN -> attention: the message was refused; the payload is the reason (UTF-8)
     BYE = 4  # either way: the sender leaves this generation; nothing more comes on this link
+    STEP = 5  # attention -> FFN: what a step holds; the payload is each micro-batch's token count (int64)
 
 
 @dataclass(frozen=True)

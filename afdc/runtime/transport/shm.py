@@ -143,6 +143,14 @@ class Mailbox:
         return header, payload
 
 
+_SLOTTED = (wire.Kind.DATA, wire.Kind.RESULT, wire.Kind.STEP)
+
+
+def _slot(box: Mailbox, micro_batch: int) -> int:
+    """Micro-batch ``micro_batch``'s slot; the last slot carries step plans."""
+    return micro_batch % (box.slots - 1)
+
+
 class _Link:
     """A connected peer: the socket (handshake, control messages, messages too big for a slot, and
     the peer's death as end of stream), the mailbox this end writes and the one it reads."""
@@ -160,7 +168,7 @@ class _Link:
 
 
 class ShmTransport(Transport):
-    slots = 8  # per link and direction; micro-batch m uses slot m % slots
+    slots = 8  # data slots per link and direction (micro-batch m uses slot m % slots), and one for step plans
     slot_bytes = 8 << 20  # a bigger message goes over the socket
     polled = True
 
@@ -182,7 +190,7 @@ class ShmTransport(Transport):
         return f"\0afdc-{rendezvous.deployment.hex()}-{slot}-{os.getpid()}"
 
     def _new_mailbox(self) -> Mailbox:
-        return Mailbox(_SHM_DIR / f"afdc-{uuid.uuid4().hex}", self.slots, self.slot_bytes, create=True)
+        return Mailbox(_SHM_DIR / f"afdc-{uuid.uuid4().hex}", self.slots + 1, self.slot_bytes, create=True)
 
     def _connect(self, peer: int, address: str) -> None:
         deadline = time.monotonic() + self.timeout
@@ -261,8 +269,8 @@ class ShmTransport(Transport):
         threading.Thread(target=self._receive, args=(peer, link), daemon=True, name=f"afdc-shm-{peer}").start()
 
     def send(self, peer: int, header: wire.Header, tensors: list[torch.Tensor]) -> None:
-        """DATA and RESULT messages go into the micro-batch's slot; the rest (ERROR, BYE) and what
-        does not fit a slot go over the socket, header then payload."""
+        """DATA and RESULT messages go into the micro-batch's slot, STEP plans into the last one;
+        the rest (ERROR, BYE) and what does not fit a slot go over the socket, header then payload."""
         link = self._links.get(peer)
         if link is None:
             raise ConnectionError(f"no link to slot {peer}")
@@ -270,8 +278,8 @@ class ShmTransport(Transport):
         head = header.encode()
         with link.lock:
             box = link.outbound
-            if header.kind in (wire.Kind.DATA, wire.Kind.RESULT) and box.fits(payload.nbytes):
-                slot = header.micro_batch % box.slots
+            if header.kind in _SLOTTED and box.fits(payload.nbytes):
+                slot = _slot(box, header.micro_batch) if header.kind != wire.Kind.STEP else box.slots - 1
                 box.put(slot, head, payload, self.pacing.pauses(), time.monotonic() + self.timeout, f"slot {peer}")
             else:
                 link.sock.sendall(head)
@@ -281,7 +289,7 @@ class ShmTransport(Transport):
         arrived = []
         for peer in peers:
             link = self._links.get(peer)
-            slot = micro_batch % self.slots
+            slot = _slot(link.inbound, micro_batch) if link is not None else 0
             if link is None or not link.inbound.ready(slot) or not link.reading.acquire(blocking=False):
                 continue
             try:

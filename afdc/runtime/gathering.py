@@ -1,0 +1,94 @@
+"""Which messages an FFN server waits for before it runs a layer: the attention ranks' step plans.
+
+At the start of each step an attention rank tells every FFN rank what the step holds (a ``STEP``
+message: each micro-batch's token count). For FFN layer L and micro-batch k the server then knows
+which attention ranks will send it a message, and runs the layer once over all of them (the bigger
+FFN batch AFD is for) instead of over whichever arrived first. A rank late by more than the
+``window`` is not waited for. A layer whose tokens go only to their experts' ranks (router on the
+attention side) is not waited on: whether a rank gets any of them is known only once they are sent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from afdc.runtime.programs import FFNProgram
+from afdc.runtime.transport.base import Incoming
+
+
+@dataclass
+class StepPlan:
+    """One attention rank's current step."""
+
+    step: int
+    tokens: tuple[int, ...]  # per micro-batch
+    served: dict[int, int] = field(default_factory=dict)  # micro-batch -> last FFN layer served
+
+
+@dataclass
+class _Waiting:
+    message: Incoming
+    since: float
+
+
+class Gathering:
+    def __init__(self, program: FFNProgram, ffn_ranks: int, window: float):
+        self.program = program
+        self.ffn_ranks = ffn_ranks
+        self.window = window
+        self.plans: dict[int, StepPlan] = {}  # by sender slot
+        self.waiting: list[_Waiting] = []
+
+    def plan(self, sender: int, step: int, tokens: tuple[int, ...]) -> None:
+        self.plans[sender] = StepPlan(step, tokens)
+
+    def forget(self, sender: int) -> None:
+        """``sender`` left or broke: nothing more is expected from it (what it sent still runs)."""
+        self.plans.pop(sender, None)
+
+    def add(self, message: Incoming) -> None:
+        self.waiting.append(_Waiting(message, time.monotonic()))
+
+    def deadline(self) -> float | None:
+        """When the oldest waiting message runs regardless (None: nothing waits)."""
+        return min(w.since for w in self.waiting) + self.window if self.waiting else None
+
+    def ready(self) -> list[Incoming]:
+        """Take out the messages whose (layer, micro-batch) has heard from every attention rank
+        expected to send it, or has waited the window; they are marked served."""
+        now = time.monotonic()
+        arrived: dict[tuple[int, int], set[int]] = {}
+        for w in self.waiting:
+            h = w.message.header
+            arrived.setdefault((h.layer, h.micro_batch), set()).add(h.sender)
+        done = {
+            key
+            for key, senders in arrived.items()
+            if self._expected(*key) <= senders
+            or any(now - w.since >= self.window for w in self.waiting if _key(w) == key)
+        }
+        out = [w.message for w in self.waiting if _key(w) in done]
+        self.waiting = [w for w in self.waiting if _key(w) not in done]
+        for m in out:
+            plan = self.plans.get(m.header.sender)
+            if plan is not None and plan.step == m.header.step:
+                plan.served[m.header.micro_batch] = m.header.layer
+        return out
+
+    def _expected(self, layer: int, micro_batch: int) -> set[int]:
+        dispatch = self.program.dispatch(layer)
+        if dispatch.experts is not None:
+            return set()
+        expected = set()
+        for sender, plan in self.plans.items():
+            if micro_batch >= len(plan.tokens) or plan.served.get(micro_batch, -1) >= layer:
+                continue
+            shares = dispatch.shares([], plan.tokens[micro_batch], self.ffn_ranks)
+            if any(s.rank == self.program.rank and s.count for s in shares):
+                expected.add(sender)
+        return expected
+
+
+def _key(w: _Waiting) -> tuple[int, int]:
+    return w.message.header.layer, w.message.header.micro_batch
