@@ -27,7 +27,9 @@
     polls its slots; its pacing must not burn cores while idle).
 
 The processes share this machine's cores, so (b), (c) and (d) measure overhead, not the AFD
-speed-up a separate FFN pool gives.
+speed-up a separate FFN pool gives. Every process runs one torch thread by default (``--threads``):
+on a small shared host, processes whose thread pools span every core stall each other's
+barriers (an in-process decode fell from 250 to 36 tokens/s with one other busy process).
 
 Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8] [--connectors shm]
                                           [--only a b e]
@@ -256,11 +258,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--connectors", nargs="+", default=list(CONNECTORS), choices=CONNECTORS)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of every process (this one and the FFN servers, via OMP_NUM_THREADS)")
     parser.add_argument("--only", nargs="+", default=list("abcde"), choices=list("abcde"), help="sections to run")
     args = parser.parse_args()
     CONNECTORS[:] = args.connectors
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the spawned FFN servers' torch
+    torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    print(f"afdc {afdc.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")
+    print(f"afdc {afdc.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, {args.threads} torch threads "
+          f"per process, load average {os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M')}")
     if "a" in args.only:
         round_trip_table(args.repeats)
     if "b" in args.only:

@@ -20,6 +20,7 @@ from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
 from afdc.runtime.exchange import AttentionEndpoint, RemoteConnector
 from afdc.runtime.programs import AttentionProgram, FFNProgram, combine
+from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.segment import Dispatch
 
 
@@ -50,7 +51,7 @@ class AttentionRank:
     def __init__(
         self,
         rank: int,
-        program: AttentionProgram,
+        program: AttentionProgram | TensorParallelAttention,
         ffn: list[FFNProgram],
         dispatch: list[Dispatch],
         beside: bool = False,
@@ -70,7 +71,8 @@ class AttentionRank:
         """The program's outputs for each micro-batch of step ``step`` (from :meth:`begin_step`),
         and what crossed the cut."""
 
-        alone = len(batches) == 1 and not self.beside  # the only thread of the process that computes
+        # the only thread of the process that computes: its waits may poll without sleeping
+        alone = len(batches) == 1 and not self.beside and not isinstance(self.program, TensorParallelAttention)
         if self.endpoint is not None:
             self.endpoint.announce(step, [b.input_ids.numel() for b in batches])
 

@@ -24,7 +24,7 @@ from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.transport import transport_class
-from afdc.runtime.transport.base import Failure, Incoming, Pacing, Transport
+from afdc.runtime.transport.base import Failure, Incoming, Pacing, Transport, Waiter
 from afdc.segment import Dispatch, Share
 
 
@@ -95,7 +95,7 @@ class AttentionEndpoint:
         try:
             transport = cls(
                 self.rendezvous, group, self.slot, "attn", self.options.timeout, deliver=file, device=self.device,
-                pacing=Pacing(self.options.spin, self.options.max_sleep),
+                pacing=Pacing(self.options.spin, self.options.max_sleep, self.options.idle_sleep),
             )
         except (RuntimeError, OSError) as err:
             self._broken = True
@@ -103,6 +103,7 @@ class AttentionEndpoint:
                 f"attention rank {self.rank} could not reach the FFN ranks (generation {group.generation}): {err}"
             ) from err
         self.transport, self._broken = transport, False
+        self._waiter = Waiter(transport.pacing)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -180,12 +181,12 @@ class AttentionEndpoint:
 
         Over a polled transport the calling micro-batch thread reads its replies out of their
         slots itself (``spin=False`` where other threads of this process compute meanwhile, see
-        :meth:`Pacing.pauses`); otherwise the transport's receiver threads file them and this waits."""
+        :meth:`Waiter.pauses`); otherwise the transport's receiver threads file them and this waits."""
         key = (step, layer, micro_batch)
         peers = [self.ffn_slots[r] for r in ffn_ranks]
         deadline = time.monotonic() + self.options.timeout
         polled = self.transport.polled
-        pause = self.transport.pacing.pauses(spin)
+        pause = self._waiter.pauses(spin)
         generation = self._generation
         while True:
             with self._cond:
@@ -197,6 +198,7 @@ class AttentionEndpoint:
                         self._fail(peer, layer, f"its link broke ({self._lost[peer]})")
                 missing = [p for p in peers if (key, p) not in self._results]
                 if not missing:
+                    self._waiter.waited(time.monotonic() - deadline + self.options.timeout)
                     self.metrics.exchange_ms.observe((time.monotonic() - self._sent_at.pop(key)) * 1e3)
                     return [self._results.pop((key, p)) for p in peers]
                 left = deadline - time.monotonic()

@@ -14,6 +14,7 @@ class RuntimeOptions:
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
     poll_interval: float = 0.2  # how often an idle FFN server looks for a regrouping or a stop
     spin: float = 2e-3  # shm: seconds a waiting rank polls its slots before it sleeps between polls
-    max_sleep: float = 1e-3  # shm: the longest sleep between two polls (an idle rank's wake-up rate)
+    max_sleep: float = 2e-4  # shm: the longest sleep between two polls of a busy rank
+    idle_sleep: float = 2e-3  # shm: ... of a rank idle for 50 ms (its wake-up rate)
     gather: float = 2e-3  # FFN: seconds a layer's message waits for the other attention ranks' (one FFN run)
     log_interval: float = 30.0  # seconds between metrics log lines (0: never)

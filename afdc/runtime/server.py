@@ -118,7 +118,7 @@ class FFNServer:
             log.info("ffn rank %d: serving generation %d", self.rank, group.generation)
             transport = cls(
                 self.rdv, group, self.slot, "ffn", timeout=self.options.timeout, device=self.program.device,
-                pacing=Pacing(self.options.spin, self.options.max_sleep),
+                pacing=Pacing(self.options.spin, self.options.max_sleep, self.options.idle_sleep),
             )
             try:
                 self._serve_generation(transport)

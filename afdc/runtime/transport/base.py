@@ -51,33 +51,49 @@ Deliver = Callable[["Incoming | Failure"], None]
 
 @dataclass(frozen=True)
 class Pacing:
-    """How a rank waits for a word that a peer writes into shared memory.
+    """How a rank waits for a word that a peer writes into shared memory (see :class:`Waiter`)."""
 
-    It polls for ``spin`` seconds, yielding the core between polls, then sleeps between polls,
-    doubling the sleep up to ``max_sleep``: a busy exchange answers within microseconds, an idle
-    deployment does not burn its cores."""
+    spin: float = 2e-3  # the longest a wait polls without sleeping
+    max_sleep: float = 2e-4  # the longest sleep between two polls of a busy rank
+    idle_sleep: float = 2e-3  # ... of a rank that has waited ``idle_after`` seconds
+    idle_after: float = 0.05
 
-    spin: float = 2e-3
-    max_sleep: float = 1e-3
+
+class Waiter:
+    """One party's waits. A wait polls, yielding the core between polls, for up to ``spin``
+    seconds, then sleeps between polls, doubling the sleep from 20 us up to ``max_sleep``, and up
+    to ``idle_sleep`` once the wait has lasted ``idle_after``: a busy exchange answers within
+    microseconds, an idle deployment does not burn its cores. The waiter learns how long its
+    waits last: where they outlast the spin (the peer computes for milliseconds, on the same
+    cores of a CPU host), it sleeps from the first pause and leaves the core to that computation."""
+
+    def __init__(self, pacing: Pacing):
+        self.pacing = pacing
+        self.typical = 0.0  # seconds, a moving average of this party's recent waits
 
     def pauses(self, spin: bool = True) -> Callable[[], None]:
         """A pause to call between two polls of one wait. ``spin=False`` sleeps from the first
         pause: a thread that polls takes Python's GIL back from a sched_yield before a thread
         waiting for it wakes, so where other threads of the process compute meanwhile (the other
         micro-batches), polling would starve them."""
+        p = self.pacing
         start = time.monotonic()
-        spin_for = self.spin if spin else 0.0
+        spin_for = p.spin if spin and self.typical < p.spin else 0.0
         sleep = 2e-5
 
         def pause() -> None:
             nonlocal sleep
-            if time.monotonic() - start < spin_for:
+            waited = time.monotonic() - start
+            if waited < spin_for:
                 os.sched_yield()
-            else:
-                time.sleep(sleep)
-                sleep = min(2 * sleep, self.max_sleep)
+                return
+            time.sleep(sleep)
+            sleep = min(2 * sleep, p.max_sleep if waited < p.idle_after else p.idle_sleep)
 
         return pause
+
+    def waited(self, seconds: float) -> None:
+        self.typical += 0.25 * (seconds - self.typical)
 
 
 class Transport(ABC):

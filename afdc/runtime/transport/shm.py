@@ -6,7 +6,7 @@ link then gets a :class:`Mailbox` in ``/dev/shm``, created by its sender: a slot
 each completed by a sequence number written after the message. No socket, thread or wake-up
 sits on the data path: the attention rank's micro-batch thread polls its own reply slot
 (:meth:`ShmTransport.receive`), the FFN server polls every slot (:meth:`ShmTransport.collect`),
-both paced by :class:`~afdc.runtime.transport.base.Pacing`. The socket stays for the handshake,
+both paced by :class:`~afdc.runtime.transport.base.Waiter`. The socket stays for the handshake,
 ERROR and BYE messages, the rare message too big for a slot, and for hearing at once that a peer
 died (end of stream). Mailbox files are unlinked as soon as both ends have mapped them.
 """
@@ -29,7 +29,7 @@ import torch
 
 from afdc.runtime import wire
 from afdc.runtime.rendezvous import Rendezvous
-from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport
+from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport, Waiter
 
 log = logging.getLogger("afdc.shm")
 
@@ -174,6 +174,7 @@ class ShmTransport(Transport):
 
     def _open(self) -> None:
         self._links: dict[int, _Link] = {}
+        self._waiter = Waiter(self.pacing)  # the FFN server's, for collect
         self._closed = False
         self._lock = threading.Lock()
         if self.role == "ffn":
@@ -280,7 +281,8 @@ class ShmTransport(Transport):
             box = link.outbound
             if header.kind in _SLOTTED and box.fits(payload.nbytes):
                 slot = _slot(box, header.micro_batch) if header.kind != wire.Kind.STEP else box.slots - 1
-                box.put(slot, head, payload, self.pacing.pauses(), time.monotonic() + self.timeout, f"slot {peer}")
+                pause = Waiter(self.pacing).pauses()
+                box.put(slot, head, payload, pause, time.monotonic() + self.timeout, f"slot {peer}")
             else:
                 link.sock.sendall(head)
                 link.sock.sendall(payload)
@@ -299,8 +301,9 @@ class ShmTransport(Transport):
         return arrived
 
     def collect(self, wait: float) -> list[Incoming | Failure]:
-        deadline = time.monotonic() + wait
-        pause = self.pacing.pauses()
+        start = time.monotonic()
+        deadline = start + wait
+        pause = self._waiter.pauses()
         while True:
             items: list[Incoming | Failure] = self._drain()
             for link in list(self._links.values()):
@@ -312,7 +315,10 @@ class ShmTransport(Transport):
                 for slot in range(box.slots):
                     if box.ready(slot):
                         items.append(self._incoming(*box.take(slot)))
-            if items or time.monotonic() >= deadline:
+            if items:
+                self._waiter.waited(time.monotonic() - start)
+                return items
+            if time.monotonic() >= deadline:
                 return items
             pause()
 
