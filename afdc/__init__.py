@@ -6,11 +6,12 @@ from afdc.compile import compile_model
 from afdc.errors import AfdcError, PlanError, UnsupportedModelError
 from afdc.plan import Plan
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.rendezvous import PeerLost
+from afdc.runtime.rendezvous import JoinError, PeerLost
 from afdc.version import __version__
 
 __all__ = [
     "AfdcError",
+    "JoinError",
     "PeerLost",
     "Plan",
     "PlanError",

@@ -9,6 +9,11 @@ hello for it; the hello carries an HMAC of the deployment's shared token, so a p
 the token is refused (and logged) and never becomes a member. A rank that (re)starts, or that
 lost a peer, bumps the store's generation counter; every live rank sees the counter move and
 joins the new generation. That is how a restarted FFN rank rejoins without restarting anyone.
+
+The store's host stamps it with its deployment id and a proof of its token: a process of another
+artifact or token learns at once that it is refused, and why (:class:`JoinError`), and so does one
+whose slot a live process of this host holds. A launcher that sees one of its processes exit
+records it (:meth:`Rendezvous.record_exit`), so a rank waiting for that slot hears it at once.
 """
 
 from __future__ import annotations
@@ -42,6 +47,17 @@ class PeerLost(AfdcError):
 
 class RendezvousError(AfdcError):
     """The rendezvous store cannot be reached or hosted."""
+
+
+class JoinError(RendezvousError):
+    """A rank cannot join the deployment: this process was refused (another token or artifact than
+    the store's host, or its slot held by a live process), or the missing rank's launcher saw its
+    process exit. ``role`` and ``rank`` name the rank, None where the refusal came before this
+    process named its slot."""
+
+    def __init__(self, reason: str, role: str | None = None, rank: int | None = None):
+        self.reason, self.role, self.rank = reason, role, rank
+        super().__init__(f"{role} rank {rank} {reason}" if role is not None else reason)
 
 
 @dataclass(frozen=True)
@@ -89,8 +105,28 @@ class Group:
 
 
 def _proof(token: str, deployment: bytes, generation: int, slot: int) -> str:
-    msg = f"{deployment.hex()}:{generation}:{slot}".encode()
-    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
+    return _sign(token, deployment.hex(), str(generation), str(slot))
+
+
+def _sign(token: str, *parts: str) -> str:
+    """HMAC-SHA256 of the token over ``parts`` joined by ":". A hello's proof signs hex first, the
+    other records a word that is not hex, so no record's proof passes for another's."""
+    return hmac.new(token.encode(), ":".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (an exited one its parent has not reaped does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -139,13 +175,25 @@ class Rendezvous:
                 f"cannot {what} the rendezvous store at {address} within {connect_timeout:g} s ({err}); "
                 "check the address, that attention rank 0 (or the launcher) is up, and firewalls"
             ) from err
+        self._host_checked = host  # whether this process's token and deployment are the store host's
+        if host:
+            self.store.set("host", json.dumps({"deployment": deployment.hex(), "proof": self._stamp()}))
 
     def generation(self) -> int:
         return self.store.add("generation", 0)
 
     def bump(self) -> int:
-        """Start a new generation (after a restart or a lost peer); returns its number."""
+        """Start a new generation (after a restart or a lost peer); returns its number. A process the
+        store's host refuses raises :class:`JoinError` instead: it must not make the members regroup."""
+        self._check_host()
         return self.store.add("generation", 1)
+
+    def check_slot(self, slot: int) -> None:
+        """Raise :class:`JoinError` now where :meth:`join` would refuse this process for ``slot``
+        (another token or artifact than the store's host, or the slot held by a live process of
+        this host); a server that calls it before :meth:`bump` makes no one regroup when refused."""
+        self._check_host(slot)
+        self._check_held(slot)
 
     def proof(self, generation: int, slot: int) -> str:
         """What ``slot`` presents for ``generation``: proves the token without sending it."""
@@ -163,10 +211,13 @@ class Rendezvous:
 
         Follows the generation counter if it moves while waiting. ``timeout`` None waits until
         ``stop`` is set (servers waiting for clients; returns None then); otherwise
-        :class:`PeerLost` names a missing slot.
+        :class:`PeerLost` names a missing slot, and :class:`JoinError` one whose launcher recorded
+        that its process exited (:meth:`record_exit`). :class:`JoinError` also says why this
+        process is refused: another token or artifact than the store's host, or its slot held.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         next_log = time.monotonic() + 10.0
+        self._check_held(slot)
         while True:
             gen = self.generation()
             me = Member(
@@ -175,11 +226,14 @@ class Rendezvous:
             self.store.set(f"g{gen}/hello/{slot}", json.dumps(asdict(me)))
             members = {slot: me}
             while self.generation() == gen and len(members) < self.layout.world:
+                self._check_host(slot)  # after the hello: members see and log a refused one
                 for other in range(self.layout.world):
                     if other not in members:
                         member = self._hello(gen, other)
                         if member is not None:
                             members[other] = member
+                        elif deadline is not None:
+                            self._check_exit(other)
                 if len(members) == self.layout.world:
                     break
                 if stop is not None and stop.is_set():
@@ -195,7 +249,87 @@ class Rendezvous:
                     next_log = now + 10.0
                 time.sleep(poll)
             if self.generation() == gen:
+                if deadline is not None:  # a member whose hello was there, and whose process exited since
+                    for other, member in members.items():
+                        if other != slot:
+                            self._check_exit(other, member.pid)
+                self.store.set(f"held/{slot}", json.dumps({"generation": gen, **asdict(me)}))
+                self.store.delete_key(f"exited/{slot}")  # a stale record of a process it replaced by hand
                 return Group(gen, members)
+
+    def _stamp(self) -> str:
+        return _sign(self.token, "host", self.deployment.hex())
+
+    def _check_host(self, slot: int | None = None) -> None:
+        """Raise :class:`JoinError` when the store's host stamped it with another deployment or
+        token; once they matched, a member never checks again (nothing a stranger writes then
+        can make it leave)."""
+        if self._host_checked or not self.store.check(["host"]):
+            return
+        try:
+            stamp = json.loads(self.store.get("host"))
+            deployment, proof = str(stamp["deployment"]), str(stamp["proof"])
+        except (TypeError, ValueError, KeyError) as err:
+            log.warning("ignored a malformed host stamp in the rendezvous store: %s", err)
+            return
+        role, rank = self.layout.role_rank(slot) if slot is not None else (None, None)
+        if deployment != self.deployment.hex():
+            raise JoinError(
+                f"refused: another artifact or plan (deployment {self.deployment.hex()}; the store at "
+                f"{self.address} serves deployment {deployment})", role, rank,
+            )
+        if not hmac.compare_digest(proof, self._stamp()):
+            raise JoinError(
+                f"refused: wrong deployment token (the store at {self.address} was hosted with another token; "
+                "check AFDC_TOKEN or --token)", role, rank,
+            )
+        self._host_checked = True
+
+    def _check_held(self, slot: int) -> None:
+        """Raise :class:`JoinError` when another live process of this host was the slot's member
+        last (two FFN servers started for one rank). Another host's process cannot be checked."""
+        key = f"held/{slot}"
+        if not self.store.check([key]):
+            return
+        try:
+            held = json.loads(self.store.get(key))
+            generation, pid, host, proof = int(held["generation"]), int(held["pid"]), held["host"], held["proof"]
+        except (TypeError, ValueError, KeyError):
+            return
+        if (
+            hmac.compare_digest(str(proof), self.proof(generation, slot))
+            and host == socket.gethostname()
+            and pid != os.getpid()
+            and _alive(pid)
+        ):
+            role, rank = self.layout.role_rank(slot)
+            raise JoinError(f"refused: its slot is held by a live process (pid {pid} on {host})", role, rank)
+
+    def record_exit(self, slot: int, pid: int, reason: str) -> None:
+        """Record that ``slot``'s process ``pid`` exited (its launcher saw it, ``reason`` says how): a
+        :meth:`join` with a deadline that waits for the slot raises :class:`JoinError` at once."""
+        proof = _sign(self.token, "exited", self.deployment.hex(), str(slot), str(pid), reason)
+        self.store.set(f"exited/{slot}", json.dumps({"pid": pid, "reason": reason, "proof": proof}))
+
+    def clear_exit(self, slot: int) -> None:
+        """Forget ``slot``'s recorded exit (its launcher starts it again)."""
+        self.store.delete_key(f"exited/{slot}")
+
+    def _check_exit(self, slot: int, pid: int | None = None) -> None:
+        """Raise :class:`JoinError` when the slot's launcher recorded that its process (``pid``,
+        when given: the one whose hello is here) exited. A record without the token's proof is ignored."""
+        key = f"exited/{slot}"
+        if not self.store.check([key]):
+            return
+        try:
+            record = json.loads(self.store.get(key))
+            exited, reason, proof = int(record["pid"]), str(record["reason"]), str(record["proof"])
+        except (TypeError, ValueError, KeyError):
+            return
+        signed = _sign(self.token, "exited", self.deployment.hex(), str(slot), str(exited), reason)
+        if hmac.compare_digest(proof, signed) and pid in (None, exited):
+            role, rank = self.layout.role_rank(slot)
+            raise JoinError(f"cannot join: {reason}", role, rank)
 
     def _hello(self, gen: int, slot: int) -> Member | None:
         key = f"g{gen}/hello/{slot}"

@@ -92,6 +92,7 @@ class FFNServer:
             self.options.token,
             connect_timeout=self.options.join_timeout if connect_timeout is None else connect_timeout,
         )
+        rdv.check_slot(self.slot)  # refused (token, artifact, slot held): said now, before anyone regroups
         rdv.bump()  # a (re)started rank: everyone regroups with it
         return rdv
 
