@@ -162,25 +162,31 @@ class _CacheLength(Cache):
 
 
 class _WithCacheLength(torch.nn.Module):
-    """``model`` called with a :class:`_CacheLength` of ``kv - s`` tokens, the cache left out of
-    its output (export cannot return it)."""
+    """``model`` called with a :class:`_CacheLength` of ``kv - s`` tokens as its argument
+    ``argument``, the cache left out of its output (export cannot return it)."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, argument: str):
         super().__init__()
         self.model = model
+        self.argument = argument
 
     def forward(self, input_ids, attention_mask, position_ids=None):
-        cache = _CacheLength(attention_mask.shape[1] - input_ids.shape[1])
+        cache = {self.argument: _CacheLength(attention_mask.shape[1] - input_ids.shape[1])}
         positions = {} if position_ids is None else {"position_ids": position_ids}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **positions)
-        return type(out)(**{k: v for k, v in out.items() if k != "past_key_values"})
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, **cache, **positions)
+        return type(out)(**{k: v for k, v in out.items() if k not in _CACHE_ARGUMENTS})
 
 
 _WRAPPED = "model."  # the FQN prefix of the model's tensors inside _WithCacheLength
 
 
-def _reads_cache(model: PreTrainedModel) -> bool:
-    return "past_key_values" in inspect.signature(model.forward).parameters
+# the forward's cache argument (and output field): transformers 5.24 renamed past_key_values
+_CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def _cache_argument(model: PreTrainedModel) -> str | None:
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in _CACHE_ARGUMENTS if name in parameters), None)
 
 
 @dataclass(kw_only=True)
@@ -275,12 +281,12 @@ def _host_index(index):
 
 
 def _export(
-    model: PreTrainedModel, mode: str, functional: bool, cache: bool
+    model: PreTrainedModel, mode: str, functional: bool, cache: str | None
 ) -> torch.export.ExportedProgram:
     """``mode``: "incremental" (kv and s independent, every guard proven), "relaxed" (see
     :func:`_relaxed_limit`; traced with kv == s, which export may then tie) or "static".
-    ``cache``: the forward gets a :class:`_CacheLength` (its tensors' names then start with
-    :data:`_WRAPPED`)."""
+    ``cache``: the forward's argument that gets a :class:`_CacheLength` (its tensors' names then
+    start with :data:`_WRAPPED`); None: no cache."""
     batch = torch.export.Dim("batch")  # strict in every mode: one batch size, never specialized
     if mode == "relaxed":
         seq = kv = torch.export.Dim.DYNAMIC
@@ -296,7 +302,7 @@ def _export(
     try:
         with _HostConstants() if inputs["input_ids"].is_meta else contextlib.nullcontext():
             ep = torch.export.export(
-                _WithCacheLength(model) if cache else model,
+                _WithCacheLength(model, cache) if cache else model,
                 args=(),
                 kwargs=inputs,
                 dynamic_shapes=None if mode == "static" else {name: dims[name] for name in inputs},
@@ -324,7 +330,8 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     errors = []
     # with the stand-in cache first; a forward that wants more of a cache (a hybrid's states) is
     # captured without it, as before (its cache positions then start at 0 in every call)
-    caches = (True, False) if _reads_cache(model) else (False,)
+    argument = _cache_argument(model)
+    caches = (argument, None) if argument else (None,)
     attempts = [(mode, cache) for mode in ("incremental", "relaxed", "static") for cache in caches]
     with _afdc_attention(model), torch.no_grad():
         for mode, cache in attempts:

@@ -70,11 +70,14 @@ class DefaultPositions(enum.Enum):
 
 
 # Arguments of a transformers forward that do not change the logits.
-_IGNORED_KWARGS = {"use_cache", "return_dict", "past_key_values"}
+_IGNORED_KWARGS = {"use_cache", "return_dict"}
+_CACHE_KWARGS = ("cache", "past_key_values")  # transformers >= 5.24 names it cache
 
 
 def _concat(outputs: list):
     """Outputs of the attention ranks, each for its rows of the batch, as one output."""
+    if len(outputs) == 1:
+        return outputs[0]
     flat = [pytree.tree_flatten(o) for o in outputs]
     by_leaf = zip(*(leaves for leaves, _ in flat))
     leaves = [torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0] for parts in by_leaf]
@@ -256,7 +259,7 @@ class DisaggregatedModel:
         """The model's own call on token ids: the same output object (a tuple under
         ``return_dict=False``). Hidden states, attentions, labels and ``inputs_embeds`` are not
         available: the captured programs compute the logits from token ids."""
-        if kwargs.get("past_key_values") is not None:
+        if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
             raise ValueError("afdc keeps its KV cache on the attention side; use dm.generate for decoding")
         # False, like None, asks for nothing (output_hidden_states=False)
         asked = {k for k, v in kwargs.items() if v is not None and v is not False}
