@@ -223,10 +223,16 @@ class Rendezvous:
             me = Member(
                 slot, os.getpid(), socket.gethostname(), address, self.proof(gen, slot)
             )
-            self.store.set(f"g{gen}/hello/{slot}", json.dumps(asdict(me)))
+            hello = json.dumps(asdict(me))
+            # checked before the hello is up: once a member can count it, nothing a stranger then
+            # writes into the store may refuse it. A refused hello still goes up, for the members' logs.
+            try:
+                self._check_host(slot)
+            finally:
+                self.store.set(f"g{gen}/hello/{slot}", hello)
             members = {slot: me}
             while self.generation() == gen and len(members) < self.layout.world:
-                self._check_host(slot)  # after the hello: members see and log a refused one
+                self._check_host(slot)  # a host that stamps the store after this process came
                 for other in range(self.layout.world):
                     if other not in members:
                         member = self._hello(gen, other)
