@@ -126,7 +126,8 @@ class DisaggregatedModel:
         self.max_positions = max_positions  # the longest key length the programs are valid for (None: any)
         self.default_positions = default_positions  # used when a call gives no position_ids
         dispatch = [self.ffn.dispatch(layer) for layer in range(len(self.ffn.layers))]
-        self.ranks = [AttentionRank(i, p, ffn, dispatch) for i, p in enumerate(attention)]
+        beside = len(attention) > 1  # the ranks run in threads of this process: none may spin
+        self.ranks = [AttentionRank(i, p, ffn, dispatch, beside=beside) for i, p in enumerate(attention)]
         self.last_traffic = connectors.Traffic()
         self._store_host: Rendezvous | None = None
         self._pool: ThreadPoolExecutor | None = None
