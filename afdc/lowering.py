@@ -2,7 +2,8 @@
 
 ``afdc`` substitutes afdc's kernels where a pass recognizes their computation (fused MoE and
 its routing, residual-add + RMSNorm / LayerNorm, activation-and-multiply) and hands the rest of
-the graph to Inductor; ``inductor`` is Inductor alone; ``eager`` runs the FX graph as captured.
+the graph to Inductor; ``inductor`` is Inductor alone; ``eager`` runs the graph as captured, its
+ops called one by one from straight-line Python (:mod:`afdc.passes.straight_line`).
 ``auto`` is ``afdc`` on a GPU and ``eager`` on a CPU, where Triton has no backend and Inductor's
 C++ build costs more than it saves on small batches.
 
@@ -24,6 +25,7 @@ from afdc.passes.fuse_activation import fuse_activations
 from afdc.passes.fuse_moe import fuse_moe, fuse_shared_experts
 from afdc.passes.fuse_norms import fuse_norms
 from afdc.passes.fusion import FusionReport, copy_graph
+from afdc.passes.straight_line import straight_line
 from afdc.plan import BACKENDS
 
 logger = logging.getLogger("afdc.backend")
@@ -73,7 +75,7 @@ def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tup
     """What runs ``module`` under ``backend`` (already resolved), first called with ``args``;
     ``module`` itself is unchanged."""
     if backend == "eager":
-        return module
+        return straight_line(module) or module
     if backend == "afdc":
         module = copy_module(module)
         if any("val" not in n.meta for n in module.graph.find_nodes(op="placeholder")):
@@ -87,6 +89,6 @@ def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tup
         # Dynamo compiling such threads stalled them past the group's timeout (not solved), so
         # under --attn-tp the attention program runs afdc's kernels without Inductor.
         logger.info("%s: attention TP: not compiled by Inductor", name)
-        return module
+        return straight_line(module) or module
     # Token counts vary every step: compile for symbolic sizes at once rather than after a recompile.
     return torch.compile(module, backend="inductor", dynamic=True)

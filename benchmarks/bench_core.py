@@ -257,10 +257,14 @@ def decode_step(model, dm, ids, mask, args) -> Pair | None:
         from afdc.runtime import kv_cache
         from afdc.runtime.model import positions_from_mask
 
-        run = dm._run
+        run_step = dm._run
     except (ImportError, AttributeError) as err:
         print(f"  decode step: skipped ({err})")
         return None
+
+    def run(ids, mask, pos, cache):  # one attention rank of one micro-batch: its cache is caches[0, 0]
+        return run_step(ids, mask, pos, {(0, 0): cache})
+
     # Steady state: prefill all but the last prompt token, then decode that one on both sides, then
     # time the step after it. (The step right after prefill also pays for how prefill left the cache.)
     b, _ = ids.shape

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
+import torch.fx as fx
 from click.testing import CliRunner
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -14,7 +16,10 @@ from afdc.cli import main
 from afdc.demo import demo_batch, demo_model
 from afdc.equivalence import check
 from afdc.partition.mincut import FlowGraph
+from afdc.passes.straight_line import straight_line
 from afdc.runtime import connector as connectors
+from afdc.runtime.model import positions_from_mask
+from afdc.runtime.programs import combine
 from afdc.segment import Dispatch, Share
 from models_supported.catalog import ENTRIES, TINY_COMMON, build_type
 
@@ -98,6 +103,39 @@ def test_ffn_side_runs_only_through_the_connector(moe):
     ids, mask = demo_batch(model.config.vocab_size)
     with pytest.raises(RuntimeError, match="no active connector"):
         dm.attention(ids, mask, torch.arange(ids.shape[1]).expand_as(ids))
+
+
+def test_eager_backend_runs_straight_line_code_written_from_the_graph(moe):
+    """The same ops on the same values as the graph module, called without the Python around
+    them: afdc's ops call their bodies, weights are bound. The program's graph keeps afdc's ops."""
+    model, dm = moe
+    ids, mask = demo_batch(model.config.vocab_size)
+    pos = positions_from_mask(mask)
+    with torch.no_grad():
+        link = connectors.LoopbackConnector(functools.partial(combine, dm.ffn_ranks))
+        with connectors.active(link):
+            written = dm.attention._lowered(ids, mask, pos)
+            captured = dm.attention.module(ids, mask, pos)
+    assert torch.equal(written[0], captured[0])
+    code = dm.attention._lowered._run.code
+    assert "attention_body(" in code and "send_body(" in code and "recv_body(" in code
+    assert "getattr" not in code  # weights bound
+    graph = dm.attention.module.graph
+    assert code.count("aten_to_dtype(") < len(graph.find_nodes(op="call_function", target=torch.ops.aten.to.dtype))
+    assert graph.find_nodes(op="call_function", target=torch.ops.afdc.attention.default)
+
+
+def test_straight_line_leaves_out_a_cast_only_for_the_dtype_seen_at_capture():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2)
+    cast = graph.call_function(torch.ops.aten.to.dtype, (x, torch.float32))
+    graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (cast, 2)),))
+    line = straight_line(fx.GraphModule(torch.nn.Module(), graph))
+    assert "to_dtype" not in line.code
+    assert torch.equal(line(torch.ones(2))[0], torch.full((2,), 2.0))
+    # an input of another dtype runs the graph module, cast included
+    assert line(torch.ones(2, dtype=torch.float64))[0].dtype == torch.float32
 
 
 def test_loopback_connector_rejects_out_of_order_use():

@@ -22,6 +22,13 @@ def _mask_for_queries_at_end(q_len: int, kv_len: int, device: torch.device) -> t
     return (torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])[None, None]
 
 
+def open_empty_rows(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean ``mask`` whose rows with no key to attend to (left padding) attend to every key,
+    rather than produce NaN, which would leak into valid rows through ``0 * NaN`` in the value
+    product; an additive mask as it is."""
+    return mask | ~mask.any(dim=-1, keepdim=True) if mask.dtype == torch.bool else mask
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -30,18 +37,18 @@ def reference_attention(
     scale: float,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    rows_open: bool = False,
 ) -> torch.Tensor:
     """Softmax attention; q ``[b, hq, s, d]``, k/v ``[b, hk, kv, d]``; returns ``[b, s, hq, dv]``.
 
     ``mask`` is boolean (True = attend) or additive, broadcastable to ``[b, hq, s, kv]``; None
-    means causal with the queries at the end of the keys. Rows with no key to attend to (left
-    padding) attend to everything rather than producing NaN, which would leak into valid rows
-    through ``0 * NaN`` in the value product.
+    means causal with the queries at the end of the keys. Rows with no key to attend to attend
+    to everything (:func:`open_empty_rows`; ``rows_open``: the caller did that already).
     """
     if mask is None:
         mask = _mask_for_queries_at_end(q.shape[2], k.shape[2], q.device)
-    if mask.dtype == torch.bool:
-        mask = mask | ~mask.any(dim=-1, keepdim=True)
+    elif not rows_open:
+        mask = open_empty_rows(mask)
     if softcap == 0.0 and sinks is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
@@ -64,8 +71,7 @@ def reference_attention(
     return torch.matmul(probs.to(v.dtype), v).transpose(1, 2).contiguous()
 
 
-@torch.library.custom_op("afdc::attention", mutates_args=())
-def attention(
+def attention_body(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -90,14 +96,16 @@ def attention(
     return reference_attention(q, k, v, mask, scale, softcap, sinks)
 
 
+attention = torch.library.custom_op("afdc::attention", attention_body, mutates_args=())
+
+
 @attention.register_fake
 def _(q, k, v, mask, slot, scale, softcap, sinks, window):
     b, hq, s, _ = q.shape
     return q.new_empty((b, s, hq, v.shape[-1]))
 
 
-@torch.library.custom_op("afdc::sampled_rows", mutates_args=())
-def sampled_rows(hidden: torch.Tensor) -> torch.Tensor:
+def sampled_rows_body(hidden: torch.Tensor) -> torch.Tensor:
     """The token rows of ``hidden [1, T, ...]`` whose logits are wanted.
 
     All of them, unless the active cache context lists ``last_rows`` (a serving step samples each
@@ -106,6 +114,9 @@ def sampled_rows(hidden: torch.Tensor) -> torch.Tensor:
     cache = context.current_cache()
     rows = getattr(cache, "last_rows", None)
     return hidden.clone() if rows is None else hidden.index_select(1, rows)
+
+
+sampled_rows = torch.library.custom_op("afdc::sampled_rows", sampled_rows_body, mutates_args=())
 
 
 @sampled_rows.register_fake

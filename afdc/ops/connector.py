@@ -16,8 +16,7 @@ from afdc.ops import context
 from afdc.ops.call import OpCall
 
 
-@torch.library.custom_op("afdc::send", mutates_args=())
-def send(tensors: list[torch.Tensor], layer: int) -> torch.Tensor:
+def send_body(tensors: list[torch.Tensor], layer: int) -> torch.Tensor:
     """Hand the activations of FFN segment ``layer`` to the FFN side.
 
     Returns an empty ticket that the matching ``recv`` ops take as input: the data dependency
@@ -27,13 +26,15 @@ def send(tensors: list[torch.Tensor], layer: int) -> torch.Tensor:
     return tensors[0].new_empty((0,), dtype=torch.int8)
 
 
+send = torch.library.custom_op("afdc::send", send_body, mutates_args=())
+
+
 @send.register_fake
 def _(tensors, layer):
     return tensors[0].new_empty((0,), dtype=torch.int8)
 
 
-@torch.library.custom_op("afdc::recv", mutates_args=())
-def recv(ticket: torch.Tensor, layer: int, index: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def recv_body(ticket: torch.Tensor, layer: int, index: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """Take output ``index`` of FFN segment ``layer`` back from the FFN side."""
     out = context.current_link().recv(layer, index, tuple(shape), dtype)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
@@ -42,6 +43,9 @@ def recv(ticket: torch.Tensor, layer: int, index: int, shape: Sequence[int], dty
             f"got {tuple(out.shape)} {out.dtype}; the FFN program does not match the attention program"
         )
     return out.to(ticket.device)
+
+
+recv = torch.library.custom_op("afdc::recv", recv_body, mutates_args=())
 
 
 @recv.register_fake

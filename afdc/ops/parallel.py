@@ -8,8 +8,7 @@ import torch
 from afdc.ops import context
 
 
-@torch.library.custom_op("afdc::grouped_mm_local", mutates_args=())
-def grouped_mm_local(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, first: int) -> torch.Tensor:
+def grouped_mm_local_body(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, first: int) -> torch.Tensor:
     """A grouped matmul restricted to this rank's experts ``[first, first + w.shape[0])``.
 
     ``x`` holds the rows of all experts sorted by expert, ``offs[e]`` is the end row of expert
@@ -28,13 +27,15 @@ def grouped_mm_local(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, first
     return out
 
 
+grouped_mm_local = torch.library.custom_op("afdc::grouped_mm_local", grouped_mm_local_body, mutates_args=())
+
+
 @grouped_mm_local.register_fake
 def _(x, w, offs, first):
     return x.new_empty((x.shape[0], w.shape[2]))
 
 
-@torch.library.custom_op("afdc::gather_local", mutates_args=())
-def gather_local(w: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+def gather_local_body(w: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
     """``w_full[ids]`` where this rank holds rows ``[first, first + w.shape[0])`` of ``w_full``.
 
     Rows whose id another rank holds come out as zeros.
@@ -44,19 +45,24 @@ def gather_local(w: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor
     return torch.where(local.reshape(*local.shape, *([1] * (w.dim() - 1))), rows, torch.zeros((), dtype=w.dtype))
 
 
+gather_local = torch.library.custom_op("afdc::gather_local", gather_local_body, mutates_args=())
+
+
 @gather_local.register_fake
 def _(w, ids, first):
     return w.new_empty((*ids.shape, *w.shape[1:]))
 
 
-@torch.library.custom_op("afdc::tp_all_reduce", mutates_args=())
-def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+def tp_all_reduce_body(x: torch.Tensor) -> torch.Tensor:
     """The sum of ``x`` over the attention rank's TP ranks (the active group), as a new tensor."""
     out = x.contiguous().clone()
     group = context.current_group()
     if group is not None and group.size > 1:
         group.all_reduce(out)
     return out
+
+
+tp_all_reduce = torch.library.custom_op("afdc::tp_all_reduce", tp_all_reduce_body, mutates_args=())
 
 
 @tp_all_reduce.register_fake

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from afdc.ops import reference_attention
+from afdc.ops import open_empty_rows, reference_attention
 from afdc.ops.context import AttentionCache, cache_active, current_cache
 
 __all__ = ["AttentionCache", "KVCache", "active", "current"]
@@ -25,6 +25,9 @@ class KVCache:
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
         self._tp_shards: dict[int, KVCache] = {}
+        # mask id -> (mask, its empty rows opened): every layer of a step passes the same mask (or
+        # a few, alternating), so it is opened once per step, not once per layer
+        self._opened: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tp_shard(self, tp_rank: int) -> KVCache:
         """The cache of TP rank ``tp_rank`` of an attention rank under ``--attn-tp``: its own
@@ -45,7 +48,17 @@ class KVCache:
     def attend(self, slot, q, k, v, mask, scale, softcap, sinks, window) -> torch.Tensor:
         """The queries are the last ``s`` of the cached keys, and the call's mask covers them all."""
         k, v = self.update(slot, k, v)
-        return reference_attention(q, k, v, mask, scale, softcap, sinks)
+        if mask is not None:
+            mask = self._open(mask)
+        return reference_attention(q, k, v, mask, scale, softcap, sinks, rows_open=True)
+
+    def _open(self, mask: torch.Tensor) -> torch.Tensor:
+        held = self._opened.get(id(mask))
+        if held is None or held[0] is not mask:  # (a copied cache holds copies of its masks)
+            if len(self._opened) >= 4:  # the masks of past steps
+                self._opened.clear()
+            held = self._opened[id(mask)] = (mask, open_empty_rows(mask))
+        return held[1]
 
 
 current = current_cache

@@ -24,12 +24,12 @@ class _Lowered:
         self.module = module
         self.name = name
         self.backend = "eager"
-        self._run: Callable | None = module
+        self._run: Callable | None = None
         self._lock = threading.Lock()
 
     def use(self, backend: str, device: torch.device) -> None:
         self.backend = lowering.resolve(backend, device)
-        self._run = self.module if self.backend == "eager" else None
+        self._run = None
 
     def __call__(self, *args):
         if self._run is None:
@@ -44,7 +44,6 @@ class _Lowered:
     def __setstate__(self, state):
         self.__init__(state["module"], state["name"])
         self.backend = state["backend"]
-        self._run = self.module if self.backend == "eager" else None
 
 
 def device_of(module: torch.nn.Module) -> torch.device:
@@ -166,6 +165,8 @@ class FFNProgram(torch.nn.Module):
 def combine(programs: list[FFNProgram], layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run FFN layer ``layer`` in-process on the FFN ranks it goes to and combine their outputs."""
     dispatch = programs[0].dispatch(layer)
+    if len(programs) == 1 and not dispatch.partial_rows:  # the one rank's reply is the result, whatever the reduction
+        return programs[0].run(layer, inputs)
     tokens = dispatch.tokens(inputs)
     shares = dispatch.shares(inputs, tokens, len(programs))
     replies = [programs[s.rank].run(layer, dispatch.take(inputs, s, tokens)) for s in shares]
