@@ -436,6 +436,22 @@ def test_one_ffn_run_for_several_senders(model_type):
                 torch.testing.assert_close(o, a.reshape(t, -1), atol=1e-5, rtol=1e-5)
 
 
+def test_a_waiter_idle_across_waits_sleeps_at_once_and_one_expecting_a_reply_polls():
+    """Idle is counted from the last wait that ended with something, not from the start of each
+    wait (a server's wait returns every poll_interval); a rank that just sent polls again."""
+    from afdc.runtime.transport.base import Pacing, Waiter
+
+    waiter = Waiter(Pacing(spin=1.0, max_sleep=1e-3, idle_sleep=0.3, idle_after=0.05))
+    time.sleep(0.06)
+    start = time.monotonic()
+    waiter.pauses()()
+    assert time.monotonic() - start >= 0.3  # the first pause of an idle waiter: idle_sleep
+    waiter.busy()
+    start = time.monotonic()
+    waiter.pauses()()
+    assert time.monotonic() - start < 0.3  # within the spin: a yield, no sleep
+
+
 def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrites_an_untaken_one(tmp_path):
     """A slot holds one message: the reader sees it only once its sequence number is written, the
     writer waits (up to its deadline) until the reader has taken the last one, and slots are

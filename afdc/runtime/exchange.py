@@ -167,6 +167,7 @@ class AttentionEndpoint:
         )
         with self._cond:
             self._sent_at.setdefault((step, layer, micro_batch), time.monotonic())
+        self._waiter.busy()  # a reply is due: its wait starts from the spin, however long this rank idled
         peer = self.ffn_slots[ffn_rank]
         try:
             self.transport.send(peer, header, tensors)

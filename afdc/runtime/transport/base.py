@@ -62,14 +62,18 @@ class Pacing:
 class Waiter:
     """One party's waits. A wait polls, yielding the core between polls, for up to ``spin``
     seconds, then sleeps between polls, doubling the sleep from 20 us up to ``max_sleep``, and up
-    to ``idle_sleep`` once the wait has lasted ``idle_after``: a busy exchange answers within
-    microseconds, an idle deployment does not burn its cores. The waiter learns how long its
-    waits last: where they outlast the spin (the peer computes for milliseconds, on the same
-    cores of a CPU host), it sleeps from the first pause and leaves the core to that computation."""
+    to ``idle_sleep`` once nothing has come for ``idle_after``: a busy exchange answers within
+    microseconds, an idle deployment does not burn its cores. Idle is counted from the last wait
+    that ended with something, across waits (a server's wait returns every ``poll_interval`` to
+    look for a regrouping; a wait that started spinning afresh each time burned 5% of a core).
+    The waiter learns how long its waits last: where they outlast the spin (the peer computes
+    for milliseconds, on the same cores of a CPU host), it sleeps from the first pause and leaves
+    the core to that computation."""
 
     def __init__(self, pacing: Pacing):
         self.pacing = pacing
         self.typical = 0.0  # seconds, a moving average of this party's recent waits
+        self.last = time.monotonic()  # when a wait last ended with something
 
     def pauses(self, spin: bool = True) -> Callable[[], None]:
         """A pause to call between two polls of one wait. ``spin=False`` sleeps from the first
@@ -78,22 +82,29 @@ class Waiter:
         micro-batches), polling would starve them."""
         p = self.pacing
         start = time.monotonic()
-        spin_for = p.spin if spin and self.typical < p.spin else 0.0
-        sleep = 2e-5
+        idle = start - self.last >= p.idle_after
+        spin_for = p.spin if spin and not idle and self.typical < p.spin else 0.0
+        sleep = p.idle_sleep if idle else 2e-5
 
         def pause() -> None:
             nonlocal sleep
-            waited = time.monotonic() - start
-            if waited < spin_for:
+            now = time.monotonic()
+            if now - start < spin_for:
                 os.sched_yield()
                 return
             time.sleep(sleep)
-            sleep = min(2 * sleep, p.max_sleep if waited < p.idle_after else p.idle_sleep)
+            sleep = min(2 * sleep, p.max_sleep if now - self.last < p.idle_after else p.idle_sleep)
 
         return pause
 
+    def busy(self) -> None:
+        """Something is due soon: the next wait is not idle."""
+        self.last = time.monotonic()
+
     def waited(self, seconds: float) -> None:
+        """A wait ended with something after ``seconds``."""
         self.typical += 0.25 * (seconds - self.typical)
+        self.busy()
 
 
 class Transport(ABC):
