@@ -452,6 +452,39 @@ def test_a_waiter_idle_across_waits_sleeps_at_once_and_one_expecting_a_reply_pol
     assert time.monotonic() - start < 0.3  # within the spin: a yield, no sleep
 
 
+def test_a_mailbox_reader_sleeps_until_a_message_is_posted(tmp_path):
+    """The reader's sleep ends at the post (a futex on the doorbell, woken by the writer), not
+    at its timeout; with nothing posted it lasts the timeout; a post it has not seen yet ends
+    it at once."""
+    from afdc.runtime.transport import futex
+    from afdc.runtime.transport.shm import Mailbox
+
+    writer = Mailbox(tmp_path / "box", slots=1, slot_bytes=64, create=True)
+    reader = Mailbox(tmp_path / "box")
+    start = time.monotonic()
+    reader.wait_posted(reader.posted, 0.2)
+    assert time.monotonic() - start >= 0.2
+    seen = reader.posted
+    header = wire.Header(wire.Kind.DATA, b"12345678", 1, 1, 0, 0, 1, 0).encode()
+
+    def post():
+        time.sleep(0.2)
+        writer.put(0, header, memoryview(b""), lambda: None, time.monotonic() + 1, "reader")
+
+    long = 30.0 if futex.AVAILABLE else 0.5  # without a futex the sleep lasts its timeout
+    poster = threading.Thread(target=post)
+    start = time.monotonic()
+    poster.start()
+    reader.wait_posted(seen, long)
+    took = time.monotonic() - start
+    poster.join()
+    assert reader.ready(0)
+    assert 0.2 <= took < (10.0 if futex.AVAILABLE else 1.0)
+    start = time.monotonic()
+    reader.wait_posted(seen, long)  # posted since ``seen``: no sleep
+    assert time.monotonic() - start < (10.0 if futex.AVAILABLE else 1.0)
+
+
 def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrites_an_untaken_one(tmp_path):
     """A slot holds one message: the reader sees it only once its sequence number is written, the
     writer waits (up to its deadline) until the reader has taken the last one, and slots are

@@ -187,7 +187,7 @@ class AttentionEndpoint:
         peers = [self.ffn_slots[r] for r in ffn_ranks]
         deadline = time.monotonic() + self.options.timeout
         polled = self.transport.polled
-        pause = self._waiter.pauses(spin)
+        pause = self._waiter.pauses(spin, functools.partial(self.transport.block, peers, micro_batch))
         generation = self._generation
         while True:
             with self._cond:

@@ -75,11 +75,12 @@ class Waiter:
         self.typical = 0.0  # seconds, a moving average of this party's recent waits
         self.last = time.monotonic()  # when a wait last ended with something
 
-    def pauses(self, spin: bool = True) -> Callable[[], None]:
+    def pauses(self, spin: bool = True, block: Callable[[float], None] = time.sleep) -> Callable[[], None]:
         """A pause to call between two polls of one wait. ``spin=False`` sleeps from the first
         pause: a thread that polls takes Python's GIL back from a sched_yield before a thread
         waiting for it wakes, so where other threads of the process compute meanwhile (the other
-        micro-batches), polling would starve them."""
+        micro-batches), polling would starve them. ``block(seconds)`` sleeps; one that wakes
+        when the awaited word changes (:meth:`Transport.block`) ends the sleep at the message."""
         p = self.pacing
         start = time.monotonic()
         idle = start - self.last >= p.idle_after
@@ -92,7 +93,7 @@ class Waiter:
             if now - start < spin_for:
                 os.sched_yield()
                 return
-            time.sleep(sleep)
+            block(sleep)
             sleep = min(2 * sleep, p.max_sleep if now - self.last < p.idle_after else p.idle_sleep)
 
         return pause
@@ -148,6 +149,11 @@ class Transport(ABC):
         """A polled transport's data messages from ``peers`` for ``micro_batch`` that have arrived
         (without waiting); the rest arrive through ``deliver``."""
         raise NotImplementedError(f"{type(self).__name__} delivers every message through its receiver threads")
+
+    def block(self, peers: list[int], micro_batch: int, seconds: float) -> None:
+        """A polled transport: sleep up to ``seconds`` between two :meth:`receive` calls, less
+        where it can wake when a message for ``micro_batch`` from ``peers`` is posted."""
+        time.sleep(seconds)
 
     def collect(self, wait: float) -> list[Incoming | Failure]:
         """Everything that has arrived for a rank without ``deliver`` (the FFN server), waiting up

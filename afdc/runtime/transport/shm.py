@@ -29,6 +29,7 @@ import torch
 
 from afdc.runtime import wire
 from afdc.runtime.rendezvous import Rendezvous
+from afdc.runtime.transport import futex
 from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport, Waiter
 
 log = logging.getLogger("afdc.shm")
@@ -93,6 +94,10 @@ class Mailbox:
         self.slots, self.slot_bytes = _WORD.unpack_from(self._mm, 0)[0], _WORD.unpack_from(self._mm, 8)[0]
         self._body = (2 + self.slots) * _LINE
         self._view = memoryview(self._mm)
+        # what readers sleep on: the doorbell (a server, for any slot) and each slot's seq (a
+        # micro-batch thread, for its own: a sibling's reply must not wake it to contend for the GIL)
+        words = [futex.Word(self._mm, line * _LINE) for line in range(1, 2 + self.slots)] if futex.AVAILABLE else []
+        self._doorbell, self._seqs = (words[0], words[1:]) if words else (None, [])
 
     @property
     def posted(self) -> int:
@@ -126,6 +131,27 @@ class Mailbox:
         self._view[start + _PAYLOAD : start + _PAYLOAD + payload.nbytes] = payload
         _WORD.pack_into(self._mm, (2 + k) * _LINE, seq + 1)
         _WORD.pack_into(self._mm, _LINE, self.posted + 1)
+        if self._doorbell is not None:
+            self._seqs[k].wake()
+            self._doorbell.wake()
+
+    def wait_posted(self, seen: int, seconds: float) -> None:
+        """Receiver: sleep up to ``seconds``, less once the doorbell is past ``seen`` (at once if
+        it already is)."""
+        if self._doorbell is None:
+            time.sleep(seconds)
+        elif self.posted == seen:
+            self._doorbell.wait(seen, seconds)
+
+    def wait_ready(self, k: int, seconds: float) -> None:
+        """Receiver: sleep up to ``seconds``, less once slot ``k`` holds a message (at once if it does)."""
+        seq = self._seq(k)
+        if seq != self._ack(k):
+            return
+        if self._doorbell is None:
+            time.sleep(seconds)
+        else:
+            self._seqs[k].wait(seq, seconds)
 
     def take(self, k: int) -> tuple[wire.Header, torch.Tensor]:
         """Receiver: the message in slot ``k``, its payload copied out (into torch's own aligned
@@ -300,10 +326,26 @@ class ShmTransport(Transport):
                 link.reading.release()
         return arrived
 
+    def block(self, peers: list[int], micro_batch: int, seconds: float) -> None:
+        link = self._links.get(peers[0]) if peers else None
+        if link is None:
+            time.sleep(seconds)
+            return
+        link.inbound.wait_ready(_slot(link.inbound, micro_batch), seconds)
+
+    def _block_any(self, seconds: float) -> None:
+        """The server's sleep between two scans: on the doorbell of its one link (several links
+        have several doorbells, and a futex sleeps on one word: then a plain sleep)."""
+        links = list(self._links.values())
+        if len(links) == 1:
+            links[0].inbound.wait_posted(links[0].seen, seconds)
+        else:
+            time.sleep(seconds)
+
     def collect(self, wait: float) -> list[Incoming | Failure]:
         start = time.monotonic()
         deadline = start + wait
-        pause = self._waiter.pauses()
+        pause = self._waiter.pauses(block=self._block_any)
         while True:
             items: list[Incoming | Failure] = self._drain()
             for link in list(self._links.values()):
