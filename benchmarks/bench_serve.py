@@ -9,14 +9,17 @@ each, ``--concurrency`` in flight, give output tokens/s and the p50/p99 time per
 printed as ratios to the monolithic one.
 
 Both roles share this machine's cores, so this measures afdc's serving overhead, not the
-per-GPU gain a separate FFN pool gives.
+per-GPU gain a separate FFN pool gives. Every process (vLLM's API server and engine core, the FFN
+server) runs one torch thread by default (``--threads``): three processes whose thread pools
+each span both cores stalled each other (the monolithic row fell from about 1900 to 800 tok/s).
 
-Run:  python benchmarks/bench_serve.py [--requests 64] [--concurrency 16] [--tokens 32]
+Run:  python benchmarks/bench_serve.py [--requests 64] [--concurrency 16] [--tokens 32] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -79,7 +82,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of every process (via OMP_NUM_THREADS)")
     args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the spawned processes' torch
+    torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
     save_demo(root / "model")
     artifact = root / "afdc-demo"
@@ -88,7 +94,8 @@ def main() -> None:
     rows = {name: measure(artifact, connector, m, args) for name, connector, m in CONFIGS}
     base = rows["monolithic"]
     print(f"demo model, {args.requests} requests x {args.tokens} tokens, {args.concurrency} in flight, "
-          f"prompt {args.prompt} tokens, CPU ({torch.get_num_threads()} threads)")
+          f"prompt {args.prompt} tokens, CPU ({args.threads} torch thread(s) per process, load average "
+          f"{os.getloadavg()[0]:.2f})")
     print(f"{'':14} {'tok/s':>8} {'p50 TPOT ms':>12} {'p99 TPOT ms':>12}   ratios to monolithic (tok/s, p50, p99)")
     for name, r in rows.items():
         ratios = "" if r is base else (
