@@ -119,10 +119,31 @@ def test_eager_backend_runs_straight_line_code_written_from_the_graph(moe):
     assert torch.equal(written[0], captured[0])
     code = dm.attention._lowered._run.code
     assert "attention_body(" in code and "send_body(" in code and "recv_body(" in code
-    assert "getattr" not in code  # weights bound
+    assert "getattr" not in code  # no walks through the modules
     graph = dm.attention.module.graph
     assert code.count("aten_to_dtype(") < len(graph.find_nodes(op="call_function", target=torch.ops.aten.to.dtype))
     assert graph.find_nodes(op="call_function", target=torch.ops.afdc.attention.default)
+
+
+def test_straight_line_reads_the_tensors_the_module_holds_now():
+    """A parameter or buffer replaced after the code was written (``module.to()``, an assigning
+    ``load_state_dict``) is what the code reads, as the module itself would."""
+    owner = torch.nn.Module()
+    owner.register_parameter("w", torch.nn.Parameter(torch.ones(2)))
+    owner.register_buffer("b", torch.zeros(2))
+    root = torch.nn.Module()
+    root.add_module("sub", owner)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    w, b = graph.get_attr("sub.w"), graph.get_attr("sub.b")
+    scaled = graph.call_function(torch.ops.aten.mul.Tensor, (x, w))
+    graph.output((graph.call_function(torch.ops.aten.add.Tensor, (scaled, b)),))
+    module = fx.GraphModule(root, graph)
+    line = straight_line(module)
+    assert torch.equal(line(torch.full((2,), 3.0))[0], torch.full((2,), 3.0))
+    module.load_state_dict({"sub.w": torch.full((2,), 2.0), "sub.b": torch.ones(2)}, assign=True)
+    assert torch.equal(line(torch.full((2,), 3.0))[0], torch.full((2,), 7.0))
+    assert torch.equal(line(torch.full((2,), 3.0))[0], module(torch.full((2,), 3.0))[0])
 
 
 def test_straight_line_leaves_out_a_cast_only_for_the_dtype_seen_at_capture():

@@ -2,10 +2,11 @@
 
 An FX ``GraphModule`` run as captured pays, around every node, for Python that a model's own
 forward does not: each weight is a walk through nested modules
-(``getattr(self.model.layers, "0").self_attn.q_proj.weight``), each aten call goes through
-``OpOverload.__call__``, and each afdc op goes through the dispatcher's custom-op machinery and
-back into Python. On a decode step of a small model that was a third of the step. Here the graph is
-written out once as source in which the weights are globals, aten overloads are called through
+(``getattr(self.model.layers, "0").self_attn.q_proj.weight``, a ``Module.__getattr__`` per
+level), each aten call goes through ``OpOverload.__call__``, and each afdc op goes through the
+dispatcher's custom-op machinery and back into Python. On a decode step of a small model that
+was a third of the step. Here the graph is written out once as source in which each weight is
+one dict lookup in its owner module's parameters or buffers, aten overloads are called through
 the C++ entry point that ``OpOverload.__call__`` forwards to, afdc's ops call their bodies
 (:data:`afdc.ops.BODIES`), and casts to the dtype a value already has are left out (``to``
 returns its input then). Each value is released after its last use, as FX's own code does.
@@ -141,6 +142,17 @@ class _Writer:
             return repr(a)
         return self.bind(a, str(a))
 
+    def attribute(self, target: str) -> str:
+        """How the code reads the module's attribute ``target``: a parameter or buffer through its
+        owner's dict (one lookup; ``module.to()`` or an assigning ``load_state_dict`` replaces the
+        entry, and the code then reads the new tensor, as the module would), anything else bound."""
+        *path, leaf = target.split(".")
+        owner = functools.reduce(getattr, path, self.module)
+        for table in (owner._parameters, owner._buffers):
+            if leaf in table:
+                return f"{self.bind(table, target.rpartition('.')[0] or 'module')}[{leaf!r}]"
+        return self.bind(getattr(owner, leaf), target)
+
     def call(self, node: fx.Node) -> str:
         target, args = node.target, node.args
         if target is operator.getitem and isinstance(args[0], fx.Node) and type(args[1]) is int:
@@ -171,8 +183,7 @@ class _Writer:
                 self.names[node] = node.name
                 params.append(node.name)
             elif node.op == "get_attr":
-                value = functools.reduce(getattr, node.target.split("."), self.module)
-                self.names[node] = self.bind(value, node.target)
+                self.names[node] = self.attribute(node.target)
             elif node.op == "call_function":
                 self.names[node] = node.name
                 lines.append(f"{node.name} = {self.call(node)}" if node.users else self.call(node))
