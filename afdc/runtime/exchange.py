@@ -149,7 +149,8 @@ class AttentionEndpoint:
             try:
                 self.transport.send(peer, header, counts)
             except (RuntimeError, OSError) as err:
-                self._fail(peer, None, f"could not send the step plan: {err}")
+                # the step is lost before its first FFN layer: reported there, as a send would be
+                self._fail(peer, 0, f"could not send the step plan: {err}")
 
     def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor], ffn_rank: int):
         """Send one message to FFN rank ``ffn_rank`` (a micro-batch's layer may go to several)."""
