@@ -92,8 +92,7 @@ def _fold_into_mask(mask, indices, position_bias, softcap):
         if softcap:
             raise UnsupportedModelError("attention passes both a softcap and a `position_bias`; their order is unknown")
         if mask.dtype == torch.bool:
-            # a row with no key to attend to attends everything (see ops.reference_attention)
-            mask = mask | ~mask.any(dim=-1, keepdim=True)
+            mask = ops.open_empty_rows(mask)  # a row with no key to attend to attends everything
             mask = position_bias.masked_fill(~mask, torch.finfo(position_bias.dtype).min)
         else:
             mask = mask + position_bias
