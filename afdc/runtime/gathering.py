@@ -4,8 +4,11 @@ At the start of each step an attention rank tells every FFN rank what the step h
 message: each micro-batch's token count). For FFN layer L and micro-batch k the server then knows
 which attention ranks will send it a message, and runs the layer once over all of them (the bigger
 FFN batch AFD is for) instead of over whichever arrived first. A rank late by more than the
-``window`` is not waited for. A layer whose tokens go only to their experts' ranks (router on the
-attention side) is not waited on: whether a rank gets any of them is known only once they are sent.
+``window`` is not waited for. A rank between two steps (its step's layers all served here) is
+waited for while it was heard from within the window, since its next plan may still be on the way
+(it sampled later than the others); one idle for longer is not. A layer whose tokens go only to
+their experts' ranks (router on the attention side) is not waited on: whether a rank gets any of
+them is known only once they are sent.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class StepPlan:
 
     step: int
     tokens: tuple[int, ...]  # per micro-batch
+    heard: float  # when its plan or its last message arrived
     served: dict[int, int] = field(default_factory=dict)  # micro-batch -> last FFN layer served
 
 
@@ -39,16 +43,21 @@ class Gathering:
         self.window = window
         self.plans: dict[int, StepPlan] = {}  # by sender slot
         self.waiting: list[_Waiting] = []
+        self._last: dict[int, int] = {}  # micro-batch tokens -> the last layer this rank gets them at
 
     def plan(self, sender: int, step: int, tokens: tuple[int, ...]) -> None:
-        self.plans[sender] = StepPlan(step, tokens)
+        self.plans[sender] = StepPlan(step, tokens, time.monotonic())
 
     def forget(self, sender: int) -> None:
         """``sender`` left or broke: nothing more is expected from it (what it sent still runs)."""
         self.plans.pop(sender, None)
 
     def add(self, message: Incoming) -> None:
-        self.waiting.append(_Waiting(message, time.monotonic()))
+        now = time.monotonic()
+        self.waiting.append(_Waiting(message, now))
+        plan = self.plans.get(message.header.sender)
+        if plan is not None:
+            plan.heard = now
 
     def deadline(self) -> float | None:
         """When the oldest waiting message runs regardless (None: nothing waits)."""
@@ -77,17 +86,34 @@ class Gathering:
         return out
 
     def _expected(self, layer: int, micro_batch: int) -> set[int]:
-        dispatch = self.program.dispatch(layer)
-        if dispatch.experts is not None:
-            return set()
         expected = set()
+        now = time.monotonic()
         for sender, plan in self.plans.items():
-            if micro_batch >= len(plan.tokens) or plan.served.get(micro_batch, -1) >= layer:
+            if micro_batch >= len(plan.tokens) or not self._gets(layer, plan.tokens[micro_batch]):
                 continue
-            shares = dispatch.shares([], plan.tokens[micro_batch], self.ffn_ranks)
-            if any(s.rank == self.program.rank and s.count for s in shares):
+            # a rank that had this layer in its step sends it again only in its next step: waited
+            # for when it is between steps and was just heard (not mid-step: it may be waiting on us)
+            if plan.served.get(micro_batch, -1) < layer or (
+                now - plan.heard < self.window and self._between_steps(plan)
+            ):
                 expected.add(sender)
         return expected
+
+    def _gets(self, layer: int, tokens: int) -> bool:
+        """Whether this rank is known to get some of a micro-batch of ``tokens`` tokens at FFN ``layer``."""
+        dispatch = self.program.dispatch(layer)
+        if dispatch.experts is not None:
+            return False
+        return any(s.rank == self.program.rank and s.count for s in dispatch.shares([], tokens, self.ffn_ranks))
+
+    def _between_steps(self, plan: StepPlan) -> bool:
+        for k, tokens in enumerate(plan.tokens):
+            if tokens not in self._last:
+                mine = [i for i in range(len(self.program.layers)) if self._gets(i, tokens)]
+                self._last[tokens] = mine[-1] if mine else -1
+            if plan.served.get(k, -1) < self._last[tokens]:
+                return False
+        return True
 
 
 def _key(w: _Waiting) -> tuple[int, int]:

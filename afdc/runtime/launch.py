@@ -32,7 +32,7 @@ from typing import NoReturn
 from afdc.errors import AfdcError
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
-from afdc.runtime.rendezvous import Layout, Rendezvous, free_port
+from afdc.runtime.rendezvous import Layout, Rendezvous, free_port, read_key
 from afdc.runtime.server import serve_program
 
 log = logging.getLogger("afdc.launch")
@@ -217,9 +217,9 @@ class LocalCluster:
         """The FFN servers' last published metrics, by FFN rank."""
         out = {}
         for rank in range(self.layout.ffn_ranks):
-            key = f"metrics/ffn/{rank}"
-            if self.rendezvous.store.check([key]):
-                out[rank] = json.loads(self.rendezvous.store.get(key))
+            raw = read_key(self.rendezvous.store, f"metrics/ffn/{rank}")
+            if raw is not None:
+                out[rank] = json.loads(raw)
         return out
 
     def stop(self, timeout: float | None = None) -> None:

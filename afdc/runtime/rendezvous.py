@@ -129,6 +129,17 @@ def _alive(pid: int) -> bool:
         return True
 
 
+_ABSENT = "\x00afdc:absent"  # no record's value: records are JSON or text
+
+
+def read_key(store: dist.Store, key: str) -> bytes | None:
+    """``key``'s value, or None at once when it is not there. One compare-and-set that changes
+    nothing: a check then a get would block until the store's timeout when the key is deleted
+    between them (an exit record cleared, a refused hello dropped)."""
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT.encode() else value
+
+
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -270,10 +281,11 @@ class Rendezvous:
         """Raise :class:`JoinError` when the store's host stamped it with another deployment or
         token; once they matched, a member never checks again (nothing a stranger writes then
         can make it leave)."""
-        if self._host_checked or not self.store.check(["host"]):
+        raw = None if self._host_checked else read_key(self.store, "host")
+        if raw is None:
             return
         try:
-            stamp = json.loads(self.store.get("host"))
+            stamp = json.loads(raw)
             deployment, proof = str(stamp["deployment"]), str(stamp["proof"])
         except (TypeError, ValueError, KeyError) as err:
             log.warning("ignored a malformed host stamp in the rendezvous store: %s", err)
@@ -294,11 +306,11 @@ class Rendezvous:
     def _check_held(self, slot: int) -> None:
         """Raise :class:`JoinError` when another live process of this host was the slot's member
         last (two FFN servers started for one rank). Another host's process cannot be checked."""
-        key = f"held/{slot}"
-        if not self.store.check([key]):
+        raw = read_key(self.store, f"held/{slot}")
+        if raw is None:
             return
         try:
-            held = json.loads(self.store.get(key))
+            held = json.loads(raw)
             generation, pid, host, proof = int(held["generation"]), int(held["pid"]), held["host"], held["proof"]
         except (TypeError, ValueError, KeyError):
             return
@@ -324,11 +336,11 @@ class Rendezvous:
     def _check_exit(self, slot: int, pid: int | None = None) -> None:
         """Raise :class:`JoinError` when the slot's launcher recorded that its process (``pid``,
         when given: the one whose hello is here) exited. A record without the token's proof is ignored."""
-        key = f"exited/{slot}"
-        if not self.store.check([key]):
+        raw = read_key(self.store, f"exited/{slot}")
+        if raw is None:
             return
         try:
-            record = json.loads(self.store.get(key))
+            record = json.loads(raw)
             exited, reason, proof = int(record["pid"]), str(record["reason"]), str(record["proof"])
         except (TypeError, ValueError, KeyError):
             return
@@ -339,10 +351,11 @@ class Rendezvous:
 
     def _hello(self, gen: int, slot: int) -> Member | None:
         key = f"g{gen}/hello/{slot}"
-        if not self.store.check([key]):
+        raw = read_key(self.store, key)
+        if raw is None:
             return None
         try:
-            member = Member(**json.loads(self.store.get(key)))
+            member = Member(**json.loads(raw))
         except (TypeError, ValueError) as err:
             log.warning("refused a malformed hello for slot %d: %s", slot, err)
             self.store.delete_key(key)
@@ -366,8 +379,8 @@ class Rendezvous:
 
     def health(self, role: str, rank: int) -> str:
         """The problem ``role`` rank ``rank`` last reported; "" when healthy or never reported."""
-        key = f"health/{role}/{rank}"
-        return self.store.get(key).decode() if self.store.check([key]) else ""
+        raw = read_key(self.store, f"health/{role}/{rank}")
+        return "" if raw is None else raw.decode()
 
     def prefixed(self, generation: int, name: str) -> dist.Store:
         return dist.PrefixStore(f"g{generation}/{name}/", self.store)
