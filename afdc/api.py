@@ -18,6 +18,7 @@ from afdc import capture as capture_mod
 from afdc import segment
 from afdc.capture import CapturedGraph
 from afdc.errors import PlanError, UnsupportedModelError
+from afdc.mixer import MixerSite
 from afdc.ops import AttentionCall
 from afdc.partition.attention_tp import shard_attention
 from afdc.partition.cut import Cut, RouterPlacement, select_cuts
@@ -38,8 +39,9 @@ from afdc.passes.expert_routing import expert_routing, owner_mask
 from afdc.passes.fusion import copy_graph
 from afdc.passes.portable import portable
 from afdc.plan import Plan
-from afdc.report import LayerReport, Report, layer_report
+from afdc.report import LayerReport, Report, kv_bytes_per_token, layer_report
 from afdc.runtime.exchange import deployment_id
+from afdc.runtime.mixers import Mixers
 from afdc.runtime.model import DefaultPositions, DisaggregatedModel
 from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.tensor_parallel import TensorParallelAttention
@@ -60,6 +62,7 @@ class Built:
     report: Report
     attention_splits: dict[str, Split]  # --attn-tp: how the TP ranks hold attention weights (absent: whole)
     max_positions: int | None  # the longest key length the captured graph is valid for (None: any)
+    mixers: list[MixerSite]  # the attention graph's stateful-mixer call sites, with their state
 
     def attention_names(self) -> list[str]:
         return sorted({n.target for n in self.attention_graph.nodes if n.op == "get_attr"})
@@ -70,10 +73,13 @@ class Built:
         return {n: _local(self.attrs[n], self.attention_splits.get(n, Split()), tp_rank, tp)
                 for n in self.attention_names()}
 
-    def attention_program(self) -> AttentionProgram | TensorParallelAttention:
-        """One attention rank bound to the model's weights: under ``--attn-tp N``, N shards."""
+    def attention_program(self, mixers: Mixers | None = None) -> AttentionProgram | TensorParallelAttention:
+        """One attention rank bound to the model's weights: under ``--attn-tp N``, N shards.
+        ``mixers`` runs the stateful mixers (needed when :attr:`mixers` lists any)."""
         shards = [
-            AttentionProgram.from_graph(copy_graph(self.attention_graph), self.attention_weights(t), self.out_spec)
+            AttentionProgram.from_graph(
+                copy_graph(self.attention_graph), self.attention_weights(t), self.out_spec, mixers
+            )
             for t in range(self.plan.attention_tp)
         ]
         return shards[0] if len(shards) == 1 else TensorParallelAttention(shards)
@@ -232,6 +238,7 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         _check_heads(model.config.get_text_config(), plan.attention_tp)
     placement = RouterPlacement(plan.router)
     captured = capture_mod.capture(model)
+    mixers = mixer_table(model, captured.mixers).probe() if captured.mixers else []
     classification = _classify(captured)
     cuts = select_cuts(captured.graph, classification, set(captured.parameter_names), placement)
     if split_writes(captured.graph, (n for c in cuts for n in c.ffn_nodes)):
@@ -282,6 +289,8 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         attention_tp=plan.attention_tp,
         attention_tp_split=sum(captured.attrs[n].numel() for n in attention_splits),
         max_positions=captured.max_positions,
+        kv_bytes_per_token=kv_bytes_per_token(graph),
+        mixers=mixers,
     )
     return Built(
         plan=plan,
@@ -294,7 +303,13 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
         report=report,
         attention_splits=attention_splits,
         max_positions=captured.max_positions,
+        mixers=mixers,
     )
+
+
+def mixer_table(model: PreTrainedModel, sites: list[MixerSite]) -> Mixers | None:
+    """What runs ``sites`` in-process: ``model``'s own modules (None: no sites)."""
+    return Mixers(sites, {s.slot: model.get_submodule(s.module) for s in sites}, model.config) if sites else None
 
 
 def ffn_program(built: Built, weights: dict[str, torch.Tensor], rank: int) -> FFNProgram:
@@ -327,7 +342,7 @@ def disaggregate(
         options["router"] = router
     connector = options.pop("connector", "gloo")
     built = build(model, Plan.parse(plan, **options))
-    attention = built.attention_program()
+    attention = built.attention_program(mixer_table(model, built.mixers))
     splits = built.ffn_splits()
     ffn = [
         ffn_program(

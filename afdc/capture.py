@@ -6,6 +6,11 @@ softmax-attention call becomes exactly one graph node, whatever backend the mode
 The forward is then captured with non-strict ``torch.export`` with symbolic batch, token and
 key lengths, on real or meta tensors.
 
+A stateful token mixer (a convolution window, an SSM or linear-attention state kept from step to
+step) is found by what its forward does with the cache: the stand-in cache below answers nothing
+of per-layer state, and the module whose forward asks for it is made one ``afdc::mixer`` op per
+call (:mod:`afdc.mixer`), whose Python loops then stay out of the graph.
+
 The graph's inputs are ``input_ids [b, s]``, ``attention_mask [b, kv]`` and ``position_ids [b, s]``,
 where the queries are the last ``s`` of the ``kv`` positions: the same graph runs prefill
 (``kv == s``) and incremental decode against the KV cache held by the attention op. What the
@@ -16,11 +21,12 @@ forward reads of its cache (how many tokens it holds: every cache position in tr
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch
@@ -32,6 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from afdc import ops
 from afdc.errors import UnsupportedModelError
+from afdc.mixer import MixerSite
 
 IMPLEMENTATION = "afdc"
 INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
@@ -42,6 +49,7 @@ _UNSUPPORTED_ATTENTION_KWARGS = ("sinks",)
 
 
 _slots: list[Iterator[int]] = []
+_mixer_sites: list[list[MixerSite]] = []  # per export attempt, in call order
 # mask tensor id -> (mask, the sliding-window or chunk size it was built with), within one capture;
 # holding the mask keeps its id from being reused
 _windows: dict[int, tuple[torch.Tensor, int]] = {}
@@ -159,6 +167,92 @@ class _CacheLength(Cache):
     def is_compileable(self) -> bool:
         return False
 
+    # per-layer state that only a stateful mixer reads or writes: the caller is one
+    def get_conv_state(self, *args, **kwargs):
+        raise _StatefulMixer(self)
+
+    get_recurrent_state = update_conv_state = update_recurrent_state = is_recording_past = get_conv_state
+
+    def __getattr__(self, name):  # a model's own cache API beyond transformers' (MiniMax's linear cache)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise _StatefulMixer(self)
+
+
+class _StatefulMixer(Exception):
+    """Raised by the stand-in cache when a module asks it for per-layer state: ``module`` is the
+    innermost module whose code asked."""
+
+    def __init__(self, cache: _CacheLength):
+        frame = inspect.currentframe()
+        module = None
+        while frame is not None and module is None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module):
+                module = owner
+            frame = frame.f_back
+        del frame
+        super().__init__(f"{type(module).__name__} reads per-layer state of the cache")
+        self.module = module
+
+
+def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs) -> torch.Tensor:
+    """What a stateful mixer's ``forward`` is during capture: one ``afdc::mixer`` op.
+
+    The op takes the hidden states (the first argument), the 2-D padding mask (the one other tensor
+    argument, if any) and the module's weights; the cache argument is left to the runtime, other
+    arguments are recorded as they were traced."""
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    arguments = dict(bound.arguments)
+    for name, p in inspect.signature(original).parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    (hidden_name, hidden), *rest = arguments.items()
+    cache = [name for name, value in rest if isinstance(value, _CacheLength)]
+    if not cache:
+        raise UnsupportedModelError(f"the stateful mixer {path} was called without the model's cache", path)
+    tensors = [(name, v) for name, v in rest if isinstance(v, torch.Tensor)]
+    if len(tensors) > 1 or any(v.dim() != 2 for _, v in tensors) or not isinstance(hidden, torch.Tensor):
+        raise UnsupportedModelError(
+            f"the stateful mixer {path} takes tensors afdc does not know how to pass: "
+            f"{[hidden_name] + [name for name, _ in tensors]} (afdc passes the hidden states and a 2-D padding mask)",
+            path,
+        )
+    constants = []
+    for name, value in rest:
+        if name in cache or isinstance(value, torch.Tensor) or value is None:
+            continue
+        if not isinstance(value, (bool, int, float, str)):
+            raise UnsupportedModelError(
+                f"the stateful mixer {path} takes {name}={type(value).__name__}, which afdc cannot record", path
+            )
+        constants.append((name, value))
+    weights = [*module.named_parameters(), *module.named_buffers()]
+    site = MixerSite(
+        slot=len(_mixer_sites[-1]),
+        module=path,
+        weights=tuple(name for name, _ in weights),
+        cache_argument=cache[0],
+        mask_argument=tensors[0][0] if tensors else None,
+        constants=tuple(constants),
+    )
+    _mixer_sites[-1].append(site)
+    mask = tensors[0][1] if tensors else None
+    return ops.mixer(hidden, mask, [t for _, t in weights], site.slot)
+
+
+@contextlib.contextmanager
+def _as_mixer_ops(model: PreTrainedModel, classes: set[type]) -> Iterator[None]:
+    """Every module of ``classes`` in ``model`` called as one ``afdc::mixer`` op."""
+    wrapped = [(path, m) for path, m in model.named_modules() if type(m) in classes]
+    for path, m in wrapped:
+        m.forward = functools.partial(_mixer_forward, m, path, m.forward)
+    try:
+        yield
+    finally:
+        for _, m in wrapped:
+            del m.forward
+
 
 class _WithCacheLength(torch.nn.Module):
     """``model`` called with a :class:`_CacheLength` of ``kv - s`` tokens as its argument
@@ -202,6 +296,7 @@ class CapturedGraph:
     # why the graph holds for the example's lengths only ("": it holds for any). Every capture
     # that is not shape-polymorphic says why: a static export records the dynamic ones' errors.
     specialized: str = ""
+    mixers: list[MixerSite] = field(default_factory=list)  # the graph's afdc::mixer call sites, by slot
 
 
 @contextlib.contextmanager
@@ -280,12 +375,12 @@ def _host_index(index):
 
 
 def _export(
-    model: PreTrainedModel, mode: str, functional: bool, cache: str | None
+    model: PreTrainedModel, mode: str, functional: bool, cache: str | None, sites: list[MixerSite]
 ) -> torch.export.ExportedProgram:
     """``mode``: "incremental" (kv and s independent, every guard proven), "relaxed" (see
     :func:`_relaxed_limit`; traced with kv == s, which export may then tie) or "static".
     ``cache``: the forward's argument that gets a :class:`_CacheLength` (its tensors' names then
-    start with :data:`_WRAPPED`); None: no cache."""
+    start with :data:`_WRAPPED`); None: no cache. ``sites`` gets the mixer call sites traced."""
     batch = torch.export.Dim("batch")  # strict in every mode: one batch size, never specialized
     if mode == "relaxed":
         seq = kv = torch.export.Dim.DYNAMIC
@@ -294,6 +389,7 @@ def _export(
     dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: kv}, "position_ids": {0: batch, 1: seq}}
     inputs = _example_inputs(model, 3 if mode == "incremental" else 0)
     _slots.append(itertools.count())
+    _mixer_sites.append([])
     # a failed attempt is expected (the next mode tries again) and its error is reported by
     # capture(); fake tensors would also log it with a traceback
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -310,6 +406,7 @@ def _export(
         return ep.run_decompositions({}) if functional else ep
     finally:
         fake_log.level = level
+        sites.extend(_mixer_sites.pop())
         _slots.pop()
         _windows.clear()
 
@@ -326,22 +423,46 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     only when a cut would separate an in-place write from its readers, see ``passes.aliasing``).
     """
     model.eval()
-    errors = []
-    # with the stand-in cache first; a forward that wants more of a cache (a hybrid's states) is
-    # captured without it, as before (its cache positions then start at 0 in every call)
     argument = _cache_argument(model)
-    caches = (argument, None) if argument else (None,)
-    attempts = [(mode, cache) for mode in ("incremental", "relaxed", "static") for cache in caches]
+    mixers: set[type] = set()
     with _afdc_attention(model), torch.no_grad():
-        for mode, cache in attempts:
+        while True:  # each module type found asking the cache for state is made a mixer op, then again
             try:
-                ep = _export(model, mode, functional, cache)
-            except UnsupportedModelError:
-                raise
-            except Exception as err:
-                errors.append(f"{mode}: {(str(err).splitlines() or [type(err).__name__])[0]}")
-                continue
-            return _captured(ep, mode, model, "; ".join(errors), _WRAPPED if cache else "")
+                with _as_mixer_ops(model, mixers):
+                    return _capture(model, functional, argument, with_mixers=bool(mixers))
+            except _StatefulMixer as found:
+                if found.module is None or type(found.module) in mixers or _contains_layers(found.module, model):
+                    raise UnsupportedModelError(
+                        f"the forward reads per-layer cache state outside a token mixer ({found})"
+                    ) from None
+                mixers.add(type(found.module))
+
+
+def _contains_layers(module: torch.nn.Module, model: PreTrainedModel) -> bool:
+    """Whether ``module`` is the model or its backbone (not one layer's mixer)."""
+    return module is model or module is model.base_model
+
+
+def _capture(model: PreTrainedModel, functional: bool, argument: str | None, with_mixers: bool) -> CapturedGraph:
+    errors = []
+    # with the stand-in cache first; a forward that wants more of a cache than mixers found so far
+    # is captured without it (its cache positions then start at 0 in every call)
+    caches = (argument,) if with_mixers else (argument, None) if argument else (None,)
+    attempts = [(mode, cache) for mode in ("incremental", "relaxed", "static") for cache in caches]
+    for mode, cache in attempts:
+        sites: list[MixerSite] = []
+        try:
+            ep = _export(model, mode, functional, cache, sites)
+        except (UnsupportedModelError, _StatefulMixer):
+            raise
+        except Exception as err:
+            if isinstance(err.__cause__, _StatefulMixer):  # export re-raised what the stand-in raised
+                raise err.__cause__ from None
+            errors.append(f"{mode}: {(str(err).splitlines() or [type(err).__name__])[0]}")
+            continue
+        captured = _captured(ep, mode, model, "; ".join(errors), _WRAPPED if cache else "")
+        captured.mixers = sites
+        return captured
     raise UnsupportedModelError("torch.export could not capture the forward: " + "; ".join(errors))
 
 

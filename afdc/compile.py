@@ -237,6 +237,7 @@ def compile_model(
             files=[_file_entry(tmp, rel, digests) for rel in written],
             model_files=model_files,
             attention_splits=built.attention_splits,
+            mixers=built.mixers,
             max_positions=built.max_positions,
         )
         (tmp / mf.MANIFEST).write_text(manifest.to_json())

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.fx as fx
 
+from afdc.mixer import MixerSite
+from afdc.ops import AttentionCall
 from afdc.partition.cut import Cut
 from afdc.passes import graph_facts as gf
 
@@ -56,6 +58,13 @@ class Report:
     attention_tp: int = 1
     attention_tp_split: int = 0  # attention-side parameters split over the TP ranks (the rest is whole)
     max_positions: int | None = None  # the longest key length the captured graph is valid for
+    kv_bytes_per_token: int = 0  # keys and values the attention calls cache, per token of a sequence
+    mixers: list[MixerSite] = field(default_factory=list)  # stateful mixers, with their state per sequence
+
+    @property
+    def mixer_state_bytes(self) -> int:
+        """Bytes of stateful-mixer state per sequence (any length)."""
+        return sum(m.state_bytes for m in self.mixers)
 
     @property
     def incremental_decode(self) -> bool:
@@ -71,6 +80,7 @@ class Report:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["mixer_state_bytes_per_sequence"] = self.mixer_state_bytes
         d["bytes_per_token_to_ffn"] = self.bytes_to_ffn
         d["bytes_per_token_to_attn"] = self.bytes_to_attn
         return d
@@ -91,6 +101,16 @@ class Report:
                 f"; TP over {self.attention_tp}: {self.attention_tp_split:,} parameters split, the rest whole"
                 if self.attention_tp > 1 else ""
             ),
+            f"cached per sequence: {self.kv_bytes_per_token:,} bytes of keys and values per token"
+            + (
+                f", {self.mixer_state_bytes:,} bytes of state in {len(self.mixers)} stateful mixers (any length)"
+                if self.mixers else ""
+            ),
+            *(
+                f"  mixer {m.module} (cache layer {m.layer}): "
+                + ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in m.state)
+                for m in self.mixers
+            ),
             f"FFN side:       {self.ffn_parameters:,} parameters in {len(self.layers)} layers, "
             f"{self.segment_graphs} distinct segment graph(s)",
             "",
@@ -108,6 +128,17 @@ class Report:
             f"total bytes per token: {self.bytes_to_ffn:,.0f} to FFN, {self.bytes_to_attn:,.0f} to attention"
         )
         return "\n".join(lines)
+
+
+def kv_bytes_per_token(graph: fx.Graph) -> int:
+    """Bytes of keys and values the graph's attention calls cache per token of a sequence."""
+    total = 0
+    for call in AttentionCall.all_in(graph):
+        for x in (call.k, call.v):
+            val = x.meta.get("val")
+            if val is not None and val.dim() == 4:  # [b, heads, s, d]
+                total += int(val.shape[1]) * int(val.shape[3]) * val.dtype.itemsize
+    return total
 
 
 def _crossing(node: fx.Node, tokens) -> Crossing:

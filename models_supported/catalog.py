@@ -35,7 +35,7 @@ FAMILIES: dict[str, str] = {
     "parallel": "attention and MLP read the same input and both are added to the stream",
     "conv1d": "GPT-2 style Conv1D projections (flattened [b*s, h] matmuls)",
     "moe": "mixture-of-experts FFN (router, top-k experts, optional shared experts / dense first layers)",
-    "hybrid": "attention interleaved with other token mixers (short convolutions)",
+    "hybrid": "attention interleaved with stateful token mixers (short convolutions, Mamba, Gated DeltaNet, KDA)",
     "hyper": "hyper-connections: several residual streams, mixed into each branch's input and out of its output",
 }
 
@@ -76,6 +76,12 @@ _MLA = {
 }
 _SWA = ["sliding_attention", "full_attention"]
 _DSA = {"index_topk": 4, "index_head_dim": 8, "index_n_heads": 2}  # an indexer that leaves keys out at 10 tokens
+
+
+# Gated DeltaNet and Mamba-2 mixers, tiny
+_GDN = {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8}
+_MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_chunk_size": 4}
 
 
 def _e(name, model_type, family, overrides=None, notes="", moe=0, dense=None, **kw) -> ModelEntry:
@@ -271,11 +277,47 @@ ENTRIES: list[ModelEntry] = [
         "sliding_window": 4}, "first layer dense", moe=1),
     # -- hybrids ---------------------------------------------------------------------------------
     _e("LFM2", "lfm2", "hybrid", {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False},
-       "gated short-convolution layer + attention layer (decode recomputes the prefix)"),
+       "gated short-convolution layer (a stateful mixer: its window kept per sequence) + attention layer"),
     _e("LFM2-MoE", "lfm2_moe", "hybrid",
        {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1, "num_experts": _E,
         "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I},
        "short-convolution layer + attention layer, MoE after the first layer", moe=1),
+    _e("Qwen3-Next", "qwen3_next", "hybrid",
+       {**_GDN, "num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "shared_expert_intermediate_size": _MOE_I},
+       "Gated DeltaNet layer + attention layer, MoE with a gated shared expert", moe=2),
+    _e("Qwen3.5 (text)", "qwen3_5_text", "hybrid", _GDN, "Gated DeltaNet layer + attention layer"),
+    _e("Qwen3.5-MoE (text)", "qwen3_5_moe_text", "hybrid",
+       {**_GDN, "num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "shared_expert_intermediate_size": _MOE_I},
+       "Gated DeltaNet layer + attention layer, MoE with a gated shared expert", moe=2),
+    _e("OLMo hybrid", "olmo_hybrid", "hybrid",
+       {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 16},
+       "Gated DeltaNet layer + attention layer"),
+    _e("Kimi Linear", "kimi_linear", "hybrid",
+       {"layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
+        "linear_num_heads": 2, "linear_head_dim": 8, "num_experts": _E, "num_experts_per_token": _K,
+        "moe_intermediate_size": _MOE_I, "num_shared_experts": 1, **_MLA},
+       "Kimi delta attention (KDA) layer + MLA layer, first layer dense", moe=1),
+    _e("Bamba", "bamba", "hybrid", {"attn_layer_indices": [1], **_MAMBA2}, "Mamba-2 layer + attention layer"),
+    _e("Falcon-H1", "falcon_h1", "hybrid",
+       {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8, "mamba_chunk_size": 4},
+       "Mamba-2 and attention side by side in every layer"),
+    _e("Granite 4 hybrid MoE", "granitemoehybrid", "hybrid",
+       {"layer_types": ["mamba", "attention"], "num_local_experts": _E, "num_experts_per_tok": _K,
+        "shared_intermediate_size": 32, **_MAMBA2},
+       "Mamba-2 layer + attention layer, MoE with a shared MLP", moe=2),
+    _e("Nemotron-H", "nemotron_h", "hybrid",
+       {"layers_block_type": ["mamba", "mlp", "attention", "moe"], "num_hidden_layers": 4,
+        "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 1, "chunk_size": 4,
+        "n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "moe_shared_expert_intermediate_size": _MOE_I},
+       "one block per layer: Mamba-2, MLP, attention, MoE", moe=1, dense=1),
+    _e("Jamba", "jamba", "hybrid",
+       {"num_experts": _E, "num_experts_per_tok": _K, "attn_layer_period": 2, "attn_layer_offset": 1,
+        "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 4, "mamba_dt_rank": 4},
+       "Mamba layer + attention layer, MoE on alternate layers", moe=1),
 ]
 
 # One entry per structural variant: what AFDC_QUICK=1 runs.
@@ -286,7 +328,7 @@ CORE: frozenset[str] = frozenset({
     "gpt_neox", "cohere", "phi", "falcon",
     "gpt2",
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "granitemoe", "phimoe",
-    "lfm2",
+    "lfm2", "qwen3_next", "granitemoehybrid",
     # refusals
     "jamba", "dbrx",
 })
@@ -294,6 +336,7 @@ CORE: frozenset[str] = frozenset({
 _SPECIALIZES = (
     "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic)"
 )
+_MIXER_ARGUMENTS = "model.layers.0.self_attn: the stateful mixer model.layers.0.self_attn takes tensors afdc"
 _NO_FFN_SSM = (
     "no FFN region found: this is a pure sequence-mixer (state-space) model with no position-wise weight branch "
     "added to the residual stream"
@@ -309,15 +352,8 @@ _DATA_DEPENDENT = (
 
 # model_type -> the UnsupportedModelError text afdc raises for it (the message starts with this).
 REFUSED: dict[str, str] = {
-    "jamba": _SPECIALIZES,
-    "bamba": _SPECIALIZES,
-    "falcon_h1": _SPECIALIZES,
-    "granitemoehybrid": _SPECIALIZES,
-    "nemotron_h": _SPECIALIZES,
-    "qwen3_next": _SPECIALIZES,
-    "qwen3_5_text": _SPECIALIZES,
-    "olmo_hybrid": _SPECIALIZES,
-    "minimax": _SPECIALIZES,
+    "minimax": _MIXER_ARGUMENTS,
+    "zamba2": "no FFN region found: this is a model with no position-wise weight branch added to the residual stream",
     "recurrent_gemma": _SPECIALIZES,
     "rwkv": _SPECIALIZES,
     "mamba": _NO_FFN_SSM,
@@ -329,15 +365,11 @@ REFUSED: dict[str, str] = {
 
 # model_type -> what in the model's code leads to the refusal.
 REFUSED_CAUSE: dict[str, str] = {
-    "jamba": "the Mamba torch path scans the sequence in a Python loop (for index in range(seq_len))",
-    "bamba": "the Mamba-2 chunked torch scan guards on the chunk count and on seq_len != 1",
-    "falcon_h1": "the Mamba-2 chunked torch scan guards on the chunk count and on seq_len != 1",
-    "granitemoehybrid": "the Mamba-2 chunked torch scan guards on the chunk count and on seq_len != 1",
-    "nemotron_h": "the Mamba-2 chunked torch scan guards on the chunk count and on seq_len != 1",
-    "qwen3_next": "the gated DeltaNet torch path loops over sequence chunks in Python",
-    "qwen3_5_text": "the gated DeltaNet torch path loops over sequence chunks in Python",
-    "olmo_hybrid": "the gated DeltaNet torch path loops over sequence chunks in Python",
-    "minimax": "lightning attention loops over sequence blocks in Python",
+    "zamba2": "its MLP sits in a shared attention block without a residual: the block's output is projected into "
+              "the next Mamba layer's input, so no FFN branch of the residual stream exists to cut (its Mamba-2 "
+              "mixers themselves are captured as stateful mixers)",
+    "minimax": "its lightning-attention mixer takes the 4-D attention mask and position ids besides the hidden "
+               "states (and keeps its state in a cache API of its own), which the mixer op does not pass",
     "recurrent_gemma": "the RG-LRU scans the sequence in a Python loop",
     "rwkv": "the WKV recurrence scans the sequence in a Python loop",
     "mamba": "pure state-space model: no FFN to disaggregate",
@@ -350,30 +382,10 @@ REFUSED_CAUSE: dict[str, str] = {
 
 # The tiny configurations the refusals are checked with (on top of TINY_COMMON).
 REFUSED_OVERRIDES: dict[str, dict] = {
-    "jamba": {"num_experts": _E, "num_experts_per_tok": _K, "attn_layer_period": 2, "attn_layer_offset": 1,
-              "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 4, "mamba_dt_rank": 4,
-              "use_mamba_kernels": False},
-    "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
-              "mamba_chunk_size": 4},
-    "falcon_h1": {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8,
-                  "mamba_chunk_size": 4},
-    "granitemoehybrid": {"layer_types": ["mamba", "attention"], "num_local_experts": _E, "num_experts_per_tok": _K,
-                         "shared_intermediate_size": 32, "mamba_n_heads": 4, "mamba_d_head": 16,
-                         "mamba_d_state": 8, "mamba_chunk_size": 4},
-    "nemotron_h": {"layers_block_type": ["mamba", "mlp", "attention", "moe"], "num_hidden_layers": 4,
-                   "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 1, "chunk_size": 4,
-                   "n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
-                   "moe_shared_expert_intermediate_size": _MOE_I},
-    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
-                   "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-                   "num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
-                   "shared_expert_intermediate_size": _MOE_I},
-    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
-                     "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8},
-    "olmo_hybrid": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
-                    "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 16},
     "minimax": {"layer_types": ["linear_attention", "full_attention"], "num_local_experts": _E,
                 "num_experts_per_tok": _K, "block_size": 4},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1], "mamba_d_state": 8,
+               "n_mamba_heads": 4, "mamba_headdim": 16, "chunk_size": 4, "attention_head_dim": 8, "num_mem_blocks": 1},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 32, "attention_window_size": 4},
     "mamba": {"state_size": 4},
     "falcon_mamba": {"state_size": 4},

@@ -19,6 +19,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from afdc.artifact import manifest as mf
 from afdc.artifact.program_source import load_program
 from afdc.runtime.exchange import deployment_id
+from afdc.runtime.mixers import Mixers
 from afdc.runtime.model import DisaggregatedModel
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import AttentionProgram, FFNProgram
@@ -26,6 +27,7 @@ from afdc.runtime.rendezvous import Layout
 from afdc.runtime.server import serve_program
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.segment import SegmentBinding
+from afdc.source import empty_model
 
 
 def model_dir(directory: str | Path) -> Path:
@@ -95,11 +97,23 @@ def _load(
     if role == "attn":
         mf.verify(directory, manifest, [manifest.attention_program])
         module = load_program(directory / manifest.attention_program, weights, device)
-        return AttentionProgram(module, pytree.treespec_loads(manifest.output_spec))
+        return AttentionProgram(module, pytree.treespec_loads(manifest.output_spec), _mixers(directory, manifest))
     mf.verify(directory, manifest, [s.program for s in manifest.segments])
     segments = [s.segment(load_program(directory / s.program, {}, device).graph) for s in manifest.segments]
     layers = [SegmentBinding(lay.segment, lay.weights) for lay in manifest.layers]
     return FFNProgram(segments=segments, layers=layers, weights=weights, rank=rank)
+
+
+def _mixers(directory: Path, manifest: mf.Manifest) -> Mixers | None:
+    """The stateful mixers' modules, rebuilt from the model's config with no weights of their own:
+    each call runs its module's code with the weights the op passes."""
+    if not manifest.mixers:
+        return None
+    config = _config(directory)
+    if config is None:
+        raise mf.ArtifactError(f"{directory} holds no model config ({mf.MODEL_DIR}/config.json): its mixers need it")
+    model = empty_model(config)
+    return Mixers(manifest.mixers, {m.slot: model.get_submodule(m.module) for m in manifest.mixers}, config)
 
 
 def _config(directory: Path) -> PretrainedConfig | None:

@@ -15,10 +15,11 @@ from pathlib import Path
 import torch.fx as fx
 
 from afdc.errors import AfdcError
+from afdc.mixer import MixerSite, StateTensor
 from afdc.plan import Plan
 from afdc.segment import Dispatch, ExpertRouting, Segment, Split
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 MODEL_DIR = "model"  # the model's config and tokenizer files, as a serving engine reads them
 
@@ -120,6 +121,9 @@ class Manifest:
     model_files: list[str] = field(default_factory=list)  # config and tokenizer files under MODEL_DIR
     attention_splits: dict[str, Split] = field(default_factory=dict)  # --attn-tp: split attention weights
     max_positions: int | None = None  # the longest key length the programs are valid for (None: any)
+    # the attention program's stateful mixers: the modules they run (rebuilt from the model's config)
+    # and the state each keeps per sequence
+    mixers: list[MixerSite] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -170,7 +174,17 @@ class Manifest:
             model_files=d.get("model_files", []),
             attention_splits={name: Split(**split) for name, split in d.get("attention_splits", {}).items()},
             max_positions=d.get("max_positions"),
+            mixers=[_mixer_site(m) for m in d.get("mixers", [])],
         )
+
+
+def _mixer_site(d: dict) -> MixerSite:
+    return MixerSite(**{
+        **d,
+        "weights": tuple(d["weights"]),
+        "constants": tuple(tuple(c) for c in d["constants"]),
+        "state": tuple(StateTensor(t["name"], tuple(t["shape"]), t["dtype"]) for t in d["state"]),
+    })
 
 
 def sha256_file(path: Path) -> str:

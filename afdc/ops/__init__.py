@@ -1,4 +1,4 @@
-"""afdc's custom ops: the opaque attention op, the send/recv connector ops and the ops sharded
+"""afdc's custom ops: the opaque attention and stateful-mixer ops, the send/recv connector ops and the ops sharded
 programs call.
 
 They are ``torch.library`` custom ops with fake kernels, so they survive ``torch.export`` and
@@ -23,6 +23,7 @@ from afdc.ops.attention import (
     sampled_rows_body,
 )
 from afdc.ops.connector import RecvCall, SendCall, recv, recv_body, send, send_body
+from afdc.ops.mixer import MixerCall, mixer, mixer_body
 from afdc.ops.parallel import (
     gather_local,
     gather_local_body,
@@ -34,6 +35,7 @@ from afdc.ops.parallel import (
 
 BODIES = {
     torch.ops.afdc.attention.default: attention_body,
+    torch.ops.afdc.mixer.default: mixer_body,
     torch.ops.afdc.sampled_rows.default: sampled_rows_body,
     torch.ops.afdc.send.default: send_body,
     torch.ops.afdc.recv.default: recv_body,
@@ -45,11 +47,13 @@ BODIES = {
 __all__ = [
     "BODIES",
     "AttentionCall",
+    "MixerCall",
     "RecvCall",
     "SendCall",
     "attention",
     "gather_local",
     "grouped_mm_local",
+    "mixer",
     "open_empty_rows",
     "recv",
     "reference_attention",

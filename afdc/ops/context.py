@@ -3,9 +3,9 @@
 A captured program has no cache, link or process group in its graph. Its attention ops carry a
 constant ``slot``, its send/recv ops a layer number, and at run time each op hands its call to
 what the runtime made active in this thread (the same idea as vLLM's forward context):
-an :class:`AttentionCache`, a :class:`Link` to the FFN side and, under ``--attn-tp``, a
-:class:`ReduceGroup`. The protocols are here, beside the ops, so that the ops know nothing of the
-runtime that implements them. Micro-batches run in threads, so each context is per thread.
+an :class:`AttentionCache`, a :class:`Link` to the FFN side, the program's :class:`MixerTable`
+and, under ``--attn-tp``, a :class:`ReduceGroup`. The protocols are here, beside the ops, so that
+the ops know nothing of the runtime that implements them. Micro-batches run in threads, so each context is per thread.
 """
 
 from __future__ import annotations
@@ -52,6 +52,16 @@ class Link(Protocol):
     def recv(self, layer: int, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
+class MixerTable(Protocol):
+    """What runs a program's stateful mixers (``afdc::mixer``): ``mix`` runs call site ``slot``'s
+    module over ``hidden`` with ``weights``, reading and extending the state the active cache
+    keeps for the slot (none active: from an empty state, which is prefill from scratch)."""
+
+    def mix(
+        self, slot: int, hidden: torch.Tensor, mask: torch.Tensor | None, weights: list[torch.Tensor]
+    ) -> torch.Tensor: ...
+
+
 class ReduceGroup(Protocol):
     """The TP ranks of one attention rank: ``all_reduce`` sums a tensor over them, in place."""
 
@@ -85,6 +95,13 @@ def current_link() -> Link:
     return link
 
 
+def current_mixers() -> MixerTable:
+    mixers = _get("mixers")
+    if mixers is None:
+        raise RuntimeError("an afdc mixer op ran with no mixer table; run the program through afdc's runtime")
+    return mixers
+
+
 def current_group() -> ReduceGroup | None:
     return _get("group")
 
@@ -102,6 +119,11 @@ def cache_active(cache: AttentionCache | None) -> Iterator[None]:
 def link_active(link: Link):
     """Make ``link`` the one send/recv ops talk to, for the ``with`` block."""
     return _activate("link", link)
+
+
+def mixers_active(mixers: MixerTable):
+    """Make ``mixers`` the table ``afdc::mixer`` ops hand their calls to, for the ``with`` block."""
+    return _activate("mixers", mixers)
 
 
 def group_active(group: ReduceGroup):

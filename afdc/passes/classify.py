@@ -16,10 +16,12 @@ import torch
 import torch.fx as fx
 
 from afdc.errors import UnsupportedModelError
+from afdc.ops import AttentionCall, MixerCall
 from afdc.passes import graph_facts as gf
 
 aten = torch.ops.aten
 
+_MIXER_OPS = (AttentionCall.OP, MixerCall.OP)  # one node per call site
 _CONVOLUTIONS = (aten.convolution, aten.conv1d, aten.conv2d, aten._convolution)
 _PRODUCTS = (
     aten.mm, aten.bmm, aten.matmul, aten.baddbmm, aten.addmm, aten.einsum,
@@ -40,14 +42,14 @@ class FFNRegion:
 @dataclass
 class Classification:
     regions: list[FFNRegion]
-    mixers: list[fx.Node]  # attention ops (one per attention call site)
+    mixers: list[fx.Node]  # attention and stateful-mixer ops (one per call site)
     inline_mixers: list[fx.Node]  # token-mixing nodes outside attention ops (recurrent, hard-coded attention)
 
 
 def _is_mixer(node: fx.Node, free: set[fx.Node]) -> bool:
     """Mixes values across tokens: attention, convolution, or a product of two activations
     (``q @ k^T`` of attention written inline); an FFN multiplies activations by weights only."""
-    if node.target is torch.ops.afdc.attention.default or gf.is_op(node, *_CONVOLUTIONS):
+    if node.target in _MIXER_OPS or gf.is_op(node, *_CONVOLUTIONS):
         return True
     if gf.is_op(node, *_PRODUCTS):
         activations = [a for a in node.all_input_nodes if gf.is_tensor(a) and a not in free]
@@ -186,10 +188,11 @@ def classify(graph: fx.Graph, parameter_names: set[str]) -> Classification:
                 )
             claimed.update((n, len(regions)) for n in region)
             regions.append((stream, region))
-    mixers = [n for n in graph.nodes if n.target is torch.ops.afdc.attention.default]
+    mixers = [n for n in graph.nodes if n.target in _MIXER_OPS]
     inline = [n for n in graph.nodes if n.op == "call_function" and n not in mixers and _is_mixer(n, finder.free)]
     if not regions:
-        kind = "a pure sequence-mixer (state-space) model" if not mixers else "a model"
+        attention = any(n.target is torch.ops.afdc.attention.default for n in mixers)
+        kind = "a model" if attention else "a pure sequence-mixer (state-space) model"
         raise UnsupportedModelError(
             f"no FFN region found: this is {kind} with no position-wise weight branch added to the residual stream"
         )

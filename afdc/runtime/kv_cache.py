@@ -28,6 +28,13 @@ class KVCache:
         # mask id -> (mask, its empty rows opened): every layer of a step passes the same mask (or
         # a few, alternating), so it is opened once per step, not once per layer
         self._opened: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mixer_states = None  # the stateful mixers' cache, made by the program's mixer table
+
+    def mixer_states(self, mixers):
+        """The stateful mixers' state for these sequences (:mod:`afdc.runtime.mixers`)."""
+        if self._mixer_states is None:
+            self._mixer_states = mixers.new_state()
+        return self._mixer_states
 
     def tp_shard(self, tp_rank: int) -> KVCache:
         """The cache of TP rank ``tp_rank`` of an attention rank under ``--attn-tp``: its own

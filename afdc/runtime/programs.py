@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -12,6 +13,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from afdc import lowering
+from afdc.ops.context import MixerTable, mixers_active
 from afdc.segment import Dispatch, ExpertRouting, Segment, SegmentBinding, as_rows, at_tokens
 
 
@@ -56,22 +58,31 @@ class AttentionProgram(torch.nn.Module):
     """Embeddings, attention and other mixers, the residual stream, norms and the LM head.
 
     Its graph sends each FFN layer's inputs and receives its outputs through the active
-    connector; attention ops read and extend the active KV cache.
+    connector; attention ops read and extend the active KV cache; stateful-mixer ops run through
+    ``mixers`` (:mod:`afdc.runtime.mixers`), whose state the active KV cache keeps.
     """
 
-    def __init__(self, module: fx.GraphModule, out_spec: pytree.TreeSpec):
+    def __init__(self, module: fx.GraphModule, out_spec: pytree.TreeSpec, mixers: MixerTable | None = None):
         super().__init__()
         self.module = module
         self.out_spec = out_spec
+        self.mixers = mixers
         self._lowered = _Lowered(module, "attention program")
 
     @classmethod
-    def from_graph(cls, graph: fx.Graph, attrs: dict[str, torch.Tensor], out_spec: pytree.TreeSpec):
+    def from_graph(
+        cls,
+        graph: fx.Graph,
+        attrs: dict[str, torch.Tensor],
+        out_spec: pytree.TreeSpec,
+        mixers: MixerTable | None = None,
+    ):
         used = {n.target for n in graph.nodes if n.op == "get_attr"}
-        return cls(fx.GraphModule({name: attrs[name] for name in used}, graph), out_spec)
+        return cls(fx.GraphModule({name: attrs[name] for name in used}, graph), out_spec, mixers)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
-        flat = self._lowered(input_ids, attention_mask, position_ids)
+        with mixers_active(self.mixers) if self.mixers else contextlib.nullcontext():
+            flat = self._lowered(input_ids, attention_mask, position_ids)
         return pytree.tree_unflatten(list(flat), self.out_spec)
 
     def use_backend(self, backend: str) -> None:

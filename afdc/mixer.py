@@ -1,0 +1,47 @@
+"""What a stateful token mixer call site is: the contract between capture, the artifact and the runtime.
+
+Capture finds the modules whose forward reads or writes the per-layer state of the model's own
+cache (a convolution window, an SSM or linear-attention state) and makes each call one
+``afdc::mixer`` op; a :class:`MixerSite` says how to run that module again (its path in the model,
+the names of the weights the op passes, the arguments its forward takes) and what state it keeps
+per sequence, for the report and the manifest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of a mixer's per-sequence state."""
+
+    name: str  # "conv.0", "recurrent.0": the kind of state in the model's cache layer, and its index
+    shape: tuple[int, ...]  # per sequence (the batch dimension left out)
+    dtype: str
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class MixerSite:
+    """One ``afdc::mixer`` call site (its ``slot``) and the module it runs."""
+
+    slot: int
+    module: str  # the module's path in the model
+    weights: tuple[str, ...]  # the module's own names of the op's weights, in order
+    cache_argument: str  # the forward's argument that takes the model's cache
+    mask_argument: str | None  # ... that takes the 2-D padding mask (None: it takes none)
+    constants: tuple[tuple[str, bool | int | float | str], ...] = ()  # other arguments, as traced
+    layer: int | None = None  # the layer of the model's cache that holds its state
+    state: tuple[StateTensor, ...] = field(default=())
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of state per sequence."""
+        return sum(t.bytes for t in self.state)

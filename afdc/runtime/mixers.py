@@ -1,0 +1,89 @@
+"""The attention program's stateful mixers: each ``afdc::mixer`` call site run with the model's own code.
+
+A call runs the module the site names (:class:`afdc.mixer.MixerSite`) with the weights the op
+passes (``torch.func.functional_call``), handing it a transformers cache built from the model's
+config, as the model's forward would build it: the module reads and writes its own layer's
+convolution window and recurrent state there, by its own code, for prefill (any number of
+tokens) and decode alike. The active KV cache keeps that cache per sequence batch, so its rows
+stay those of the KV cache; with none active a call starts from an empty state (prefill from
+scratch, as the model's call without a cache).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+
+from afdc.errors import AfdcError
+from afdc.mixer import MixerSite, StateTensor
+from afdc.ops.context import current_cache
+
+
+class Mixers:
+    """The ``afdc::mixer`` call sites of one attention program, by slot, and their modules."""
+
+    def __init__(self, sites: list[MixerSite], modules: dict[int, torch.nn.Module], config: PretrainedConfig):
+        self.sites = {s.slot: s for s in sites}
+        self.modules = modules
+        self.config = config
+
+    def __bool__(self) -> bool:
+        return bool(self.sites)
+
+    def new_state(self) -> DynamicCache:
+        """An empty per-sequence-batch state, as the model's forward makes its cache."""
+        return DynamicCache(config=self.config)
+
+    def mix(self, slot: int, hidden: torch.Tensor, mask: torch.Tensor | None, weights: list[torch.Tensor]):
+        site, module = self.sites[slot], self.modules[slot]
+        cache = current_cache()
+        states = getattr(cache, "mixer_states", None)
+        if cache is not None and states is None:
+            raise AfdcError(
+                f"{type(cache).__name__} keeps no stateful-mixer state ({site.module}); this model's "
+                "mixers decode through dm.generate's KV cache only"
+            )
+        state = states(self) if states is not None else self.new_state()
+        arguments = dict(site.constants)
+        arguments[site.cache_argument] = state
+        if site.mask_argument is not None:
+            # as transformers' recurrent mask: a single decoded token is never padding
+            arguments[site.mask_argument] = mask if mask is not None and hidden.shape[1] > 1 else None
+        params = dict(zip(site.weights, weights))
+        out = torch.func.functional_call(module, params, (hidden,), arguments, strict=True)
+        if isinstance(out, tuple):
+            out = out[0]
+        if out.shape != hidden.shape:
+            raise AfdcError(f"the stateful mixer {site.module} returned {tuple(out.shape)} for {tuple(hidden.shape)}")
+        return out
+
+    def probe(self) -> list[MixerSite]:
+        """Each site with its per-sequence state (and the cache layer holding it), found by
+        running its module, with its own weights, once over two tokens of one sequence."""
+        out = []
+        for slot, site in sorted(self.sites.items()):
+            module, state = self.modules[slot], self.new_state()
+            weight = next(iter(module.parameters()), None)
+            hidden = torch.zeros(
+                1, 2, self.config.get_text_config().hidden_size,
+                dtype=weight.dtype if weight is not None else torch.float32,
+                device=weight.device if weight is not None else None,
+            )
+            with torch.no_grad():
+                module(hidden, **dict(site.constants), **{site.cache_argument: state})
+            layer, tensors = _state_of(state)
+            out.append(MixerSite(**{**site.__dict__, "layer": layer, "state": tuple(tensors)}))
+        return out
+
+
+def _state_of(cache: DynamicCache) -> tuple[int | None, list[StateTensor]]:
+    """The layer of ``cache`` holding state after one mixer call, and its tensors per sequence."""
+    for index, layer in enumerate(cache.layers):
+        tensors = []
+        for kind in ("conv", "recurrent"):
+            for i, t in (getattr(layer, f"{kind}_states", None) or {}).items():
+                if isinstance(t, torch.Tensor):
+                    tensors.append(StateTensor(f"{kind}.{i}", tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")))
+        if tensors:
+            return index, tensors
+    return None, []

@@ -1,0 +1,109 @@
+"""Stateful token mixers (Gated DeltaNet, Mamba-2, short convolutions): one ``afdc::mixer`` op per
+call site, its state kept on the attention side, so decode is incremental; checked against the
+monolith on left-padded batches, in-process, across processes and from a compiled artifact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import afdc
+from afdc.artifact.manifest import read_manifest
+from afdc.ops import MixerCall
+from afdc.runtime import kv_cache
+from models_supported import catalog
+
+NEW_TOKENS = 8
+
+
+def _model(model_type: str):
+    model = catalog.build(catalog.entry(model_type))
+    gc = model.generation_config
+    gc.eos_token_id, gc.pad_token_id, gc.do_sample = None, 0, False
+    return model
+
+
+def _batch(vocab: int, rows: int = 3, length: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded rows of different lengths (row i has 2*i pads)."""
+    ids = torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    for i in range(rows):
+        ids[i, : 2 * i], mask[i, : 2 * i] = 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "granitemoehybrid", "lfm2_moe"])
+def test_mixers_decode_incrementally_and_match_the_monolith(model_type):
+    model = _model(model_type)
+    ids, mask = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    dm = afdc.disaggregate(model, "2A2F", micro_batches=2)
+    report = dm.report()
+    assert not report.decode_recomputes and dm.incremental
+    graph_sites = [c.slot for c in MixerCall.all_in(dm.attention.module.graph)]
+    assert graph_sites == [m.slot for m in report.mixers] and graph_sites
+    assert all(m.state and m.layer is not None for m in report.mixers)
+    assert report.mixer_state_bytes == sum(t.bytes for m in report.mixers for t in m.state) > 0
+    assert "stateful mixers" in str(report)
+
+    valid = mask.bool()
+    out = dm(ids, attention_mask=mask).logits
+    assert (out[valid] - ref[valid]).abs().max() <= 1e-4 * ref[valid].abs().max()
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+
+
+def test_chunked_prefill_continues_from_the_state():
+    """Prefill in two chunks against one cache gives the logits of one prefill: the second chunk
+    reads the convolution window and recurrent state the first left."""
+    model = _model("qwen3_next")
+    ids, mask = _batch(model.config.vocab_size)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    dm = afdc.disaggregate(model, "1A1F")
+    caches = {(0, 0): kv_cache.KVCache()}  # the one attention rank's one micro-batch, as dm.generate keeps it
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask).logits
+        first = dm._run(ids[:, :7], mask[:, :7], positions[:, :7], caches).logits
+        second = dm._run(ids[:, 7:], mask, positions[:, 7:], caches).logits
+    got = torch.cat([first, second], dim=1)
+    valid = mask.bool()
+    assert (got[valid] - whole[valid]).abs().max() <= 1e-4 * whole[valid].abs().max()
+
+
+def test_mixers_across_processes_over_shm():
+    model = _model("bamba")
+    ids, mask = _batch(model.config.vocab_size, rows=2)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    dm = afdc.disaggregate(model, "1A2F", connector="shm")
+    with dm.launch(timeout=60):
+        assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+
+
+def test_artifact_records_mixer_state_and_decodes_incrementally(tmp_path):
+    model = _model("qwen3_next")
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    ids, mask = _batch(model.config.vocab_size, rows=2)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    manifest = afdc.compile_model(str(src), "1A2F", tmp_path / "art", progress=False)
+    assert manifest.incremental_decode and manifest.mixers
+    site = manifest.mixers[0]
+    cfg = model.config
+    keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    values = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    conv = 2 * keys + values  # q, k and v go through the short convolution
+    by_name = {t.name: t for t in site.state}
+    assert by_name["conv.0"].shape == (conv, cfg.linear_conv_kernel_dim)
+    assert by_name["recurrent.0"].shape == (
+        cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    )
+    assert read_manifest(tmp_path / "art").mixers == manifest.mixers  # round trip through JSON
+    dm = afdc.load_deployment(tmp_path / "art")
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+
+
+def test_pure_state_space_models_stay_refused():
+    model = catalog.build_type("mamba", {**catalog.TINY_COMMON, **catalog.REFUSED_OVERRIDES["mamba"]})
+    with pytest.raises(afdc.UnsupportedModelError, match="pure sequence-mixer"):
+        afdc.disaggregate(model)
