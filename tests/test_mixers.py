@@ -4,13 +4,21 @@ monolith on left-padded batches, in-process, across processes and from a compile
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 
 import afdc
 from afdc.artifact.manifest import read_manifest
 from afdc.ops import MixerCall
+from afdc.passes.attention_slots import attention_slots
+from afdc.passes.cache_positions import positions_as_cache_positions
+from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
+from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore
+from afdc.runtime.programs import combine
 from models_supported import catalog
 
 NEW_TOKENS = 8
@@ -107,3 +115,48 @@ def test_pure_state_space_models_stay_refused():
     model = catalog.build_type("mamba", {**catalog.TINY_COMMON, **catalog.REFUSED_OVERRIDES["mamba"]})
     with pytest.raises(afdc.UnsupportedModelError, match="pure sequence-mixer"):
         afdc.disaggregate(model)
+
+
+def test_paged_steps_keep_each_requests_state():
+    """vLLM-style steps (prefill chunks, a new request joining, batched decodes) over a paged KV
+    cache and one state block per request, as the serving worker runs them, against transformers.
+    A step run twice before its state is committed (an FFN rank lost mid-step) gives the same."""
+    model = _model("granitemoehybrid")
+    dm = afdc.disaggregate(model, "1A1F")
+    program = copy.deepcopy(dm.attention_ranks[0])
+    positions_as_cache_positions(program.module.graph)
+    program.module.recompile()
+    sites = dm.report().mixers
+    store = PagedKVStore(attention_slots(dm.attention.module.graph), 16, 4)
+    states = MixerStateStore(sites, 16)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 6, 7)]
+    requests = [{"tokens": list(p), "prompt": len(p), "blocks": [4 * i + j for j in range(4)], "state": 12 + i,
+                 "done": 0} for i, p in enumerate(prompts)]  # fmt: skip
+    link = connectors.LoopbackConnector(functools.partial(combine, dm.ffn_ranks))
+
+    def step(schedule: dict[int, int], again: bool = False) -> None:
+        reqs = [requests[i] for i in schedule]
+        ids = torch.tensor([t for r, n in zip(reqs, schedule.values()) for t in r["tokens"][r["done"]:r["done"] + n]])
+        blocks = {s.slot: torch.tensor([r["state"] for r in reqs]) for s in sites}
+        lens, done = torch.tensor(list(schedule.values())), torch.tensor([r["done"] for r in reqs])
+        batch = PagedBatch(store, torch.tensor([r["blocks"] for r in reqs]), done, lens, states, blocks)
+        with torch.no_grad(), connectors.active(link), kv_cache.active(batch):
+            logits = program(ids[None], torch.ones_like(ids)[None], batch.positions).logits[0]
+            if again:
+                repeated = program(ids[None], torch.ones_like(ids)[None], batch.positions).logits[0]
+                torch.testing.assert_close(repeated, logits)
+        batch.commit_states()
+        for r, n, last in zip(reqs, schedule.values(), torch.tensor(list(schedule.values())).cumsum(0) - 1):
+            r["done"] += n
+            if r["done"] == len(r["tokens"]):
+                r["tokens"].append(int(logits[last].argmax()))
+
+    step({0: 5, 1: 6})  # A's prefill in two chunks
+    step({0: 4, 1: 1, 2: 7}, again=True)
+    for _ in range(3):
+        step({0: 1, 1: 1, 2: 1})
+    for r in requests:
+        prompt = torch.tensor([r["tokens"][: r["prompt"]]])
+        new = len(r["tokens"]) - r["prompt"]
+        assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()

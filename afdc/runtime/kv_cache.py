@@ -30,11 +30,12 @@ class KVCache:
         self._opened: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mixer_states = None  # the stateful mixers' cache, made by the program's mixer table
 
-    def mixer_states(self, mixers):
-        """The stateful mixers' state for these sequences (:mod:`afdc.runtime.mixers`)."""
+    def run_mixer(self, mixers, slot, hidden, mask, run) -> torch.Tensor:
+        """A stateful mixer's call (:mod:`afdc.runtime.mixers`): the batch's rows are these
+        sequences, whose state lives here from their first step on."""
         if self._mixer_states is None:
             self._mixer_states = mixers.new_state()
-        return self._mixer_states
+        return run(hidden, mask, self._mixer_states)
 
     def tp_shard(self, tp_rank: int) -> KVCache:
         """The cache of TP rank ``tp_rank`` of an attention rank under ``--attn-tp``: its own

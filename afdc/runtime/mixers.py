@@ -11,6 +11,8 @@ scratch, as the model's call without a cache).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
@@ -35,15 +37,22 @@ class Mixers:
         return DynamicCache(config=self.config)
 
     def mix(self, slot: int, hidden: torch.Tensor, mask: torch.Tensor | None, weights: list[torch.Tensor]):
-        site, module = self.sites[slot], self.modules[slot]
+        """The ``afdc::mixer`` entry point: the active cache hands each group of its sequences
+        to :meth:`run` with their state (none active: one group, from an empty state)."""
+        run = functools.partial(self.run, slot, weights)
         cache = current_cache()
-        states = getattr(cache, "mixer_states", None)
-        if cache is not None and states is None:
-            raise AfdcError(
-                f"{type(cache).__name__} keeps no stateful-mixer state ({site.module}); this model's "
-                "mixers decode through dm.generate's KV cache only"
-            )
-        state = states(self) if states is not None else self.new_state()
+        if cache is None:
+            return run(hidden, mask, self.new_state())
+        if not hasattr(cache, "run_mixer"):
+            raise AfdcError(f"{type(cache).__name__} keeps no state for the stateful mixer {self.sites[slot].module}")
+        return cache.run_mixer(self, slot, hidden, mask, run)
+
+    def run(
+        self, slot: int, weights: list[torch.Tensor], hidden: torch.Tensor, mask: torch.Tensor | None, state
+    ) -> torch.Tensor:
+        """Site ``slot``'s module over ``hidden [b, s, d]``, reading and extending ``state`` (a
+        transformers cache whose layer :attr:`MixerSite.layer` holds these sequences' state)."""
+        site, module = self.sites[slot], self.modules[slot]
         arguments = dict(site.constants)
         arguments[site.cache_argument] = state
         if site.mask_argument is not None:
@@ -56,6 +65,23 @@ class Mixers:
         if out.shape != hidden.shape:
             raise AfdcError(f"the stateful mixer {site.module} returned {tuple(out.shape)} for {tuple(hidden.shape)}")
         return out
+
+    def load(self, state, slot: int, tensors: list[torch.Tensor]) -> None:
+        """Put ``tensors`` (site ``slot``'s state of some sequences, in :attr:`MixerSite.state`
+        order) into an empty ``state``, as if those sequences had run before."""
+        site = self.sites[slot]
+        layer = state.layers[site.layer]
+        for spec, t in zip(site.state, tensors):
+            kind, index = _kind_index(spec)
+            layer.lazy_initialization(**{f"{kind}_states": t}, state_idx=index)
+            getattr(layer, f"{kind}_states")[index].copy_(t)
+            layer.has_previous_state[index] = True
+
+    def read(self, state, slot: int) -> list[torch.Tensor]:
+        """Site ``slot``'s state in ``state``, in :attr:`MixerSite.state` order."""
+        site = self.sites[slot]
+        layer = state.layers[site.layer]
+        return [getattr(layer, f"{kind}_states")[index] for kind, index in map(_kind_index, site.state)]
 
     def probe(self) -> list[MixerSite]:
         """Each site with its per-sequence state (and the cache layer holding it), found by
@@ -74,6 +100,11 @@ class Mixers:
             layer, tensors = _state_of(state)
             out.append(MixerSite(**{**site.__dict__, "layer": layer, "state": tuple(tensors)}))
         return out
+
+
+def _kind_index(spec: StateTensor) -> tuple[str, int]:
+    kind, index = spec.name.split(".")
+    return kind, int(index)
 
 
 def _state_of(cache: DynamicCache) -> tuple[int | None, list[StateTensor]]:

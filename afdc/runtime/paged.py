@@ -17,12 +17,14 @@ masks the paged path cannot reproduce rather than serving a silently different m
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 
 from afdc.codegen.paged_attention import decode_kernel_runs, paged_decode_attention
+from afdc.mixer import MixerSite
 from afdc.ops import reference_attention
 from afdc.passes.attention_slots import SlotSpec
 
@@ -119,6 +121,20 @@ class PagedKVStore:
             t.index_copy_(0, dst, t.index_select(0, src))
 
 
+class MixerStateStore:
+    """Per stateful-mixer slot, its state tensors ``[num_blocks, *shape]``: one block per
+    sequence holds its convolution window and recurrent state (vLLM's Mamba-style state blocks,
+    whose ids come from the mixer's own cache group)."""
+
+    def __init__(self, sites: Sequence[MixerSite], num_blocks: int, device: torch.device | str = "cpu"):
+        self.tensors = {
+            site.slot: [
+                torch.zeros(num_blocks, *t.shape, dtype=getattr(torch, t.dtype), device=device) for t in site.state
+            ]
+            for site in sites
+        }
+
+
 class PagedBatch:
     """One step (or one micro-batch of a step) over a :class:`PagedKVStore`: the context to make
     active with ``kv_cache.active`` while the attention program runs on the step's tokens.
@@ -130,15 +146,29 @@ class PagedBatch:
     ``context_lens[r] + i``. Run the program on ``input_ids [1, T]``, ``attention_mask =
     ones [1, T]`` and ``position_ids =`` :attr:`positions`.
 
+    Stateful mixers keep each request's state in block ``state_blocks[slot][r]`` of
+    ``mixer_store``; a step's new state is written by :meth:`commit_states`, once the step is
+    through, so that a step cut short and run again starts from the same state.
+
     The index tensors every layer uses are built here once; the only host sync is for the
     step's sizes.
     """
 
     def __init__(
-        self, store: PagedKVStore, block_table: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor
+        self,
+        store: PagedKVStore,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_lens: torch.Tensor,
+        mixer_store: MixerStateStore | None = None,
+        state_blocks: dict[int, torch.Tensor] | None = None,
     ):
         device = store.device
         self.store = store
+        self.mixer_store = mixer_store
+        self.state_blocks = {slot: b.to(device, torch.long) for slot, b in (state_blocks or {}).items()}
+        self._new_states: dict[int, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
+        self._groups: list[tuple[torch.Tensor, torch.Tensor, bool]] | None = None
         self.block_table = block_table.to(device, torch.long)
         self.context_lens = context_lens.to(device, torch.long)
         self.query_lens = query_lens.to(device, torch.long)
@@ -185,6 +215,49 @@ class PagedBatch:
                 f"a request reaches {self.max_seq_len} tokens; {self.block_table.shape[1]} blocks of "
                 f"{self.store.block_size} do not hold them"
             )
+
+    def run_mixer(self, mixers, slot: int, hidden: torch.Tensor, mask, run) -> torch.Tensor:
+        """A stateful mixer's call (:mod:`afdc.runtime.mixers`) over the flat ``[1, T, d]`` step:
+        the decoding requests together, one row each; every other request alone (its state
+        loaded when it has computed tokens: a later prefill chunk, a resumed decode)."""
+        if self.mixer_store is None or slot not in self.state_blocks:
+            raise ValueError(f"this paged step has no state blocks for stateful mixer slot {slot}")
+        store, blocks, width = self.mixer_store.tensors[slot], self.state_blocks[slot], hidden.shape[-1]
+        out = torch.empty_like(hidden)
+        new = self._new_states[slot] = []
+        for rows, requests, continues in self._mixer_groups():
+            state = mixers.new_state()
+            ids = blocks[requests]
+            if continues:
+                mixers.load(state, slot, [t[ids] for t in store])
+            out[0, rows] = run(hidden[0, rows].reshape(len(requests), -1, width), None, state).reshape(-1, width)
+            new.append((ids, [t.clone() for t in mixers.read(state, slot)]))
+        return out
+
+    def commit_states(self) -> None:
+        """Write the step's new mixer state into the store (the step went through)."""
+        for slot, groups in self._new_states.items():
+            for ids, tensors in groups:
+                for t, value in zip(self.mixer_store.tensors[slot], tensors):
+                    t[ids] = value.to(t.dtype)
+        self._new_states.clear()
+
+    def _mixer_groups(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """(token rows, request indices, whether they continue from a state), decodes first."""
+        if self._groups is None:
+            q, ctx = self.query_lens.tolist(), self.context_lens.tolist()
+            starts = [0, *itertools.accumulate(q)]
+            decode = [r for r in range(len(q)) if q[r] == 1 and ctx[r] > 0]
+            groups = [(decode, [starts[r] for r in decode], True)] if decode else []
+            groups += [
+                ([r], list(range(starts[r], starts[r + 1])), ctx[r] > 0) for r in range(len(q)) if r not in decode
+            ]
+            device = self.query_lens.device
+            self._groups = [
+                (torch.tensor(rows, device=device), torch.tensor(requests, device=device), continues)
+                for requests, rows, continues in groups
+            ]
+        return self._groups
 
     def tp_shard(self, tp_rank: int) -> PagedBatch:
         """This step over TP rank ``tp_rank``'s heads of the store (see :mod:`afdc.runtime.tensor_parallel`)."""

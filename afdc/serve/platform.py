@@ -8,12 +8,17 @@ and a GPU device: only the device queries differ, the worker's code path does no
 
 from __future__ import annotations
 
+import functools
+import logging
+from pathlib import Path
+
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from afdc.serve.settings import WorkerSettings, active
 
 WORKER = "afdc.serve.worker.AfdcWorker"
+logger = logging.getLogger("vllm.afdc.platform")
 
 
 def register() -> str | None:
@@ -23,6 +28,14 @@ def register() -> str | None:
 
 def _device() -> torch.device:
     return torch.device(WorkerSettings.from_env().device if active() else "cpu")
+
+
+@functools.cache
+def _has_mixers() -> bool:
+    """Whether the served artifact has stateful mixers (their state goes in vLLM's hybrid groups)."""
+    from afdc.artifact.manifest import read_manifest
+
+    return active() and bool(read_manifest(Path(WorkerSettings.from_env().artifact)).mixers)
 
 
 class AfdcPlatform(Platform):
@@ -46,6 +59,22 @@ class AfdcPlatform(Platform):
         vllm_config.scheduler_config.async_scheduling = False
         if vllm_config.cache_config.block_size is None:
             vllm_config.cache_config.block_size = 16
+        if _has_mixers():
+            cache = vllm_config.cache_config
+            if cache.enable_prefix_caching:
+                # a cached prefix's blocks hold its keys and values, but no mixer state at its end
+                logger.info("afdc: prefix caching off: the model's stateful mixers keep no state per cached prefix")
+                cache.enable_prefix_caching = False
+            if cache.user_specified_mamba_block_size:
+                raise ValueError("--mamba-block-size: afdc keeps one state block per request; leave it unset")
+            # one state block per request, spanning the context (vLLM's own default without caching);
+            # vLLM may have sized it for prefix caching when it knows the architecture
+            cache.mamba_cache_mode, cache.mamba_block_size = "none", None
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config) -> None:
+        """afdc's worker owns attention: no vLLM backend's block size applies (a mixer's state
+        page and the attention page are unified when vLLM lays out the KV-cache groups)."""
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
@@ -91,7 +120,9 @@ class AfdcPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        return False
+        # stateful mixers' state blocks are a KV-cache group of their own; without mixers every
+        # layer stays in one group (a sliding window keeps all its blocks: afdc's attention reads them)
+        return _has_mixers()
 
     @classmethod
     def get_current_memory_usage(cls, device=None) -> float:

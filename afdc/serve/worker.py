@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
@@ -37,7 +37,13 @@ from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.paged import PagedBatch, PagedKVStore, kernel_paged_attention, register_paged_attention
+from afdc.runtime.paged import (
+    MixerStateStore,
+    PagedBatch,
+    PagedKVStore,
+    kernel_paged_attention,
+    register_paged_attention,
+)
 from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.serve.launch import check_servable
@@ -51,6 +57,10 @@ def layer_name(slot: int) -> str:
     return f"afdc.attention.{slot}"
 
 
+def mixer_layer_name(slot: int) -> str:
+    return f"afdc.mixer.{slot}"
+
+
 @dataclass
 class Request:
     """What the worker remembers of a request between steps (vLLM sends only the changes)."""
@@ -58,7 +68,7 @@ class Request:
     id: str
     tokens: list[int]  # prompt, then the sampled tokens (also in ``sampling.output``)
     sampling: SamplingRequest
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group (attention; each stateful mixer's state blocks)
     computed: int  # tokens whose keys and values are in the cache
     scheduled: int = 0  # tokens run in the current step
 
@@ -107,6 +117,7 @@ class AfdcWorker(WorkerBase):
         directory = Path(s.artifact)
         manifest = mf.read_manifest(directory)
         check_servable(manifest)
+        self.mixers = manifest.mixers
         program = load(directory, "attn", s.rank, self.device, backend="eager")
         dispatch = [manifest.segments[lay.segment].dispatch() for lay in manifest.layers]
         in_process = s.connector == "loopback"
@@ -171,6 +182,19 @@ class AfdcWorker(WorkerBase):
                 "the model's attention layers have different KV shapes (heads x head size): vLLM would need "
                 "one KV-cache group per shape, which afdc's worker does not lay out yet"
             )
+        if self.mixers and any(s.window for s in self.slots):
+            raise UnsupportedModelError(
+                "a model with stateful mixers and sliding-window or chunked attention: vLLM's hybrid cache "
+                "manager would free the window's old blocks, which afdc's paged attention still reads"
+            )
+        # a stateful mixer's state, as vLLM's own hybrid models declare it: one block per request
+        # (the block spans the whole context), no prefix caching of it (see afdc.serve.platform)
+        for site in self.mixers:
+            specs[mixer_layer_name(site.slot)] = MambaSpec(
+                block_size=self.model_config.max_model_len,
+                shapes=tuple(t.shape for t in site.state),
+                dtypes=tuple(getattr(torch, t.dtype) for t in site.state),
+            )
         return specs
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
@@ -183,11 +207,20 @@ class AfdcWorker(WorkerBase):
         return self.settings.kv_cache_bytes
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        self.block_size = self.vllm_config.cache_config.block_size
+        group_of = {name: i for i, g in enumerate(kv_cache_config.kv_cache_groups) for name in g.layer_names}
+        self.attention_group = group_of[layer_name(0)]
+        # vLLM may have grown the attention block to the mixers' state page (one page size per pool)
+        self.block_size = kv_cache_config.kv_cache_groups[self.attention_group].kv_cache_spec.block_size
+        self.state_groups = {site.slot: group_of[mixer_layer_name(site.slot)] for site in self.mixers}
+        num_blocks = kv_cache_config.num_blocks
         self.store = PagedKVStore(
-            self.slots, kv_cache_config.num_blocks, self.block_size, self.dtype, self.device, tp_ranks=self.tp_ranks
+            self.slots, num_blocks, self.block_size, self.dtype, self.device, tp_ranks=self.tp_ranks
         )
-        logger.info("afdc: KV cache of %d blocks x %d tokens", kv_cache_config.num_blocks, self.block_size)
+        self.states = MixerStateStore(self.mixers, num_blocks, self.device) if self.mixers else None
+        logger.info(
+            "afdc: KV cache of %d blocks x %d tokens%s", num_blocks, self.block_size,
+            f", state blocks for {len(self.mixers)} stateful mixers" if self.mixers else "",
+        )
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(0.0, 0.0)
@@ -210,7 +243,7 @@ class AfdcWorker(WorkerBase):
             prompt = list(new.prompt_token_ids)
             sampling = SamplingRequest(params, prompt, [], new_generator(params, self.device))
             self.requests[new.req_id] = Request(
-                new.req_id, list(prompt), sampling, list(new.block_ids[0]), new.num_computed_tokens
+                new.req_id, list(prompt), sampling, [list(g) for g in new.block_ids], new.num_computed_tokens
             )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -221,11 +254,12 @@ class AfdcWorker(WorkerBase):
             del r.sampling.output[keep:]
             blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                r.block_ids = list(blocks[0])
+                r.block_ids = [list(g) for g in blocks]
             elif blocks is not None:
-                r.block_ids.extend(blocks[0])
+                for mine, new in zip(r.block_ids, blocks):
+                    mine.extend(new)
         for rid, groups in (so.block_table_updates or {}).items():
-            self.requests[rid].block_ids = list(groups[0])
+            self.requests[rid].block_ids = [list(g) for g in groups]
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         so = scheduler_output
@@ -256,6 +290,8 @@ class AfdcWorker(WorkerBase):
         while True:
             try:
                 outputs, _ = self.attention.run(self.attention.begin_step(), batches)
+                for batch in batches:
+                    batch.cache.commit_states()
             except (PeerLost, RendezvousError) as err:
                 if time.monotonic() > deadline:
                     raise
@@ -276,10 +312,16 @@ class AfdcWorker(WorkerBase):
 
     def _micro_batch(self, requests: list[Request]) -> MicroBatch:
         ids = torch.tensor([t for r in requests for t in r.tokens[r.computed:r.computed + r.scheduled]])[None]
-        width = max(len(r.block_ids) for r in requests)
-        table = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in requests])
+        attention = [r.block_ids[self.attention_group] for r in requests]
+        width = max(len(b) for b in attention)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in attention])
         computed = torch.tensor([r.computed for r in requests])
-        paged = PagedBatch(self.store, table, computed, torch.tensor([r.scheduled for r in requests]))
+        state_blocks = {
+            slot: torch.tensor([r.block_ids[group][0] for r in requests]) for slot, group in self.state_groups.items()
+        }
+        paged = PagedBatch(
+            self.store, table, computed, torch.tensor([r.scheduled for r in requests]), self.states, state_blocks
+        )
         ids = ids.to(self.device)
         return MicroBatch(ids, torch.ones_like(ids), paged.positions, paged)
 
