@@ -50,6 +50,7 @@ _UNSUPPORTED_ATTENTION_KWARGS = ("sinks",)
 
 _slots: list[Iterator[int]] = []
 _mixer_sites: list[list[MixerSite]] = []  # per export attempt, in call order
+_key_slots: list[Iterator[int]] = []  # per export attempt: sparse-attention indexers' key caches
 # mask tensor id -> (mask, the sliding-window or chunk size it was built with), within one capture;
 # holding the mask keeps its id from being reused
 _windows: dict[int, tuple[torch.Tensor, int]] = {}
@@ -151,6 +152,10 @@ class _CacheLength(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return key_states, value_states
+
+    def update_indexer(self, keys, layer_idx):
+        """A sparse-attention indexer's keys: those cached for the sequence, then these."""
+        return ops.cached_keys(keys, next(_key_slots[-1]), keys.shape[1] + self.past)
 
     def get_seq_length(self, layer_idx: int = 0):
         return self.past
@@ -390,6 +395,7 @@ def _export(
     inputs = _example_inputs(model, 3 if mode == "incremental" else 0)
     _slots.append(itertools.count())
     _mixer_sites.append([])
+    _key_slots.append(itertools.count())
     # a failed attempt is expected (the next mode tries again) and its error is reported by
     # capture(); fake tensors would also log it with a traceback
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -407,6 +413,7 @@ def _export(
     finally:
         fake_log.level = level
         sites.extend(_mixer_sites.pop())
+        _key_slots.pop()
         _slots.pop()
         _windows.clear()
 

@@ -132,6 +132,20 @@ def _crossings(crossings: list[ReportCrossing], reduce: list[str] | None = None)
     ]
 
 
+def _unpageable(built: Built) -> str:
+    """Why serving's paged KV cache cannot run the attention program ("": it may; the worker
+    checks each attention call's mask when it loads), found when compiling so that ``afdc
+    serve`` refuses before vLLM starts."""
+    if built.recompute:
+        return f"this model's decode recomputes the prefix ({built.recompute})"
+    if built.attention_graph.find_nodes(op="call_function", target=torch.ops.afdc.cached_keys.default):
+        return (
+            "a sparse-attention indexer keeps a key cache of its own and picks each query's keys from the "
+            "hidden states, which afdc's paged KV store and paged attention do not hold yet"
+        )
+    return ""
+
+
 def _attention_file(tp_rank: int, tp: int) -> str:
     return "attn" if tp == 1 else f"attn-tp{tp_rank}"
 
@@ -238,6 +252,7 @@ def compile_model(
             model_files=model_files,
             attention_splits=built.attention_splits,
             mixers=built.mixers,
+            unpageable=_unpageable(built),
             max_positions=built.max_positions,
         )
         (tmp / mf.MANIFEST).write_text(manifest.to_json())

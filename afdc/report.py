@@ -109,6 +109,7 @@ class Report:
             *(
                 f"  mixer {m.module} (cache layer {m.layer}): "
                 + ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in m.state)
+                + (" - whole on every TP rank (the op runs the module's own code)" if self.attention_tp > 1 else "")
                 for m in self.mixers
             ),
             f"FFN side:       {self.ffn_parameters:,} parameters in {len(self.layers)} layers, "

@@ -19,6 +19,7 @@ from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
 from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore
 from afdc.runtime.programs import combine
+from afdc.serve.launch import check_servable
 from models_supported import catalog
 
 NEW_TOKENS = 8
@@ -160,3 +161,24 @@ def test_paged_steps_keep_each_requests_state():
         prompt = torch.tensor([r["tokens"][: r["prompt"]]])
         new = len(r["tokens"]) - r["prompt"]
         assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "hy_v4"])
+def test_sparse_attention_indexer_keys_are_cached(tmp_path, model_type):
+    """DeepSeek-V3.2-style sparse attention: the indexer's keys are kept beside the KV cache
+    (``afdc::cached_keys``), so decode feeds one token a step and still picks the same keys; the
+    paged serving path, which does not hold them yet, is refused when the artifact is served."""
+    model = _model(model_type)
+    ids, mask = _batch(model.config.vocab_size)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    dm = afdc.disaggregate(model, "1A2F")
+    assert dm.incremental, dm.report().decode_recomputes
+    graph = dm.attention.module.graph
+    assert graph.find_nodes(op="call_function", target=torch.ops.afdc.cached_keys.default)
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+
+    model.save_pretrained(tmp_path / "src")
+    manifest = afdc.compile_model(str(tmp_path / "src"), "1A1F", tmp_path / "art", progress=False)
+    assert manifest.incremental_decode and "sparse-attention indexer" in manifest.unpageable
+    with pytest.raises(afdc.UnsupportedModelError, match="cannot run on a paged KV cache"):
+        check_servable(manifest)

@@ -124,6 +124,7 @@ class Manifest:
     # the attention program's stateful mixers: the modules they run (rebuilt from the model's config)
     # and the state each keeps per sequence
     mixers: list[MixerSite] = field(default_factory=list)
+    unpageable: str = ""  # why a paged KV cache (vLLM serving) cannot run the attention program ("": it can)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -175,6 +176,7 @@ class Manifest:
             attention_splits={name: Split(**split) for name, split in d.get("attention_splits", {}).items()},
             max_positions=d.get("max_positions"),
             mixers=[_mixer_site(m) for m in d.get("mixers", [])],
+            unpageable=d.get("unpageable", ""),
         )
 
 

@@ -105,6 +105,25 @@ def _(q, k, v, mask, slot, scale, softcap, sinks, window):
     return q.new_empty((b, s, hq, v.shape[-1]))
 
 
+def cached_keys_body(keys: torch.Tensor, slot: int, length: int) -> torch.Tensor:
+    """The keys ``[b, s, d]`` of this call appended to those the active cache holds for ``slot``
+    (a sparse-attention indexer's key cache): ``[b, length, d]``, ``length`` the key count. With
+    no cache active they are all the keys there are (prefill from scratch)."""
+    cache = context.current_cache()
+    out = keys if cache is None else cache.extend_keys(slot, keys)
+    if out.shape[1] != length:
+        raise RuntimeError(f"cached keys of slot {slot}: {out.shape[1]} positions, the step's mask has {length}")
+    return out
+
+
+cached_keys = torch.library.custom_op("afdc::cached_keys", cached_keys_body, mutates_args=())
+
+
+@cached_keys.register_fake
+def _(keys, slot, length):
+    return keys.new_empty((keys.shape[0], length, *keys.shape[2:]))
+
+
 def sampled_rows_body(hidden: torch.Tensor) -> torch.Tensor:
     """The token rows of ``hidden [1, T, ...]`` whose logits are wanted.
 

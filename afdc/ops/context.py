@@ -27,7 +27,8 @@ class AttentionCache(Protocol):
     (``[b, hq, s, d]``) over everything cached for the slot, ``[b, s, hq, dv]``. ``mask`` and
     ``window`` are the call's own; a cache that knows better where each query's keys are (a paged
     cache over a flat batch of requests) may ignore them. ``last_rows``, where set, lists the token
-    rows whose logits a step wants (``afdc::sampled_rows``).
+    rows whose logits a step wants (``afdc::sampled_rows``). A cache that keeps a sparse-attention
+    indexer's keys has ``extend_keys(slot, keys [b, s, d]) -> [b, kv, d]`` (``afdc::cached_keys``).
     """
 
     def attend(

@@ -43,7 +43,9 @@ class FFNRegion:
 class Classification:
     regions: list[FFNRegion]
     mixers: list[fx.Node]  # attention and stateful-mixer ops (one per call site)
-    inline_mixers: list[fx.Node]  # token-mixing nodes outside attention ops (recurrent, hard-coded attention)
+    # token-mixing nodes outside attention and mixer ops (recurrent, hard-coded attention), except
+    # those over keys the cache keeps (a sparse-attention indexer's scores): decode cannot cache them
+    inline_mixers: list[fx.Node]
 
 
 def _is_mixer(node: fx.Node, free: set[fx.Node]) -> bool:
@@ -55,6 +57,17 @@ def _is_mixer(node: fx.Node, free: set[fx.Node]) -> bool:
         activations = [a for a in node.all_input_nodes if gf.is_tensor(a) and a not in free]
         return len(activations) >= 2
     return False
+
+
+def _downstream(nodes: list[fx.Node]) -> set[fx.Node]:
+    """``nodes`` and everything computed from them."""
+    seen, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return seen
 
 
 def _is_weight_derived(node: fx.Node) -> bool:
@@ -189,7 +202,11 @@ def classify(graph: fx.Graph, parameter_names: set[str]) -> Classification:
             claimed.update((n, len(regions)) for n in region)
             regions.append((stream, region))
     mixers = [n for n in graph.nodes if n.target in _MIXER_OPS]
-    inline = [n for n in graph.nodes if n.op == "call_function" and n not in mixers and _is_mixer(n, finder.free)]
+    over_cached = _downstream(graph.find_nodes(op="call_function", target=torch.ops.afdc.cached_keys.default))
+    inline = [
+        n for n in graph.nodes
+        if n.op == "call_function" and n not in mixers and n not in over_cached and _is_mixer(n, finder.free)
+    ]
     if not regions:
         attention = any(n.target is torch.ops.afdc.attention.default for n in mixers)
         kind = "a model" if attention else "a pure sequence-mixer (state-space) model"

@@ -29,6 +29,14 @@ class KVCache:
         # a few, alternating), so it is opened once per step, not once per layer
         self._opened: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mixer_states = None  # the stateful mixers' cache, made by the program's mixer table
+        self._indexer_keys: dict[int, torch.Tensor] = {}  # sparse-attention indexers' keys [b, kv, d]
+
+    def extend_keys(self, slot: int, keys: torch.Tensor) -> torch.Tensor:
+        """``afdc::cached_keys``: the slot's keys so far, then ``keys``."""
+        held = self._indexer_keys.get(slot)
+        keys = keys.contiguous() if held is None else torch.cat([held, keys], dim=1)
+        self._indexer_keys[slot] = keys
+        return keys
 
     def run_mixer(self, mixers, slot, hidden, mask, run) -> torch.Tensor:
         """A stateful mixer's call (:mod:`afdc.runtime.mixers`): the batch's rows are these

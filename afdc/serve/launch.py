@@ -50,10 +50,9 @@ def check_serving_environment() -> None:
 
 def check_servable(manifest: Manifest) -> None:
     """Refuse an artifact that vLLM's paged KV cache cannot run, before vLLM's engine starts."""
-    if not manifest.incremental_decode:
+    if manifest.unpageable:
         raise UnsupportedModelError(
-            f"this model's decode recomputes the prefix ({manifest.decode_recomputes}): "
-            "it cannot run on a paged KV cache; use afdc.disaggregate / dm.generate instead"
+            f"{manifest.unpageable}: it cannot run on a paged KV cache; use afdc.disaggregate / dm.generate instead"
         )
     if manifest.max_positions is not None:
         raise UnsupportedModelError(
