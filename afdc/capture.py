@@ -178,11 +178,6 @@ class _CacheLength(Cache):
 
     get_recurrent_state = update_conv_state = update_recurrent_state = is_recording_past = get_conv_state
 
-    def __getattr__(self, name):  # a model's own cache API beyond transformers' (MiniMax's linear cache)
-        if name.startswith("_"):
-            raise AttributeError(name)
-        raise _StatefulMixer(self)
-
 
 class _StatefulMixer(Exception):
     """Raised by the stand-in cache when a module asks it for per-layer state: ``module`` is the

@@ -338,7 +338,6 @@ CORE: frozenset[str] = frozenset({
 _SPECIALIZES = (
     "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic)"
 )
-_MIXER_ARGUMENTS = "model.layers.0.self_attn: the stateful mixer model.layers.0.self_attn takes tensors afdc"
 _NO_FFN_SSM = (
     "no FFN region found: this is a pure sequence-mixer (state-space) model with no position-wise weight branch "
     "added to the residual stream"
@@ -354,7 +353,7 @@ _DATA_DEPENDENT = (
 
 # model_type -> the UnsupportedModelError text afdc raises for it (the message starts with this).
 REFUSED: dict[str, str] = {
-    "minimax": _MIXER_ARGUMENTS,
+    "minimax": _SPECIALIZES,
     "zamba2": "no FFN region found: this is a model with no position-wise weight branch added to the residual stream",
     "recurrent_gemma": _SPECIALIZES,
     "rwkv": _SPECIALIZES,
@@ -370,8 +369,9 @@ REFUSED_CAUSE: dict[str, str] = {
     "zamba2": "its MLP sits in a shared attention block without a residual: the block's output is projected into "
               "the next Mamba layer's input, so no FFN branch of the residual stream exists to cut (its Mamba-2 "
               "mixers themselves are captured as stateful mixers)",
-    "minimax": "its lightning-attention mixer takes the 4-D attention mask and position ids besides the hidden "
-               "states (and keeps its state in a cache API of its own), which the mixer op does not pass",
+    "minimax": "lightning attention keeps its state through MiniMaxCache's own methods (get_linear_cache), not "
+               "transformers' per-layer state API, so it is not found as a stateful mixer; inline, its torch path "
+               "loops over sequence blocks in Python",
     "recurrent_gemma": "the RG-LRU scans the sequence in a Python loop",
     "rwkv": "the WKV recurrence scans the sequence in a Python loop",
     "mamba": "pure state-space model: no FFN to disaggregate",

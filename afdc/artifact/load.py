@@ -27,7 +27,6 @@ from afdc.runtime.rendezvous import Layout
 from afdc.runtime.server import serve_program
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.segment import SegmentBinding
-from afdc.source import empty_model
 
 
 def model_dir(directory: str | Path) -> Path:
@@ -112,8 +111,7 @@ def _mixers(directory: Path, manifest: mf.Manifest) -> Mixers | None:
     config = _config(directory)
     if config is None:
         raise mf.ArtifactError(f"{directory} holds no model config ({mf.MODEL_DIR}/config.json): its mixers need it")
-    model = empty_model(config)
-    return Mixers(manifest.mixers, {m.slot: model.get_submodule(m.module) for m in manifest.mixers}, config)
+    return Mixers.from_config(manifest.mixers, config)
 
 
 def _config(directory: Path) -> PretrainedConfig | None:

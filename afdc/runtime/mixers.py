@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import DynamicCache, PretrainedConfig
+from accelerate import init_empty_weights
+from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
 from afdc.errors import AfdcError
 from afdc.mixer import MixerSite, StateTensor
@@ -28,6 +29,14 @@ class Mixers:
         self.sites = {s.slot: s for s in sites}
         self.modules = modules
         self.config = config
+
+    @classmethod
+    def from_config(cls, sites: list[MixerSite], config: PretrainedConfig) -> Mixers:
+        """``sites`` run by modules rebuilt from the model's ``config`` on the meta device: a call
+        passes the weights, the module brings only its code (an artifact's attention rank)."""
+        with init_empty_weights(include_buffers=True):
+            model = AutoModelForCausalLM.from_config(config)
+        return cls(sites, {s.slot: model.get_submodule(s.module) for s in sites}, config)
 
     def __bool__(self) -> bool:
         return bool(self.sites)
