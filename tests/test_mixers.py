@@ -41,21 +41,34 @@ def _batch(vocab: int, rows: int = 3, length: int = 11) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "granitemoehybrid", "lfm2_moe"])
-def test_mixers_decode_incrementally_and_match_the_monolith(model_type):
+@pytest.mark.parametrize(
+    ("model_type", "plan", "options"),
+    [
+        ("qwen3_next", "2A2F", {"micro_batches": 2}),
+        ("granitemoehybrid", "2A2F", {"router": "attn"}),
+        ("lfm2_moe", "1A2F", {"ffn_parallel": "tp"}),
+        ("qwen3_next", "1A1F", {"attention_tp": 2}),
+    ],
+)
+def test_mixers_decode_incrementally_and_match_the_monolith(model_type, plan, options):
+    """FFN sharding (EP, TP, router on the attention side), micro-batches and attention TP (the
+    mixer whole on each TP rank) work unchanged on hybrids."""
     model = _model(model_type)
     ids, mask = _batch(model.config.vocab_size)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
-    dm = afdc.disaggregate(model, "2A2F", micro_batches=2)
+    dm = afdc.disaggregate(model, plan, **options)
     report = dm.report()
     assert not report.decode_recomputes and dm.incremental
-    graph_sites = [c.slot for c in MixerCall.all_in(dm.attention.module.graph)]
+    program = dm.attention.shards[0] if options.get("attention_tp") else dm.attention
+    graph_sites = [c.slot for c in MixerCall.all_in(program.module.graph)]
     assert graph_sites == [m.slot for m in report.mixers] and graph_sites
     assert all(m.state and m.layer is not None for m in report.mixers)
     assert report.mixer_state_bytes == sum(t.bytes for m in report.mixers for t in m.state) > 0
     assert "stateful mixers" in str(report)
+    if options.get("attention_tp"):
+        assert "whole on every TP rank" in str(report)
 
     valid = mask.bool()
     out = dm(ids, attention_mask=mask).logits
