@@ -174,7 +174,7 @@ class _CacheLength(Cache):
 
     # per-layer state that only a stateful mixer reads or writes: the caller is one
     def get_conv_state(self, *args, **kwargs):
-        raise _StatefulMixer(self)
+        raise _StatefulMixer()
 
     get_recurrent_state = update_conv_state = update_recurrent_state = is_recording_past = get_conv_state
 
@@ -183,7 +183,7 @@ class _StatefulMixer(Exception):
     """Raised by the stand-in cache when a module asks it for per-layer state: ``module`` is the
     innermost module whose code asked."""
 
-    def __init__(self, cache: _CacheLength):
+    def __init__(self):
         frame = inspect.currentframe()
         module = None
         while frame is not None and module is None:
@@ -202,9 +202,9 @@ def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs
     The op takes the hidden states (the first argument), the 2-D padding mask (the one other tensor
     argument, if any) and the module's weights; the cache argument is left to the runtime, other
     arguments are recorded as they were traced."""
-    bound = inspect.signature(original).bind(*args, **kwargs)
-    arguments = dict(bound.arguments)
-    for name, p in inspect.signature(original).parameters.items():
+    signature = inspect.signature(original)
+    arguments = dict(signature.bind(*args, **kwargs).arguments)
+    for name, p in signature.parameters.items():
         if p.kind is inspect.Parameter.VAR_KEYWORD:
             arguments.update(arguments.pop(name, {}))
     (hidden_name, hidden), *rest = arguments.items()
