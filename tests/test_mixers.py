@@ -195,3 +195,19 @@ def test_sparse_attention_indexer_keys_are_cached(tmp_path, model_type):
     assert manifest.incremental_decode and "sparse-attention indexer" in manifest.unpageable
     with pytest.raises(afdc.UnsupportedModelError, match="cannot run on a paged KV cache"):
         check_servable(manifest)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "bamba"])
+def test_a_left_padded_row_keeps_the_state_of_the_unpadded_row(model_type):
+    """Padding is masked as the model masks it: a left-padded row's logits and greedy tokens
+    equal those of the same row run alone without padding."""
+    dm = afdc.disaggregate(_model(model_type), "1A1F")
+    ids, mask = _batch(dm.config.vocab_size)
+    batch = dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    with torch.no_grad():
+        logits = dm(ids, attention_mask=mask).logits[:, -1]
+    for i in range(ids.shape[0]):
+        row = ids[i : i + 1, int((mask[i] == 0).sum()):]
+        assert torch.equal(batch[i, -NEW_TOKENS:], dm.generate(row, max_new_tokens=NEW_TOKENS)[0, -NEW_TOKENS:])
+        with torch.no_grad():
+            torch.testing.assert_close(logits[i], dm(row).logits[0, -1], atol=1e-5, rtol=1e-5)
