@@ -4,7 +4,6 @@ monolith on left-padded batches, in-process, across processes and from a compile
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -131,17 +130,23 @@ def test_pure_state_space_models_stay_refused():
         afdc.disaggregate(model)
 
 
-def test_paged_steps_keep_each_requests_state():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_paged_steps_keep_each_requests_state(tp):
     """vLLM-style steps (prefill chunks, a new request joining, batched decodes) over a paged KV
-    cache and one state block per request, as the serving worker runs them, against transformers.
+    cache and one state block per request, as the serving worker runs them, against transformers;
+    under --attn-tp 2 too (each TP rank runs the mixers whole, on its own view of the step).
     A step run twice before its state is committed (an FFN rank lost mid-step) gives the same."""
     model = _model("granitemoehybrid")
-    dm = afdc.disaggregate(model, "1A1F")
-    program = copy.deepcopy(dm.attention_ranks[0])
-    positions_as_cache_positions(program.module.graph)
-    program.module.recompile()
+    dm = afdc.disaggregate(model, "1A1F", attention_tp=tp)
+    program = dm.attention
+    shards = program.shards if tp > 1 else [program]
+    slots = attention_slots(afdc.disaggregate(model, "1A1F").attention.module.graph)  # every TP rank's heads
+    for shard in shards:
+        positions_as_cache_positions(shard.module.graph)
+        shard.module.recompile()
+    program.use_backend("eager")  # lowered again from the rewritten graphs
     sites = dm.report().mixers
-    store = PagedKVStore(attention_slots(dm.attention.module.graph), 16, 4)
+    store = PagedKVStore(slots, 16, 4, tp_ranks=tp)
     states = MixerStateStore(sites, 16)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 6, 7)]

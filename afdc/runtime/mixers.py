@@ -11,6 +11,7 @@ scratch, as the model's call without a cache).
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -29,6 +30,7 @@ class Mixers:
         self.sites = {s.slot: s for s in sites}
         self.modules = modules
         self.config = config
+        self._blank: DynamicCache | None = None  # its layers never run: copied fresh for each call
 
     @classmethod
     def from_config(cls, sites: list[MixerSite], config: PretrainedConfig) -> Mixers:
@@ -75,12 +77,16 @@ class Mixers:
             raise AfdcError(f"the stateful mixer {site.module} returned {tuple(out.shape)} for {tuple(hidden.shape)}")
         return out
 
-    def load(self, state, slot: int, tensors: list[torch.Tensor]) -> None:
-        """Put ``tensors`` (site ``slot``'s state of some sequences, in :attr:`MixerSite.state`
-        order) into an empty ``state``, as if those sequences had run before."""
+    def reset(self, state, slot: int, tensors: list[torch.Tensor] | None = None) -> None:
+        """Give ``state`` a fresh layer for site ``slot``, holding ``tensors`` (the site's state
+        of some sequences, in :attr:`MixerSite.state` order, as if they had run before) or
+        empty. One cache can then serve every site of a step, each call starting from what it
+        is given, however often the step is run."""
         site = self.sites[slot]
-        layer = state.layers[site.layer]
-        for spec, t in zip(site.state, tensors):
+        if self._blank is None:
+            self._blank = self.new_state()
+        layer = state.layers[site.layer] = copy.deepcopy(self._blank.layers[site.layer])
+        for spec, t in zip(site.state, tensors or []):
             kind, index = _kind_index(spec)
             layer.lazy_initialization(**{f"{kind}_states": t}, state_idx=index)
             getattr(layer, f"{kind}_states")[index].copy_(t)

@@ -169,6 +169,7 @@ class PagedBatch:
         self.state_blocks = {slot: b.to(device, torch.long) for slot, b in (state_blocks or {}).items()}
         self._new_states: dict[int, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
         self._groups: list[tuple[torch.Tensor, torch.Tensor, bool]] | None = None
+        self._group_states: dict[int, object] = {}  # group -> its transformers cache
         self.block_table = block_table.to(device, torch.long)
         self.context_lens = context_lens.to(device, torch.long)
         self.query_lens = query_lens.to(device, torch.long)
@@ -225,11 +226,12 @@ class PagedBatch:
         store, blocks, width = self.mixer_store.tensors[slot], self.state_blocks[slot], hidden.shape[-1]
         out = torch.empty_like(hidden)
         new = self._new_states[slot] = []
-        for rows, requests, continues in self._mixer_groups():
-            state = mixers.new_state()
-            ids = blocks[requests]
-            if continues:
-                mixers.load(state, slot, [t[ids] for t in store])
+        for group, (rows, requests, continues) in enumerate(self._mixer_groups()):
+            # one transformers cache per group for the step; each call resets its own layer in it
+            if group not in self._group_states:
+                self._group_states[group] = mixers.new_state()
+            state, ids = self._group_states[group], blocks[requests]
+            mixers.reset(state, slot, [t[ids] for t in store] if continues else None)
             out[0, rows] = run(hidden[0, rows].reshape(len(requests), -1, width), None, state).reshape(-1, width)
             new.append((ids, [t.clone() for t in mixers.read(state, slot)]))
         return out
@@ -263,6 +265,7 @@ class PagedBatch:
         """This step over TP rank ``tp_rank``'s heads of the store (see :mod:`afdc.runtime.tensor_parallel`)."""
         shard = copy.copy(self)
         shard.store = self.store.tp_shard(tp_rank)
+        shard._group_states = {}  # TP ranks run at once, each its own whole mixers
         return shard
 
     def attend(self, slot, q, k, v, mask, scale, softcap, sinks, window) -> torch.Tensor:
