@@ -13,7 +13,11 @@ per-GPU gain a separate FFN pool gives. Every process (vLLM's API server and eng
 server) runs one torch thread by default (``--threads``): three processes whose thread pools
 each span both cores stalled each other (the monolithic row fell from about 1900 to 800 tok/s).
 
-Run:  python benchmarks/bench_serve.py [--requests 64] [--concurrency 16] [--tokens 32] [--threads 1]
+``--model`` serves a tiny catalog architecture instead (``models_supported.catalog``, its vocabulary
+widened to the demo tokenizer's 512): e.g. ``qwen3_next`` (a hybrid, its mixers' state in vLLM's
+state blocks) against ``qwen3_moe`` of the same size, to see what the mixers cost per token.
+
+Run:  python benchmarks/bench_serve.py [--requests 64] [--concurrency 16] [--tokens 32] [--threads 1] [--model demo]
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import openai
 import torch
 
 from afdc.compile import compile_model
-from afdc.demo import save_demo
+from afdc.demo import demo_tokenizer, save_demo
 from afdc.runtime.rendezvous import free_port
 from afdc.serve.launch import Deployment
 from afdc.serve.settings import WorkerSettings
@@ -83,17 +87,27 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of every process (via OMP_NUM_THREADS)")
+    ap.add_argument("--model", default="demo", help="'demo', or a model_type of models_supported.catalog")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the spawned processes' torch
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
-    save_demo(root / "model")
-    artifact = root / "afdc-demo"
+    if args.model == "demo":
+        save_demo(root / "model")
+    else:
+        from models_supported import catalog
+
+        vocab = 512
+        overrides = {"vocab_size": vocab, "max_position_embeddings": 512}  # the demo tokenizer; 256 positions served
+        model = catalog.build_type(args.model, {**catalog.entry(args.model).config_kwargs, **overrides})
+        model.save_pretrained(root / "model")
+        demo_tokenizer(vocab).save_pretrained(root / "model")
+    artifact = root / f"afdc-{args.model}"
     compile_model(str(root / "model"), "1A1F", artifact, progress=False)
 
     rows = {name: measure(artifact, connector, m, args) for name, connector, m in CONFIGS}
     base = rows["monolithic"]
-    print(f"demo model, {args.requests} requests x {args.tokens} tokens, {args.concurrency} in flight, "
+    print(f"{args.model} model, {args.requests} requests x {args.tokens} tokens, {args.concurrency} in flight, "
           f"prompt {args.prompt} tokens, CPU ({args.threads} torch thread(s) per process, load average "
           f"{os.getloadavg()[0]:.2f})")
     print(f"{'':14} {'tok/s':>8} {'p50 TPOT ms':>12} {'p99 TPOT ms':>12}   ratios to monolithic (tok/s, p50, p99)")

@@ -107,7 +107,8 @@ def test_artifact_records_mixer_state_and_decodes_incrementally(tmp_path):
     model.save_pretrained(src)
     ids, mask = _batch(model.config.vocab_size, rows=2)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
-    manifest = afdc.compile_model(str(src), "1A2F", tmp_path / "art", progress=False)
+    plan = afdc.Plan.parse("1A2F", micro_batches=2)  # two threads share the rebuilt mixer modules
+    manifest = afdc.compile_model(str(src), plan, tmp_path / "art", progress=False)
     assert manifest.incremental_decode and manifest.mixers
     site = manifest.mixers[0]
     cfg = model.config

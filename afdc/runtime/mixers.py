@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 
 import torch
 from accelerate import init_empty_weights
@@ -31,6 +32,7 @@ class Mixers:
         self.modules = modules
         self.config = config
         self._blank: DynamicCache | None = None  # its layers never run: copied fresh for each call
+        self._lock = threading.Lock()
 
     @classmethod
     def from_config(cls, sites: list[MixerSite], config: PretrainedConfig) -> Mixers:
@@ -70,7 +72,10 @@ class Mixers:
             # as transformers' recurrent mask: a single decoded token is never padding
             arguments[site.mask_argument] = mask if mask is not None and hidden.shape[1] > 1 else None
         params = dict(zip(site.weights, weights))
-        out = torch.func.functional_call(module, params, (hidden,), arguments, strict=True)
+        # functional_call swaps the weights into the shared module and back: micro-batch threads
+        # take turns (one would otherwise run on another's restored, e.g. meta, weights)
+        with self._lock:
+            out = torch.func.functional_call(module, params, (hidden,), arguments, strict=True)
         if isinstance(out, tuple):
             out = out[0]
         if out.shape != hidden.shape:
