@@ -97,6 +97,12 @@ class Built:
 def _classify(captured: CapturedGraph) -> Classification:
     graph = portable(strip_assertions(captured.graph))
     classification = classify(graph, set(captured.parameter_names))
+    if captured.state_outside_cache:
+        raise UnsupportedModelError(
+            "the forward keeps per-sequence state outside transformers' per-layer cache API "
+            f"({captured.state_outside_cache}): afdc finds no stateful mixer there to keep it per sequence, and "
+            "captured inline the graph holds for one token count only"
+        )
     if captured.specialized:
         raise UnsupportedModelError(
             "the forward specializes the batch size or sequence length (torch.export could not keep them symbolic): "

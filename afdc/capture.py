@@ -296,6 +296,9 @@ class CapturedGraph:
     # why the graph holds for the example's lengths only ("": it holds for any). Every capture
     # that is not shape-polymorphic says why: a static export records the dynamic ones' errors.
     specialized: str = ""
+    # of a specialized capture: per-sequence state the forward keeps outside transformers' cache
+    # layers, where afdc finds no mixer to keep it per sequence ("": none found)
+    state_outside_cache: str = ""
     mixers: list[MixerSite] = field(default_factory=list)  # the graph's afdc::mixer call sites, by slot
 
 
@@ -431,13 +434,56 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
         while True:  # each module type found asking the cache for state is made a mixer op, then again
             try:
                 with _as_mixer_ops(model, mixers):
-                    return _capture(model, functional, argument, with_mixers=bool(mixers))
+                    captured = _capture(model, functional, argument, with_mixers=bool(mixers))
+                break
             except _StatefulMixer as found:
                 if found.module is None or type(found.module) in mixers or _contains_layers(found.module, model):
                     raise UnsupportedModelError(
                         f"the forward reads per-layer cache state outside a token mixer ({found})"
                     ) from None
                 mixers.add(type(found.module))
+    if captured.specialized:
+        captured.state_outside_cache = _state_outside_cache(model)
+    return captured
+
+
+def _state_outside_cache(model: PreTrainedModel) -> str:
+    """Where the forward keeps per-sequence state that transformers' per-layer cache API does not
+    hold ("": nowhere found): tensors it sets on its own modules, or in fields of its own cache
+    class beside the cache layers. Found by running it once over two tokens with a cache."""
+    if any(p.is_meta for p in model.parameters()):
+        return ""
+    modules = [m for _, m in model.named_modules()]
+    before = [_tensor_fields(m) for m in modules]
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+    except Exception:  # a forward that cannot run this way tells nothing here
+        return ""
+    set_on_modules = sorted(
+        f"{type(m).__name__}.{name}"
+        for m, held in zip(modules, before)
+        for name, ids_now in _tensor_fields(m).items()
+        if held.get(name) != ids_now
+    )
+    cache = getattr(out, "past_key_values", None)
+    in_cache = sorted(f"{type(cache).__name__}.{name}" for name in _tensor_fields(cache) if name != "layers")
+    where = [f"{', '.join(set_on_modules)} (module attributes)"] if set_on_modules else []
+    where += [f"{', '.join(in_cache)} (the model's own cache class)"] if in_cache else []
+    return "; ".join(where)
+
+
+def _tensor_fields(obj) -> dict[str, tuple[int, ...]]:
+    """``obj``'s instance fields holding tensors (alone or in a list, tuple or dict), with the ids
+    of those tensors (a field set again holds new ones)."""
+    fields = {}
+    for name, value in vars(obj).items() if obj is not None else ():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        tensors = tuple(id(t) for t in items if isinstance(t, torch.Tensor))
+        if tensors:
+            fields[name] = tensors
+    return fields
 
 
 def _contains_layers(module: torch.nn.Module, model: PreTrainedModel) -> bool:

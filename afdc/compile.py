@@ -138,11 +138,6 @@ def _unpageable(built: Built) -> str:
     serve`` refuses before vLLM starts."""
     if built.recompute:
         return f"this model's decode recomputes the prefix ({built.recompute})"
-    if built.attention_graph.find_nodes(op="call_function", target=torch.ops.afdc.cached_keys.default):
-        return (
-            "a sparse-attention indexer keeps a key cache of its own and picks each query's keys from the "
-            "hidden states, which afdc's paged KV store and paged attention do not hold yet"
-        )
     return ""
 
 

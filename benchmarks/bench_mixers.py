@@ -1,7 +1,8 @@
 """Decode of stateful-mixer hybrids is incremental: time per new token with a long prompt over a short one.
 
 Every hybrid in ``models_supported.catalog`` (Gated DeltaNet, KDA, Mamba, Mamba-2 and short-conv
-hybrids), tiny and fp32 on one CPU thread, plan 1A1F in-process: greedy ``dm.generate`` time per
+hybrids) and every sparse-attention model (an indexer with a key cache of its own: DeepSeek-V3.2,
+GLM-MoE-DSA, HY-V4), tiny and fp32 on one CPU thread, plan 1A1F in-process: greedy ``dm.generate`` time per
 new token after a prompt of ``--long`` tokens over the same after ``--short`` tokens, measured in
 one run. Incremental decode (each step feeds one token; the mixers carry their state, attention
 its KV cache) stays near 1: only attention's reads grow with the prefix. The same model decoding
@@ -10,7 +11,7 @@ beside it: its ratio grows with the prefix.
 
 Per token = ``(generate(1 + N) - generate(1)) / N`` from medians (prefill excluded).
 
-Run:  python benchmarks/bench_mixers.py [--short 16] [--long 512] [--new-tokens 16] [--repeats 5]
+Run:  python benchmarks/bench_mixers.py [--short 16] [--long 512] [--new-tokens 16] [--repeats 5] [--only TYPE ...]
 """
 
 from __future__ import annotations
@@ -65,12 +66,14 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--only", nargs="*", help="model_types to run (default: every hybrid and sparse-attention model)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     print(f"time per new token, prompt {args.long} over prompt {args.short} (N = {args.new_tokens}, 1 thread)")
     print(f"  {'model':<24} {'incremental':>12} {'recompute':>10}")
-    for entry in (e for e in catalog.ENTRIES if e.family == "hybrid"):
+    stateful = [e for e in catalog.ENTRIES if e.family == "hybrid" or "index_topk" in e.config_kwargs]
+    for entry in (e for e in stateful if not args.only or e.model_type in args.only):
         incremental, recompute = bench(entry, args)
         verdict = "ok" if incremental <= TARGET else "MISSED"
         print(f"  {entry.name:<24} {incremental:>12.2f} {recompute:>10.2f}  ({verdict}: target <= {TARGET})")

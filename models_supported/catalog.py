@@ -75,7 +75,10 @@ _MLA = {
     "v_head_dim": 8,
 }
 _SWA = ["sliding_attention", "full_attention"]
-_DSA = {"index_topk": 4, "index_head_dim": 8, "index_n_heads": 2}  # an indexer that leaves keys out at 10 tokens
+# an indexer that leaves keys out at 10 tokens. 32 heads: with few, a query whose head weights are
+# all negative scores every key <= 0, and the ties at 0 are broken by key position, so that in the
+# model itself a left-padded row picks other keys than the same row alone
+_DSA = {"index_topk": 4, "index_head_dim": 8, "index_n_heads": 32}
 
 
 # Gated DeltaNet and Mamba-2 mixers, tiny
@@ -347,15 +350,16 @@ _EXPERT_LOOP = (
     "a batched formulation of its experts (transformers' experts interface does not cover this block) or an "
     "opaque expert op that FFN ranks run with the block's own code"
 )
+_STATE_OUTSIDE_CACHE = "the forward keeps per-sequence state outside transformers' per-layer cache API"
 _DATA_DEPENDENT = (
     "torch.export could not capture the forward: incremental: Could not guard on data-dependent expression"
 )
 
 # model_type -> the UnsupportedModelError text afdc raises for it (the message starts with this).
 REFUSED: dict[str, str] = {
-    "minimax": _SPECIALIZES,
+    "minimax": _STATE_OUTSIDE_CACHE,
     "zamba2": "no FFN region found: this is a model with no position-wise weight branch added to the residual stream",
-    "recurrent_gemma": _SPECIALIZES,
+    "recurrent_gemma": _STATE_OUTSIDE_CACHE,
     "rwkv": _SPECIALIZES,
     "mamba": _NO_FFN_SSM,
     "falcon_mamba": _NO_FFN_SSM,
@@ -369,10 +373,12 @@ REFUSED_CAUSE: dict[str, str] = {
     "zamba2": "its MLP sits in a shared attention block without a residual: the block's output is projected into "
               "the next Mamba layer's input, so no FFN branch of the residual stream exists to cut (its Mamba-2 "
               "mixers themselves are captured as stateful mixers)",
-    "minimax": "lightning attention keeps its state through MiniMaxCache's own methods (get_linear_cache), not "
-               "transformers' per-layer state API, so it is not found as a stateful mixer; inline, its torch path "
-               "loops over sequence blocks in Python",
-    "recurrent_gemma": "the RG-LRU scans the sequence in a Python loop",
+    "minimax": "lightning attention keeps its state in MiniMaxCache.linear_cache through the cache class's own "
+               "methods (get_linear_cache), not transformers' per-layer state API, so it is not found as a stateful "
+               "mixer; inline, its torch path loops over sequence blocks in Python",
+    "recurrent_gemma": "the recurrent block keeps its convolution window and RG-LRU state in module attributes "
+                       "(conv1d_state, recurrent_states), set by the model's own _setup_cache, not in a cache; "
+                       "inline, the RG-LRU scans the sequence in a Python loop",
     "rwkv": "the WKV recurrence scans the sequence in a Python loop",
     "mamba": "pure state-space model: no FFN to disaggregate",
     "falcon_mamba": "pure state-space model: no FFN to disaggregate",

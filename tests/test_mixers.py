@@ -12,11 +12,11 @@ import torch
 import afdc
 from afdc.artifact.manifest import read_manifest
 from afdc.ops import MixerCall
-from afdc.passes.attention_slots import attention_slots
+from afdc.passes.attention_slots import attention_slots, indexer_key_slots
 from afdc.passes.cache_positions import positions_as_cache_positions
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
-from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore
+from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore, PagedRows
 from afdc.runtime.programs import combine
 from afdc.serve.launch import check_servable
 from models_supported import catalog
@@ -186,7 +186,7 @@ def test_paged_steps_keep_each_requests_state(tp):
 def test_sparse_attention_indexer_keys_are_cached(tmp_path, model_type):
     """DeepSeek-V3.2-style sparse attention: the indexer's keys are kept beside the KV cache
     (``afdc::cached_keys``), so decode feeds one token a step and still picks the same keys; the
-    paged serving path, which does not hold them yet, is refused when the artifact is served."""
+    compiled artifact is servable (its paged steps: ``test_paged_rows_pick_each_requests_keys``)."""
     model = _model(model_type)
     ids, mask = _batch(model.config.vocab_size)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
@@ -198,9 +198,53 @@ def test_sparse_attention_indexer_keys_are_cached(tmp_path, model_type):
 
     model.save_pretrained(tmp_path / "src")
     manifest = afdc.compile_model(str(tmp_path / "src"), "1A1F", tmp_path / "art", progress=False)
-    assert manifest.incremental_decode and "sparse-attention indexer" in manifest.unpageable
-    with pytest.raises(afdc.UnsupportedModelError, match="cannot run on a paged KV cache"):
-        check_servable(manifest)
+    assert manifest.incremental_decode and not manifest.unpageable
+    check_servable(manifest)
+
+
+def test_paged_rows_pick_each_requests_keys():
+    """vLLM-style steps of a DeepSeek-V3.2-style model as the serving worker runs them
+    (:class:`PagedRows`): prefills alone, then decodes of requests with different context lengths
+    as the rows of one left-padded batch, the indexer's keys in paged blocks beside K and V. Each
+    request's tokens equal transformers' ``generate`` of it alone (the indexer picks 4 of up to 40
+    keys, so a key taken from another row or a padded slot would show)."""
+    model = _model("deepseek_v32")
+    dm = afdc.disaggregate(model, "1A1F")
+    graph = dm.attention.module.graph
+    keys = indexer_key_slots(graph)
+    assert [k.head_dim for k in keys] == [model.config.index_head_dim] * model.config.num_hidden_layers
+    with pytest.raises(afdc.UnsupportedModelError, match="computed from the hidden states"):
+        attention_slots(graph)  # a flat batch cannot rebuild the indexer's masks
+    store, key_store = PagedKVStore(attention_slots(graph, masks_applied=True), 24, 8), PagedKVStore(keys, 24, 8)
+    gen = torch.Generator().manual_seed(3)
+    requests = [{"tokens": torch.randint(3, 128, (n,), generator=gen).tolist(), "prompt": n,
+                 "blocks": [6 * i + j for j in range(6)], "done": 0} for i, n in enumerate((12, 9, 20))]  # fmt: skip
+    link = connectors.LoopbackConnector(functools.partial(combine, dm.ffn_ranks))
+
+    def step(which: list[int], tokens: int) -> None:
+        reqs = [requests[i] for i in which]
+        ids = torch.tensor([r["tokens"][r["done"]:r["done"] + tokens] for r in reqs])
+        table, done = torch.tensor([r["blocks"] for r in reqs]), torch.tensor([r["done"] for r in reqs])
+        rows = PagedRows(store, table, done, tokens, key_store)
+        with torch.no_grad(), connectors.active(link), kv_cache.active(rows):
+            logits = dm.attention(ids, rows.attention_mask, rows.positions).logits[:, -1]
+        for r, row in zip(reqs, logits):
+            r["done"] += tokens
+            if r["done"] == len(r["tokens"]):
+                r["tokens"].append(int(row.argmax()))
+
+    step([0], 7)
+    step([0], 5)  # a chunk continuing from the cached keys
+    step([1], 9)
+    for _ in range(4):
+        step([0, 1], 1)
+    step([2], 20)
+    for _ in range(12):
+        step([0, 1, 2], 1)
+    for r in requests:
+        prompt = torch.tensor([r["tokens"][: r["prompt"]]])
+        new = len(r["tokens"]) - r["prompt"]
+        assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "bamba"])

@@ -1,9 +1,11 @@
-"""Serving stateful-mixer hybrids under vLLM: each mixer's state in vLLM's hybrid KV-cache groups
-(Mamba-style state specs, one block per request), with the official ``openai`` client.
+"""Serving models with more per-layer state than K and V under vLLM, with the official ``openai``
+client: stateful-mixer hybrids (each mixer's state in vLLM's hybrid KV-cache groups, Mamba-style
+state specs, one block per request) and DeepSeek-V3.2-style sparse attention (the indexer's keys
+in the paged blocks beside K and V).
 
 Greedy completions, concurrent and under preemption (a pool too small for every request),
-equal ``dm.generate`` of the same artifact, for a Gated DeltaNet hybrid MoE (Qwen3-Next) and a
-Mamba-2 hybrid MoE (Granite 4 hybrid).
+equal ``dm.generate`` of the same artifact, for a Gated DeltaNet hybrid MoE (Qwen3-Next), a
+Mamba-2 hybrid MoE (Granite 4 hybrid) and DeepSeek-V3.2.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ def _artifact(root: Path, model_type: str, plan: str, micro_batches: int = 1) ->
 
 
 @pytest.mark.parametrize(
-    ("model_type", "plan", "micro_batches"), [("qwen3_next", "2A2F", 2), ("granitemoehybrid", "1A2F", 1)]
+    ("model_type", "plan", "micro_batches"),
+    [("qwen3_next", "2A2F", 2), ("granitemoehybrid", "1A2F", 1), ("deepseek_v32", "2A2F", 2)],
 )
 def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micro_batches):
-    """With two micro-batches, their threads run the mixers' shared modules in turn."""
+    """With two micro-batches, their threads run the mixers' shared modules in turn. DeepSeek-V3.2's
+    indexer picks 4 keys per query from its own paged key cache: decoding requests run as the rows
+    of one padded batch per micro-batch, prefills alone."""
     artifact = _artifact(tmp_path, model_type, plan, micro_batches)
     ref = _reference(artifact, PROMPTS)
     serving = _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",))
@@ -51,11 +56,12 @@ def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micr
     assert got == ref * 2
 
 
-def test_hybrid_preemption_keeps_outputs(tmp_path):
-    """A pool of 12 blocks for 6 requests that each need an attention block per 16 tokens and a
-    state block: vLLM preempts requests to free blocks, and a resumed request recomputes its
-    state from its tokens; the outputs stay those of dm.generate."""
-    artifact = _artifact(tmp_path, "qwen3_next", "1A1F")
+@pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v32"])
+def test_hybrid_preemption_keeps_outputs(tmp_path, model_type):
+    """A pool of 12 blocks for 6 requests that each need an attention block per 16 tokens (and,
+    for a hybrid, a state block): vLLM preempts requests to free blocks, and a resumed request
+    recomputes its state (its indexer keys) from its tokens; the outputs stay those of dm.generate."""
+    artifact = _artifact(tmp_path, model_type, "1A1F")
     prompts = [list(range(100 + i, 130 + i)) for i in range(6)]
     ref = _reference(artifact, prompts, 24)
     args = ("--return-tokens-as-token-ids", "--block-size", "16", "--num-gpu-blocks-override", "12",

@@ -16,8 +16,8 @@ from afdc.ops import context
 from afdc.ops.call import OpCall
 
 
-def _mask_for_queries_at_end(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """Causal mask when the queries are the last ``q_len`` of ``kv_len`` positions."""
+def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Causal mask ``[1, 1, q_len, kv_len]`` when the queries are the last ``q_len`` of ``kv_len`` positions."""
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
     return (torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])[None, None]
 
@@ -46,7 +46,7 @@ def reference_attention(
     to everything (:func:`open_empty_rows`; ``rows_open``: the caller did that already).
     """
     if mask is None:
-        mask = _mask_for_queries_at_end(q.shape[2], k.shape[2], q.device)
+        mask = causal_mask(q.shape[2], k.shape[2], q.device)
     elif not rows_open:
         mask = open_empty_rows(mask)
     if softcap == 0.0 and sinks is None:

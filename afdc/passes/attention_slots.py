@@ -51,13 +51,15 @@ class SlotSpec:
         return ok
 
 
-def attention_slots(graph: fx.Graph) -> list[SlotSpec]:
+def attention_slots(graph: fx.Graph, masks_applied: bool = False) -> list[SlotSpec]:
     """The :class:`SlotSpec` of every ``afdc::attention`` call in ``graph``, in slot order.
 
     ``graph`` is a captured or attention-program graph (``dm.attention.module.graph``). Raises
     :class:`UnsupportedModelError` for what the paged path cannot serve. It cannot tell from the
     graph whether other token mixers (convolutions, recurrences) run inline; those models have
-    ``dm.incremental == False`` and must be refused by the caller.
+    ``dm.incremental == False`` and must be refused by the caller. ``masks_applied``: the paged
+    cache applies the graph's own masks (:class:`afdc.runtime.paged.PagedRows`), so a mask
+    computed from the hidden states is served as it is (its reach is then the whole context).
     """
     calls = AttentionCall.all_in(graph)
     if not calls:
@@ -83,6 +85,9 @@ def attention_slots(graph: fx.Graph) -> list[SlotSpec]:
                 f"attention slot {slot}: {q.meta['val'].shape[1]} query heads over {kv_heads} key and "
                 f"{value_heads} value heads is not grouped-query attention"
             )
+        if mask in from_tokens and masks_applied:
+            specs[slot] = SlotSpec(kv_heads, head_dim, value_dim)
+            continue
         if mask in from_tokens:
             raise UnsupportedModelError(
                 f"attention slot {slot}: its mask is computed from the hidden states (a sparse-attention indexer "
@@ -91,6 +96,23 @@ def attention_slots(graph: fx.Graph) -> list[SlotSpec]:
         specs[slot] = _reach(graph, mask, window, SlotSpec(kv_heads, head_dim, value_dim), slot)
     if sorted(specs) != list(range(len(specs))):
         raise UnsupportedModelError(f"attention slots {sorted(specs)} are not numbered 0..{len(specs) - 1}")
+    return [specs[s] for s in range(len(specs))]
+
+
+def indexer_key_slots(graph: fx.Graph) -> list[SlotSpec]:
+    """Per ``afdc::cached_keys`` slot (a sparse-attention indexer's key cache), its keys as a
+    one-head slot with no values: ``[b, s, d]`` keys per call. ``graph`` carries shapes."""
+    specs: dict[int, SlotSpec] = {}
+    for node in graph.find_nodes(op="call_function", target=torch.ops.afdc.cached_keys.default):
+        keys, slot = node.args[:2]
+        shape = keys.meta["val"].shape
+        if len(shape) != 3 or not isinstance(shape[2], int):
+            raise UnsupportedModelError(f"indexer key slot {slot}: keys of shape {tuple(shape)}, not [b, s, d]")
+        if slot in specs:
+            raise UnsupportedModelError(f"indexer key slot {slot} is used by two calls; a paged cache needs one each")
+        specs[slot] = SlotSpec(kv_heads=1, head_dim=shape[2], value_dim=0)
+    if sorted(specs) != list(range(len(specs))):
+        raise UnsupportedModelError(f"indexer key slots {sorted(specs)} are not numbered 0..{len(specs) - 1}")
     return [specs[s] for s in range(len(specs))]
 
 

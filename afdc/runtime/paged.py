@@ -12,6 +12,10 @@ The graph's mask is ignored there: it is causal over the whole flat batch, wrong
 requests. Which keys a query reaches comes from the slot's :class:`SlotSpec` instead, and
 :func:`afdc.passes.attention_slots.attention_slots` derives it by running each call site's mask computation, refusing
 masks the paged path cannot reproduce rather than serving a silently different model.
+
+Programs whose masks depend on the hidden states (a sparse-attention indexer's top-k choice) run
+on :class:`PagedRows` instead: the step's requests as the rows of a left-padded batch, where the
+graph's own masks are right.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 from afdc.codegen.paged_attention import decode_kernel_runs, paged_decode_attention
 from afdc.mixer import MixerSite
-from afdc.ops import reference_attention
+from afdc.ops import causal_mask, reference_attention
 from afdc.passes.attention_slots import SlotSpec
 
 # -- the cache ------------------------------------------------------------------------------------
@@ -33,7 +37,8 @@ from afdc.passes.attention_slots import SlotSpec
 
 class PagedKVStore:
     """Per slot, keys ``[num_blocks, block_size, kv_heads, head_dim]`` and values
-    ``[num_blocks, block_size, kv_heads, value_dim]``.
+    ``[num_blocks, block_size, kv_heads, value_dim]`` (a sparse-attention indexer's key cache is
+    a store of one-head slots with ``value_dim == 0``).
 
     A block id names the same block in every slot, as vLLM's block tables do. ``kv`` hands over
     existing ``(keys, values)`` per slot (a serving engine's own allocation; they must be
@@ -70,9 +75,10 @@ class PagedKVStore:
         for i, (s, k, v) in enumerate(zip(self.slots, self.keys, self.values)):
             self._check(k, self._shape(s, s.head_dim), f"slot {i} keys")
             self._check(v, self._shape(s, s.value_dim), f"slot {i} values")
-        # [num_blocks * block_size, heads, dim] views: a token's cache slot indexes them directly
-        self._flat_keys = [k.view(-1, *k.shape[2:]) for k in self.keys]
-        self._flat_values = [v.view(-1, *v.shape[2:]) for v in self.values]
+        # [num_blocks * block_size, heads, dim] views (checked above: flattening copies nothing): a
+        # token's cache slot indexes them directly
+        self._flat_keys = [k.flatten(0, 1) for k in self.keys]
+        self._flat_values = [v.flatten(0, 1) for v in self.values]
 
     def tp_shard(self, tp_rank: int) -> PagedKVStore:
         """TP rank ``tp_rank``'s heads of every slot: a view, written in place."""
@@ -303,6 +309,83 @@ class PagedBatch:
     def unpad(self, out: torch.Tensor) -> torch.Tensor:
         """``[R, max_q, hq, dv]`` -> the flat ``[1, T, hq, dv]``."""
         return out.flatten(0, 1)[self._query_index][None]
+
+
+class PagedRows:
+    """One step's requests as the rows of a left-padded batch over a :class:`PagedKVStore`: for
+    attention programs whose masks a flat batch cannot rebuild from positions (a sparse-attention
+    indexer picks each query's keys from the hidden states, over keys it caches itself).
+
+    The program runs as ``dm.generate`` runs it: on ``input_ids [R, s]`` with
+    :attr:`attention_mask` ``[R, kv]`` marking each row's cached keys, right-aligned, and
+    :attr:`positions`; every attention call applies the graph's own mask to the keys gathered from
+    the blocks, and every ``afdc::cached_keys`` call extends the indexer's keys kept in
+    ``key_store`` at the same token slots. All rows have the same ``s`` tokens this step (decoding
+    requests together, a prefill or chunk alone), so no row's queries are padded.
+    """
+
+    def __init__(
+        self,
+        store: PagedKVStore,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_len: int,
+        key_store: PagedKVStore | None = None,
+    ):
+        device = store.device
+        self.store, self.key_store = store, key_store
+        block_table, context_lens = block_table.to(device, torch.long), context_lens.to(device, torch.long)
+        requests, bs, s = context_lens.shape[0], store.block_size, query_len
+        seq_lens = context_lens + s
+        kv = int(seq_lens.max())
+        if block_table.shape[0] != requests or block_table.shape[1] * bs < kv:
+            raise ValueError(
+                f"{requests} requests reaching {kv} tokens need a block table row each of at least "
+                f"{-(-kv // bs)} blocks of {bs}; got {tuple(block_table.shape)}"
+            )
+        rows = torch.arange(requests, device=device)[:, None]
+        self.positions = context_lens[:, None] + torch.arange(s, device=device)  # [R, s]
+        self.slot_mapping = (block_table[rows, self.positions // bs] * bs + self.positions % bs).flatten()
+        k_pos = torch.arange(kv, device=device) - (kv - seq_lens[:, None])  # [R, kv]: < 0 is padding
+        valid = k_pos >= 0
+        k_pos = k_pos.clamp(min=0)
+        # pad keys point at slot 0 and are zeroed after the gather (unwritten memory may hold NaN)
+        self._key_index = torch.where(valid, block_table[rows, k_pos // bs] * bs + k_pos % bs, 0)
+        self._key_pad = ~valid[..., None, None]
+        self.attention_mask = valid.long()  # [R, kv]: the program's attention_mask
+        self.last_rows = torch.tensor([s - 1], device=device)  # each row samples its last token
+        self._shape = (requests, s)
+
+    def attend(self, slot, q, k, v, mask, scale, softcap, sinks, window) -> torch.Tensor:
+        """The ``kv_cache`` entry point: store the step's keys and values, attend over each row's
+        cached keys with the call's ``mask`` (``[R, 1 or h, s, kv]``, the graph's own)."""
+        if (q.shape[0], q.shape[2]) != self._shape:
+            raise ValueError(f"a paged step of {self._shape} (rows, tokens): the attention got {tuple(q.shape)}")
+        self.store.write(slot, self.slot_mapping, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))
+        keys, values = (t.masked_fill(self._key_pad, 0).transpose(1, 2) for t in self.store.read(slot, self._key_index))
+        if mask is None:  # the op's default (causal, queries last) and each row's own keys
+            mask = self.attention_mask.bool()[:, None, None, :] & causal_mask(q.shape[2], keys.shape[2], q.device)
+        return reference_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, scale, softcap, sinks)
+
+    def extend_keys(self, slot: int, keys: torch.Tensor) -> torch.Tensor:
+        """``afdc::cached_keys``: store the step's indexer keys ``[R, s, d]``, return each row's
+        cached keys ``[R, kv, d]`` (zeros where the row is padded)."""
+        if self.key_store is None:
+            raise ValueError(f"this paged step has no key store for sparse-attention indexer slot {slot}")
+        flat = keys.flatten(0, 1)[:, None]
+        self.key_store.write(slot, self.slot_mapping, flat, flat.new_empty(flat.shape[0], 1, 0))
+        held, _ = self.key_store.read(slot, self._key_index)
+        return held.masked_fill(self._key_pad, 0)[:, :, 0].to(keys.dtype)
+
+    def commit_states(self) -> None:
+        """Nothing to commit: the rows keep no mixer state (see :class:`PagedBatch`)."""
+
+    def tp_shard(self, tp_rank: int) -> PagedRows:
+        """This step over TP rank ``tp_rank``'s heads; the indexer's one key head is every rank's
+        (each writes the same keys)."""
+        shard = copy.copy(self)
+        shard.store = self.store.tp_shard(tp_rank)
+        return shard
 
 
 def _reach_key(spec: SlotSpec) -> tuple[int, bool]:

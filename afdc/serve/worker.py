@@ -6,7 +6,8 @@ step ``execute_model(scheduler_output)`` and ``sample_tokens(grammar_output)``.
 
 A step runs the attention program of this attention rank on the step's flat token batch over
 a paged KV cache laid out on vLLM's block tables (:mod:`afdc.runtime.paged`), its requests
-split into micro-batches that ping-pong with the FFN ranks (:class:`AttentionRank`). With the
+split into micro-batches that ping-pong with the FFN ranks (:class:`AttentionRank`); a program
+with sparse-attention indexers runs on rows of a padded batch instead (:class:`PagedRows`). With the
 ``loopback`` connector the FFN programs run in this process: the monolithic baseline served
 by the same worker. Sampling is vLLM's own sampler.
 """
@@ -31,7 +32,7 @@ from afdc.artifact import manifest as mf
 from afdc.artifact.load import deployment_of, load
 from afdc.errors import UnsupportedModelError
 from afdc.lowering import resolve as resolve_backend
-from afdc.passes.attention_slots import SlotSpec, attention_slots
+from afdc.passes.attention_slots import SlotSpec, attention_slots, indexer_key_slots
 from afdc.passes.cache_positions import positions_as_cache_positions
 from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
@@ -41,6 +42,7 @@ from afdc.runtime.paged import (
     MixerStateStore,
     PagedBatch,
     PagedKVStore,
+    PagedRows,
     kernel_paged_attention,
     register_paged_attention,
 )
@@ -73,14 +75,25 @@ class Request:
     scheduled: int = 0  # tokens run in the current step
 
 
-def _slots(module: torch.fx.GraphModule) -> list[SlotSpec]:
-    """The paged-cache slots of a loaded attention program, whose graph carries no shapes: a
-    fake-tensor run over a few tokens (past keys included) gives them."""
+def _slots(module: torch.fx.GraphModule) -> tuple[list[SlotSpec], list[SlotSpec]]:
+    """The paged-cache slots of a loaded attention program (its attention calls', its
+    sparse-attention indexers'), whose graph carries no shapes: a fake-tensor run over a few
+    tokens (past keys included) gives them. With indexers the steps run as :class:`PagedRows`,
+    which apply the graph's own masks."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         inputs = (torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), torch.arange(2, 5)[None])
     FakeTensorProp(module, mode).propagate(*inputs)
-    return attention_slots(module.graph)
+    keys = indexer_key_slots(module.graph)
+    return attention_slots(module.graph, masks_applied=bool(keys)), keys
+
+
+def _row_groups(sizes: list[int], parts: int) -> list[list[int]]:
+    """Requests of a :class:`PagedRows` step: those with one token this step in ``parts`` groups
+    (rows of one batch each), every other one alone."""
+    single = [i for i, n in enumerate(sizes) if n == 1]
+    groups = [single[g] for g in _micro_batches([1] * len(single), parts)] if single else []
+    return groups + [[i] for i, n in enumerate(sizes) if n != 1]
 
 
 def _micro_batches(sizes: list[int], parts: int) -> list[slice]:
@@ -128,13 +141,22 @@ class AfdcWorker(WorkerBase):
         self.tp_ranks = len(shards)
         if self.tp_ranks > 1:  # TP ranks 1.. wait while rank 0 waits for the FFN side
             program.timeout = s.timeout + s.join_timeout
+        slots, self.key_slots = _slots(program.module)
         # every TP rank's heads side by side in one paged store (its own view of them)
-        self.slots: list[SlotSpec] = [replace(x, kv_heads=x.kv_heads * self.tp_ranks) for x in _slots(program.module)]
+        self.slots: list[SlotSpec] = [replace(x, kv_heads=x.kv_heads * self.tp_ranks) for x in slots]
+        # sparse-attention indexers: a step's requests run as rows of a padded batch (PagedRows)
+        self.rows = bool(self.key_slots)
+        if self.rows and self.mixers:
+            raise UnsupportedModelError(
+                "a model with both sparse-attention indexers and stateful mixers: afdc's paged steps run "
+                "indexers over rows of a padded batch and mixers over a flat batch, not both yet"
+            )
         # logits for each request's last token only (the step samples nothing else)
         self.rows_only = all([sample_rows_only(x.module, x.out_spec) for x in shards])
         for x in shards:  # a flat batch: each request's tokens sit at their own cache positions
-            positions_as_cache_positions(x.module.graph)
-            x.module.recompile()
+            if not self.rows:
+                positions_as_cache_positions(x.module.graph)
+                x.module.recompile()
         backend = s.backend or manifest.plan.backend
         program.use_backend(backend)  # lowered after the graph is final
         if resolve_backend(backend, self.device) == "afdc" and self.device.type == "cuda":
@@ -176,6 +198,12 @@ class AfdcWorker(WorkerBase):
             )
             for i, s in enumerate(self.slots)
         }
+        # an indexer's keys sit in the attention layers' blocks (same block ids and token slots):
+        # each attention page is padded by its share of them, so that vLLM counts their memory
+        key_bytes = sum(block_size * k.head_dim * self.dtype.itemsize for k in self.key_slots)
+        if key_bytes:
+            extra = -(-key_bytes // len(specs))
+            specs = {name: replace(spec, page_size_padded=spec.page_size_bytes + extra) for name, spec in specs.items()}
         pages = {spec.page_size_bytes for spec in specs.values()}
         if len(pages) > 1:
             raise UnsupportedModelError(
@@ -217,6 +245,9 @@ class AfdcWorker(WorkerBase):
             self.slots, num_blocks, self.block_size, self.dtype, self.device, tp_ranks=self.tp_ranks
         )
         self.states = MixerStateStore(self.mixers, num_blocks, self.device) if self.mixers else None
+        self.keys = (
+            PagedKVStore(self.key_slots, num_blocks, self.block_size, self.dtype, self.device) if self.rows else None
+        )
         logger.info(
             "afdc: KV cache of %d blocks x %d tokens%s", num_blocks, self.block_size,
             f", state blocks for {len(self.mixers)} stateful mixers" if self.mixers else "",
@@ -234,10 +265,12 @@ class AfdcWorker(WorkerBase):
         """Apply what the scheduler changed: finished, new, resumed and continuing requests."""
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
-        if so.new_block_ids_to_zero:
-            self.store.zero_blocks(so.new_block_ids_to_zero)
-        if so.kv_cache_block_copies:
-            self.store.copy_blocks([(c.src_block_id, c.dst_block_id) for c in so.kv_cache_block_copies])
+        stores = [self.store] + ([self.keys] if self.keys is not None else [])
+        for store in stores:
+            if so.new_block_ids_to_zero:
+                store.zero_blocks(so.new_block_ids_to_zero)
+            if so.kv_cache_block_copies:
+                store.copy_blocks([(c.src_block_id, c.dst_block_id) for c in so.kv_cache_block_copies])
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             prompt = list(new.prompt_token_ids)
@@ -269,14 +302,20 @@ class AfdcWorker(WorkerBase):
         scheduled = [self.requests[rid] for rid in so.num_scheduled_tokens]
         for r in scheduled:
             r.scheduled = so.num_scheduled_tokens[r.id]
-        groups = _micro_batches([r.scheduled for r in scheduled], self.micro_batches)
-        outputs = self._run([self._micro_batch(scheduled[g]) for g in groups])
-        last = torch.cat([self._last_logits(out.logits, scheduled[g]) for g, out in zip(groups, outputs)])
-        self._pending = (so, scheduled, last)
+        sizes = [r.scheduled for r in scheduled]
+        if self.rows:
+            groups = [[scheduled[i] for i in g] for g in _row_groups(sizes, self.micro_batches)]
+        else:
+            groups = [scheduled[g] for g in _micro_batches(sizes, self.micro_batches)]
+        outputs = self._run([self._micro_batch(g) for g in groups])
+        last = torch.cat([self._last_logits(out.logits, g) for g, out in zip(groups, outputs)])
+        self._pending = (so, [r for g in groups for r in g], last)
         return None
 
     def _last_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each request's logits at its last scheduled token."""
+        if self.rows:
+            return logits[:, -1]  # a row per request
         if self.rows_only:
             return logits[0]  # the program computed those rows only
         return logits[0, torch.tensor([r.scheduled for r in requests]).cumsum(0) - 1]
@@ -311,11 +350,16 @@ class AfdcWorker(WorkerBase):
             self._problem = problem
 
     def _micro_batch(self, requests: list[Request]) -> MicroBatch:
-        ids = torch.tensor([t for r in requests for t in r.tokens[r.computed:r.computed + r.scheduled]])[None]
+        tokens = [r.tokens[r.computed:r.computed + r.scheduled] for r in requests]
         attention = [r.block_ids[self.attention_group] for r in requests]
         width = max(len(b) for b in attention)
         table = torch.tensor([b + [0] * (width - len(b)) for b in attention])
         computed = torch.tensor([r.computed for r in requests])
+        if self.rows:
+            rows = PagedRows(self.store, table, computed, requests[0].scheduled, self.keys)
+            ids = torch.tensor(tokens, device=self.device)
+            return MicroBatch(ids, rows.attention_mask, rows.positions, rows)
+        ids = torch.tensor([t for row in tokens for t in row])[None]
         state_blocks = {
             slot: torch.tensor([r.block_ids[group][0] for r in requests]) for slot, group in self.state_groups.items()
         }
