@@ -5,6 +5,7 @@ monolith on left-padded batches, in-process, across processes and from a compile
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 import afdc
 from afdc.artifact.manifest import read_manifest
 from afdc.ops import MixerCall
-from afdc.passes.attention_slots import attention_slots, indexer_key_slots
+from afdc.passes.attention_slots import attention_slots, program_slots
 from afdc.passes.cache_positions import positions_as_cache_positions
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
@@ -202,20 +203,22 @@ def test_sparse_attention_indexer_keys_are_cached(tmp_path, model_type):
     check_servable(manifest)
 
 
-def test_paged_rows_pick_each_requests_keys():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_paged_rows_pick_each_requests_keys(tp):
     """vLLM-style steps of a DeepSeek-V3.2-style model as the serving worker runs them
     (:class:`PagedRows`): prefills alone, then decodes of requests with different context lengths
-    as the rows of one left-padded batch, the indexer's keys in paged blocks beside K and V. Each
-    request's tokens equal transformers' ``generate`` of it alone (the indexer picks 4 of up to 40
-    keys, so a key taken from another row or a padded slot would show)."""
+    as the rows of one left-padded batch, the indexer's keys in paged blocks beside K and V; under
+    --attn-tp 2 too (each TP rank its heads, the indexer's one key head shared). Each request's
+    tokens equal transformers' ``generate`` of it alone (the indexer picks 4 of up to 32 keys, so a
+    key taken from another row or a padded slot would show)."""
     model = _model("deepseek_v32")
-    dm = afdc.disaggregate(model, "1A1F")
-    graph = dm.attention.module.graph
-    keys = indexer_key_slots(graph)
-    assert [k.head_dim for k in keys] == [model.config.index_head_dim] * model.config.num_hidden_layers
+    dm = afdc.disaggregate(model, "1A1F", attention_tp=tp)
     with pytest.raises(afdc.UnsupportedModelError, match="computed from the hidden states"):
-        attention_slots(graph)  # a flat batch cannot rebuild the indexer's masks
-    store, key_store = PagedKVStore(attention_slots(graph, masks_applied=True), 24, 8), PagedKVStore(keys, 24, 8)
+        attention_slots(afdc.disaggregate(model).attention.module.graph)  # a flat batch cannot rebuild them
+    slots, keys = program_slots(dm.attention.module)
+    assert [k.head_dim for k in keys] == [model.config.index_head_dim] * model.config.num_hidden_layers
+    slots = [replace(s, kv_heads=s.kv_heads * tp) for s in slots]  # the TP ranks' heads side by side
+    store, key_store = PagedKVStore(slots, 24, 8, tp_ranks=tp), PagedKVStore(keys, 24, 8)
     gen = torch.Generator().manual_seed(3)
     requests = [{"tokens": torch.randint(3, 128, (n,), generator=gen).tolist(), "prompt": n,
                  "blocks": [6 * i + j for j in range(6)], "done": 0} for i, n in enumerate((12, 9, 20))]  # fmt: skip

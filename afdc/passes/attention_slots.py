@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from afdc.capture import key_length_tied
 from afdc.errors import UnsupportedModelError
@@ -114,6 +116,19 @@ def indexer_key_slots(graph: fx.Graph) -> list[SlotSpec]:
     if sorted(specs) != list(range(len(specs))):
         raise UnsupportedModelError(f"indexer key slots {sorted(specs)} are not numbered 0..{len(specs) - 1}")
     return [specs[s] for s in range(len(specs))]
+
+
+def program_slots(module: fx.GraphModule) -> tuple[list[SlotSpec], list[SlotSpec]]:
+    """The paged-cache slots of an attention program (its attention calls', its sparse-attention
+    indexers'), found on a fake-tensor run over a few tokens (past keys included), since a loaded
+    program's graph carries no shapes. With indexers the program's masks are its own to apply
+    (:class:`afdc.runtime.paged.PagedRows`); per TP rank under ``--attn-tp`` (one shard's heads)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        inputs = (torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), torch.arange(2, 5)[None])
+    FakeTensorProp(module, mode).propagate(*inputs)
+    keys = indexer_key_slots(module.graph)
+    return attention_slots(module.graph, masks_applied=bool(keys)), keys
 
 
 def _check_incremental(graph: fx.Graph) -> None:

@@ -21,8 +21,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -32,7 +30,7 @@ from afdc.artifact import manifest as mf
 from afdc.artifact.load import deployment_of, load
 from afdc.errors import UnsupportedModelError
 from afdc.lowering import resolve as resolve_backend
-from afdc.passes.attention_slots import SlotSpec, attention_slots, indexer_key_slots
+from afdc.passes.attention_slots import SlotSpec, program_slots
 from afdc.passes.cache_positions import positions_as_cache_positions
 from afdc.passes.sampled_rows import sample_rows_only
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
@@ -73,19 +71,6 @@ class Request:
     block_ids: list[list[int]]  # per KV-cache group (attention; each stateful mixer's state blocks)
     computed: int  # tokens whose keys and values are in the cache
     scheduled: int = 0  # tokens run in the current step
-
-
-def _slots(module: torch.fx.GraphModule) -> tuple[list[SlotSpec], list[SlotSpec]]:
-    """The paged-cache slots of a loaded attention program (its attention calls', its
-    sparse-attention indexers'), whose graph carries no shapes: a fake-tensor run over a few
-    tokens (past keys included) gives them. With indexers the steps run as :class:`PagedRows`,
-    which apply the graph's own masks."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        inputs = (torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), torch.arange(2, 5)[None])
-    FakeTensorProp(module, mode).propagate(*inputs)
-    keys = indexer_key_slots(module.graph)
-    return attention_slots(module.graph, masks_applied=bool(keys)), keys
 
 
 def _row_groups(sizes: list[int], parts: int) -> list[list[int]]:
@@ -141,7 +126,7 @@ class AfdcWorker(WorkerBase):
         self.tp_ranks = len(shards)
         if self.tp_ranks > 1:  # TP ranks 1.. wait while rank 0 waits for the FFN side
             program.timeout = s.timeout + s.join_timeout
-        slots, self.key_slots = _slots(program.module)
+        slots, self.key_slots = program_slots(program.module)
         # every TP rank's heads side by side in one paged store (its own view of them)
         self.slots: list[SlotSpec] = [replace(x, kv_heads=x.kv_heads * self.tp_ranks) for x in slots]
         # sparse-attention indexers: a step's requests run as rows of a padded batch (PagedRows)
