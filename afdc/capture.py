@@ -21,12 +21,14 @@ forward reads of its cache (how many tokens it holds: every cache position in tr
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import sympy
 import torch
@@ -172,6 +174,11 @@ class _CacheLength(Cache):
     def is_compileable(self) -> bool:
         return False
 
+    def __getattr__(self, name: str):
+        # a cache API of the model's own (MiniMax's get_linear_cache): whoever asks keeps state in
+        # the cache; an AttributeError still, so that getattr(cache, name, default) stays quiet
+        raise _StatefulMixer()
+
     # per-layer state that only a stateful mixer reads or writes: the caller is one
     def get_conv_state(self, *args, **kwargs):
         raise _StatefulMixer()
@@ -179,9 +186,9 @@ class _CacheLength(Cache):
     get_recurrent_state = update_conv_state = update_recurrent_state = is_recording_past = get_conv_state
 
 
-class _StatefulMixer(Exception):
-    """Raised by the stand-in cache when a module asks it for per-layer state: ``module`` is the
-    innermost module whose code asked."""
+class _StatefulMixer(AttributeError):
+    """Raised by the stand-in cache when a module asks it for per-layer state (or for anything it
+    does not have): ``module`` is the innermost module whose code asked."""
 
     def __init__(self):
         frame = inspect.currentframe()
@@ -201,12 +208,16 @@ def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs
 
     The op takes the hidden states (the first argument), the 2-D padding mask (the one other tensor
     argument, if any) and the module's weights; the cache argument is left to the runtime, other
-    arguments are recorded as they were traced."""
+    arguments are recorded as they were traced. Arguments the forward's code never reads (what a
+    decoder layer hands every mixer alike: position embeddings, ``**kwargs``) are passed as None."""
     signature = inspect.signature(original)
     arguments = dict(signature.bind(*args, **kwargs).arguments)
+    read = _names_read(original)
     for name, p in signature.parameters.items():
-        if p.kind is inspect.Parameter.VAR_KEYWORD:
-            arguments.update(arguments.pop(name, {}))
+        extras = arguments.pop(name, {}) if p.kind is inspect.Parameter.VAR_KEYWORD else {}
+        arguments.update(extras if name in read else {})
+        if name in arguments and name not in read:
+            arguments[name] = None
     (hidden_name, hidden), *rest = arguments.items()
     cache = [name for name, value in rest if isinstance(value, _CacheLength)]
     if not cache:
@@ -220,9 +231,9 @@ def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs
         )
     constants = []
     for name, value in rest:
-        if name in cache or isinstance(value, torch.Tensor) or value is None:
+        if name in cache or isinstance(value, torch.Tensor):
             continue
-        if not isinstance(value, (bool, int, float, str)):
+        if value is not None and not isinstance(value, (bool, int, float, str)):
             raise UnsupportedModelError(
                 f"the stateful mixer {path} takes {name}={type(value).__name__}, which afdc cannot record", path
             )
@@ -238,7 +249,36 @@ def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs
     )
     _mixer_sites[-1].append(site)
     mask = tensors[0][1] if tensors else None
-    return ops.mixer(hidden, mask, [t for _, t in weights], site.slot)
+    out = ops.mixer(hidden, mask, [t for _, t in weights], site.slot)
+    # a forward returning (output, its state) to a caller that unpacks both (MiniMax's): unpacking
+    # the op's one tensor instead would split it along the batch, pinning the batch size
+    unpacked = _caller_unpacks()
+    return (out, *[None] * (unpacked - 1)) if unpacked else out
+
+
+def _caller_unpacks() -> int:
+    """How many values the code that called the module being captured (the first frame outside
+    torch and this module) unpacks from the call's result; 0 when it takes it whole."""
+    frame = inspect.currentframe()
+    skipped = (str(Path(torch.__file__).parent), __file__)
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
+        frame = frame.f_back
+    if frame is None:
+        return 0
+    after = [i for i in dis.get_instructions(frame.f_code) if i.offset > frame.f_lasti and i.opname != "CACHE"]
+    del frame
+    return after[0].argval if after and after[0].opname == "UNPACK_SEQUENCE" else 0
+
+
+def _names_read(function) -> set[str]:
+    """The local names (arguments among them) that ``function``'s own code reads, decorators
+    unwrapped; a name only a nested function reads counts too."""
+    code = inspect.unwrap(getattr(function, "__func__", function)).__code__
+    names: set[str] = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith("LOAD_FAST") or ins.opname in ("LOAD_DEREF", "LOAD_CLOSURE", "MAKE_CELL"):
+            names.update(ins.argval if isinstance(ins.argval, tuple) else (ins.argval,))
+    return names
 
 
 @contextlib.contextmanager

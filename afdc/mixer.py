@@ -37,7 +37,7 @@ class MixerSite:
     weights: tuple[str, ...]  # the module's own names of the op's weights, in order
     cache_argument: str  # the forward's argument that takes the model's cache
     mask_argument: str | None  # ... that takes the 2-D padding mask (None: it takes none)
-    constants: tuple[tuple[str, bool | int | float | str], ...] = ()  # other arguments, as traced
+    constants: tuple[tuple[str, bool | int | float | str | None], ...] = ()  # other arguments, as traced
     layer: int | None = None  # the layer of the model's cache that holds its state
     state: tuple[StateTensor, ...] = field(default=())
 

@@ -323,6 +323,11 @@ ENTRIES: list[ModelEntry] = [
        {"num_experts": _E, "num_experts_per_tok": _K, "attn_layer_period": 2, "attn_layer_offset": 1,
         "expert_layer_period": 2, "expert_layer_offset": 1, "mamba_d_state": 4, "mamba_dt_rank": 4},
        "Mamba layer + attention layer, MoE on alternate layers", moe=1),
+    _e("MiniMax", "minimax", "hybrid",
+       {"layer_types": ["linear_attention", "full_attention"], "num_local_experts": _E, "num_experts_per_tok": _K,
+        "block_size": 4},
+       "lightning attention layer (a stateful mixer: its state kept in the model's own cache class) + attention "
+       "layer, MoE on both", moe=2),
 ]
 
 # One entry per structural variant: what AFDC_QUICK=1 runs.
@@ -357,7 +362,6 @@ _DATA_DEPENDENT = (
 
 # model_type -> the UnsupportedModelError text afdc raises for it (the message starts with this).
 REFUSED: dict[str, str] = {
-    "minimax": _STATE_OUTSIDE_CACHE,
     "zamba2": "no FFN region found: this is a model with no position-wise weight branch added to the residual stream",
     "recurrent_gemma": _STATE_OUTSIDE_CACHE,
     "rwkv": _SPECIALIZES,
@@ -373,9 +377,6 @@ REFUSED_CAUSE: dict[str, str] = {
     "zamba2": "its MLP sits in a shared attention block without a residual: the block's output is projected into "
               "the next Mamba layer's input, so no FFN branch of the residual stream exists to cut (its Mamba-2 "
               "mixers themselves are captured as stateful mixers)",
-    "minimax": "lightning attention keeps its state in MiniMaxCache.linear_cache through the cache class's own "
-               "methods (get_linear_cache), not transformers' per-layer state API, so it is not found as a stateful "
-               "mixer; inline, its torch path loops over sequence blocks in Python",
     "recurrent_gemma": "the recurrent block keeps its convolution window and RG-LRU state in module attributes "
                        "(conv1d_state, recurrent_states), set by the model's own _setup_cache, not in a cache; "
                        "inline, the RG-LRU scans the sequence in a Python loop",
@@ -390,8 +391,6 @@ REFUSED_CAUSE: dict[str, str] = {
 
 # The tiny configurations the refusals are checked with (on top of TINY_COMMON).
 REFUSED_OVERRIDES: dict[str, dict] = {
-    "minimax": {"layer_types": ["linear_attention", "full_attention"], "num_local_experts": _E,
-                "num_experts_per_tok": _K, "block_size": 4},
     "zamba2": {"layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1], "mamba_d_state": 8,
                "n_mamba_heads": 4, "mamba_headdim": 16, "chunk_size": 4, "attention_head_dim": 8, "num_mem_blocks": 1},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 32, "attention_window_size": 4},

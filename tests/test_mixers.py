@@ -132,13 +132,14 @@ def test_pure_state_space_models_stay_refused():
         afdc.disaggregate(model)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_paged_steps_keep_each_requests_state(tp):
+@pytest.mark.parametrize(("model_type", "tp"), [("granitemoehybrid", 1), ("granitemoehybrid", 2), ("minimax", 1)])
+def test_paged_steps_keep_each_requests_state(model_type, tp):
     """vLLM-style steps (prefill chunks, a new request joining, batched decodes) over a paged KV
     cache and one state block per request, as the serving worker runs them, against transformers;
-    under --attn-tp 2 too (each TP rank runs the mixers whole, on its own view of the step).
+    under --attn-tp 2 too (each TP rank runs the mixers whole, on its own view of the step), and
+    for MiniMax, whose lightning attention keeps its state in a cache class of its own.
     A step run twice before its state is committed (an FFN rank lost mid-step) gives the same."""
-    model = _model("granitemoehybrid")
+    model = _model(model_type)
     dm = afdc.disaggregate(model, "1A1F", attention_tp=tp)
     program = dm.attention
     shards = program.shards if tp > 1 else [program]
@@ -250,7 +251,7 @@ def test_paged_rows_pick_each_requests_keys(tp):
         assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "bamba"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "bamba", "minimax"])
 def test_a_left_padded_row_keeps_the_state_of_the_unpadded_row(model_type):
     """Padding is masked as the model masks it: a left-padded row's logits and greedy tokens
     equal those of the same row run alone without padding."""

@@ -183,7 +183,10 @@ def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
     """A KV pool of 10 blocks of 16 tokens for 8 concurrent requests sharing a 32-token prefix,
     each growing past 48 tokens while decoding: vLLM must reuse the cached prefix blocks and
     preempt requests to free blocks, and the outputs stay the same."""
-    artifact = _artifact(models, "moe", "1A1F")
+    _check_prefix_caching_and_preemption(_artifact(models, "moe", "1A1F"), tmp_path)
+
+
+def _check_prefix_caching_and_preemption(artifact: Path, tmp_path: Path) -> None:
     prefix = list(range(100, 132))
     prompts = [prefix + [200 + i] * (1 + i % 4) for i in range(8)]
     ref = _reference(artifact, prompts, 24)
@@ -195,12 +198,13 @@ def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
             got = list(pool.map(lambda p: _complete(client, p, 24), prompts))
         metrics = urllib.request.urlopen(str(client.base_url).removesuffix("/v1/") + "/metrics").read().decode()
     assert got == ref
+    assert _counter(metrics, "vllm:prefix_cache_hits_total") > 0
+    assert _counter(metrics, "vllm:num_preemptions_total") > 0
 
-    def counter(name: str) -> float:
-        return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", metrics, re.M))
 
-    assert counter("vllm:prefix_cache_hits_total") > 0
-    assert counter("vllm:num_preemptions_total") > 0
+def _counter(metrics: str, name: str) -> float:
+    """A Prometheus counter of vLLM's /metrics text, summed over its labels."""
+    return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", metrics, re.M))
 
 
 def test_load_and_bad_requests(moe_server):

@@ -5,12 +5,12 @@ in the paged blocks beside K and V).
 
 Greedy completions, concurrent and under preemption (a pool too small for every request),
 equal ``dm.generate`` of the same artifact, for a Gated DeltaNet hybrid MoE (Qwen3-Next), a
-Mamba-2 hybrid MoE (Granite 4 hybrid) and DeepSeek-V3.2.
+Mamba-2 hybrid MoE (Granite 4 hybrid), a lightning-attention hybrid MoE whose state lives in a
+cache class of its own (MiniMax) and DeepSeek-V3.2.
 """
 
 from __future__ import annotations
 
-import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +25,13 @@ import afdc  # noqa: E402
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import demo_tokenizer  # noqa: E402
 from models_supported import catalog  # noqa: E402
-from tests.test_serve import _complete, _reference, _serving  # noqa: E402
+from tests.test_serve import (  # noqa: E402
+    _check_prefix_caching_and_preemption,
+    _complete,
+    _counter,
+    _reference,
+    _serving,
+)
 
 VOCAB = 512
 PROMPTS = [[5, 17, 99, 230], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300], [42], [260, 261, 262, 263, 264, 265]]
@@ -42,7 +48,7 @@ def _artifact(root: Path, model_type: str, plan: str, micro_batches: int = 1) ->
 
 @pytest.mark.parametrize(
     ("model_type", "plan", "micro_batches"),
-    [("qwen3_next", "2A2F", 2), ("granitemoehybrid", "1A2F", 1), ("deepseek_v32", "2A2F", 2)],
+    [("qwen3_next", "2A2F", 2), ("granitemoehybrid", "1A2F", 1), ("minimax", "1A2F", 1), ("deepseek_v32", "2A2F", 2)],
 )
 def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micro_batches):
     """With two micro-batches, their threads run the mixers' shared modules in turn. DeepSeek-V3.2's
@@ -56,12 +62,11 @@ def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micr
     assert got == ref * 2
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "deepseek_v32"])
-def test_hybrid_preemption_keeps_outputs(tmp_path, model_type):
-    """A pool of 12 blocks for 6 requests that each need an attention block per 16 tokens (and,
-    for a hybrid, a state block): vLLM preempts requests to free blocks, and a resumed request
-    recomputes its state (its indexer keys) from its tokens; the outputs stay those of dm.generate."""
-    artifact = _artifact(tmp_path, model_type, "1A1F")
+def test_hybrid_preemption_keeps_outputs(tmp_path):
+    """A pool of 12 blocks for 6 requests that each need an attention block per 16 tokens and a
+    state block: vLLM preempts requests to free blocks, and a resumed request recomputes its
+    state from its tokens; the outputs stay those of dm.generate."""
+    artifact = _artifact(tmp_path, "qwen3_next", "1A1F")
     prompts = [list(range(100 + i, 130 + i)) for i in range(6)]
     ref = _reference(artifact, prompts, 24)
     args = ("--return-tokens-as-token-ids", "--block-size", "16", "--num-gpu-blocks-override", "12",
@@ -71,8 +76,15 @@ def test_hybrid_preemption_keeps_outputs(tmp_path, model_type):
             got = list(pool.map(lambda p: _complete(client, p, 24), prompts))
         metrics = urllib.request.urlopen(str(client.base_url).removesuffix("/v1/") + "/metrics").read().decode()
     assert got == ref
-    preemptions = sum(float(m) for m in re.findall(r"^vllm:num_preemptions_total{[^}]*} (\S+)$", metrics, re.M))
-    assert preemptions > 0
+    assert _counter(metrics, "vllm:num_preemptions_total") > 0
+
+
+def test_sparse_attention_prefix_caching_and_preemption(tmp_path):
+    """DeepSeek-V3.2's indexer keys are per token, like K and V, so prefix caching stays on: 8
+    concurrent requests sharing a 32-token prefix in a pool of 10 blocks of 16 tokens reuse the
+    cached prefix blocks (their indexer keys included) and are preempted to free blocks; the
+    outputs stay those of dm.generate."""
+    _check_prefix_caching_and_preemption(_artifact(tmp_path, "deepseek_v32", "1A1F"), tmp_path)
 
 
 def test_manifest_state_is_what_serving_allocates(tmp_path):

@@ -1,8 +1,9 @@
 """The attention program's stateful mixers: each ``afdc::mixer`` call site run with the model's own code.
 
 A call runs the module the site names (:class:`afdc.mixer.MixerSite`) with the weights the op
-passes (``torch.func.functional_call``), handing it a transformers cache built from the model's
-config, as the model's forward would build it: the module reads and writes its own layer's
+passes (``torch.func.functional_call``), handing it the cache the model's forward would build (a
+cache class of the model's own where its modeling code defines one, as MiniMax's; else
+transformers' ``DynamicCache`` from the config): the module reads and writes its own layer's
 convolution window and recurrent state there, by its own code, for prefill (any number of
 tokens) and decode alike. The active KV cache keeps that cache per sequence batch, so its rows
 stay those of the KV cache; with none active a call starts from an empty state (prefill from
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import sys
 import threading
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers import AutoModelForCausalLM, Cache, DynamicCache, PretrainedConfig
 
 from afdc.errors import AfdcError
 from afdc.mixer import MixerSite, StateTensor
@@ -31,7 +34,8 @@ class Mixers:
         self.sites = {s.slot: s for s in sites}
         self.modules = modules
         self.config = config
-        self._blank: DynamicCache | None = None  # its layers never run: copied fresh for each call
+        self._cache_class = _cache_class(next(iter(modules.values()))) if modules else DynamicCache
+        self._blank: Cache | None = None  # its layers never run: copied fresh for each call
         self._lock = threading.Lock()
 
     @classmethod
@@ -45,9 +49,11 @@ class Mixers:
     def __bool__(self) -> bool:
         return bool(self.sites)
 
-    def new_state(self) -> DynamicCache:
+    def new_state(self) -> Cache:
         """An empty per-sequence-batch state, as the model's forward makes its cache."""
-        return DynamicCache(config=self.config)
+        if "config" in inspect.signature(self._cache_class).parameters:
+            return self._cache_class(config=self.config)
+        return self._cache_class()
 
     def mix(self, slot: int, hidden: torch.Tensor, mask: torch.Tensor | None, weights: list[torch.Tensor]):
         """The ``afdc::mixer`` entry point: the active cache hands each group of its sequences
@@ -88,20 +94,35 @@ class Mixers:
         empty. One cache can then serve every site of a step, each call starting from what it
         is given, however often the step is run."""
         site = self.sites[slot]
-        if self._blank is None:
-            self._blank = self.new_state()
-        layer = state.layers[site.layer] = copy.deepcopy(self._blank.layers[site.layer])
-        for spec, t in zip(site.state, tensors or []):
-            kind, index = _kind_index(spec)
-            layer.lazy_initialization(**{f"{kind}_states": t}, state_idx=index)
-            getattr(layer, f"{kind}_states")[index].copy_(t)
-            layer.has_previous_state[index] = True
+        values = list(tensors) if tensors is not None else [None] * len(site.state)
+        if any(_field(spec) is None for spec in site.state):
+            if self._blank is None:
+                self._blank = self.new_state()
+            layer = state.layers[site.layer] = copy.deepcopy(self._blank.layers[site.layer])
+        for spec, t in zip(site.state, values):
+            field = _field(spec)
+            if field is not None:  # a per-layer list of the cache class's own: None is "not run yet"
+                held = getattr(state, field)
+                held.extend([None] * (site.layer + 1 - len(held)))
+                held[site.layer] = t
+            elif t is not None:
+                kind, index = _kind_index(spec)
+                layer.lazy_initialization(**{f"{kind}_states": t}, state_idx=index)
+                getattr(layer, f"{kind}_states")[index].copy_(t)
+                layer.has_previous_state[index] = True
 
     def read(self, state, slot: int) -> list[torch.Tensor]:
         """Site ``slot``'s state in ``state``, in :attr:`MixerSite.state` order."""
         site = self.sites[slot]
-        layer = state.layers[site.layer]
-        return [getattr(layer, f"{kind}_states")[index] for kind, index in map(_kind_index, site.state)]
+        out = []
+        for spec in site.state:
+            field = _field(spec)
+            if field is not None:
+                out.append(getattr(state, field)[site.layer])
+            else:
+                kind, index = _kind_index(spec)
+                out.append(getattr(state.layers[site.layer], f"{kind}_states")[index])
+        return out
 
     def probe(self) -> list[MixerSite]:
         """Each site with its per-sequence state (and the cache layer holding it), found by
@@ -115,8 +136,9 @@ class Mixers:
                 dtype=weight.dtype if weight is not None else torch.float32,
                 device=weight.device if weight is not None else None,
             )
+            mask = {} if site.mask_argument is None else {site.mask_argument: None}
             with torch.no_grad():
-                module(hidden, **dict(site.constants), **{site.cache_argument: state})
+                module(hidden, **dict(site.constants), **mask, **{site.cache_argument: state})
             layer, tensors = _state_of(state)
             out.append(MixerSite(**{**site.__dict__, "layer": layer, "state": tuple(tensors)}))
         return out
@@ -127,14 +149,41 @@ def _kind_index(spec: StateTensor) -> tuple[str, int]:
     return kind, int(index)
 
 
-def _state_of(cache: DynamicCache) -> tuple[int | None, list[StateTensor]]:
-    """The layer of ``cache`` holding state after one mixer call, and its tensors per sequence."""
+def _field(spec: StateTensor) -> str | None:
+    """The cache-class field (a per-layer list) that holds ``spec``, named ``@field``; None for
+    transformers' cache-layer states (``conv.0``, ``recurrent.0``)."""
+    return spec.name[1:] if spec.name.startswith("@") else None
+
+
+def _cache_class(module: torch.nn.Module) -> type[Cache]:
+    """The cache class a model's forward builds: one its own modeling module defines, else
+    transformers' ``DynamicCache``."""
+    name = type(module).__module__
+    own = [
+        c for c in vars(sys.modules[name]).values()
+        if inspect.isclass(c) and issubclass(c, Cache) and c.__module__ == name
+    ]
+    return own[0] if len(own) == 1 else DynamicCache
+
+
+def _state_tensor(name: str, t: torch.Tensor) -> StateTensor:
+    return StateTensor(name, tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."))
+
+
+def _state_of(cache: Cache) -> tuple[int | None, list[StateTensor]]:
+    """The layer of ``cache`` holding state after one mixer call, and its tensors per sequence:
+    in a transformers cache layer, or in a per-layer list field of the model's own cache class."""
     for index, layer in enumerate(cache.layers):
-        tensors = []
-        for kind in ("conv", "recurrent"):
-            for i, t in (getattr(layer, f"{kind}_states", None) or {}).items():
-                if isinstance(t, torch.Tensor):
-                    tensors.append(StateTensor(f"{kind}.{i}", tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")))
+        tensors = [
+            _state_tensor(f"{kind}.{i}", t)
+            for kind in ("conv", "recurrent")
+            for i, t in (getattr(layer, f"{kind}_states", None) or {}).items()
+            if isinstance(t, torch.Tensor)
+        ]
         if tensors:
             return index, tensors
+    for field, held in vars(cache).items():
+        for index, t in enumerate(held if field != "layers" and isinstance(held, list) else []):
+            if isinstance(t, torch.Tensor):
+                return index, [_state_tensor(f"@{field}", t)]
     return None, []
