@@ -37,24 +37,32 @@ VOCAB = 512
 PROMPTS = [[5, 17, 99, 230], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300], [42], [260, 261, 262, 263, 264, 265]]
 
 
-def _artifact(root: Path, model_type: str, plan: str, micro_batches: int = 1) -> Path:
-    source, out = root / f"{model_type}-src", root / f"{model_type}-{plan}-m{micro_batches}"
+def _artifact(root: Path, model_type: str, plan: str, micro_batches: int = 1, attention_tp: int = 1) -> Path:
+    source, out = root / f"{model_type}-src", root / f"{model_type}-{plan}-m{micro_batches}-tp{attention_tp}"
     model = catalog.build_type(model_type, {**catalog.entry(model_type).config_kwargs, "vocab_size": VOCAB})
     model.save_pretrained(source)
     demo_tokenizer(VOCAB).save_pretrained(source)
-    compile_model(str(source), afdc.Plan.parse(plan, micro_batches=micro_batches), out, progress=False)
+    plan = afdc.Plan.parse(plan, micro_batches=micro_batches, attention_tp=attention_tp)
+    compile_model(str(source), plan, out, progress=False)
     return out
 
 
 @pytest.mark.parametrize(
-    ("model_type", "plan", "micro_batches"),
-    [("qwen3_next", "2A2F", 2), ("granitemoehybrid", "1A2F", 1), ("minimax", "1A2F", 1), ("deepseek_v32", "2A2F", 2)],
+    ("model_type", "plan", "micro_batches", "attention_tp"),
+    [
+        ("qwen3_next", "2A2F", 2, 1),
+        ("qwen3_next", "1A1F", 1, 2),
+        ("granitemoehybrid", "1A2F", 1, 1),
+        ("minimax", "1A2F", 1, 1),
+        ("deepseek_v32", "2A2F", 2, 1),
+    ],
 )
-def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micro_batches):
-    """With two micro-batches, their threads run the mixers' shared modules in turn. DeepSeek-V3.2's
+def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micro_batches, attention_tp):
+    """With two micro-batches, their threads run the mixers' shared modules in turn; under
+    --attn-tp 2 each TP rank runs the mixers whole on its own view of the step. DeepSeek-V3.2's
     indexer picks 4 keys per query from its own paged key cache: decoding requests run as the rows
     of one padded batch per micro-batch, prefills alone."""
-    artifact = _artifact(tmp_path, model_type, plan, micro_batches)
+    artifact = _artifact(tmp_path, model_type, plan, micro_batches, attention_tp)
     ref = _reference(artifact, PROMPTS)
     serving = _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",))
     with serving as (client, _), ThreadPoolExecutor(8) as pool:
