@@ -19,7 +19,9 @@ import torch
 class StateTensor:
     """One tensor of a mixer's per-sequence state."""
 
-    name: str  # "conv.0", "recurrent.0": the kind of state in the model's cache layer, and its index
+    # "conv.0", "recurrent.0": the kind of state in a transformers cache layer, and its index;
+    # "@linear_cache": a per-layer list field of the model's own cache class
+    name: str
     shape: tuple[int, ...]  # per sequence (the batch dimension left out)
     dtype: str
 
