@@ -515,10 +515,13 @@ def _state_outside_cache(model: PreTrainedModel) -> str:
 
 
 def _tensor_fields(obj) -> dict[str, tuple[int, ...]]:
-    """``obj``'s instance fields holding tensors (alone or in a list, tuple or dict), with the ids
-    of those tensors (a field set again holds new ones)."""
+    """``obj``'s public instance fields holding tensors (alone or in a list, tuple or dict), with
+    the ids of those tensors (a field set again holds new ones). A module's parameters and buffers
+    are in its private fields: a buffer a forward recomputes (a dynamic RoPE's) is not state."""
     fields = {}
     for name, value in vars(obj).items() if obj is not None else ():
+        if name.startswith("_"):
+            continue
         items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
         tensors = tuple(id(t) for t in items if isinstance(t, torch.Tensor))
         if tensors:
