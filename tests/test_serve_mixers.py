@@ -70,11 +70,12 @@ def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micr
     assert got == ref * 2
 
 
-def test_hybrid_preemption_keeps_outputs(tmp_path):
+@pytest.mark.parametrize("model_type", ["qwen3_next", "granitemoehybrid"])
+def test_hybrid_preemption_keeps_outputs(tmp_path, model_type):
     """A pool of 12 blocks for 6 requests that each need an attention block per 16 tokens and a
     state block: vLLM preempts requests to free blocks, and a resumed request recomputes its
-    state from its tokens; the outputs stay those of dm.generate."""
-    artifact = _artifact(tmp_path, "qwen3_next", "1A1F")
+    state from its tokens; the outputs stay those of dm.generate (Gated DeltaNet and Mamba-2)."""
+    artifact = _artifact(tmp_path, model_type, "1A1F")
     prompts = [list(range(100 + i, 130 + i)) for i in range(6)]
     ref = _reference(artifact, prompts, 24)
     args = ("--return-tokens-as-token-ids", "--block-size", "16", "--num-gpu-blocks-override", "12",
