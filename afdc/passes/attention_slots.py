@@ -87,15 +87,13 @@ def attention_slots(graph: fx.Graph, masks_applied: bool = False) -> list[SlotSp
                 f"attention slot {slot}: {q.meta['val'].shape[1]} query heads over {kv_heads} key and "
                 f"{value_heads} value heads is not grouped-query attention"
             )
-        if mask in from_tokens and masks_applied:
-            specs[slot] = SlotSpec(kv_heads, head_dim, value_dim)
-            continue
-        if mask in from_tokens:
+        spec = SlotSpec(kv_heads, head_dim, value_dim)
+        if mask in from_tokens and not masks_applied:
             raise UnsupportedModelError(
                 f"attention slot {slot}: its mask is computed from the hidden states (a sparse-attention indexer "
                 "or a learned position bias); the paged cache, which rebuilds masks from positions, cannot reproduce it"
             )
-        specs[slot] = _reach(graph, mask, window, SlotSpec(kv_heads, head_dim, value_dim), slot)
+        specs[slot] = spec if mask in from_tokens else _reach(graph, mask, window, spec, slot)
     if sorted(specs) != list(range(len(specs))):
         raise UnsupportedModelError(f"attention slots {sorted(specs)} are not numbered 0..{len(specs) - 1}")
     return [specs[s] for s in range(len(specs))]

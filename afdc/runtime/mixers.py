@@ -34,7 +34,9 @@ class Mixers:
         self.sites = {s.slot: s for s in sites}
         self.modules = modules
         self.config = config
-        self._cache_class = _cache_class(next(iter(modules.values()))) if modules else DynamicCache
+        cache_class = _cache_class(next(iter(modules.values()))) if modules else DynamicCache
+        takes_config = "config" in inspect.signature(cache_class).parameters
+        self._new_cache = functools.partial(cache_class, config=config) if takes_config else cache_class
         self._blank: Cache | None = None  # its layers never run: copied fresh for each call
         self._lock = threading.Lock()
 
@@ -51,9 +53,7 @@ class Mixers:
 
     def new_state(self) -> Cache:
         """An empty per-sequence-batch state, as the model's forward makes its cache."""
-        if "config" in inspect.signature(self._cache_class).parameters:
-            return self._cache_class(config=self.config)
-        return self._cache_class()
+        return self._new_cache()
 
     def mix(self, slot: int, hidden: torch.Tensor, mask: torch.Tensor | None, weights: list[torch.Tensor]):
         """The ``afdc::mixer`` entry point: the active cache hands each group of its sequences
@@ -182,8 +182,9 @@ def _state_of(cache: Cache) -> tuple[int | None, list[StateTensor]]:
         ]
         if tensors:
             return index, tensors
-    for field, held in vars(cache).items():
-        for index, t in enumerate(held if field != "layers" and isinstance(held, list) else []):
+    fields = {name: held for name, held in vars(cache).items() if name != "layers" and isinstance(held, list)}
+    for field, held in fields.items():
+        for index, t in enumerate(held):
             if isinstance(t, torch.Tensor):
                 return index, [_state_tensor(f"@{field}", t)]
     return None, []

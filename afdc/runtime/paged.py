@@ -113,6 +113,18 @@ class PagedKVStore:
         """Keys and values at token slots ``index`` (any shape ``S``): ``[*S, kv_heads, dim]``."""
         return self._flat_keys[slot][index], self._flat_values[slot][index]
 
+    def token_slots(self, block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The token slot of position ``positions`` of request ``rows`` (broadcast) in the blocks
+        ``block_table [R, max_blocks]`` names."""
+        return block_table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def gather(self, slot: int, index: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per request its keys and values at token slots ``index [R, kv]``, ``[R, kv_heads, kv,
+        dim]``, zeros where ``pad [R, kv, 1, 1]``: pad slots point anywhere, and unwritten cache
+        memory could hold NaN, which a masked-out key still spreads through softmax and the value
+        product."""
+        return tuple(t.masked_fill(pad, 0).transpose(1, 2) for t in self.read(slot, index))
+
     def zero_blocks(self, block_ids: torch.Tensor | Sequence[int]) -> None:
         """Clear blocks in every slot (e.g. freshly allocated ones)."""
         ids = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
@@ -184,7 +196,7 @@ class PagedBatch:
         sizes = torch.stack([q_lens.sum(), q_lens.max(), self.seq_lens.max(), q_lens.min(), ctx_lens.min()])
         self.num_tokens, self.max_query_len, self.max_seq_len, min_query, min_context = sizes.tolist()
         self._check(min_query, min_context)
-        requests, bs, max_q = self.query_lens.shape[0], store.block_size, self.max_query_len
+        requests, max_q = self.query_lens.shape[0], self.max_query_len
 
         request = torch.repeat_interleave(
             torch.arange(requests, device=device), self.query_lens, output_size=self.num_tokens
@@ -193,14 +205,13 @@ class PagedBatch:
         positions = self.context_lens[request] + offset
         self.positions = positions[None]  # [1, T]: the program's position_ids
         self.last_rows = self.query_lens.cumsum(0) - 1  # each request's last token: where it samples
-        self.slot_mapping = self.block_table[request, positions // bs] * bs + positions % bs  # [T]
+        self.slot_mapping = store.token_slots(self.block_table, request, positions)  # [T]
         self._query_index = request * max_q + offset  # token -> row of the padded [R * max_q] queries
 
         k_pos = torch.arange(self.max_seq_len, device=device)
         key_valid = k_pos < self.seq_lens[:, None]
-        # pad keys point at slot 0 and are zeroed after the gather: unwritten cache memory could
-        # hold NaN, which a masked-out key still spreads through softmax and the value product
-        self._key_index = torch.where(key_valid, self.block_table[:, k_pos // bs] * bs + k_pos % bs, 0)
+        rows = torch.arange(requests, device=device)[:, None]
+        self._key_index = torch.where(key_valid, store.token_slots(self.block_table, rows, k_pos), 0)
         self._key_pad = ~key_valid[..., None, None]
         q_pos = self.context_lens[:, None] + torch.arange(max_q, device=device)
         self._masks = {  # per distinct reach, [R, 1, max_q, max_kv]
@@ -299,8 +310,7 @@ class PagedBatch:
 
     def padded_keys(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's cached keys and values, ``[R, hk, max_kv, d]``, zeros past its length."""
-        keys, values = self.store.read(slot, self._key_index)
-        return tuple(t.masked_fill(self._key_pad, 0).transpose(1, 2) for t in (keys, values))
+        return self.store.gather(slot, self._key_index, self._key_pad)
 
     def mask(self, slot: int) -> torch.Tensor:
         """``[R, 1, max_q, max_kv]``: which cached keys each (padded) query attends to."""
@@ -345,12 +355,10 @@ class PagedRows:
             )
         rows = torch.arange(requests, device=device)[:, None]
         self.positions = context_lens[:, None] + torch.arange(s, device=device)  # [R, s]
-        self.slot_mapping = (block_table[rows, self.positions // bs] * bs + self.positions % bs).flatten()
+        self.slot_mapping = store.token_slots(block_table, rows, self.positions).flatten()
         k_pos = torch.arange(kv, device=device) - (kv - seq_lens[:, None])  # [R, kv]: < 0 is padding
         valid = k_pos >= 0
-        k_pos = k_pos.clamp(min=0)
-        # pad keys point at slot 0 and are zeroed after the gather (unwritten memory may hold NaN)
-        self._key_index = torch.where(valid, block_table[rows, k_pos // bs] * bs + k_pos % bs, 0)
+        self._key_index = torch.where(valid, store.token_slots(block_table, rows, k_pos.clamp(min=0)), 0)
         self._key_pad = ~valid[..., None, None]
         self.attention_mask = valid.long()  # [R, kv]: the program's attention_mask
         self.last_rows = torch.tensor([s - 1], device=device)  # each row samples its last token
@@ -362,7 +370,7 @@ class PagedRows:
         if (q.shape[0], q.shape[2]) != self._shape:
             raise ValueError(f"a paged step of {self._shape} (rows, tokens): the attention got {tuple(q.shape)}")
         self.store.write(slot, self.slot_mapping, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))
-        keys, values = (t.masked_fill(self._key_pad, 0).transpose(1, 2) for t in self.store.read(slot, self._key_index))
+        keys, values = self.store.gather(slot, self._key_index, self._key_pad)
         if mask is None:  # the op's default (causal, queries last) and each row's own keys
             mask = self.attention_mask.bool()[:, None, None, :] & causal_mask(q.shape[2], keys.shape[2], q.device)
         return reference_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, scale, softcap, sinks)
@@ -374,8 +382,8 @@ class PagedRows:
             raise ValueError(f"this paged step has no key store for sparse-attention indexer slot {slot}")
         flat = keys.flatten(0, 1)[:, None]
         self.key_store.write(slot, self.slot_mapping, flat, flat.new_empty(flat.shape[0], 1, 0))
-        held, _ = self.key_store.read(slot, self._key_index)
-        return held.masked_fill(self._key_pad, 0)[:, :, 0].to(keys.dtype)
+        held, _ = self.key_store.gather(slot, self._key_index, self._key_pad)
+        return held[:, 0].to(keys.dtype)
 
     def commit_states(self) -> None:
         """Nothing to commit: the rows keep no mixer state (see :class:`PagedBatch`)."""
