@@ -5,7 +5,9 @@
     runs an identity segment, so the time is the transport's (headers, copies, wake-ups, the
     server loop). For T = 1, 16, 256 and each connector: median round-trip latency, throughput
     (bytes both ways / round trip), and the ratio to the floor: a plain copy of the same bytes
-    into and out of a shared-memory buffer, both ways.
+    into and out of a shared-memory buffer, both ways, in this process. Beside it the bare
+    two-process ping-pong: the same copies between two processes polling a sequence number each,
+    no protocol (what crossing between cores and processes costs on this host by itself).
 (b) Greedy decode tokens/s of a ~100M-parameter Qwen3-MoE-shaped model: the FFN side in a server
     process under 1A1F with m = 1 and m = 2 micro-batches, for each connector, against the
     monolithic Hugging Face model in this process and against afdc in-process (loopback, m = 1),
@@ -38,9 +40,12 @@ Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--ba
 from __future__ import annotations
 
 import argparse
+import ctypes
 import mmap
+import multiprocessing as mp
 import os
 import statistics
+import struct
 import time
 import uuid
 from pathlib import Path
@@ -100,6 +105,73 @@ def shm_copy_floor(nbytes: int, repeats: int) -> float:
             ring.clone()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+_WORD = struct.Struct("<Q")
+_STOP = 1 << 63
+
+
+def _echo(path: str, area: int) -> None:
+    """The bare echo: wait for the request's sequence number, copy its bytes out into torch memory
+    and into the reply area, post the same number back."""
+    fd = os.open(path, os.O_RDWR)
+    mm = mmap.mmap(fd, 0)
+    os.close(fd)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    seen = 0
+    while True:
+        while _WORD.unpack_from(mm, 0)[0] == seen:
+            os.sched_yield()
+        seen = _WORD.unpack_from(mm, 0)[0]
+        if seen == _STOP:
+            return
+        n = _WORD.unpack_from(mm, 8)[0]
+        got = torch.empty(n, dtype=torch.uint8)
+        ctypes.memmove(got.data_ptr(), base + 128, n)
+        ctypes.memmove(base + 128 + area, got.data_ptr(), n)
+        _WORD.pack_into(mm, 64, seen)
+
+
+def bare_ping_pong(repeats: int) -> dict[int, float]:
+    """Median round trip, per T, of the least any two processes on this host do to exchange the
+    activations: the same four copies as the floor, the bytes crossing between cores, a sequence
+    number each way and both sides polling. What afdc adds over it is its protocol's cost."""
+    area = max(TOKENS) * HIDDEN * 2
+    path = Path("/dev/shm") / f"afdc-bench-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 128 + 2 * area)
+        mm = mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    echo = mp.get_context("spawn").Process(target=_echo, args=(str(path), area), daemon=True)
+    echo.start()
+    out, seq = {}, 0
+    try:
+        for tokens in TOKENS:
+            x = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
+            n = x.numel() * x.element_size()
+            times = []
+            for i in range(repeats + 10):
+                seq += 1
+                t = time.perf_counter()
+                ctypes.memmove(base + 128, x.data_ptr(), n)
+                _WORD.pack_into(mm, 8, n)
+                _WORD.pack_into(mm, 0, seq)
+                while _WORD.unpack_from(mm, 64)[0] != seq:
+                    os.sched_yield()
+                reply = torch.empty_like(x)
+                ctypes.memmove(reply.data_ptr(), base + 128 + area, n)
+                if i >= 10:
+                    times.append(time.perf_counter() - t)
+            assert torch.equal(reply, x)
+            out[tokens] = statistics.median(times)
+    finally:
+        _WORD.pack_into(mm, 0, _STOP)
+        echo.join(10)
+        path.unlink()
+    return out
 
 
 def round_trips(connector: str, repeats: int) -> list[tuple[int, float]]:
@@ -282,15 +354,17 @@ def main() -> None:
 
 def round_trip_table(repeats: int) -> None:
     print(f"\n(a) round trip of one FFN layer's activations, [{'T'}, {HIDDEN}] bf16, identity FFN server")
-    print(f"{'connector':<10}{'T':>5}{'bytes':>10}{'rtt us':>10}{'GB/s':>8}{'floor us':>10}{'rtt/floor':>11}")
     floors = {t: shm_copy_floor(t * HIDDEN * 2, repeats) for t in TOKENS}
+    bare = bare_ping_pong(repeats)
+    print(f"{'connector':<10}{'T':>5}{'bytes':>10}{'rtt us':>10}{'GB/s':>8}{'floor us':>10}{'rtt/floor':>11}"
+          f"{'bare us':>9}{'rtt/bare':>10}")
     for connector in CONNECTORS:
         for tokens, rtt in round_trips(connector, repeats):
             nbytes = tokens * HIDDEN * 2
             floor = floors[tokens]
             print(
                 f"{connector:<10}{tokens:>5}{nbytes:>10}{rtt * 1e6:>10.0f}{2 * nbytes / rtt / 1e9:>8.2f}"
-                f"{floor * 1e6:>10.1f}{rtt / floor:>11.1f}"
+                f"{floor * 1e6:>10.1f}{rtt / floor:>11.1f}{bare[tokens] * 1e6:>9.1f}{rtt / bare[tokens]:>10.1f}"
             )
 
 

@@ -25,6 +25,7 @@ from afdc.runtime import wire
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import JoinError, Layout, PeerLost, Rendezvous, free_port
 from afdc.runtime.server import FFNServer, serve_program
+from afdc.runtime.transport.base import Pacing
 from afdc.segment import Dispatch, ExpertRouting
 from models_supported import catalog
 
@@ -500,20 +501,21 @@ def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrit
                                     micro_batch=micro_batch, tokens=1, sender=0)
 
     def post(slot, tensors, timeout=1.0):
-        payload = memoryview(wire.pack(tensors).numpy())
-        writer.put(slot, header(slot, tensors).encode(), payload, lambda: None, time.monotonic() + timeout, "reader")
+        writer.put(slot, header(slot, tensors).encode(), tensors, Pacing(), timeout, "reader")
 
     x, y = torch.arange(16, dtype=torch.int32), torch.arange(8, dtype=torch.int64)
     post(0, [x])
-    assert reader.ready(0) and not reader.ready(1) and reader.posted == 1
+    assert reader.ready(0) and not reader.ready(1) and reader.posted == 1 and reader.pending() == [0]
     with pytest.raises(ConnectionError, match="reader has not taken its last message for slot 0"):
         post(0, [x], timeout=0.05)
     post(1, [y])  # another slot is free
-    got, payload = reader.take(0)
-    assert got == header(0, [x]) and torch.equal(wire.unpack(payload, got.tensors)[0], x)
-    assert not reader.ready(0) and reader.ready(1)
-    post(0, [x + 1])  # taken: the slot is free again
-    for slot, expected in ((0, x + 1), (1, y)):
-        got, payload = reader.take(slot)
-        assert torch.equal(wire.unpack(payload, got.tensors)[0], expected)
+    assert reader.pending() == [0, 1]
+    got, (taken,) = reader.take(0)
+    assert got == header(0, [x]) and torch.equal(taken, x)
+    assert not reader.ready(0) and reader.ready(1) and reader.pending() == [1]
+    post(0, [x[:3] + 1, y[:4].view(2, 2)])  # two tensors back to back, the second at an unaligned offset
+    got, (first, second) = reader.take(0)
+    assert torch.equal(first, x[:3] + 1) and torch.equal(second, y[:4].view(2, 2)) and second.dtype == torch.int64
+    got, (taken,) = reader.take(1)
+    assert torch.equal(taken, y) and reader.pending() == []
     assert not writer.fits(65) and writer.fits(64)

@@ -210,6 +210,11 @@ class AttentionEndpoint:
                     self._cond.wait(left)
                     continue
             arrived = self.transport.receive(missing, micro_batch)
+            # poll the slots alone until something lands; a lost peer or a refusal (filed by the
+            # socket's receiver thread) or the deadline sends the wait back to the checks above
+            while not arrived and not (self._lost or self._errors) and time.monotonic() < deadline:
+                pause()
+                arrived = self.transport.receive(missing, micro_batch)
             for item in arrived:
                 self._file(generation, item)
             if not arrived:

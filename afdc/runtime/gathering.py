@@ -44,6 +44,7 @@ class Gathering:
         self.plans: dict[int, StepPlan] = {}  # by sender slot
         self.waiting: list[_Waiting] = []
         self._last: dict[int, int] = {}  # micro-batch tokens -> the last layer this rank gets them at
+        self._gets_cache: dict[tuple[int, int], bool] = {}
 
     def plan(self, sender: int, step: int, tokens: tuple[int, ...]) -> None:
         self.plans[sender] = StepPlan(step, tokens, time.monotonic())
@@ -101,10 +102,16 @@ class Gathering:
 
     def _gets(self, layer: int, tokens: int) -> bool:
         """Whether this rank is known to get some of a micro-batch of ``tokens`` tokens at FFN ``layer``."""
-        dispatch = self.program.dispatch(layer)
-        if dispatch.experts is not None:
-            return False
-        return any(s.rank == self.program.rank and s.count for s in dispatch.shares([], tokens, self.ffn_ranks))
+        gets = self._gets_cache.get((layer, tokens))
+        if gets is None:  # asked per message, and a deployment sees few distinct token counts
+            dispatch = self.program.dispatch(layer)
+            gets = dispatch.experts is None and any(
+                s.rank == self.program.rank and s.count for s in dispatch.shares([], tokens, self.ffn_ranks)
+            )
+            if len(self._gets_cache) >= 1 << 16:  # serving sees many token counts: keep it bounded
+                self._gets_cache.clear()
+            self._gets_cache[layer, tokens] = gets
+        return gets
 
     def _between_steps(self, plan: StepPlan) -> bool:
         for k, tokens in enumerate(plan.tokens):

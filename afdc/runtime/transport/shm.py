@@ -14,6 +14,7 @@ died (end of stream). Mailbox files are unlinked as soon as both ends have mappe
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import mmap
@@ -30,7 +31,7 @@ import torch
 from afdc.runtime import wire
 from afdc.runtime.rendezvous import Rendezvous
 from afdc.runtime.transport import futex
-from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport, Waiter
+from afdc.runtime.transport.base import LEFT, Failure, Incoming, Pacing, Transport, Waiter
 
 log = logging.getLogger("afdc.shm")
 
@@ -70,11 +71,13 @@ class Mailbox:
 
     Line 0 holds the slot count and size, line 1 the doorbell (messages posted so far), line 2 + k
     slot k's ``seq`` (messages the sender has posted into it) and ``ack`` (messages the receiver has
-    taken out). A message is its :class:`~afdc.runtime.wire.Header` then its payload, written into
-    a free slot (``ack == seq``) before ``seq`` and the doorbell are bumped, so a reader that sees
-    ``seq != ack`` sees the whole message (stores are not reordered with stores on x86-64). Control
-    words and payload copies go through ``struct`` and memoryview: per message that is a few
-    microseconds cheaper than torch ops, and a round trip is mostly such fixed costs.
+    taken out); each futex word's count of sleepers sits on its line (:class:`futex.Word`). A
+    message is its :class:`~afdc.runtime.wire.Header` then its tensors' bytes, written into a free
+    slot (``ack == seq``) before ``seq`` and the doorbell are bumped, so a reader that sees
+    ``seq != ack`` sees the whole message (stores are not reordered with stores on x86-64).
+    Payloads move by one ``memmove`` per tensor between torch's memory and the slot, control words
+    through ``struct``: a round trip is mostly such fixed costs, and torch ops cost microseconds
+    each.
     """
 
     def __init__(self, path: Path, slots: int = 0, slot_bytes: int = 0, create: bool = False):
@@ -94,6 +97,8 @@ class Mailbox:
         self.slots, self.slot_bytes = _WORD.unpack_from(self._mm, 0)[0], _WORD.unpack_from(self._mm, 8)[0]
         self._body = (2 + self.slots) * _LINE
         self._view = memoryview(self._mm)
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self._controls = struct.Struct("<" + f"QQ{_LINE - 16}x" * self.slots)  # every seq and ack in one read
         # what readers sleep on: the doorbell (a server, for any slot) and each slot's seq (a
         # micro-batch thread, for its own: a sibling's reply must not wake it to contend for the GIL)
         words = [futex.Word(self._mm, line * _LINE) for line in range(1, 2 + self.slots)] if futex.AVAILABLE else []
@@ -119,16 +124,28 @@ class Mailbox:
         """Receiver: slot ``k`` holds a message not yet taken."""
         return self._seq(k) != self._ack(k)
 
-    def put(self, k: int, header: bytes, payload: memoryview, pause, deadline: float, receiver: str) -> None:
-        """Sender: post a message into slot ``k`` once the receiver has taken the last one."""
+    def pending(self) -> list[int]:
+        """Receiver: the slots that hold a message not yet taken."""
+        words = self._controls.unpack_from(self._mm, 2 * _LINE)
+        return [k for k in range(self.slots) if words[2 * k] != words[2 * k + 1]]
+
+    def put(self, k: int, header: bytes, tensors: list[torch.Tensor], pacing: Pacing, timeout: float, receiver: str):
+        """Sender: post a message (``tensors`` contiguous, in host memory) into slot ``k`` once the
+        receiver has taken the last one."""
         seq = self._seq(k)
-        while self._ack(k) != seq:
-            if time.monotonic() > deadline:
-                raise ConnectionError(f"{receiver} has not taken its last message for slot {k}")
-            pause()
+        if self._ack(k) != seq:
+            pause, deadline = Waiter(pacing).pauses(), time.monotonic() + timeout
+            while self._ack(k) != seq:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"{receiver} has not taken its last message for slot {k}")
+                pause()
         start = self._start(k)
         self._view[start : start + len(header)] = header
-        self._view[start + _PAYLOAD : start + _PAYLOAD + payload.nbytes] = payload
+        at = self._address + start + _PAYLOAD
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            ctypes.memmove(at, t.data_ptr(), n)
+            at += n
         _WORD.pack_into(self._mm, (2 + k) * _LINE, seq + 1)
         _WORD.pack_into(self._mm, _LINE, self.posted + 1)
         if self._doorbell is not None:
@@ -153,20 +170,24 @@ class Mailbox:
         else:
             self._seqs[k].wait(seq, seconds)
 
-    def take(self, k: int) -> tuple[wire.Header, torch.Tensor]:
-        """Receiver: the message in slot ``k``, its payload copied out (into torch's own aligned
+    def take(self, k: int) -> tuple[wire.Header, list[torch.Tensor]]:
+        """Receiver: the message in slot ``k``, its tensors copied out (into torch's own aligned
         memory: the programs compute on it, and a matmul over a tensor backed by a mapping ran
         several times slower), and the slot freed."""
         start = self._start(k)
         header = wire.Header.decode(self._mm[start : start + wire.HEADER_BYTES])
-        n = header.payload_bytes
-        if n > self.slot_bytes:
-            raise wire.WireError(f"slot {k} claims {n} bytes, more than its {self.slot_bytes}")
-        payload = torch.empty(n, dtype=torch.uint8)
-        if n:  # a memcpy: torch's copy would start its thread pool, which competes with polling ranks
-            memoryview(payload.numpy())[:] = self._view[start + _PAYLOAD : start + _PAYLOAD + n]
+        if header.payload_bytes > self.slot_bytes:
+            raise wire.WireError(f"slot {k} claims {header.payload_bytes} bytes, more than its {self.slot_bytes}")
+        tensors, at = [], self._address + start + _PAYLOAD
+        for spec in header.tensors:
+            t = torch.empty(spec.shape, dtype=spec.dtype)
+            n = spec.nbytes
+            if n:
+                ctypes.memmove(t.data_ptr(), at, n)
+            tensors.append(t)
+            at += n
         _WORD.pack_into(self._mm, (2 + k) * _LINE + 8, self._seq(k))
-        return header, payload
+        return header, tensors
 
 
 _SLOTTED = (wire.Kind.DATA, wire.Kind.RESULT, wire.Kind.STEP)
@@ -301,17 +322,16 @@ class ShmTransport(Transport):
         link = self._links.get(peer)
         if link is None:
             raise ConnectionError(f"no link to slot {peer}")
-        payload = memoryview(wire.pack(tensors).cpu().numpy())
         head = header.encode()
         with link.lock:
             box = link.outbound
-            if header.kind in _SLOTTED and box.fits(payload.nbytes):
+            if header.kind in _SLOTTED and box.fits(header.payload_bytes):
                 slot = _slot(box, header.micro_batch) if header.kind != wire.Kind.STEP else box.slots - 1
-                pause = Waiter(self.pacing).pauses()
-                box.put(slot, head, payload, pause, time.monotonic() + self.timeout, f"slot {peer}")
+                host = [t if t.is_cpu and t.is_contiguous() else t.detach().contiguous().cpu() for t in tensors]
+                box.put(slot, head, host, self.pacing, self.timeout, f"slot {peer}")
             else:
                 link.sock.sendall(head)
-                link.sock.sendall(payload)
+                link.sock.sendall(memoryview(wire.pack(tensors).cpu().numpy()))
 
     def receive(self, peers: list[int], micro_batch: int) -> list[Incoming]:
         arrived = []
@@ -321,7 +341,7 @@ class ShmTransport(Transport):
             if link is None or not link.inbound.ready(slot) or not link.reading.acquire(blocking=False):
                 continue
             try:
-                arrived.append(self._incoming(*link.inbound.take(slot)))
+                arrived.append(self._taken(*link.inbound.take(slot)))
             finally:
                 link.reading.release()
         return arrived
@@ -347,22 +367,26 @@ class ShmTransport(Transport):
         deadline = start + wait
         pause = self._waiter.pauses(block=self._block_any)
         while True:
-            items: list[Incoming | Failure] = self._drain()
+            items: list[Incoming | Failure] = self._drain() if not self.inbox.empty() else []
             for link in list(self._links.values()):
                 box = link.inbound
                 posted = box.posted  # read before the scan: a message posted after it rings again
                 if posted == link.seen:
                     continue
                 link.seen = posted
-                for slot in range(box.slots):
-                    if box.ready(slot):
-                        items.append(self._incoming(*box.take(slot)))
+                items.extend(self._taken(*box.take(slot)) for slot in box.pending())
             if items:
                 self._waiter.waited(time.monotonic() - start)
                 return items
             if time.monotonic() >= deadline:
                 return items
             pause()
+
+    def _taken(self, header: wire.Header, tensors: list[torch.Tensor]) -> Incoming:
+        """A message taken out of a slot, on this rank's device."""
+        if self.device.type != "cpu":
+            tensors = [t.to(self.device) for t in tensors]
+        return Incoming(header, tensors)
 
     def _receive(self, peer: int, link: _Link) -> None:
         try:
