@@ -43,6 +43,9 @@ class Kind(enum.IntEnum):
     STEP = 5  # attention -> FFN: what a step holds; the payload is each micro-batch's token count (int64)
 
 
+_KINDS = {int(k): k for k in Kind}  # by wire code: a dict lookup is cheaper than Kind(code)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     dtype: torch.dtype
@@ -71,7 +74,8 @@ class Header:
     @classmethod
     def carrying(cls, kind: Kind, tensors: list[torch.Tensor], **fields) -> Header:
         """A header describing ``tensors`` as its payload; ``fields`` are the other header fields."""
-        return cls(kind, tensors=specs(tensors), payload_bytes=nbytes(tensors), **fields)
+        described = specs(tensors)
+        return cls(kind, tensors=described, payload_bytes=_payload_bytes(described), **fields)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -109,11 +113,11 @@ class Header:
             raise WireError(f"not an afdc message (magic {magic!r})")
         if version != VERSION:
             raise WireError(f"wire version {version}, this afdc speaks {VERSION}; run the same afdc on every rank")
-        if kind not in Kind._value2member_map_ or count > MAX_TENSORS:
+        if kind not in _KINDS or count > MAX_TENSORS:
             raise WireError(f"malformed header (kind {kind}, {count} tensors)")
         tensors = _decode_specs(bytes(data[_FIXED.size : _FIXED.size + count * _TENSOR.size]))
-        header = cls(Kind(kind), deployment, gen, step, layer, mb, tokens, sender, tensors, payload)
-        if payload != sum(t.nbytes for t in tensors):  # an ERROR's reason is a uint8 tensor too
+        header = cls(_KINDS[kind], deployment, gen, step, layer, mb, tokens, sender, tensors, payload)
+        if payload != _payload_bytes(tensors):  # an ERROR's reason is a uint8 tensor too
             raise WireError(f"payload of {payload} bytes does not match its tensors {tensors}")
         return header
 
@@ -146,7 +150,17 @@ def _decode_spec(data: bytes, offset: int) -> TensorSpec:
 
 
 def specs(tensors: list[torch.Tensor]) -> tuple[TensorSpec, ...]:
-    return tuple(TensorSpec(t.dtype, tuple(t.shape)) for t in tensors)
+    return tuple(_spec(t.dtype, t.shape) for t in tensors)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec(dtype: torch.dtype, shape: torch.Size) -> TensorSpec:
+    return TensorSpec(dtype, tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _payload_bytes(tensors: tuple[TensorSpec, ...]) -> int:
+    return sum(t.nbytes for t in tensors)
 
 
 def nbytes(tensors: list[torch.Tensor]) -> int:
