@@ -18,12 +18,10 @@ import ctypes
 import mmap
 import platform
 import sys
-import threading
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 _WAIT, _WAKE = 0, 1
 _ALL = 0x7FFFFFFF  # wake every waiter
-SLEEPERS = 16  # bytes from a word to its count of sleepers (so both share a cache line)
 
 
 class _Timespec(ctypes.Structure):
@@ -44,39 +42,18 @@ AVAILABLE = _CALL is not None
 
 class Word:
     """The 32-bit word at ``offset`` (4-byte aligned) of the shared mapping ``buffer``; a 64-bit
-    counter's low half on a little-endian machine, which changes whenever the counter does.
-
-    Beside it, at ``offset + SLEEPERS``, the number of this word's waiters now asleep: a writer
-    makes the wake system call only when someone sleeps (a reader that polls, the usual case in
-    a busy exchange, costs the writer nothing). The count is written only by the process whose
-    threads wait on the word. A wake can be missed only if the writer's read of the count
-    overtakes its own store of the counter (a store-load reorder, a window of nanoseconds); the
-    sleeper then wakes at the end of its sleep, which every wait bounds.
-    """
+    counter's low half on a little-endian machine, which changes whenever the counter does."""
 
     def __init__(self, buffer: mmap.mmap, offset: int):
         self._word = ctypes.c_uint32.from_buffer(buffer, offset)  # keeps the mapping while it lives
         self._address = ctypes.c_void_p(ctypes.addressof(self._word))
-        self._sleepers = ctypes.c_uint32.from_buffer(buffer, offset + SLEEPERS)
-        self._asleep = 0  # this process's sleepers (threads of one process may share a word)
-        self._lock = threading.Lock()
 
     def wait(self, seen: int, seconds: float) -> None:
         """Sleep until a wake, or ``seconds``; at once if the word is no longer ``seen`` (its low
         32 bits), whatever wrote it."""
         timeout = _Timespec(int(seconds), int(seconds % 1 * 1e9))
-        self._count(+1)
-        try:
-            _CALL(ctypes.c_long(_SYS_FUTEX), self._address, _WAIT, ctypes.c_uint32(seen & 0xFFFFFFFF),
-                  ctypes.byref(timeout), None, 0)  # fmt: skip
-        finally:
-            self._count(-1)
-
-    def _count(self, change: int) -> None:
-        with self._lock:
-            self._asleep += change
-            self._sleepers.value = self._asleep
+        _CALL(ctypes.c_long(_SYS_FUTEX), self._address, _WAIT, ctypes.c_uint32(seen & 0xFFFFFFFF),
+              ctypes.byref(timeout), None, 0)  # fmt: skip
 
     def wake(self) -> None:
-        if self._sleepers.value:
-            _CALL(ctypes.c_long(_SYS_FUTEX), self._address, _WAKE, _ALL, None, None, 0)
+        _CALL(ctypes.c_long(_SYS_FUTEX), self._address, _WAKE, _ALL, None, None, 0)
