@@ -85,16 +85,23 @@ class _EchoDeployment:
         self.ffn_ranks = [identity_program()]
 
 
-def shm_copy_floor(nbytes: int, repeats: int) -> float:
-    """Median seconds to copy ``nbytes`` into a /dev/shm mapping and out again, both ways."""
-    path = Path("/dev/shm") / f"afdc-bench-{uuid.uuid4().hex}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+def _shm_mapping(nbytes: int, path: Path | None = None) -> tuple[Path, mmap.mmap]:
+    """A ``/dev/shm`` file of ``nbytes`` (a new one unless ``path`` names one to open), mapped."""
+    created = path is None
+    path = path or Path("/dev/shm") / f"afdc-bench-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if created else 0), 0o600)
     try:
-        os.ftruncate(fd, max(nbytes, 1))
-        mm = mmap.mmap(fd, max(nbytes, 1))
+        if created:
+            os.ftruncate(fd, nbytes)
+        return path, mmap.mmap(fd, 0)
     finally:
         os.close(fd)
-        path.unlink()
+
+
+def shm_copy_floor(nbytes: int, repeats: int) -> float:
+    """Median seconds to copy ``nbytes`` into a /dev/shm mapping and out again, both ways."""
+    path, mm = _shm_mapping(max(nbytes, 1))
+    path.unlink()
     ring = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     times = []
@@ -114,9 +121,7 @@ _STOP = 1 << 63
 def _echo(path: str, area: int) -> None:
     """The bare echo: wait for the request's sequence number, copy its bytes out into torch memory
     and into the reply area, post the same number back."""
-    fd = os.open(path, os.O_RDWR)
-    mm = mmap.mmap(fd, 0)
-    os.close(fd)
+    _, mm = _shm_mapping(0, Path(path))
     base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
     seen = 0
     while True:
@@ -137,13 +142,7 @@ def bare_ping_pong(repeats: int) -> dict[int, float]:
     activations: the same four copies as the floor, the bytes crossing between cores, a sequence
     number each way and both sides polling. What afdc adds over it is its protocol's cost."""
     area = max(TOKENS) * HIDDEN * 2
-    path = Path("/dev/shm") / f"afdc-bench-{uuid.uuid4().hex}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, 128 + 2 * area)
-        mm = mmap.mmap(fd, 0)
-    finally:
-        os.close(fd)
+    path, mm = _shm_mapping(128 + 2 * area)
     base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
     echo = mp.get_context("spawn").Process(target=_echo, args=(str(path), area), daemon=True)
     echo.start()
