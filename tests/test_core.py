@@ -16,6 +16,7 @@ from afdc.cli import main
 from afdc.demo import demo_batch, demo_model
 from afdc.equivalence import check
 from afdc.partition.mincut import FlowGraph
+from afdc.passes.lm_head import split_head
 from afdc.passes.straight_line import straight_line
 from afdc.runtime import connector as connectors
 from afdc.runtime.model import positions_from_mask
@@ -97,6 +98,32 @@ def test_a_hidden_state_and_its_reshape_cross_once(model_type, overrides):
     assert check(model, dm, ids, mask).ok()
 
 
+@pytest.mark.parametrize("model_type, overrides", [
+    ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    ("gemma2", {"final_logit_softcapping": 5.0}),  # the head ends in a soft-capping: tanh(x / c) * c
+])
+def test_lm_head_runs_once_over_every_micro_batchs_rows(model_type, overrides):
+    """Micro-batches run the program up to the LM head each, then the head once over all their
+    rows (in decode the head's cost is reading its weight); the outputs stay the model's."""
+    model = build_type(model_type, {**TINY_COMMON, **overrides})
+    dm = afdc.disaggregate(model, micro_batches=2)
+    split = split_head(dm.attention.module, dm.attention.out_spec)
+    assert split is not None
+    head_ops = [n.target for n in split.head.graph.nodes if n.op == "call_function"]
+    assert (torch.ops.aten.tanh.default in head_ops) == ("final_logit_softcapping" in overrides)
+    assert "lm_head.weight" not in dict(split.body.named_parameters())  # the body no longer reads it
+    head = dm.attention._staged().head
+    rows = []
+    dm.attention._staged().head = lambda hidden: rows.append(hidden.shape[0]) or head(hidden)
+    ids = torch.randint(0, TINY_COMMON["vocab_size"], (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left-padded
+    assert check(model, dm, ids, mask).ok()
+    # the call and generate's prefill: every token of all three rows, both micro-batches, at once
+    assert rows[:2] == [3 * 7, 3 * 7]
+    assert set(rows[2:]) == {3}  # decode: one token per row
+
+
 def test_ffn_side_runs_only_through_the_connector(moe):
     """The attention program cannot run without a connector: no shortcut to the original model."""
     model, dm = moe
@@ -114,10 +141,10 @@ def test_eager_backend_runs_straight_line_code_written_from_the_graph(moe):
     with torch.no_grad():
         link = connectors.LoopbackConnector(functools.partial(combine, dm.ffn_ranks))
         with connectors.active(link):
-            written = dm.attention._lowered(ids, mask, pos)
+            written = dm.attention(ids, mask, pos).logits  # the body's code, then the LM head's
             captured = dm.attention.module(ids, mask, pos)
-    assert torch.equal(written[0], captured[0])
-    code = dm.attention._lowered._run.code
+    assert torch.equal(written, captured[0])
+    code = dm.attention._staged().body._run.code
     assert "attention_body(" in code and "send_body(" in code and "recv_body(" in code
     assert "getattr" not in code  # no walks through the modules
     graph = dm.attention.module.graph

@@ -82,11 +82,13 @@ class AttentionRank:
             else:
                 link = RemoteConnector(self.endpoint, step, mb, batch.input_ids.numel(), self.dispatch, spin=alone)
             with torch.no_grad(), connectors.active(link), kv_cache.active(batch.cache):
-                out = self.program(batch.input_ids, batch.attention_mask, batch.position_ids)
+                out = self.program.body(batch.input_ids, batch.attention_mask, batch.position_ids)
             return out, link.traffic
 
         results, self._pool = run_concurrently(self._pool, [functools.partial(one, *b) for b in enumerate(batches)])
-        return [out for out, _ in results], connectors.Traffic.total([t for _, t in results])
+        with torch.no_grad():  # the LM head once over every micro-batch's rows: it reads its weight once
+            outputs = self.program.finish([out for out, _ in results])
+        return outputs, connectors.Traffic.total([t for _, t in results])
 
     def close(self) -> None:
         if self.endpoint is not None:

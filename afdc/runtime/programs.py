@@ -7,6 +7,7 @@ import itertools
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -14,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from afdc import lowering
 from afdc.ops.context import MixerTable, mixers_active
+from afdc.passes.lm_head import split_head
 from afdc.segment import Dispatch, ExpertRouting, Segment, SegmentBinding, as_rows, at_tokens
 
 
@@ -60,6 +62,9 @@ class AttentionProgram(torch.nn.Module):
     Its graph sends each FFN layer's inputs and receives its outputs through the active
     connector; attention ops read and extend the active KV cache; stateful-mixer ops run through
     ``mixers`` (:mod:`afdc.runtime.mixers`), whose state the active KV cache keeps.
+
+    It runs in two stages (:mod:`afdc.passes.lm_head`): :meth:`body`, everything up to the LM
+    head, once per micro-batch, then :meth:`finish`, the head once over every micro-batch's rows.
     """
 
     def __init__(self, module: fx.GraphModule, out_spec: pytree.TreeSpec, mixers: MixerTable | None = None):
@@ -67,7 +72,9 @@ class AttentionProgram(torch.nn.Module):
         self.module = module
         self.out_spec = out_spec
         self.mixers = mixers
-        self._lowered = _Lowered(module, "attention program")
+        self._backend = "eager"
+        self._stages: _Stages | None = None  # cut and lowered at the first call, after any rewrite
+        self._lock = threading.Lock()
 
     @classmethod
     def from_graph(
@@ -81,23 +88,77 @@ class AttentionProgram(torch.nn.Module):
         return cls(fx.GraphModule({name: attrs[name] for name in used}, graph), out_spec, mixers)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+        return self.finish([self.body(input_ids, attention_mask, position_ids)])[0]
+
+    def body(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """The program up to its LM head: its flat outputs, the head's input rows in place of the logits."""
         with mixers_active(self.mixers) if self.mixers else contextlib.nullcontext():
-            flat = self._lowered(input_ids, attention_mask, position_ids)
-        return pytree.tree_unflatten(list(flat), self.out_spec)
+            return list(self._staged().body(input_ids, attention_mask, position_ids))
+
+    def finish(self, bodies: list[list]) -> list:
+        """Each micro-batch's outputs from its :meth:`body` outputs, the LM head run once over all their rows."""
+        stages = self._staged()
+        if stages.head is not None:
+            hidden = [flat[stages.index] for flat in bodies]
+            width = hidden[0].shape[-1]
+            (logits,) = stages.head(torch.cat([h.reshape(-1, width) for h in hidden]))
+            parts = logits.split([h.numel() // width for h in hidden])
+            for flat, h, part in zip(bodies, hidden, parts):
+                flat[stages.index] = part.view(*h.shape[:-1], part.shape[-1])
+        return [pytree.tree_unflatten(flat, self.out_spec) for flat in bodies]
+
+    def _staged(self) -> _Stages:
+        if self._stages is None:
+            with self._lock:
+                if self._stages is None:
+                    self._stages = _Stages.of(self.module, self.out_spec, self._backend)
+        return self._stages
+
+    def __getstate__(self):  # a copy cuts and lowers afresh (a lock and compiled code do not copy)
+        state = {**self.__dict__, "_stages": None}
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._lock = threading.Lock()
 
     def use_backend(self, backend: str) -> None:
         """Run under ``backend`` (:mod:`afdc.lowering`) from the next call on; rewrite
         ``module``'s graph (as the serving passes do) before this, not after."""
-        self._lowered = _Lowered(self.module, "attention program")
-        self._lowered.use(backend, device_of(self.module))
+        self._backend = lowering.resolve(backend, device_of(self.module))
+        self._stages = None
 
     @property
     def backend(self) -> str:
         """What runs it, resolved for its device (``eager``, ``inductor`` or ``afdc``)."""
-        return self._lowered.backend
+        return self._backend
 
     def parameter_names(self) -> list[str]:
         return [name for name, _ in self.module.named_parameters()]
+
+
+@dataclass
+class _Stages:
+    """An attention program cut before its LM head, each part lowered at its first call."""
+
+    body: _Lowered
+    head: _Lowered | None  # None: the program has no LM head to cut off (the body is all of it)
+    index: int  # the flat output the head's rows stand in for
+
+    @classmethod
+    def of(cls, module: fx.GraphModule, out_spec: pytree.TreeSpec, backend: str) -> _Stages:
+        split = split_head(module, out_spec)
+        stages = (
+            cls(_Lowered(module, "attention program"), None, -1)
+            if split is None
+            else cls(_Lowered(split.body, "attention program"), _Lowered(split.head, "LM head"), split.index)
+        )
+        device = device_of(module)
+        for part in (stages.body, stages.head):
+            if part is not None:
+                part.use(backend, device)
+        return stages
 
 
 class FFNProgram(torch.nn.Module):

@@ -172,13 +172,17 @@ class TensorParallelAttention(torch.nn.Module):
         return self.shards[0].parameter_names()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+        return self.finish([self.body(input_ids, attention_mask, position_ids)])[0]
+
+    def body(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """TP rank 0's :meth:`AttentionProgram.body` outputs, every TP rank having run its shard's."""
         link, cache = connectors.current(), kv_cache.current()
         groups = self._groups.take(self._timeout, self._pool)
 
         def run(rank: int):
             tp_link = TensorParallelConnector(groups[rank], link if rank == 0 else None)
             with connectors.active(tp_link), kv_cache.active(shard_cache(cache, rank)), group_active(groups[rank]):
-                return self.shards[rank](input_ids, attention_mask, position_ids)
+                return self.shards[rank].body(input_ids, attention_mask, position_ids)
 
         others: list[Future] = [self._pool.submit(run, r) for r in range(1, len(self.shards))]
         try:
@@ -191,3 +195,7 @@ class TensorParallelAttention(torch.nn.Module):
             f.result()
         self._groups.give_back(groups)
         return out
+
+    def finish(self, bodies: list[list]) -> list:
+        """The LM head stays whole on every TP rank: rank 0 alone runs it."""
+        return self.shards[0].finish(bodies)
