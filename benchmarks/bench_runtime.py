@@ -11,7 +11,7 @@
 (b) Greedy decode tokens/s of a ~100M-parameter Qwen3-MoE-shaped model: the FFN side in a server
     process under 1A1F with m = 1 and m = 2 micro-batches, for each connector, against the
     monolithic Hugging Face model in this process and against afdc in-process (loopback, m = 1),
-    as ratios.
+    as ratios: medians over ``--rounds`` rounds in which the setups take turns.
 
 (c) Dense FFN layers over 2 FFN ranks (shm, m = 1), a ~100M-parameter Llama-shaped model:
     ``--dense-ffn tp`` (every rank gets every token and returns a partial sum) against
@@ -33,7 +33,7 @@ speed-up a separate FFN pool gives. Every process runs one torch thread by defau
 on a small shared host, processes whose thread pools span every core stall each other's
 barriers (an in-process decode fell from 250 to 36 tokens/s with one other busy process).
 
-Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8] [--connectors shm]
+Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8] [--rounds 5] [--connectors shm]
                                           [--only a b e]
 """
 
@@ -210,17 +210,11 @@ def demo_moe_100m() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def decode_rates(batch: int, new_tokens: int) -> None:
+def decode_rates(batch: int, new_tokens: int, rounds: int) -> None:
     model = demo_moe_100m()
     params = sum(p.numel() for p in model.parameters()) / 1e6
     ids = torch.randint(1, model.config.vocab_size, (batch, 16))
     mask = torch.ones_like(ids)
-
-    def timed(fn) -> float:
-        fn(2)  # warm-up
-        t = time.perf_counter()
-        fn(new_tokens)
-        return batch * new_tokens / (time.perf_counter() - t)
 
     def monolith(n):
         with torch.no_grad():
@@ -228,26 +222,47 @@ def decode_rates(batch: int, new_tokens: int) -> None:
                 input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
             )
 
-    base = timed(monolith)
-    ref = monolith(new_tokens)
-    print(f"\n(b) greedy decode, Qwen3-MoE-shaped {params:.0f}M params, batch {batch}, {new_tokens} new tokens, fp32")
-    print(f"{'setup':<34}{'tokens/s':>10}{'vs monolith':>13}{'vs in-process':>15}")
-    print(f"{'monolith (HF generate, in-process)':<34}{base:>10.1f}{1.0:>13.2f}")
     dm = afdc.disaggregate(model, "1A1F")
-    gen = lambda n: dm.generate(ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0)  # noqa: E731
-    in_process = {}
-    for m in (1, 2):
-        dm.micro_batches = m
-        rate = in_process[m] = timed(gen)
-        print(f"{f'afdc in-process loopback, m={m}':<34}{rate:>10.1f}{rate / base:>13.2f}")
+
+    def afdc_m(m: int):
+        def generate(n):
+            dm.micro_batches = m
+            return dm.generate(ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
+
+        return generate
+
+    def medians(setups: dict) -> dict[str, float]:
+        """Median tokens/s of each setup over the rounds, the setups taking turns in each round
+        (this VM's speed drifts by 10% within a minute: one run each would compare drifts)."""
+        for fn in setups.values():
+            fn(2)  # warm-up
+        rates: dict[str, list[float]] = {name: [] for name in setups}
+        for _ in range(rounds):
+            for name, fn in setups.items():
+                t = time.perf_counter()
+                fn(new_tokens)
+                rates[name].append(batch * new_tokens / (time.perf_counter() - t))
+        return {name: statistics.median(r) for name, r in rates.items()}
+
+    ref = monolith(new_tokens)
+    local = medians({"monolith (HF generate, in-process)": monolith, **{
+        f"afdc in-process loopback, m={m}": afdc_m(m) for m in (1, 2)
+    }})
+    base, in_process = local["monolith (HF generate, in-process)"], local["afdc in-process loopback, m=1"]
+    print(f"\n(b) greedy decode, Qwen3-MoE-shaped {params:.0f}M params, batch {batch}, {new_tokens} new tokens, "
+          f"fp32, median of {rounds} rounds")
+    print(f"{'setup':<34}{'tokens/s':>10}{'vs monolith':>13}{'vs in-process':>15}")
+    for label, rate in local.items():
+        print(f"{label:<34}{rate:>10.1f}{rate / base:>13.2f}")
     for connector in CONNECTORS:
         with dm.launch(connector, log_interval=0):
             for m in (1, 2):
-                dm.micro_batches = m
-                rate = timed(gen)
-                assert torch.equal(gen(new_tokens), ref), "remote decode differs from the monolith"
-                label = f"afdc 1A1F {connector}, m={m}"
-                print(f"{label:<34}{rate:>10.1f}{rate / base:>13.2f}{rate / in_process[1]:>15.2f}")
+                assert torch.equal(afdc_m(m)(new_tokens), ref), "remote decode differs from the monolith"
+            remote = medians({f"afdc 1A1F {connector}, m={m}": afdc_m(m) for m in (1, 2)})
+        for label, rate in remote.items():
+            print(f"{label:<34}{rate:>10.1f}{rate / base:>13.2f}{rate / in_process:>15.2f}")
+        rates = list(remote.values())
+        print(f"{connector}: m=2 / m=1 {rates[1] / rates[0]:.2f}")
 
 
 def _placements(title: str, model, plan: str, option: str, values: tuple[str, str], batch: int, new_tokens: int):
@@ -328,6 +343,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5, help="(b): rounds of every setup taking turns")
     parser.add_argument("--connectors", nargs="+", default=list(CONNECTORS), choices=CONNECTORS)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of every process (this one and the FFN servers, via OMP_NUM_THREADS)")
@@ -342,7 +358,7 @@ def main() -> None:
     if "a" in args.only:
         round_trip_table(args.repeats)
     if "b" in args.only:
-        decode_rates(args.batch, args.new_tokens)
+        decode_rates(args.batch, args.new_tokens, args.rounds)
     if "c" in args.only:
         dense_placement(args.batch, args.new_tokens)
     if "d" in args.only:
