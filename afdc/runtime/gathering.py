@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from afdc.runtime.programs import FFNProgram
 from afdc.runtime.transport.base import Incoming
 
+_CACHE_SIZE = 1 << 16
+
 
 @dataclass
 class StepPlan:
@@ -108,19 +110,24 @@ class Gathering:
             gets = dispatch.experts is None and any(
                 s.rank == self.program.rank and s.count for s in dispatch.shares([], tokens, self.ffn_ranks)
             )
-            if len(self._gets_cache) >= 1 << 16:  # serving sees many token counts: keep it bounded
-                self._gets_cache.clear()
-            self._gets_cache[layer, tokens] = gets
+            _remember(self._gets_cache, (layer, tokens), gets)
         return gets
 
     def _between_steps(self, plan: StepPlan) -> bool:
         for k, tokens in enumerate(plan.tokens):
             if tokens not in self._last:
                 mine = [i for i in range(len(self.program.layers)) if self._gets(i, tokens)]
-                self._last[tokens] = mine[-1] if mine else -1
+                _remember(self._last, tokens, mine[-1] if mine else -1)
             if plan.served.get(k, -1) < self._last[tokens]:
                 return False
         return True
+
+
+def _remember(cache: dict, key, value) -> None:
+    """Cache by token count, bounded: a serving deployment sees ever new counts."""
+    if len(cache) >= _CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
 
 
 def _key(w: _Waiting) -> tuple[int, int]:
