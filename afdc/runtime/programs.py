@@ -104,7 +104,7 @@ class AttentionProgram(torch.nn.Module):
             (logits,) = stages.head(torch.cat([h.reshape(-1, width) for h in hidden]))
             parts = logits.split([h.numel() // width for h in hidden])
             for flat, h, part in zip(bodies, hidden, parts):
-                flat[stages.index] = part.view(*h.shape[:-1], part.shape[-1])
+                flat[stages.index] = part.reshape(*h.shape[:-1], part.shape[-1])
         return [pytree.tree_unflatten(flat, self.out_spec) for flat in bodies]
 
     def _staged(self) -> _Stages:
