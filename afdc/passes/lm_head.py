@@ -44,7 +44,7 @@ def _logits(graph: fx.Graph, out_spec: pytree.TreeSpec) -> fx.Node | None:
 def _is_weight(node) -> bool:
     """A get_attr, or a view or cast of one (nothing that depends on the program's inputs)."""
     if not isinstance(node, fx.Node):
-        return not isinstance(node, (list, tuple, dict))
+        return False
     if node.op == "get_attr":
         return True
     return node.op == "call_function" and op_name(node) in _WEIGHT_VIEWS and all(map(_is_weight, node.all_input_nodes))

@@ -148,17 +148,17 @@ class _Stages:
 
     @classmethod
     def of(cls, module: fx.GraphModule, out_spec: pytree.TreeSpec, backend: str) -> _Stages:
-        split = split_head(module, out_spec)
-        stages = (
-            cls(_Lowered(module, "attention program"), None, -1)
-            if split is None
-            else cls(_Lowered(split.body, "attention program"), _Lowered(split.head, "LM head"), split.index)
-        )
         device = device_of(module)
-        for part in (stages.body, stages.head):
-            if part is not None:
-                part.use(backend, device)
-        return stages
+
+        def lowered(part: fx.GraphModule, name: str) -> _Lowered:
+            run = _Lowered(part, name)
+            run.use(backend, device)
+            return run
+
+        split = split_head(module, out_spec)
+        if split is None:
+            return cls(lowered(module, "attention program"), None, -1)
+        return cls(lowered(split.body, "attention program"), lowered(split.head, "LM head"), split.index)
 
 
 class FFNProgram(torch.nn.Module):
