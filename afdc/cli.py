@@ -107,11 +107,11 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
 @click.option("--rank", type=int, default=0, show_default=True, help="Rank within the role.")
 @click.option("--rendezvous", help="HOST:PORT of the deployment's store (hosted by attention rank 0); "
               "required unless --connector loopback.")
-@click.option("--connector", type=click.Choice(["gloo", "nccl", "shm", "loopback"]), default="gloo",
+@click.option("--connector", type=click.Choice(["gloo", "nccl", "shm", "cuda-ipc", "loopback"]), default="gloo",
               show_default=True,
               help="Transport between the roles (nccl: GPU to GPU, one GPU per rank, with --device cuda:N; shm: "
-                   "same host only; loopback: attention only, the FFN layers run in the attention process, i.e. "
-                   "monolithic).")
+                   "same host only; cuda-ipc: same host, GPU to GPU through shared device memory, --device cuda; "
+                   "loopback: attention only, the FFN layers run in the attention process, i.e. monolithic).")
 @click.option("--token", default=None, help="Shared deployment secret (default: $AFDC_TOKEN).")
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
@@ -175,8 +175,10 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the OpenAI servers bind.")
 @click.option("--port", type=int, default=8000, show_default=True,
               help="Port of the OpenAI API (several attention ranks serve on the next ports, behind a router).")
-@click.option("--connector", type=click.Choice(["shm", "gloo", "loopback"]), default="shm", show_default=True,
-              help="Transport between the roles (loopback: monolithic, no FFN processes).")
+@click.option("--connector", type=click.Choice(["shm", "cuda-ipc", "gloo", "loopback"]), default="shm",
+              show_default=True,
+              help="Transport between the roles (cuda-ipc: with --device cuda; loopback: monolithic, no FFN "
+                   "processes).")
 @click.option("--device", default="cpu", show_default=True, help="Device every role runs on.")
 @click.option("--micro-batches", type=int, default=None, help="Micro-batches per step (default: the plan's).")
 @click.option("--kv-cache-mb", type=int, default=256, show_default=True, help="KV cache per attention rank on CPU.")

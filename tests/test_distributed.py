@@ -301,16 +301,35 @@ def test_cli_serve_errors(tmp_path):
     assert result.exit_code == 2 and "give the output directory of `afdc compile`" in result.output
 
 
-def test_nccl_connector_refuses_a_rank_without_a_gpu():
-    """NCCL moves GPU memory: a CPU rank is told what to run instead, before any NCCL group forms."""
+@pytest.mark.parametrize(
+    "connector, instead", [("nccl", "the gloo or shm connector"), ("cuda-ipc", "the shm connector")]
+)
+def test_gpu_connectors_refuse_a_rank_without_a_gpu(connector, instead):
+    """NCCL and CUDA IPC move GPU memory: a CPU rank is told what to run instead, before any link forms."""
     from afdc.errors import AfdcError
     from afdc.runtime.transport import transport_class
 
     layout = Layout(1, 0)  # one slot: its gloo header group forms without peers
     rdv = Rendezvous(f"127.0.0.1:{free_port()}", layout, b"\x03" * 8, "t", host=True)
     group = rdv.join(0, timeout=5.0)
-    with pytest.raises(AfdcError, match="run it with --device cuda, or use the gloo or shm connector"):
-        transport_class("nccl")(rdv, group, 0, "attn", timeout=5.0, device="cpu")
+    with pytest.raises(AfdcError, match=f"moves GPU memory.*run it with --device cuda, or use {instead}"):
+        transport_class(connector)(rdv, group, 0, "attn", timeout=5.0, device="cpu")
+
+
+def test_a_mailbox_of_another_connector_is_refused_by_name(tmp_path):
+    """Payloads in the file (shm) or in device memory (cuda-ipc): a rank that maps a mailbox of
+    the other kind is told the peer runs another connector, instead of reading bytes that are not there."""
+    from afdc.runtime.transport.cuda_ipc import DeviceMailbox
+    from afdc.runtime.transport.shm import Mailbox
+
+    Mailbox(tmp_path / "host", slots=2, slot_bytes=64, create=True)
+    DeviceMailbox(tmp_path / "device", slots=2, slot_bytes=64, create=True)  # the file; its GPU buffer comes apart
+    for kind, path in ((DeviceMailbox, "host"), (Mailbox, "device")):
+        with pytest.raises(ConnectionError, match="the peer runs another connector"):
+            kind(tmp_path / path)
+    assert (Mailbox(tmp_path / "host").slot_bytes, DeviceMailbox(tmp_path / "device").slot_bytes) == (64, 64)
+    with pytest.raises(ConnectionError, match="no device buffer: it runs another connector"):
+        DeviceMailbox.open({"path": str(tmp_path / "device")}, torch.device("cpu"))
 
 
 def test_wrong_token_is_refused_at_rendezvous(caplog):

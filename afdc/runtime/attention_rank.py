@@ -9,6 +9,7 @@ computes its attention (ping-pong).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class AttentionRank:
         self.dispatch = dispatch  # per FFN layer
         self.endpoint: AttentionEndpoint | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._streams: list[torch.cuda.Stream] = []
 
     def begin_step(self) -> int:
         return self.endpoint.begin_step() if self.endpoint is not None else 0
@@ -75,20 +77,38 @@ class AttentionRank:
         alone = len(batches) == 1 and not self.beside and not isinstance(self.program, TensorParallelAttention)
         if self.endpoint is not None:
             self.endpoint.announce(step, [b.input_ids.numel() for b in batches])
+        streams = self._streams_for(batches)
 
         def one(mb: int, batch: MicroBatch):
             if self.endpoint is None:
                 link = connectors.LoopbackConnector(functools.partial(combine, self.ffn))
             else:
                 link = RemoteConnector(self.endpoint, step, mb, batch.input_ids.numel(), self.dispatch, spin=alone)
-            with torch.no_grad(), connectors.active(link), kv_cache.active(batch.cache):
+            on_stream = torch.cuda.stream(streams[mb]) if streams else contextlib.nullcontext()
+            with torch.no_grad(), on_stream, connectors.active(link), kv_cache.active(batch.cache):
                 out = self.program.body(batch.input_ids, batch.attention_mask, batch.position_ids)
             return out, link.traffic
 
         results, self._pool = run_concurrently(self._pool, [functools.partial(one, *b) for b in enumerate(batches)])
+        for s in streams:  # the head reads every micro-batch's rows
+            torch.cuda.current_stream(s.device).wait_stream(s)
         with torch.no_grad():  # the LM head once over every micro-batch's rows: it reads its weight once
             outputs = self.program.finish([out for out, _ in results])
         return outputs, connectors.Traffic.total([t for _, t in results])
+
+    def _streams_for(self, batches: list[MicroBatch]) -> list[torch.cuda.Stream]:
+        """On a GPU, a CUDA stream per micro-batch, each after the work queued so far: a transport
+        waits for its own copies on the current stream, which must not make one micro-batch wait
+        for the other's kernels (their overlap is the point). None on a CPU or for one micro-batch."""
+        device = batches[0].input_ids.device
+        if device.type != "cuda" or len(batches) == 1:
+            return []
+        while len(self._streams) < len(batches):
+            self._streams.append(torch.cuda.Stream(device))
+        streams = self._streams[: len(batches)]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream(device))
+        return streams
 
     def close(self) -> None:
         if self.endpoint is not None:

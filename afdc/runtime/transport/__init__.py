@@ -2,18 +2,21 @@
 
 What all transports share lives in :mod:`afdc.runtime.transport.base`, which imports none of them;
 each medium is its own module (:mod:`~afdc.runtime.transport.gloo`, :mod:`~afdc.runtime.transport.nccl`,
-:mod:`~afdc.runtime.transport.shm`). A new transport is added to :data:`REGISTRY` here.
+:mod:`~afdc.runtime.transport.shm`, :mod:`~afdc.runtime.transport.cuda_ipc`). A new transport is added to
+:data:`REGISTRY` here.
 """
 
 from __future__ import annotations
 
 from afdc.errors import AfdcError
 from afdc.runtime.transport.base import Transport
+from afdc.runtime.transport.cuda_ipc import CudaIpcTransport
 from afdc.runtime.transport.gloo import GlooTransport
 from afdc.runtime.transport.nccl import NcclTransport
 from afdc.runtime.transport.shm import ShmTransport
 
 REGISTRY: dict[str, type[Transport]] = {
+    "cuda-ipc": CudaIpcTransport,
     "gloo": GlooTransport,
     "nccl": NcclTransport,
     "shm": ShmTransport,

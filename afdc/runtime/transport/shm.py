@@ -69,34 +69,43 @@ def _read_line(sock: socket.socket, limit: int = 4096) -> dict:
 class Mailbox:
     """One direction of a link: a fixed number of message slots in ``/dev/shm``, mapped by both ends.
 
-    Line 0 holds the slot count and size, line 1 the doorbell (messages posted so far), line 2 + k
-    slot k's ``seq`` (messages the sender has posted into it) and ``ack`` (messages the receiver has
-    taken out). A message is its :class:`~afdc.runtime.wire.Header` then its tensors' bytes,
-    written into a free slot (``ack == seq``) before ``seq`` and the doorbell are bumped, so a
-    reader that sees ``seq != ack`` sees the whole message (stores are not reordered with stores on
-    x86-64). Payloads move by one ``memmove`` per tensor between torch's memory and the slot,
-    control words through ``struct``: a round trip is mostly such fixed costs, and torch ops cost
-    microseconds each. The writer wakes the futexes after every post, whether or not anyone sleeps
-    on them: skipping the wake when a count of sleepers said no one did saved ~2 us of a round
-    trip but made the 98M MoE's decode over shm slower in five A/B pairs out of six (0.88 against
-    0.95 of in-process on average), for reasons not found.
+    Line 0 holds the slot count, the slot size and how many of a slot's payload bytes the file
+    holds (all of them here; none where they live in device memory, :mod:`.cuda_ipc`), line 1 the
+    doorbell (messages posted so far), line 2 + k slot k's ``seq`` (messages the sender has posted
+    into it) and ``ack`` (messages the receiver has taken out). A message is its
+    :class:`~afdc.runtime.wire.Header` then its tensors' bytes, written into a free slot
+    (``ack == seq``) before ``seq`` and the doorbell are bumped, so a reader that sees
+    ``seq != ack`` sees the whole message (stores are not reordered with stores on x86-64); a
+    subclass may keep the bytes elsewhere (:meth:`_write`, :meth:`_read`). Payloads move by one
+    ``memmove`` per tensor between torch's memory and the slot, control words through ``struct``:
+    a round trip is mostly such fixed costs, and torch ops cost microseconds each. The writer
+    wakes the futexes after every post, whether or not anyone sleeps on them: skipping the wake
+    when a count of sleepers said no one did saved ~2 us of a round trip but made the 98M MoE's
+    decode over shm slower in five A/B pairs out of six (0.88 against 0.95 of in-process on
+    average), for reasons not found.
     """
+
+    payloads_in_file = True
 
     def __init__(self, path: Path, slots: int = 0, slot_bytes: int = 0, create: bool = False):
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                body = _PAYLOAD + slot_bytes
-                os.ftruncate(fd, (2 + slots) * _LINE + slots * body)
+                in_file = slot_bytes if self.payloads_in_file else 0
+                os.ftruncate(fd, (2 + slots) * _LINE + slots * (_PAYLOAD + in_file))
             self._mm = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
         if create:
             _WORD.pack_into(self._mm, 0, slots)
             _WORD.pack_into(self._mm, 8, slot_bytes)
+            _WORD.pack_into(self._mm, 16, in_file)
         self.path = path
-        self.slots, self.slot_bytes = _WORD.unpack_from(self._mm, 0)[0], _WORD.unpack_from(self._mm, 8)[0]
+        self.slots, self.slot_bytes, self._in_file = (_WORD.unpack_from(self._mm, 8 * i)[0] for i in range(3))
+        if self._in_file != (self.slot_bytes if self.payloads_in_file else 0):
+            raise ConnectionError(f"{path} holds payloads {'in' if self._in_file else 'out of'} the file; the peer "
+                                  "runs another connector (every rank of a deployment must use the same one)")
         self._body = (2 + self.slots) * _LINE
         self._view = memoryview(self._mm)
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
@@ -105,6 +114,15 @@ class Mailbox:
         # micro-batch thread, for its own: a sibling's reply must not wake it to contend for the GIL)
         words = [futex.Word(self._mm, line * _LINE) for line in range(1, 2 + self.slots)] if futex.AVAILABLE else []
         self._doorbell, self._seqs = (words[0], words[1:]) if words else (None, [])
+
+    def describe(self) -> dict:
+        """What the peer needs to open this mailbox (sent in the handshake)."""
+        return {"path": str(self.path)}
+
+    @classmethod
+    def open(cls, description: dict, device: torch.device) -> Mailbox:
+        """The peer's mailbox from its :meth:`describe`; ``device`` is where taken tensors go."""
+        return cls(Path(description["path"]))
 
     @property
     def posted(self) -> int:
@@ -117,7 +135,7 @@ class Mailbox:
         return _WORD.unpack_from(self._mm, (2 + k) * _LINE + 8)[0]
 
     def _start(self, k: int) -> int:
-        return self._body + k * (_PAYLOAD + self.slot_bytes)
+        return self._body + k * (_PAYLOAD + self._in_file)
 
     def fits(self, payload_bytes: int) -> bool:
         return payload_bytes <= self.slot_bytes
@@ -143,11 +161,7 @@ class Mailbox:
                 pause()
         start = self._start(k)
         self._view[start : start + len(header)] = header
-        at = self._address + start + _PAYLOAD
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            ctypes.memmove(at, t.data_ptr(), n)
-            at += n
+        self._write(k, tensors)
         _WORD.pack_into(self._mm, (2 + k) * _LINE, seq + 1)
         _WORD.pack_into(self._mm, _LINE, self.posted + 1)
         if self._doorbell is not None:
@@ -180,16 +194,31 @@ class Mailbox:
         header = wire.Header.decode(self._mm[start : start + wire.HEADER_BYTES])
         if header.payload_bytes > self.slot_bytes:
             raise wire.WireError(f"slot {k} claims {header.payload_bytes} bytes, more than its {self.slot_bytes}")
-        tensors, at = [], self._address + start + _PAYLOAD
-        for spec in header.tensors:
+        tensors = self._read(k, header.tensors)
+        _WORD.pack_into(self._mm, (2 + k) * _LINE + 8, self._seq(k))
+        return header, tensors
+
+    # -- where a slot's payload bytes live: in the file, right after its header -------------------
+
+    def _write(self, k: int, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` into slot ``k``; done when this returns (the slot is posted next)."""
+        at = self._address + self._start(k) + _PAYLOAD
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            ctypes.memmove(at, t.data_ptr(), n)
+            at += n
+
+    def _read(self, k: int, specs: tuple[wire.TensorSpec, ...]) -> list[torch.Tensor]:
+        """Copies of slot ``k``'s tensors; done when this returns (the slot is freed next)."""
+        tensors, at = [], self._address + self._start(k) + _PAYLOAD
+        for spec in specs:
             t = torch.empty(spec.shape, dtype=spec.dtype)
             n = spec.nbytes
             if n:
                 ctypes.memmove(t.data_ptr(), at, n)
             tensors.append(t)
             at += n
-        _WORD.pack_into(self._mm, (2 + k) * _LINE + 8, self._seq(k))
-        return header, tensors
+        return tensors
 
 
 _SLOTTED = (wire.Kind.DATA, wire.Kind.RESULT, wire.Kind.STEP)
@@ -217,6 +246,7 @@ class _Link:
 
 
 class ShmTransport(Transport):
+    mailbox: type[Mailbox] = Mailbox
     slots = 8  # data slots per link and direction (micro-batch m uses slot m % slots), and one for step plans
     slot_bytes = 8 << 20  # a bigger message goes over the socket
     polled = True
@@ -239,8 +269,16 @@ class ShmTransport(Transport):
     def address(rendezvous: Rendezvous, slot: int) -> str:
         return f"\0afdc-{rendezvous.deployment.hex()}-{slot}-{os.getpid()}"
 
+    @staticmethod
+    def _mailbox_path() -> Path:
+        return _SHM_DIR / f"afdc-{uuid.uuid4().hex}"
+
     def _new_mailbox(self) -> Mailbox:
-        return Mailbox(_SHM_DIR / f"afdc-{uuid.uuid4().hex}", self.slots + 1, self.slot_bytes, create=True)
+        return Mailbox(self._mailbox_path(), self.slots + 1, self.slot_bytes, create=True)
+
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as its mailbox copies it: contiguous, in host memory."""
+        return t if t.is_cpu and t.is_contiguous() else t.detach().contiguous().cpu()
 
     def _connect(self, peer: int, address: str) -> None:
         deadline = time.monotonic() + self.timeout
@@ -259,11 +297,11 @@ class ShmTransport(Transport):
             gen = self.group.generation
             proof = self.rendezvous.proof(gen, self.slot)
             sock.settimeout(self.timeout)
-            _send_line(sock, {"slot": self.slot, "generation": gen, "proof": proof, "mailbox": str(outbound.path)})
+            _send_line(sock, {"slot": self.slot, "generation": gen, "proof": proof, "mailbox": outbound.describe()})
             reply = _read_line(sock)
             if "error" in reply:
                 raise ConnectionError(f"refused by the FFN rank: {reply['error']}")
-            inbound = Mailbox(Path(reply["mailbox"]))
+            inbound = self.mailbox.open(reply["mailbox"], self.device)
             _send_line(sock, {"mapped": True})
         finally:
             outbound.path.unlink(missing_ok=True)
@@ -297,13 +335,13 @@ class ShmTransport(Transport):
                 _send_line(sock, {"error": reason})
                 sock.close()
                 return
-            inbound = Mailbox(Path(hello["mailbox"]))
+            inbound = self.mailbox.open(hello["mailbox"], self.device)
             outbound = self._new_mailbox()
-            _send_line(sock, {"mailbox": str(outbound.path)})
+            _send_line(sock, {"mailbox": outbound.describe()})
             _read_line(sock)  # the peer mapped our mailbox: it can go from the file system
             sock.settimeout(None)
             self._start(slot, _Link(sock, outbound, inbound))
-        except (OSError, ValueError, KeyError, TypeError, ConnectionError) as err:
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:  # Runtime: a device buffer not mapped
             log.warning("refused a connection: malformed handshake (%s)", err)
             sock.close()
         finally:
@@ -329,8 +367,7 @@ class ShmTransport(Transport):
             box = link.outbound
             if header.kind in _SLOTTED and box.fits(header.payload_bytes):
                 slot = _slot(box, header.micro_batch) if header.kind != wire.Kind.STEP else box.slots - 1
-                host = [t if t.is_cpu and t.is_contiguous() else t.detach().contiguous().cpu() for t in tensors]
-                box.put(slot, head, host, self.pacing, self.timeout, f"slot {peer}")
+                box.put(slot, head, [self._staged(t) for t in tensors], self.pacing, self.timeout, f"slot {peer}")
             else:
                 link.sock.sendall(head)
                 link.sock.sendall(memoryview(wire.pack(tensors).cpu().numpy()))
