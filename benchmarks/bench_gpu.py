@@ -11,7 +11,8 @@
     clock, medians).
 (2) A compiled artifact of the MoE model, loaded on the GPU (``afdc.load_deployment``), against
     the monolith; then its FFN rank served by ``afdc serve --role ffn --device cuda`` in its
-    own process over the shm connector, the attention side in this process.
+    own process over the shm connector (payloads staged through host memory) and over cuda-ipc
+    (device to device), the attention side in this process.
 (3) One FFN segment of the MoE model under ``torch.cuda.graphs``: captured at a fixed token
     count, replayed, compared with the eager call and timed against it.
 
@@ -201,32 +202,44 @@ def artifact(backend: str) -> dict:
         out["loaded_greedy_equal"] = torch.equal(
             dm.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False), expected)
 
-        # the FFN rank in its own process, as a user deploys it
-        port, token = _free_port(), secrets.token_hex(8)
-        env = {**os.environ, "AFDC_TOKEN": token}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "afdc.cli", "serve", str(art), "--role", "ffn", "--rank", "0", "--connector",
-             "shm", "--rendezvous", f"127.0.0.1:{port}", "--device", "cuda", "--backend", backend],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            os.environ["AFDC_TOKEN"] = token
-            dm.connect(afdc.RuntimeOptions(connector="shm", rendezvous=f"127.0.0.1:{port}", token=token), host=True)
-            out["served_rel_diff"] = rel(dm(input_ids=ids, attention_mask=mask).logits)
-            out["served_greedy_equal"] = torch.equal(
-                dm.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False), expected)
-            t = timed(lambda: dm.generate(ids, attention_mask=mask, max_new_tokens=17, do_sample=False), 3)
-            t1 = timed(lambda: dm.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False), 3)
-            out["served_per_token_ms"] = (t - t1) / 16
-            out["metrics"] = dm.metrics()
-            dm.disconnect()
-        finally:
-            server.terminate()
+        # the FFN rank in its own process, as a user deploys it: payloads staged through host
+        # memory (shm), then device to device (cuda-ipc)
+        for connector in ("shm", "cuda-ipc"):
             try:
-                log, _ = server.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                log, _ = server.communicate()
-            out["server_log_tail"] = log[-3000:]
+                out[connector] = _served(art, dm, connector, backend, ids, mask, expected, rel)
+            except Exception as err:  # one connector failing must not hide the other's numbers
+                out[connector] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    return out
+
+
+def _served(art: Path, dm, connector: str, backend: str, ids, mask, expected, rel) -> dict:
+    """``dm`` against its FFN rank served by ``afdc serve`` over ``connector`` on this GPU."""
+    out: dict = {}
+    port, token = _free_port(), secrets.token_hex(8)
+    env = {**os.environ, "AFDC_TOKEN": token}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "afdc.cli", "serve", str(art), "--role", "ffn", "--rank", "0", "--connector",
+         connector, "--rendezvous", f"127.0.0.1:{port}", "--device", "cuda", "--backend", backend],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        os.environ["AFDC_TOKEN"] = token
+        dm.connect(afdc.RuntimeOptions(connector=connector, rendezvous=f"127.0.0.1:{port}", token=token), host=True)
+        out["served_rel_diff"] = rel(dm(input_ids=ids, attention_mask=mask).logits)
+        out["served_greedy_equal"] = torch.equal(
+            dm.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False), expected)
+        t = timed(lambda: dm.generate(ids, attention_mask=mask, max_new_tokens=17, do_sample=False), 3)
+        t1 = timed(lambda: dm.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False), 3)
+        out["served_per_token_ms"] = (t - t1) / 16
+        out["metrics"] = dm.metrics()
+    finally:
+        dm.disconnect()
+        server.terminate()
+        try:
+            log, _ = server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            log, _ = server.communicate()
+        out["server_log_tail"] = log[-3000:]
     return out
 
 

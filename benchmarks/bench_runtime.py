@@ -7,7 +7,9 @@
     (bytes both ways / round trip), and the ratio to the floor: a plain copy of the same bytes
     into and out of a shared-memory buffer, both ways, in this process. Beside it the bare
     two-process ping-pong: the same copies between two processes polling a sequence number each,
-    no protocol (what crossing between cores and processes costs on this host by itself).
+    no protocol (what crossing between cores and processes costs on this host by itself). With a
+    GPU, also ``cuda-ipc`` on device tensors (the FFN server on the same GPU), against a
+    device-to-device copy of the same bytes there and back.
 (b) Greedy decode tokens/s of a ~100M-parameter Qwen3-MoE-shaped model: the FFN side in a server
     process under 1A1F with m = 1 and m = 2 micro-batches, for each connector, against the
     monolithic Hugging Face model in this process and against afdc in-process (loopback, m = 1),
@@ -63,26 +65,32 @@ from afdc.segment import Segment, SegmentBinding
 
 HIDDEN = 4096
 TOKENS = (1, 16, 256)
-CONNECTORS = ["gloo", "shm"]
+CONNECTORS = ["gloo", "shm"] + (["cuda-ipc"] if torch.cuda.is_available() else [])
 
 
-def identity_program() -> FFNProgram:
+def _device(connector: str) -> str:
+    return "cuda" if connector == "cuda-ipc" else "cpu"
+
+
+def identity_program(device: str = "cpu") -> FFNProgram:
     g = fx.Graph()
     x = g.placeholder("x")
     g.placeholder("rank")
     g.output((x,))
     segment = Segment(graph=g, splits=(), reduce=("first",), inputs=([-1, HIDDEN],))
-    return FFNProgram(segments=[segment], layers=[SegmentBinding(0, [])], weights={}, rank=0)
+    # a program computes where its weights are: an empty one places this weightless echo
+    weights = {} if device == "cpu" else {"placed": torch.empty(0, device=device)}
+    return FFNProgram(segments=[segment], layers=[SegmentBinding(0, [])], weights=weights, rank=0)
 
 
 class _EchoDeployment:
     """What LocalCluster needs to start one identity FFN server."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
         self.layout = Layout(1, 1)
         self.deployment = b"echo0001"
         self.ffn_source = None
-        self.ffn_ranks = [identity_program()]
+        self.ffn_ranks = [identity_program(device)]
 
 
 def _shm_mapping(nbytes: int, path: Path | None = None) -> tuple[Path, mmap.mmap]:
@@ -110,6 +118,21 @@ def shm_copy_floor(nbytes: int, repeats: int) -> float:
         for _ in range(2):  # to the FFN side and back
             ring.copy_(src)
             ring.clone()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def cuda_copy_floor(nbytes: int, repeats: int) -> float:
+    """Median seconds to copy ``nbytes`` from one GPU buffer to another and back, synchronized."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        src.copy_(dst)
+        torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -174,14 +197,15 @@ def bare_ping_pong(repeats: int) -> dict[int, float]:
 
 
 def round_trips(connector: str, repeats: int) -> list[tuple[int, float]]:
-    dep = _EchoDeployment()
+    device = _device(connector)
+    dep = _EchoDeployment(device)
     cluster = LocalCluster(dep, RuntimeOptions(connector=connector, timeout=60, log_interval=0))
     try:
         rdv = Rendezvous(cluster.options.rendezvous, dep.layout, dep.deployment, cluster.options.token)
-        endpoint = AttentionEndpoint(0, rdv, cluster.options)
+        endpoint = AttentionEndpoint(0, rdv, cluster.options, device)
         results = []
         for tokens in TOKENS:
-            x = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
+            x = torch.randn(tokens, HIDDEN, device=device).to(torch.bfloat16)
             times = []
             for i in range(repeats + 10):
                 step = endpoint.begin_step()
@@ -370,16 +394,22 @@ def main() -> None:
 def round_trip_table(repeats: int) -> None:
     print(f"\n(a) round trip of one FFN layer's activations, [{'T'}, {HIDDEN}] bf16, identity FFN server")
     floors = {t: shm_copy_floor(t * HIDDEN * 2, repeats) for t in TOKENS}
+    if "cuda-ipc" in CONNECTORS:
+        print("cuda-ipc: device tensors, the FFN server on the same GPU; its floor a device-to-device copy")
+        device_floors = {t: cuda_copy_floor(t * HIDDEN * 2, repeats) for t in TOKENS}
     bare = bare_ping_pong(repeats)
     print(f"{'connector':<10}{'T':>5}{'bytes':>10}{'rtt us':>10}{'GB/s':>8}{'floor us':>10}{'rtt/floor':>11}"
           f"{'bare us':>9}{'rtt/bare':>10}")
     for connector in CONNECTORS:
         for tokens, rtt in round_trips(connector, repeats):
             nbytes = tokens * HIDDEN * 2
-            floor = floors[tokens]
+            floor = (device_floors if connector == "cuda-ipc" else floors)[tokens]
+            # the bare ping-pong is host memory's: no column for device tensors
+            beside = f"{'-':>9}{'-':>10}" if connector == "cuda-ipc" else (
+                f"{bare[tokens] * 1e6:>9.1f}{rtt / bare[tokens]:>10.1f}")
             print(
                 f"{connector:<10}{tokens:>5}{nbytes:>10}{rtt * 1e6:>10.0f}{2 * nbytes / rtt / 1e9:>8.2f}"
-                f"{floor * 1e6:>10.1f}{rtt / floor:>11.1f}{bare[tokens] * 1e6:>9.1f}{rtt / bare[tokens]:>10.1f}"
+                f"{floor * 1e6:>10.1f}{rtt / floor:>11.1f}{beside}"
             )
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    connector: str = "gloo"  # "gloo", "nccl" (GPU to GPU), "shm" (same host) or "loopback" (in-process)
+    connector: str = "gloo"  # "gloo", "nccl" (GPU to GPU), "shm" (same host), "cuda-ipc" (GPUs, same host), "loopback"
     rendezvous: str | None = None  # HOST:PORT of the store; None: the launcher picks a free local port
     token: str | None = None  # shared deployment secret; None: $AFDC_TOKEN
     timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
