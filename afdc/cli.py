@@ -127,9 +127,12 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
               help="Attention on a CPU device: size of the paged KV cache.")
 @click.option("--backend", type=click.Choice(afdc.plan.BACKENDS), default=None,
               help="What runs the programs (default: the artifact's): afdc kernels + Inductor, Inductor, eager.")
+@click.option("--token-buckets", type=int, default=0, show_default=True,
+              help="FFN: pad each layer's batch to a power of two up to this many tokens, so the FFN runs at a few "
+                   "shapes; on a GPU each is captured in a CUDA graph and replayed (0: off).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_timeout, log_interval, device, host, port,
-          micro_batches, kv_cache_mb, backend, vllm_args) -> None:
+          micro_batches, kv_cache_mb, backend, token_buckets, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -162,7 +165,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
         from afdc.runtime.options import RuntimeOptions
 
         options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
-                                 join_timeout=join_timeout, log_interval=log_interval)
+                                 join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets)
         serve_ffn_rank(artifact, rank, options, device, backend)
     except AfdcError as err:
         click.echo(f"error: {err}", err=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import multiprocessing as mp
 import socket
 import subprocess
@@ -454,6 +455,55 @@ def test_one_ffn_run_for_several_senders(model_type):
             alone = ffn.run(layer, inputs)
             for a, o in zip(alone, outs):
                 torch.testing.assert_close(o, a.reshape(t, -1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("model_type", "router"), [("qwen3_moe", "ffn"), ("qwen3_moe", "attn"),
+                                                    ("deepseek_v3", "attn"), ("gpt2", "ffn")])
+def test_token_buckets_pad_batches_without_changing_a_real_row(model_type, router):
+    """With token buckets a segment only ever runs at a power-of-two token count (a few shapes, a
+    CUDA graph each on a GPU): the zero rows added change no real token's output, and a batch
+    above the largest bucket runs at its own count."""
+    from afdc.runtime.static_shapes import bucket
+
+    assert [bucket(t, 8) for t in (0, 1, 2, 3, 5, 8, 9)] == [1, 1, 2, 4, 8, 8, None]
+    model = catalog.build(_entry(model_type))
+    dm = afdc.disaggregate(model, "1A1F", router=router)
+    ffn = dm.ffn
+    messages: dict[int, list] = {}
+
+    def record(layer, inputs):
+        messages.setdefault(layer, []).append([t.clone() for t in inputs])
+        return ffn.run(layer, inputs)
+
+    for rows, cols in ((1, 1), (2, 1), (1, 3), (3, 3)):  # 1, 2, 3 and 9 tokens
+        ids = torch.randint(3, model.config.vocab_size, (rows, cols))
+        with torch.no_grad(), connectors.active(connectors.LoopbackConnector(record)):
+            dm.attention(ids, torch.ones_like(ids), torch.arange(cols).expand(rows, cols))
+    tokens = [1, 2, 3, 9]
+    expected = {layer: ffn.run_batch(layer, batch, tokens) for layer, batch in messages.items()}
+    seen = set()  # the token counts segments ran at
+    ffn.use_buckets(8)
+    for static in ffn._static:
+        run, per_token = static.run, math.prod(abs(d) for d in static.layouts[-1])
+        static.run = lambda *args, run=run, n=per_token: (seen.add(args[-2].numel() // n), run(*args))[1]
+    for layer, batch in messages.items():
+        for group in ([0], [1], [2], [0, 2], [1, 2], [3], [0, 1, 2]):  # batches of 1, 2, 3, 4, 5, 9 and 6 tokens
+            got = ffn.run_batch(layer, [batch[i] for i in group], [tokens[i] for i in group])
+            for i, outs in zip(group, got):
+                for want, out in zip(expected[layer][i], outs):
+                    torch.testing.assert_close(out, want.reshape(out.shape), atol=1e-5, rtol=1e-5)
+    assert sorted(seen) == [1, 2, 4, 8, 9]
+    ffn.use_buckets(0)
+    assert ffn._static is None
+
+
+def test_ffn_server_with_token_buckets_matches_monolith(reference):
+    model, ids, mask, ref = reference("qwen3_moe")
+    dm = afdc.disaggregate(model, "1A1F", connector="shm")
+    with dm.launch(timeout=60, token_buckets=8):
+        for m in (1, 2):  # prefill batches above the largest bucket, decode steps padded
+            dm.micro_batches = m
+            assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
 
 
 def test_a_waiter_idle_across_waits_sleeps_at_once_and_one_expecting_a_reply_polls():

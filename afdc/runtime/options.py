@@ -16,5 +16,7 @@ class RuntimeOptions:
     spin: float = 2e-3  # shm: seconds a waiting rank polls its slots before it sleeps between polls
     max_sleep: float = 2e-4  # shm: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # shm: ... of a rank idle for 50 ms (its wake-up rate)
+    # FFN: pad each layer's batch to a power of two up to this many tokens, a CUDA graph each on a GPU (0: off)
+    token_buckets: int = 0
     gather: float = 2e-3  # FFN: seconds a layer's message waits for the other attention ranks' (one FFN run)
     log_interval: float = 30.0  # seconds between metrics log lines (0: never)

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from afdc import lowering
 from afdc.ops.context import MixerTable, mixers_active
 from afdc.passes.lm_head import split_head
+from afdc.runtime.static_shapes import StaticShapes, paddable
 from afdc.segment import Dispatch, ExpertRouting, Segment, SegmentBinding, as_rows, at_tokens
 
 
@@ -180,6 +181,8 @@ class FFNProgram(torch.nn.Module):
         self._dispatch = [s.dispatch() for s in segments]
         self._weights = weights
         self._parameters_owned = {n for n, w in weights.items() if isinstance(w, torch.nn.Parameter)}
+        self.token_buckets = 0  # see use_buckets
+        self._static: list[StaticShapes | None] | None = None  # per segment, while token_buckets
 
     def run(self, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.layers[layer]
@@ -193,6 +196,18 @@ class FFNProgram(torch.nn.Module):
         self._lowered = [_Lowered(s, f"FFN segment {i}") for i, s in enumerate(self.segments)]
         for lowered in self._lowered:
             lowered.use(backend, self.device)
+        self.use_buckets(self.token_buckets)  # over the segments just lowered
+
+    def use_buckets(self, largest: int) -> None:
+        """Run :meth:`run_batch` at token counts padded to powers of two up to ``largest``
+        (:mod:`afdc.runtime.static_shapes`), each captured in a CUDA graph where this rank
+        computes on a GPU; ``0`` runs every batch at its own count again."""
+        self.token_buckets = largest
+        graphs = self.device.type == "cuda"
+        self._static = None if not largest else [
+            StaticShapes(lowered, d.inputs, largest, graphs, lowered.name) if paddable(d.inputs) else None
+            for lowered, d in zip(self._lowered, self._dispatch, strict=True)
+        ]  # fmt: skip
 
     @property
     def device(self) -> torch.device:
@@ -203,10 +218,12 @@ class FFNProgram(torch.nn.Module):
         """Run FFN layer ``layer`` once over the tokens of several messages, then split the outputs.
 
         This is what makes AFD pay: one FFN batch from every attention rank and micro-batch.
-        Each output comes back per message as ``[tokens, per-token...]``.
+        Each output comes back per message as ``[tokens, per-token...]`` (one message alone may
+        come back in the program's own shape, unless :meth:`use_buckets` pads its batches).
         """
         layouts = self.dispatch(layer).inputs
-        if len(messages) == 1 or any(lay is None for lay in layouts):
+        static = self._static[self.layers[layer].segment] if self._static is not None else None
+        if (len(messages) == 1 and static is None) or any(lay is None for lay in layouts):
             return [self.run(layer, m) for m in messages]
         total = sum(tokens)
         batched = [
@@ -215,7 +232,11 @@ class FFNProgram(torch.nn.Module):
             )
             for i, lay in enumerate(layouts)
         ]
-        outputs = [as_rows(o, total) for o in self.run(layer, batched)]
+        if static is not None:
+            binding = self.layers[layer]
+            outputs = static.rows([self._weights[w] for w in binding.weights], batched, self.rank, total)
+        else:
+            outputs = [as_rows(o, total) for o in self.run(layer, batched)]
         return [list(parts) for parts in zip(*(o.split(tokens) for o in outputs))]
 
     @property

@@ -47,6 +47,8 @@ class FFNServer:
         if options.rendezvous is None:
             raise ValueError("an FFN server needs the rendezvous address (HOST:PORT)")
         self.program = program
+        if options.token_buckets:
+            program.use_buckets(options.token_buckets)
         self.rank = program.rank
         self.layout = layout
         self.slot = layout.slot("ffn", program.rank)

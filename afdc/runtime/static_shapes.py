@@ -1,0 +1,123 @@
+"""FFN segments at static shapes: token counts padded to buckets, on a GPU each bucket a CUDA graph.
+
+An FFN server sees ever new token counts (a layer's batch is the tokens of every attention rank
+and micro-batch in the step), while an FFN segment's tokens are independent rows (an MLP, or a
+MoE routing each token on its own). So a batch of T tokens can run as the next bucket B >= T, a
+power of two, with B - T zero rows added and the first T rows of each output kept: the segment
+sees a few shapes only. On a GPU each (segment, bucket) is then captured once in a CUDA graph and
+replayed, one launch instead of the segment's dozens of kernels, which in decode cost more than
+their math. On a CPU the batches are padded the same way without graphs (the tests check that
+the padded rows change no real row).
+
+A segment whose inputs are not all one row per token (a layout that is not token-major) is not
+padded; nor is a batch above the largest bucket. A bucket whose capture fails (an op that cannot
+be captured, such as a host sync) runs padded without a graph, said once in the log.
+
+The graphs are captured on first use of a bucket, replayed under a lock (their input and output
+buffers are shared), and their outputs copied out before the next replay can overwrite them.
+Not yet run on a GPU: the sessions that built it had none.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+
+import torch
+
+from afdc.segment import TokenLayout, as_rows, at_tokens, token_major
+
+log = logging.getLogger("afdc.static_shapes")
+
+Run = Callable[..., tuple | list]  # (weights..., inputs..., rank) -> outputs
+
+
+def bucket(tokens: int, largest: int) -> int | None:
+    """The bucket a batch of ``tokens`` runs as: the next power of two, None above ``largest``."""
+    if tokens > largest:
+        return None
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
+def paddable(layouts: list[TokenLayout | None]) -> bool:
+    """Whether a segment with these input layouts can run at a padded token count."""
+    return bool(layouts) and all(token_major(lay) for lay in layouts)
+
+
+class _Graph:
+    """One bucket of one segment captured in a CUDA graph, with its static input buffers."""
+
+    def __init__(self, run: Run, weights: list[torch.Tensor], shaped: list[torch.Tensor], rank: int, pool):
+        self.inputs = [torch.zeros_like(x) for x in shaped]
+        side = torch.cuda.Stream(self.inputs[0].device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the capturing stream (lowering, allocator)
+            for _ in range(2):
+                run(*weights, *self.inputs, rank)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = list(run(*weights, *self.inputs, rank))
+
+    def __call__(self, shaped: list[torch.Tensor]) -> list[torch.Tensor]:
+        for buffer, x in zip(self.inputs, shaped, strict=True):
+            buffer.copy_(x)
+        self.graph.replay()
+        return self.outputs
+
+
+class StaticShapes:
+    """Runs one segment at bucketed token counts (:func:`bucket`), with CUDA graphs where ``graphs``."""
+
+    def __init__(self, run: Run, layouts: list[TokenLayout], largest: int, graphs: bool, name: str):
+        self.run = run
+        self.layouts = layouts
+        self.largest = largest
+        self.graphs = graphs
+        self.name = name
+        self._captured: dict[int, _Graph | None] = {}  # bucket -> its graph (None: its capture failed)
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self):  # a program is sent to its server process before it runs
+        return {"run": self.run, "layouts": self.layouts, "largest": self.largest, "graphs": self.graphs,
+                "name": self.name}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def rows(self, weights: list[torch.Tensor], inputs: list[torch.Tensor], rank: int, tokens: int):
+        """The segment's outputs for ``inputs`` of ``tokens`` tokens, each as ``[tokens, per-token]``."""
+        size = bucket(tokens, self.largest)
+        if size is None:
+            return [as_rows(o, tokens) for o in self.run(*weights, *inputs, rank)]
+        shaped = [self._padded(x, lay, tokens, size) for x, lay in zip(inputs, self.layouts, strict=True)]
+        if not self.graphs:
+            return [as_rows(o, size)[:tokens] for o in self.run(*weights, *shaped, rank)]
+        with self._lock:
+            graph = self._graph(size, weights, shaped, rank)
+            outputs = graph(shaped) if graph is not None else self.run(*weights, *shaped, rank)
+            return [as_rows(o, size)[:tokens].clone() for o in outputs]  # the next replay overwrites them
+
+    @staticmethod
+    def _padded(x: torch.Tensor, layout: TokenLayout, tokens: int, size: int) -> torch.Tensor:
+        if size == tokens:
+            return x
+        per_token = math.prod(abs(d) for d in layout)
+        padded = x.new_zeros(size, per_token)
+        padded[:tokens] = x.reshape(tokens, per_token)
+        return padded.reshape(at_tokens(layout, size))
+
+    def _graph(self, size: int, weights: list[torch.Tensor], shaped: list[torch.Tensor], rank: int) -> _Graph | None:
+        if size not in self._captured:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            try:
+                self._captured[size] = _Graph(self.run, weights, shaped, rank, self._pool)
+            except RuntimeError as err:
+                log.warning("%s: %d-token batches run without a CUDA graph, its capture failed: %s",
+                            self.name, size, str(err).splitlines()[0])  # fmt: skip
+                self._captured[size] = None
+        return self._captured[size]
