@@ -11,8 +11,9 @@
     clock, medians).
 (2) A compiled artifact of the MoE model, loaded on the GPU (``afdc.load_deployment``), against
     the monolith; then its FFN rank served by ``afdc serve --role ffn --device cuda`` in its
-    own process over the shm connector (payloads staged through host memory) and over cuda-ipc
-    (device to device), the attention side in this process.
+    own process over the shm connector (payloads staged through host memory), over cuda-ipc
+    (device to device), and over cuda-ipc with ``--token-buckets 256`` (its FFN segments
+    replayed from CUDA graphs), the attention side in this process.
 (3) One FFN segment of the MoE model under ``torch.cuda.graphs``: captured at a fixed token
     count, replayed, compared with the eager call and timed against it.
 
@@ -203,23 +204,26 @@ def artifact(backend: str) -> dict:
             dm.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False), expected)
 
         # the FFN rank in its own process, as a user deploys it: payloads staged through host
-        # memory (shm), then device to device (cuda-ipc)
-        for connector in ("shm", "cuda-ipc"):
+        # memory (shm), then device to device (cuda-ipc), then with its segments in CUDA graphs
+        for connector, buckets in (("shm", 0), ("cuda-ipc", 0), ("cuda-ipc", 256)):
+            key = connector + (f"+buckets{buckets}" if buckets else "")
             try:
-                out[connector] = _served(art, dm, connector, backend, ids, mask, expected, rel)
-            except Exception as err:  # one connector failing must not hide the other's numbers
-                out[connector] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+                out[key] = _served(art, dm, connector, buckets, backend, ids, mask, expected, rel)
+            except Exception as err:  # one setup failing must not hide the others' numbers
+                out[key] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
     return out
 
 
-def _served(art: Path, dm, connector: str, backend: str, ids, mask, expected, rel) -> dict:
-    """``dm`` against its FFN rank served by ``afdc serve`` over ``connector`` on this GPU."""
+def _served(art: Path, dm, connector: str, buckets: int, backend: str, ids, mask, expected, rel) -> dict:
+    """``dm`` against its FFN rank served by ``afdc serve`` over ``connector`` on this GPU
+    (with ``--token-buckets buckets``: its segments replayed from CUDA graphs)."""
     out: dict = {}
     port, token = _free_port(), secrets.token_hex(8)
     env = {**os.environ, "AFDC_TOKEN": token}
     server = subprocess.Popen(
         [sys.executable, "-m", "afdc.cli", "serve", str(art), "--role", "ffn", "--rank", "0", "--connector",
-         connector, "--rendezvous", f"127.0.0.1:{port}", "--device", "cuda", "--backend", backend],
+         connector, "--rendezvous", f"127.0.0.1:{port}", "--device", "cuda", "--backend", backend,
+         "--token-buckets", str(buckets)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         os.environ["AFDC_TOKEN"] = token
