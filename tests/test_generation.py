@@ -81,6 +81,31 @@ def test_arguments_are_honoured_as_the_config_values_are(llama):
     assert torch.equal(got, want)
 
 
+def test_a_generation_config_in_the_call_is_honoured_as_generate_honours_it(llama):
+    model, dm = llama
+    _with_config(model, dm)
+    config = GenerationConfig(max_new_tokens=5, repetition_penalty=3.0, no_repeat_ngram_size=1)
+    want, got = _both(model, dm, generation_config=config)
+    assert want.shape[1] == 9 + 5 and torch.equal(got, want)
+
+
+def test_without_a_mask_the_pad_tokens_of_the_input_are_masked_as_generate_masks_them(llama):
+    """generate infers the mask from the pad token (unless it is also EOS); left-padded rows given
+    without ``attention_mask`` must decode as they do there, not as if the padding were text."""
+    model, dm = llama
+    _with_config(model, dm)
+    ids, mask = demo_batch(VOCAB, seed=3, shape=(3, 9), pads=(4, 0, 2))
+    pad = 1  # a token this random model attends to differently from nothing (0 happens not to be)
+    ids = ids.masked_fill(mask == 0, pad)
+    assert not (ids[mask.bool()] == pad).any()
+    want = model.generate(ids, max_new_tokens=6, pad_token_id=pad)
+    got = dm.generate(ids, max_new_tokens=6, pad_token_id=pad)
+    assert torch.equal(got, want)
+    assert torch.equal(got, dm.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=pad))
+    assert not torch.equal(got, dm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                            pad_token_id=pad)), "the padding changes nothing: the test proves nothing"
+
+
 def test_sampling_draws_what_generate_draws(llama):
     model, dm = llama
     _with_config(model, dm, do_sample=True, top_k=20, temperature=0.7)

@@ -49,6 +49,7 @@ class Decoding:
     processors: LogitsProcessorList
     stopping: StoppingCriteriaList
     pad: torch.Tensor | None  # what finished rows append (None: rows all stop together)
+    attention_mask: torch.Tensor  # the call's, or the one generate infers from the pad token
 
     @property
     def sample(self) -> bool:
@@ -77,17 +78,21 @@ def decoding(
     config: PretrainedConfig | None,
     generation_config: GenerationConfig | None,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     kwargs: dict,
 ) -> Decoding:
     """The rules ``model.generate(input_ids, attention_mask=attention_mask, **kwargs)`` would
-    follow, built by transformers' own methods; raises naming what afdc cannot honour."""
+    follow, built by transformers' own methods; raises naming what afdc cannot honour. Without
+    ``attention_mask`` the mask is inferred as ``generate`` infers it (pad tokens in the input,
+    where the pad token is not also EOS, are masked)."""
     loop = {name: kwargs.pop(name) for name in _LOOP_ARGUMENTS if name in kwargs}
+    call_config = kwargs.pop("generation_config", None)  # the call's own, over the model's
     base = generation_config if generation_config is not None else GenerationConfig()
     model = _Model(config if config is not None else PretrainedConfig(), base, input_ids.device)
-    explicit_max = kwargs.get("max_length") is not None or base.max_length is not None
-    explicit_min = kwargs.get("min_length") is not None or base.min_length is not None
-    gen, unused = model._prepare_generation_config(None, **kwargs)
+    given = call_config if call_config is not None else base
+    explicit_max = kwargs.get("max_length") is not None or given.max_length is not None
+    explicit_min = kwargs.get("min_length") is not None or given.min_length is not None
+    gen, unused = model._prepare_generation_config(call_config, **kwargs)
     unused = sorted(set(unused) - {"output_attentions", "output_hidden_states"})
     if unused:
         raise TypeError(
@@ -96,6 +101,8 @@ def decoding(
         )
     _refuse_what_cannot_be_honoured(gen)
     model._prepare_special_tokens(gen, True, device=input_ids.device)
+    if attention_mask is None:
+        attention_mask = model._prepare_attention_mask_for_generation(input_ids, gen, {})
     gen = model._prepare_generated_length(
         gen, has_default_max_length=not explicit_max, has_default_min_length=not explicit_min,
         model_input_name="input_ids", input_ids_length=input_ids.shape[1], inputs_tensor=input_ids,
@@ -111,7 +118,7 @@ def decoding(
     )
     # as _sample: rows finished by an EOS-like criterion are padded while the others go on
     pad = gen._pad_token_tensor if any(hasattr(c, "eos_token_id") for c in stopping) else None
-    return Decoding(config=gen, processors=processors, stopping=stopping, pad=pad)
+    return Decoding(config=gen, processors=processors, stopping=stopping, pad=pad, attention_mask=attention_mask)
 
 
 def _refuse_what_cannot_be_honoured(gen: GenerationConfig) -> None:

@@ -294,9 +294,8 @@ class DisaggregatedModel:
         (``do_sample``). What it cannot honour (beam search, guidance, dict outputs) it refuses by
         name. The KV cache stays on the attention side; a model captured non-incrementally
         recomputes the prefix each step."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
         rules = generation.decoding(self.config, self.generation_config, input_ids, attention_mask, kwargs)
+        attention_mask = rules.attention_mask
         tasks = self._tasks(input_ids.shape[0])
         caches = (
             {(rank, mb): kv_cache.KVCache() for rank, parts in tasks.items() for mb, _ in parts}
