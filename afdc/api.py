@@ -38,7 +38,7 @@ from afdc.passes.cleanup import strip_assertions
 from afdc.passes.expert_routing import expert_routing, owner_mask
 from afdc.passes.fusion import copy_graph
 from afdc.passes.portable import portable
-from afdc.plan import Plan
+from afdc.plan import TORCH_DTYPES, Plan
 from afdc.report import LayerReport, Report, kv_bytes_per_token, layer_report
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.mixers import Mixers
@@ -347,7 +347,14 @@ def disaggregate(
     if router is not None:
         options["router"] = router
     connector = options.pop("connector", "gloo")
-    built = build(model, Plan.parse(plan, **options))
+    plan = Plan.parse(plan, **options)
+    if plan.dtype is not None and TORCH_DTYPES[plan.dtype] != model.dtype:
+        raise PlanError(
+            f"afdc.disaggregate splits the model in the dtype it is in ({model.dtype}), not {plan.dtype}: cast it "
+            f"first (model.to({TORCH_DTYPES[plan.dtype]}) and leave dtype out), or give dtype to afdc compile, "
+            "which converts the weights as it writes them"
+        )
+    built = build(model, plan)
     attention = built.attention_program(mixer_table(model, built.mixers))
     splits = built.ffn_splits()
     ffn = [

@@ -36,13 +36,11 @@ from afdc.artifact import manifest as mf
 from afdc.artifact.program_source import write_program
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
-from afdc.plan import Plan
+from afdc.plan import TORCH_DTYPES, Plan
 from afdc.report import Crossing as ReportCrossing
 from afdc.segment import Split
 from afdc.source import empty_model, load_config
 from afdc.version import __version__
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # What a serving engine reads besides the programs: the model's config and its tokenizer.
 HF_FILES = (

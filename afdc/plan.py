@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+import torch
+
 from afdc.errors import PlanError
 
 _PLAN = re.compile(r"^\s*(\d+)\s*[aA]\s*(\d+)\s*[fF]\s*$")
@@ -15,7 +17,8 @@ FFN_PARALLEL = ("auto", "ep", "tp")  # auto: ep for mixture-of-experts models, t
 # each rank its own share of the tokens (no partial sums: F times less traffic, F times the memory).
 DENSE_FFN = ("tp", "replicate")
 ROUTERS = ("ffn", "attn")
-DTYPES = ("bf16", "fp16", "fp32")
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = tuple(TORCH_DTYPES)
 BACKENDS = ("auto", "afdc", "inductor", "eager")  # afdc.lowering says what each runs
 
 
@@ -39,6 +42,8 @@ class Plan:
         _choice("--dense-ffn", self.dense_ffn, DENSE_FFN)
         _choice("--backend", self.backend, BACKENDS)
         if self.dtype is not None:
+            names = {dt: name for name, dt in TORCH_DTYPES.items()}  # dtype=torch.bfloat16 from Python
+            object.__setattr__(self, "dtype", names.get(self.dtype, self.dtype))
             _choice("--dtype", self.dtype, DTYPES)
         if self.micro_batches < 1:
             raise PlanError(f"--micro-batches must be at least 1, got {self.micro_batches}")

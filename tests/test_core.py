@@ -241,6 +241,16 @@ def test_plan_parsing():
             afdc.Plan.parse(bad)
 
 
+def test_a_dtype_is_a_name_or_a_torch_dtype_and_disaggregate_does_not_convert_silently():
+    assert afdc.Plan.parse("1A1F", dtype=torch.bfloat16).dtype == "bf16"
+    model = _llama()
+    ids = torch.randint(1, 128, (1, 4))
+    same = afdc.disaggregate(model, dtype=torch.float32)(input_ids=ids).logits
+    torch.testing.assert_close(same, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(afdc.PlanError, match=r"in the dtype it is in \(torch.float32\), not bf16: cast it first"):
+        afdc.disaggregate(model, dtype="bf16")
+
+
 def test_unknown_router_placement():
     with pytest.raises(ValueError, match="'gpu'"):
         afdc.disaggregate(_llama(), router="gpu")
