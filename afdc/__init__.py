@@ -1,5 +1,6 @@
 """afdc: automatic Attention-FFN Disaggregation for Hugging Face decoder models."""
 
+from afdc import equivalence  # afdc.equivalence.check(model, dm, ids, mask), as the README writes it
 from afdc.api import disaggregate
 from afdc.artifact.load import load, load_deployment
 from afdc.compile import compile_model
@@ -20,6 +21,7 @@ __all__ = [
     "__version__",
     "compile_model",
     "disaggregate",
+    "equivalence",
     "load",
     "load_deployment",
 ]

@@ -28,6 +28,15 @@ def load_config(source: str) -> PretrainedConfig:
                 f"{len(CONFIG_MAPPING)} types (upgrade transformers or check the file)"
             )
         return CONFIG_MAPPING[model_type](**data)
+    if path.is_dir() and not (path / "config.json").is_file():
+        if (path / "manifest.json").is_file():
+            raise AfdcError(
+                f"{source} is an afdc artifact, not a model: serve it (afdc serve / afdc up) or load it "
+                f"(afdc.load_deployment); its model's config is {path / 'model' / 'config.json'}"
+            )
+        raise AfdcError(f"{source} has no config.json: give the directory a model was saved to (save_pretrained)")
+    if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+        raise AfdcError(f"no such directory: {source} (give a model directory, a config .json file or a hub id)")
     try:
         return AutoConfig.from_pretrained(source)
     except (OSError, ValueError, KeyError) as err:

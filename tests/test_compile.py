@@ -224,6 +224,35 @@ def test_plan_errors(saved, tmp_path):
     assert not any(tmp_path.iterdir())  # nothing half-written
 
 
+@pytest.mark.parametrize(("intermediate", "tp_fits"), [(48, True), (64, False)])
+def test_experts_f_does_not_divide_suggests_tp_only_where_it_fits(intermediate, tp_fits):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("mixtral", hidden_size=32, intermediate_size=intermediate, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64, num_local_experts=4,
+                                  num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(afdc.PlanError, match="3 FFN ranks do not divide the 4 experts") as err:
+        afdc.disaggregate(model, "1A3F")
+    assert ("or --ffn-parallel tp" in str(err.value)) == tp_fits
+    if tp_fits:
+        afdc.disaggregate(model, "1A3F", ffn_parallel="tp")
+
+
+def test_a_model_source_that_is_not_a_model_is_named(saved, tmp_path):
+    _, src = saved("qwen3_moe")
+    art = tmp_path / "art"
+    afdc.compile_model(str(src), "1A1F", art, weights=False, progress=False)
+    (tmp_path / "empty").mkdir()
+    for source, said in (
+        (str(tmp_path / "missing"), "no such directory"),
+        (str(tmp_path / "empty"), "has no config.json: give the directory a model was saved to"),
+        (str(art), "is an afdc artifact, not a model: serve it"),
+    ):
+        result = CliRunner().invoke(main, ["inspect", source])
+        assert result.exit_code != 0 and said in result.output, result.output
+
+
 def test_broken_artifacts_are_refused(saved, tmp_path):
     _, src = saved("qwen3_moe")
     out = tmp_path / "art"

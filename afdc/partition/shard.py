@@ -173,11 +173,20 @@ def shard_segment(
         if prop.partial_at:
             raise PartialSumsMeetNonLinearOps(str(err), [n.name for n in prop.partial_at]) from None
         raise
-    _check_divisible(names, weights, splits, ranks, label)
+    def tp_fits() -> bool:  # asked only to word an error: whether the other way to split would do
+        try:
+            shard_segment(graph, FFNParallel.TP, ranks, label, names, whole)
+        except PlanError:
+            return False
+        return True
+
+    _check_divisible(names, weights, splits, ranks, label, tp_fits)
     return ShardedSegment(rewrite(graph, prop, ranks), splits, reduce)
 
 
-def _check_divisible(names: list[str], weights: list[fx.Node], splits: list[Split], ranks: int, label: str) -> None:
+def _check_divisible(
+    names: list[str], weights: list[fx.Node], splits: list[Split], ranks: int, label: str, tp_fits: Callable[[], bool]
+) -> None:
     for name, w, s in zip(names, weights, splits):
         if s.dim is None:
             continue
@@ -185,7 +194,10 @@ def _check_divisible(names: list[str], weights: list[fx.Node], splits: list[Spli
         if not s.divides(size, ranks):
             full = tuple(w.meta["val"].shape)
             what = f"the {size} experts of {name}" if s.experts else f"dimension {s.dim} ({size}) of {name} {full}"
-            fix = "a plan whose F divides the expert count, or --ffn-parallel tp" if s.experts else "an F dividing it"
+            if not s.experts:
+                fix = "an F dividing it"
+            else:
+                fix = "a plan whose F divides the expert count" + (", or --ffn-parallel tp" if tp_fits() else "")
             raise PlanError(f"{label}: {ranks} FFN ranks do not divide {what}; use {fix}")
 
 
