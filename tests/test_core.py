@@ -251,9 +251,11 @@ def test_a_dtype_is_a_name_or_a_torch_dtype_and_disaggregate_does_not_convert_si
         afdc.disaggregate(model, dtype="bf16")
 
 
-def test_unknown_router_placement():
+def test_unknown_router_placement_and_connector_are_refused_at_once():
     with pytest.raises(ValueError, match="'gpu'"):
         afdc.disaggregate(_llama(), router="gpu")
+    with pytest.raises(afdc.AfdcError, match="unknown connector 'shmm'; choose one of"):
+        afdc.disaggregate(_llama(), connector="shmm")  # not only when launch() comes to use it
 
 
 def test_pure_state_space_model_is_refused():

@@ -29,6 +29,7 @@ from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import AttentionProgram, FFNProgram, device_of
 from afdc.runtime.rendezvous import Layout, Rendezvous
 from afdc.runtime.tensor_parallel import TensorParallelAttention
+from afdc.runtime.transport import transport_class
 
 
 def default_position_ids(input_ids: torch.Tensor, past: int = 0) -> torch.Tensor:
@@ -122,6 +123,8 @@ class DisaggregatedModel:
         self.deployment = deployment  # the id every rank of a launched deployment checks
         # how a launched FFN server gets rank r's program (None: this process's, through shared memory)
         self.ffn_source = ffn_source
+        if connector != "loopback":
+            transport_class(connector)  # an unknown name is refused here, not at launch()
         self.connector = connector  # the transport launch() uses unless told otherwise
         self.max_positions = max_positions  # the longest key length the programs are valid for (None: any)
         self.default_positions = default_positions  # used when a call gives no position_ids
