@@ -86,11 +86,12 @@ def demo_artifact(cache: str | None = None, say=print):
     import os
     from pathlib import Path
 
+    from afdc.artifact.manifest import MANIFEST
     from afdc.compile import compile_model
 
     root = Path(cache or os.environ.get("AFDC_CACHE", Path.home() / ".cache" / "afdc")) / "demo"
     artifact = root / "afdc-demo"  # the served model name
-    if (artifact / "manifest.json").is_file():
+    if (artifact / MANIFEST).is_file():
         say(f"using the demo artifact in {artifact}")
         return artifact
     say(f"building the demo model (random Qwen3-MoE, 8 experts) and its tokenizer in {root / 'model'}")

@@ -19,6 +19,7 @@ DENSE_FFN = ("tp", "replicate")
 ROUTERS = ("ffn", "attn")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPES = tuple(TORCH_DTYPES)
+_DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}  # dtype=torch.bfloat16 from Python
 BACKENDS = ("auto", "afdc", "inductor", "eager")  # afdc.lowering says what each runs
 
 
@@ -42,8 +43,7 @@ class Plan:
         _choice("--dense-ffn", self.dense_ffn, DENSE_FFN)
         _choice("--backend", self.backend, BACKENDS)
         if self.dtype is not None:
-            names = {dt: name for name, dt in TORCH_DTYPES.items()}  # dtype=torch.bfloat16 from Python
-            object.__setattr__(self, "dtype", names.get(self.dtype, self.dtype))
+            object.__setattr__(self, "dtype", _DTYPE_NAMES.get(self.dtype, self.dtype))
             _choice("--dtype", self.dtype, DTYPES)
         if self.micro_batches < 1:
             raise PlanError(f"--micro-batches must be at least 1, got {self.micro_batches}")

@@ -14,6 +14,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from afdc.artifact.manifest import MANIFEST
 from afdc.errors import AfdcError, UnsupportedModelError
 
 
@@ -29,7 +30,7 @@ def load_config(source: str) -> PretrainedConfig:
             )
         return CONFIG_MAPPING[model_type](**data)
     if path.is_dir() and not (path / "config.json").is_file():
-        if (path / "manifest.json").is_file():
+        if (path / MANIFEST).is_file():
             raise AfdcError(
                 f"{source} is an afdc artifact, not a model: serve it (afdc serve / afdc up) or load it "
                 f"(afdc.load_deployment); its model's config is {path / 'model' / 'config.json'}"

@@ -99,7 +99,7 @@ class AttentionRank:
     def _streams_for(self, batches: list[MicroBatch]) -> list[torch.cuda.Stream]:
         """On a GPU, a CUDA stream per micro-batch, each after the work queued so far: a transport
         waits for its own copies on the current stream, which must not make one micro-batch wait
-        for the other's kernels (their overlap is the point). None on a CPU or for one micro-batch."""
+        for the other's kernels (their overlap is the point). On a CPU or for one micro-batch, none."""
         device = batches[0].input_ids.device
         if device.type != "cuda" or len(batches) == 1:
             return []

@@ -221,8 +221,9 @@ class FFNProgram(torch.nn.Module):
         Each output comes back per message as ``[tokens, per-token...]`` (one message alone may
         come back in the program's own shape, unless :meth:`use_buckets` pads its batches).
         """
-        layouts = self.dispatch(layer).inputs
-        static = self._static[self.layers[layer].segment] if self._static is not None else None
+        binding = self.layers[layer]
+        layouts = self._dispatch[binding.segment].inputs
+        static = self._static[binding.segment] if self._static is not None else None
         if (len(messages) == 1 and static is None) or any(lay is None for lay in layouts):
             return [self.run(layer, m) for m in messages]
         total = sum(tokens)
@@ -233,7 +234,6 @@ class FFNProgram(torch.nn.Module):
             for i, lay in enumerate(layouts)
         ]
         if static is not None:
-            binding = self.layers[layer]
             outputs = static.rows([self._weights[w] for w in binding.weights], batched, self.rank, total)
         else:
             outputs = [as_rows(o, total) for o in self.run(layer, batched)]

@@ -104,9 +104,6 @@ class CudaIpcTransport(ShmTransport):
             )
         super()._open()
 
-    def _new_mailbox(self) -> Mailbox:
-        return DeviceMailbox.create(self._mailbox_path(), self.slots + 1, self.slot_bytes, self.device)
-
     def _staged(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as its mailbox copies it: contiguous, on this rank's GPU (a step plan's counts
         are made in host memory)."""

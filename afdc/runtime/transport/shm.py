@@ -115,6 +115,12 @@ class Mailbox:
         words = [futex.Word(self._mm, line * _LINE) for line in range(1, 2 + self.slots)] if futex.AVAILABLE else []
         self._doorbell, self._seqs = (words[0], words[1:]) if words else (None, [])
 
+    @classmethod
+    def create(cls, path: Path, slots: int, slot_bytes: int, device: torch.device) -> Mailbox:
+        """A new mailbox at ``path`` for its sender on ``device`` (host memory here: the device is
+        what a subclass keeps payloads on)."""
+        return cls(path, slots, slot_bytes, create=True)
+
     def describe(self) -> dict:
         """What the peer needs to open this mailbox (sent in the handshake)."""
         return {"path": str(self.path)}
@@ -269,12 +275,9 @@ class ShmTransport(Transport):
     def address(rendezvous: Rendezvous, slot: int) -> str:
         return f"\0afdc-{rendezvous.deployment.hex()}-{slot}-{os.getpid()}"
 
-    @staticmethod
-    def _mailbox_path() -> Path:
-        return _SHM_DIR / f"afdc-{uuid.uuid4().hex}"
-
     def _new_mailbox(self) -> Mailbox:
-        return Mailbox(self._mailbox_path(), self.slots + 1, self.slot_bytes, create=True)
+        path = _SHM_DIR / f"afdc-{uuid.uuid4().hex}"
+        return self.mailbox.create(path, self.slots + 1, self.slot_bytes, self.device)
 
     def _staged(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as its mailbox copies it: contiguous, in host memory."""
