@@ -56,6 +56,7 @@ def annotate(module: fx.GraphModule, args: tuple) -> None:
     """Give a program read back from an artifact (its nodes carry no values) the fake values the
     passes read, propagated from ``args`` with every activation size symbolic (weights ``w*``
     keep theirs), so that no check passes by the coincidence of one call's sizes."""
+    from torch._dispatch.python import enable_python_dispatcher
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -68,7 +69,10 @@ def annotate(module: fx.GraphModule, args: tuple) -> None:
             context = StatelessSymbolicContext(dynamic_sizes=[how] * value.dim())
             value = mode.from_tensor(value, symbolic_context=context)
         fakes.append(value)
-    FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes)
+    # as torch.export does: composite ops (matmul) take their SymInt-aware Python decompositions; the
+    # C++ ones asked a symbolic size for its value on CUDA under torch 2.11
+    with enable_python_dispatcher():
+        FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes)
 
 
 def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tuple = ()) -> Callable:

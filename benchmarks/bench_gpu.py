@@ -18,7 +18,7 @@
     count, replayed, compared with the eager call and timed against it.
 
 Every section reports its error and goes on, so one run says everything that breaks.
-Run:  python benchmarks/bench_gpu.py [--json out.json] [--skip-artifact] [--models moe dense]
+Run:  python benchmarks/bench_gpu.py [--json out.json] [--only correct speed graph artifact] [--models moe dense]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import afdc
 from afdc.equivalence import check
 
 BACKENDS = ("eager", "inductor", "afdc")
+SECTIONS = ("correct", "speed", "graph", "artifact")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONFIGS = {
     "dense": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -154,7 +155,7 @@ def correctness(name: str, dtype: torch.dtype, plan: str, backend: str, micro_ba
 
 
 @torch.no_grad()
-def speed(name: str, dtype: torch.dtype, repeats: int, new_tokens: int) -> dict:
+def speed(name: str, dtype: torch.dtype, repeats: int, new_tokens: int, backends: list[str]) -> dict:
     model = build(name, dtype, "cuda")
     ids, mask = inputs(model.config.vocab_size, "cuda")
     out: dict = {"mono": {
@@ -163,7 +164,7 @@ def speed(name: str, dtype: torch.dtype, repeats: int, new_tokens: int) -> dict:
             lambda k: model.generate(ids, attention_mask=mask, max_new_tokens=k, do_sample=False),
             new_tokens, max(3, repeats // 4)),
     }}
-    for backend in BACKENDS:
+    for backend in backends:
         dm = afdc.disaggregate(model, plan="1A1F", backend=backend)
         row = {
             "prefill_ms": timed(lambda dm=dm: dm(input_ids=ids, attention_mask=mask), repeats),
@@ -286,8 +287,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", default=list(CONFIGS))
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--skip-artifact", action="store_true")
-    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--only", nargs="+", default=list(SECTIONS), choices=SECTIONS, help="sections to run")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS))
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--plans", nargs="+", default=["1A1F", "2A2F"], help="m = 1 at 1A1F, else m = 2")
@@ -311,24 +311,27 @@ def main(argv=None) -> int:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1, default=str))
 
-    for name in args.models:
-        for dtype in args.dtypes:
-            for backend in args.backends:
-                for plan in args.plans:
-                    m = 1 if plan == "1A1F" else 2
-                    key = f"correct/{name}/{dtype}/{backend}/{plan}/m{m}"
-                    section(results, key, correctness, name, DTYPES[dtype], plan, backend, m, args.device)
-            save()
+    if "correct" in args.only:
+        for name in args.models:
+            for dtype in args.dtypes:
+                for backend in args.backends:
+                    for plan in args.plans:
+                        m = 1 if plan == "1A1F" else 2
+                        key = f"correct/{name}/{dtype}/{backend}/{plan}/m{m}"
+                        section(results, key, correctness, name, DTYPES[dtype], plan, backend, m, args.device)
+                save()
     if args.device != "cuda":
         return 0
-    if not args.skip_speed:
+    if "speed" in args.only:
         for name in args.models:
-            section(results, f"speed/{name}/bf16", speed, name, torch.bfloat16, args.repeats, args.new_tokens)
+            section(results, f"speed/{name}/bf16", speed, name, torch.bfloat16, args.repeats, args.new_tokens,
+                     args.backends)
             save()
-    section(results, "cuda_graph/ffn_segment", cuda_graph_segment)
-    save()
-    if not args.skip_artifact:
-        for backend in ("eager", "afdc"):
+    if "graph" in args.only:
+        section(results, "cuda_graph/ffn_segment", cuda_graph_segment)
+        save()
+    if "artifact" in args.only:
+        for backend in [b for b in args.backends if b != "inductor"]:
             section(results, f"artifact/{backend}", artifact, backend)
             save()
     return 0

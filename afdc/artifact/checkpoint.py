@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel, core_model_loading
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Chunk,
     Concatenate,
     ConversionOps,
     MergeModulelist,
-    Split,
     Transpose,
     WeightConverter,
     WeightRenaming,
@@ -387,7 +386,7 @@ def _chunk(op: Chunk, values: Values, converter: WeightConverter, ctx: _Context)
     return {target: layout.take(op.dim, [bound]) for target, bound in zip(targets, bounds)}
 
 
-def _split(op: Split, values: Values, converter: WeightConverter, ctx: _Context) -> Values:
+def _split(op: ConversionOps, values: Values, converter: WeightConverter, ctx: _Context) -> Values:
     layout = _single_input(values)
     first = converter.target_patterns[0]
     split: Values = {}
@@ -404,8 +403,11 @@ STREAMABLE: dict[type[ConversionOps], Step] = {
     Concatenate: _concatenate,
     Transpose: _transpose,
     Chunk: _chunk,
-    Split: _split,
 }
+# Split (a fused tensor cut into targets sized like the model's parameters) came after transformers
+# 5.17; the conversion mappings of the versions without it never use it.
+if hasattr(core_model_loading, "Split"):
+    STREAMABLE[core_model_loading.Split] = _split
 
 
 def _convert(converter: WeightConverter, collected: Values, ctx: _Context) -> dict[str, Layout | Unstreamable | Misfit]:

@@ -159,7 +159,8 @@ def pointwise(prop: PropagationState, node: fx.Node) -> Layout:
         return Layout(Kind.OWNED, blame=blame)
     if op in _ADD and all(o or a == 0 for o, a in zip(owned, args[:2])):
         return Layout(Kind.OWNED, blame=blame)
-    if len(tensors) == 1 and owned[0] and _zero_at_zero(op, args):
+    # a masked_fill's mask only says where: filling with zero keeps every zero, whatever the mask's layout
+    if owned[0] and _zero_at_zero(op, args) and (len(tensors) == 1 or op is aten.masked_fill):
         return Layout(Kind.OWNED, blame=blame)
     return Layout(Kind.OWNED_ONLY, blame=blame)
 

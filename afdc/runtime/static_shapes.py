@@ -77,7 +77,9 @@ class StaticShapes:
         self.largest = largest
         self.graphs = graphs
         self.name = name
-        self._captured: dict[int, _Graph | None] = {}  # bucket -> its graph (None: its capture failed)
+        # (bucket, the weights' addresses) -> its graph (None: its capture failed). A graph replays the
+        # addresses it was captured with, and one segment serves every layer of its shape.
+        self._captured: dict[tuple[int, tuple[int, ...]], _Graph | None] = {}
         self._pool = None
         self._lock = threading.Lock()
 
@@ -111,13 +113,15 @@ class StaticShapes:
         return padded.reshape(at_tokens(layout, size))
 
     def _graph(self, size: int, weights: list[torch.Tensor], shaped: list[torch.Tensor], rank: int) -> _Graph | None:
-        if size not in self._captured:
+        key = (size, tuple(w.data_ptr() for w in weights))
+        if key not in self._captured:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             try:
-                self._captured[size] = _Graph(self.run, weights, shaped, rank, self._pool)
+                self._captured[key] = _Graph(self.run, weights, shaped, rank, self._pool)
             except RuntimeError as err:
-                log.warning("%s: %d-token batches run without a CUDA graph, its capture failed: %s",
-                            self.name, size, str(err).splitlines()[0])  # fmt: skip
-                self._captured[size] = None
-        return self._captured[size]
+                if all(k[0] != size for k in self._captured):  # said once per bucket, not per layer
+                    log.warning("%s: %d-token batches run without a CUDA graph, its capture failed: %s",
+                                self.name, size, str(err).splitlines()[0])  # fmt: skip
+                self._captured[key] = None
+        return self._captured[key]
