@@ -9,7 +9,8 @@
     two-process ping-pong: the same copies between two processes polling a sequence number each,
     no protocol (what crossing between cores and processes costs on this host by itself). With a
     GPU, also ``cuda-ipc`` on device tensors (the FFN server on the same GPU), against a
-    device-to-device copy of the same bytes there and back.
+    device-to-device copy of the same bytes there and back, and beside the bare ping-pong of two
+    processes sharing that GPU (their kernels take turns on it).
 (b) Greedy decode tokens/s of a ~100M-parameter Qwen3-MoE-shaped model: the FFN side in a server
     process under 1A1F with m = 1 and m = 2 micro-batches, for each connector, against the
     monolithic Hugging Face model in this process and against afdc in-process (loopback, m = 1),
@@ -185,6 +186,66 @@ def bare_ping_pong(repeats: int) -> dict[int, float]:
                     os.sched_yield()
                 reply = torch.empty_like(x)
                 ctypes.memmove(reply.data_ptr(), base + 128 + area, n)
+                if i >= 10:
+                    times.append(time.perf_counter() - t)
+            assert torch.equal(reply, x)
+            out[tokens] = statistics.median(times)
+    finally:
+        _WORD.pack_into(mm, 0, _STOP)
+        echo.join(10)
+        path.unlink()
+    return out
+
+
+def _cuda_echo(path: str, shared: list) -> None:
+    """:func:`_echo` on one GPU: the request's bytes copied out of the peer's CUDA IPC buffer into
+    torch memory and back into its reply half, then a stream sync before the number is posted."""
+    from afdc.runtime.transport.cuda_ipc import _mapped
+
+    _, mm = _shm_mapping(0, Path(path))
+    region = _mapped(shared)
+    half = region.numel() // 2
+    seen = 0
+    while True:
+        while _WORD.unpack_from(mm, 0)[0] == seen:
+            os.sched_yield()
+        seen = _WORD.unpack_from(mm, 0)[0]
+        if seen == _STOP:
+            return
+        n = _WORD.unpack_from(mm, 8)[0]
+        region[half : half + n].copy_(region[:n].clone())
+        torch.cuda.current_stream().synchronize()
+        _WORD.pack_into(mm, 64, seen)
+
+
+def bare_cuda_ping_pong(repeats: int) -> dict[int, float]:
+    """:func:`bare_ping_pong` for device tensors, both processes on this GPU: each side's copy and
+    stream sync, a sequence number each way in host memory. Two processes' kernels on one GPU take
+    turns (time-slicing, no MPS), which this measures with no protocol around it."""
+    from afdc.runtime.transport.cuda_ipc import _share
+
+    half = max(TOKENS) * HIDDEN * 2
+    region = torch.empty(2 * half, dtype=torch.uint8, device="cuda")
+    path, mm = _shm_mapping(128)
+    echo = mp.get_context("spawn").Process(target=_cuda_echo, args=(str(path), _share(region)), daemon=True)
+    echo.start()
+    out, seq = {}, 0
+    try:
+        for tokens in TOKENS:
+            x = torch.randn(tokens, HIDDEN, device="cuda").to(torch.bfloat16).view(-1).view(torch.uint8)
+            n = x.numel()
+            times = []
+            for i in range(repeats + 10):
+                seq += 1
+                t = time.perf_counter()
+                region[:n].copy_(x)
+                torch.cuda.current_stream().synchronize()
+                _WORD.pack_into(mm, 8, n)
+                _WORD.pack_into(mm, 0, seq)
+                while _WORD.unpack_from(mm, 64)[0] != seq:
+                    os.sched_yield()
+                reply = region[half : half + n].clone()
+                torch.cuda.current_stream().synchronize()
                 if i >= 10:
                     times.append(time.perf_counter() - t)
             assert torch.equal(reply, x)
@@ -394,22 +455,22 @@ def main() -> None:
 def round_trip_table(repeats: int) -> None:
     print(f"\n(a) round trip of one FFN layer's activations, [{'T'}, {HIDDEN}] bf16, identity FFN server")
     floors = {t: shm_copy_floor(t * HIDDEN * 2, repeats) for t in TOKENS}
+    bare = {"host": bare_ping_pong(repeats)}
     if "cuda-ipc" in CONNECTORS:
-        print("cuda-ipc: device tensors, the FFN server on the same GPU; its floor a device-to-device copy")
+        print("cuda-ipc: device tensors, the FFN server on the same GPU; its floor a device-to-device copy in one\n"
+              "process, its bare ping-pong the same copies between two processes sharing the GPU")
         device_floors = {t: cuda_copy_floor(t * HIDDEN * 2, repeats) for t in TOKENS}
-    bare = bare_ping_pong(repeats)
+        bare["cuda"] = bare_cuda_ping_pong(repeats)
     print(f"{'connector':<10}{'T':>5}{'bytes':>10}{'rtt us':>10}{'GB/s':>8}{'floor us':>10}{'rtt/floor':>11}"
           f"{'bare us':>9}{'rtt/bare':>10}")
     for connector in CONNECTORS:
         for tokens, rtt in round_trips(connector, repeats):
             nbytes = tokens * HIDDEN * 2
             floor = (device_floors if connector == "cuda-ipc" else floors)[tokens]
-            # the bare ping-pong is host memory's: no column for device tensors
-            beside = f"{'-':>9}{'-':>10}" if connector == "cuda-ipc" else (
-                f"{bare[tokens] * 1e6:>9.1f}{rtt / bare[tokens]:>10.1f}")
+            least = bare["cuda" if connector == "cuda-ipc" else "host"][tokens]
             print(
                 f"{connector:<10}{tokens:>5}{nbytes:>10}{rtt * 1e6:>10.0f}{2 * nbytes / rtt / 1e9:>8.2f}"
-                f"{floor * 1e6:>10.1f}{rtt / floor:>11.1f}{beside}"
+                f"{floor * 1e6:>10.1f}{rtt / floor:>11.1f}{least * 1e6:>9.1f}{rtt / least:>10.1f}"
             )
 
 

@@ -78,6 +78,19 @@ def test_router_on_attention_side_sends_topk():
     assert check(model, dm, *demo_batch(model.config.vocab_size)).ok()
 
 
+@pytest.mark.parametrize("router", ["ffn", "attn"])
+def test_experts_that_mask_out_of_range_ids_are_split_over_ffn_ranks(router):
+    """transformers 5.17 (and later versions under expert parallelism) zero the rows of expert ids
+    past the last expert around each grouped matmul: a masked_fill with zero, which must keep the
+    rows another rank owns zero, or the experts cannot be split."""
+    model = demo_model()
+    for layer in model.model.layers:
+        layer.mlp.experts._is_expert_parallel = True  # the masks (always there before 5.2x)
+    dm = afdc.disaggregate(model, "1A2F", ffn_parallel="ep", router=router)
+    assert any(n.target is torch.ops.aten.masked_fill.Scalar for n in dm.ffn.segments[0].graph.nodes)
+    assert check(model, dm, *demo_batch(model.config.vocab_size)).ok()
+
+
 @pytest.mark.parametrize("model_type, overrides", [
     ("granitemoeshared", {"num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32}),
     ("aria_text", {"moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 1}),
