@@ -94,5 +94,43 @@ def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tup
         # under --attn-tp the attention program runs afdc's kernels without Inductor.
         logger.info("%s: attention TP: not compiled by Inductor", name)
         return straight_line(module) or module
-    # Token counts vary every step: compile for symbolic sizes at once rather than after a recompile.
-    return torch.compile(module, backend="inductor", dynamic=True)
+    return Compiled(module)
+
+
+class Compiled:
+    """``module`` compiled by Inductor for symbolic sizes (token counts vary every step: at once
+    rather than after a recompile), called with its activations dense (:func:`_dense`)."""
+
+    def __init__(self, module: fx.GraphModule):
+        self.module = torch.compile(module, backend="inductor", dynamic=True)
+        placeholders = module.graph.find_nodes(op="placeholder")
+        self._activations = [i for i, node in enumerate(placeholders) if not segment.is_weight(node)]
+
+    def __call__(self, *args):
+        # Duck sizing would equate the sizes that are equal at the first call (the mask's length and
+        # the prompt's, in prefill) and recompile when decode parts them.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return self.module(*_dense(args, self._activations))
+
+
+def _dense(args: tuple, activations: list[int]) -> list:
+    """``args`` with each activation that is a strided view replaced by a contiguous copy.
+
+    Dynamo guards on strides and storage offsets as well as sizes. A micro-batch's rows are a view
+    into the batch at an offset, and position ids may be expanded (stride 0, which a size-1 dim
+    keeps contiguous). Each such input made a new graph until the recompile limit (8), past which
+    the frame ran eagerly. Weights keep theirs: they do not change between calls."""
+    args = list(args)
+    for i in activations:
+        x = args[i]
+        if isinstance(x, torch.Tensor) and (x.storage_offset() or x.stride() != _contiguous_strides(x.shape)):
+            args[i] = x.clone(memory_format=torch.contiguous_format)
+    return args
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
