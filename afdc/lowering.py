@@ -107,10 +107,7 @@ class Compiled:
         self._activations = [i for i, node in enumerate(placeholders) if not segment.is_weight(node)]
 
     def __call__(self, *args):
-        # Duck sizing would equate the sizes that are equal at the first call (the mask's length and
-        # the prompt's, in prefill) and recompile when decode parts them.
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return self.module(*_dense(args, self._activations))
+        return self.module(*_dense(args, self._activations))
 
 
 def _dense(args: tuple, activations: list[int]) -> list:
