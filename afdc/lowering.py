@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
+from torch._prims_common import make_contiguous_strides_for
 
 from afdc import segment
 from afdc.passes.fuse_activation import fuse_activations
@@ -120,14 +121,7 @@ def _dense(args: tuple, activations: list[int]) -> list:
     args = list(args)
     for i in activations:
         x = args[i]
-        if isinstance(x, torch.Tensor) and (x.storage_offset() or x.stride() != _contiguous_strides(x.shape)):
+        if isinstance(x, torch.Tensor) and (x.storage_offset() or x.stride() != make_contiguous_strides_for(x.shape)):
             args[i] = x.clone(memory_format=torch.contiguous_format)
     return args
 
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))

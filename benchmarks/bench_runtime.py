@@ -51,6 +51,7 @@ import statistics
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -142,11 +143,9 @@ _WORD = struct.Struct("<Q")
 _STOP = 1 << 63
 
 
-def _echo(path: str, area: int) -> None:
-    """The bare echo: wait for the request's sequence number, copy its bytes out into torch memory
-    and into the reply area, post the same number back."""
-    _, mm = _shm_mapping(0, Path(path))
-    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+def _echo_loop(mm: mmap.mmap, echo: Callable[[int], None]) -> None:
+    """The bare echo: wait for the request's sequence number, ``echo`` its bytes (their count is
+    in the second word) into the reply area, post the same number back."""
     seen = 0
     while True:
         while _WORD.unpack_from(mm, 0)[0] == seen:
@@ -154,38 +153,59 @@ def _echo(path: str, area: int) -> None:
         seen = _WORD.unpack_from(mm, 0)[0]
         if seen == _STOP:
             return
-        n = _WORD.unpack_from(mm, 8)[0]
-        got = torch.empty(n, dtype=torch.uint8)
-        ctypes.memmove(got.data_ptr(), base + 128, n)
-        ctypes.memmove(base + 128 + area, got.data_ptr(), n)
+        echo(_WORD.unpack_from(mm, 8)[0])
         _WORD.pack_into(mm, 64, seen)
 
 
-def bare_ping_pong(repeats: int) -> dict[int, float]:
-    """Median round trip, per T, of the least any two processes on this host do to exchange the
-    activations: the same four copies as the floor, the bytes crossing between cores, a sequence
-    number each way and both sides polling. What afdc adds over it is its protocol's cost."""
-    area = max(TOKENS) * HIDDEN * 2
-    path, mm = _shm_mapping(128 + 2 * area)
+def _echo(path: str, area: int) -> None:
+    """Host memory: the request's bytes copied out into torch memory, then into the reply area."""
+    _, mm = _shm_mapping(0, Path(path))
     base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-    echo = mp.get_context("spawn").Process(target=_echo, args=(str(path), area), daemon=True)
+
+    def echo(n: int) -> None:
+        got = torch.empty(n, dtype=torch.uint8)
+        ctypes.memmove(got.data_ptr(), base + 128, n)
+        ctypes.memmove(base + 128 + area, got.data_ptr(), n)
+
+    _echo_loop(mm, echo)
+
+
+def _cuda_echo(path: str, shared: list) -> None:
+    """One GPU: the request's bytes copied out of the peer's CUDA IPC buffer into torch memory and
+    back into its reply half, then a stream sync before the number is posted."""
+    from afdc.runtime.transport.cuda_ipc import _mapped
+
+    _, mm = _shm_mapping(0, Path(path))
+    region = _mapped(shared)
+    half = region.numel() // 2
+
+    def echo(n: int) -> None:
+        region[half : half + n].copy_(region[:n].clone())
+        torch.cuda.current_stream().synchronize()
+
+    _echo_loop(mm, echo)
+
+
+def _ping_pong(path: Path, mm: mmap.mmap, echo: mp.process.BaseProcess, make: Callable[[int], torch.Tensor],
+               put: Callable[[torch.Tensor], int], take: Callable[[torch.Tensor, int], torch.Tensor],
+               repeats: int) -> dict[int, float]:
+    """Median round trip per T against ``echo`` (started here): ``put`` the request (its byte
+    count returned), post the count and a sequence number, wait for the echo's, ``take`` the reply."""
     echo.start()
     out, seq = {}, 0
     try:
         for tokens in TOKENS:
-            x = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
-            n = x.numel() * x.element_size()
+            x = make(tokens)
             times = []
             for i in range(repeats + 10):
                 seq += 1
                 t = time.perf_counter()
-                ctypes.memmove(base + 128, x.data_ptr(), n)
+                n = put(x)
                 _WORD.pack_into(mm, 8, n)
                 _WORD.pack_into(mm, 0, seq)
                 while _WORD.unpack_from(mm, 64)[0] != seq:
                     os.sched_yield()
-                reply = torch.empty_like(x)
-                ctypes.memmove(reply.data_ptr(), base + 128 + area, n)
+                reply = take(x, n)
                 if i >= 10:
                     times.append(time.perf_counter() - t)
             assert torch.equal(reply, x)
@@ -197,25 +217,27 @@ def bare_ping_pong(repeats: int) -> dict[int, float]:
     return out
 
 
-def _cuda_echo(path: str, shared: list) -> None:
-    """:func:`_echo` on one GPU: the request's bytes copied out of the peer's CUDA IPC buffer into
-    torch memory and back into its reply half, then a stream sync before the number is posted."""
-    from afdc.runtime.transport.cuda_ipc import _mapped
+def bare_ping_pong(repeats: int) -> dict[int, float]:
+    """Median round trip, per T, of the least any two processes on this host do to exchange the
+    activations: the same four copies as the floor, the bytes crossing between cores, a sequence
+    number each way and both sides polling. What afdc adds over it is its protocol's cost."""
+    area = max(TOKENS) * HIDDEN * 2
+    path, mm = _shm_mapping(128 + 2 * area)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
-    _, mm = _shm_mapping(0, Path(path))
-    region = _mapped(shared)
-    half = region.numel() // 2
-    seen = 0
-    while True:
-        while _WORD.unpack_from(mm, 0)[0] == seen:
-            os.sched_yield()
-        seen = _WORD.unpack_from(mm, 0)[0]
-        if seen == _STOP:
-            return
-        n = _WORD.unpack_from(mm, 8)[0]
-        region[half : half + n].copy_(region[:n].clone())
-        torch.cuda.current_stream().synchronize()
-        _WORD.pack_into(mm, 64, seen)
+    def put(x: torch.Tensor) -> int:
+        n = x.numel() * x.element_size()
+        ctypes.memmove(base + 128, x.data_ptr(), n)
+        return n
+
+    def take(x: torch.Tensor, n: int) -> torch.Tensor:
+        reply = torch.empty_like(x)
+        ctypes.memmove(reply.data_ptr(), base + 128 + area, n)
+        return reply
+
+    echo = mp.get_context("spawn").Process(target=_echo, args=(str(path), area), daemon=True)
+    make = lambda tokens: torch.randn(tokens, HIDDEN).to(torch.bfloat16)  # noqa: E731
+    return _ping_pong(path, mm, echo, make, put, take, repeats)
 
 
 def bare_cuda_ping_pong(repeats: int) -> dict[int, float]:
@@ -227,34 +249,20 @@ def bare_cuda_ping_pong(repeats: int) -> dict[int, float]:
     half = max(TOKENS) * HIDDEN * 2
     region = torch.empty(2 * half, dtype=torch.uint8, device="cuda")
     path, mm = _shm_mapping(128)
+
+    def put(x: torch.Tensor) -> int:
+        region[: x.numel()].copy_(x)
+        torch.cuda.current_stream().synchronize()
+        return x.numel()
+
+    def take(x: torch.Tensor, n: int) -> torch.Tensor:
+        reply = region[half : half + n].clone()
+        torch.cuda.current_stream().synchronize()
+        return reply
+
     echo = mp.get_context("spawn").Process(target=_cuda_echo, args=(str(path), _share(region)), daemon=True)
-    echo.start()
-    out, seq = {}, 0
-    try:
-        for tokens in TOKENS:
-            x = torch.randn(tokens, HIDDEN, device="cuda").to(torch.bfloat16).view(-1).view(torch.uint8)
-            n = x.numel()
-            times = []
-            for i in range(repeats + 10):
-                seq += 1
-                t = time.perf_counter()
-                region[:n].copy_(x)
-                torch.cuda.current_stream().synchronize()
-                _WORD.pack_into(mm, 8, n)
-                _WORD.pack_into(mm, 0, seq)
-                while _WORD.unpack_from(mm, 64)[0] != seq:
-                    os.sched_yield()
-                reply = region[half : half + n].clone()
-                torch.cuda.current_stream().synchronize()
-                if i >= 10:
-                    times.append(time.perf_counter() - t)
-            assert torch.equal(reply, x)
-            out[tokens] = statistics.median(times)
-    finally:
-        _WORD.pack_into(mm, 0, _STOP)
-        echo.join(10)
-        path.unlink()
-    return out
+    make = lambda tokens: torch.randn(tokens, HIDDEN, device="cuda").to(torch.bfloat16).view(-1).view(torch.uint8)  # noqa: E731
+    return _ping_pong(path, mm, echo, make, put, take, repeats)
 
 
 def round_trips(connector: str, repeats: int) -> list[tuple[int, float]]:

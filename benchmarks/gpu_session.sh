@@ -31,7 +31,6 @@ python3 -c "import afdc; print(\"afdc imports\")"' ;;
       --connectors shm cuda-ipc ;;
     kernels) run kernels "${KERNELS_S:-150}" python3 benchmarks/bench_kernels.py --configs "$CONFIGS" \
       --skip-compile --json "$OUT/kernels.json" ;;
-    probe) run probe "${PROBE_S:-90}" python3 "${PROBE:-.gpu/probe_ipc.py}" cuda-ipc shm ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   tail -n 40 "$OUT/$step.log"
