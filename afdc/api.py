@@ -34,7 +34,7 @@ from afdc.partition.split import Partition, partition
 from afdc.passes import graph_facts as gf
 from afdc.passes.aliasing import split_writes
 from afdc.passes.classify import Classification, classify
-from afdc.passes.cleanup import strip_assertions
+from afdc.passes.cleanup import drop_sentinel_masks, strip_assertions
 from afdc.passes.expert_routing import expert_routing, owner_mask
 from afdc.passes.fusion import copy_graph
 from afdc.passes.portable import portable
@@ -95,7 +95,7 @@ class Built:
 
 
 def _classify(captured: CapturedGraph) -> Classification:
-    graph = portable(strip_assertions(captured.graph))
+    graph = portable(drop_sentinel_masks(strip_assertions(captured.graph)))
     classification = classify(graph, set(captured.parameter_names))
     if captured.state_outside_cache:
         raise UnsupportedModelError(

@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 # Shared by every entry; an entry's overrides win. Special token ids are kept inside the tiny
 # vocabulary (some models size an embedding's padding_idx from them).
@@ -58,6 +61,9 @@ class ModelEntry:
     # How the default plan splits the MoE layers over FFN ranks: "ep" (experts partitioned) or
     # "tp" (each expert's weights split: experts computed densely, or in a Python loop)
     moe_split: str = "ep"
+    # The oldest transformers release whose implementation of it afdc captures, where an older
+    # one was tried (the GPU machine's 5.17) and cannot be captured; empty: every release tried.
+    transformers: str = ""
 
     @property
     def config_kwargs(self) -> dict:
@@ -235,7 +241,7 @@ ENTRIES: list[ModelEntry] = [
        moe=1),
     _e("MiniMax-M3 (text)", "minimax_m3_vl_text", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K}, moe=2),
     _e("Aria (text)", "aria_text", "moe", {"moe_num_experts": _E, "moe_topk": _K, "moe_num_shared_experts": 1},
-       "shared expert", moe=2),
+       "shared expert", moe=2, transformers="5.24"),  # 5.17's routing is data-dependent under torch.export
     # -- hyper-connections ------------------------------------------------------------------------
     _e("HY-V4", "hy_v4", "hyper",
        {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
@@ -299,7 +305,7 @@ ENTRIES: list[ModelEntry] = [
     _e("OLMo hybrid", "olmo_hybrid", "hybrid",
        {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
         "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 16},
-       "Gated DeltaNet layer + attention layer"),
+       "Gated DeltaNet layer + attention layer", transformers="5.24"),  # 5.17's pads the length to a chunk
     _e("Kimi Linear", "kimi_linear", "hybrid",
        {"layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
         "linear_num_heads": 2, "linear_head_dim": 8, "num_experts": _E, "num_experts_per_token": _K,
@@ -418,6 +424,15 @@ def build_type(model_type: str, config_kwargs: dict, seed: int = 0) -> PreTraine
     cfg = AutoConfig.for_model(model_type, **config_kwargs)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def unavailable(e: ModelEntry) -> str:
+    """Why the installed transformers cannot give ``e`` (a reason to skip its tests); "" if it can."""
+    if e.model_type not in CONFIG_MAPPING_NAMES:
+        return f"transformers {transformers.__version__} has no {e.model_type} (added in a later release)"
+    if e.transformers and Version(transformers.__version__) < Version(e.transformers):
+        return f"transformers {transformers.__version__} < {e.transformers}: its {e.model_type} cannot be captured"
+    return ""
 
 
 def entry(name_or_type: str) -> ModelEntry:

@@ -37,6 +37,8 @@ def support_table_markdown() -> str:
         status = "verified"
         if e.notes:
             status += f" ({e.notes})"
+        if e.transformers:
+            status += f"; transformers >= {e.transformers}"
         ranks = e.moe_split.upper() if e.moe_layers else "TP"
         if e.unshardable:
             ranks = f"{'no' if e.moe_layers else 'replicated only'}: {e.unshardable}"

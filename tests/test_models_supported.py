@@ -31,6 +31,7 @@ from models_supported.catalog import (
     ModelEntry,
     build,
     build_type,
+    unavailable,
 )
 
 PAD = 0
@@ -43,6 +44,10 @@ ALL = os.environ.get("AFDC_QUICK", "") in ("", "0")
 
 def _selected(model_type: str):
     return pytest.mark.skipif(not ALL and model_type not in CORE, reason="AFDC_QUICK=1: not in CORE")
+
+
+def _available(e: ModelEntry):
+    return pytest.mark.skipif(bool(unavailable(e)), reason=unavailable(e))
 
 
 def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +123,7 @@ def check_entry(entry: ModelEntry):
 
 
 @pytest.mark.parametrize(
-    "entry", [pytest.param(e, marks=_selected(e.model_type), id=e.model_type) for e in ENTRIES]
+    "entry", [pytest.param(e, marks=[_selected(e.model_type), _available(e)], id=e.model_type) for e in ENTRIES]
 )
 def test_model_supported(entry: ModelEntry) -> None:
     check_entry(entry)

@@ -26,7 +26,7 @@ from afdc.partition.cut import RouterPlacement, select_cuts
 from afdc.partition.mincut import INF, FlowGraph
 from afdc.partition.shard import FFNParallel, PartialSumsMeetNonLinearOps, shard_segment
 from afdc.passes.classify import classify
-from afdc.passes.cleanup import strip_assertions
+from afdc.passes.cleanup import drop_sentinel_masks, strip_assertions
 from afdc.passes.expert_routing import expert_routing
 from afdc.passes.fuse_moe import fuse_moe
 from afdc.passes.fuse_norms import fuse_norms
@@ -346,20 +346,25 @@ def test_experts_whose_output_mixes_tokens_are_not_routed(body):
 # -- kernel substitution -----------------------------------------------------------------------------
 
 
-def test_transformers_experts_and_router_become_fused_moe_with_the_same_result():
+# transformers zeroes the rows of out-of-range expert ids around each grouped matmul: under its own
+# expert parallelism (5.24), always (5.17)
+@pytest.mark.parametrize("sentinel_masks", [False, True], ids=["plain", "sentinel-masks"])
+def test_transformers_experts_and_router_become_fused_moe_with_the_same_result(sentinel_masks):
     def body(m, x, logits):
         weights, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
         return m.experts(x, ids, weights / weights.sum(-1, keepdim=True))
 
     module = Body(body, experts=experts())
+    module.experts._is_expert_parallel = sentinel_masks
     x, logits = torch.randn(5, H), torch.randn(5, EXPERTS)
     gm = program(module, x, logits)
     with torch.no_grad():
         before = gm(x, logits)
-    report = fuse_moe(gm.graph)
+    report = fuse_moe(drop_sentinel_masks(gm.graph))
     gm.recompile()
     assert report.fused == {"fused_moe": 1, "moe_route": 1}
-    assert not any("grouped_mm" in str(n.target) for n in gm.graph.nodes)
+    assert not any("grouped_mm" in str(n.target) or op_name(n).startswith(("masked_fill", "clamp"))
+                   for n in gm.graph.nodes)
     with torch.no_grad():
         torch.testing.assert_close(gm(x, logits), before, atol=1e-5, rtol=1e-5)
 

@@ -19,9 +19,10 @@ from transformers import (
     LlamaModel,
     MixtralConfig,
     Qwen3MoeConfig,
+    core_model_loading,
 )
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import Chunk, Concatenate, Interleave, Split, Transpose, WeightConverter
+from transformers.core_model_loading import Chunk, Concatenate, Interleave, Transpose, WeightConverter
 
 from afdc.artifact.checkpoint import Checkpoint, CheckpointError, resolve
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
@@ -261,22 +262,24 @@ class InterleavedCheckpointLlama(LlamaForCausalLM):
     """Its checkpoints keep gate/up interleaved row by row."""
 
 
-register_checkpoint_conversion_mapping(
-    "FusedCheckpointLlama",
-    [
+_FUSED_CONVERSIONS = [
+    WeightConverter("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)]),
+    WeightConverter("mlp.down_proj.weight_t", "mlp.down_proj.weight", [Transpose(0, 1)]),
+    WeightConverter(
+        ["self_attn.o_left.weight", "self_attn.o_right.weight"], "self_attn.o_proj.weight", [Concatenate(dim=1)]
+    ),
+]
+# Split (uneven sections: q, k and v under GQA) came after transformers 5.17; without it q/k/v stay apart
+FUSED_QKV = hasattr(core_model_loading, "Split")
+if FUSED_QKV:
+    _FUSED_CONVERSIONS.append(
         WeightConverter(
             "self_attn.qkv_proj.weight",
             ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-            [Split(dim=0)],
-        ),
-        WeightConverter("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Chunk(dim=0)]),
-        WeightConverter("mlp.down_proj.weight_t", "mlp.down_proj.weight", [Transpose(0, 1)]),
-        WeightConverter(
-            ["self_attn.o_left.weight", "self_attn.o_right.weight"], "self_attn.o_proj.weight", [Concatenate(dim=1)]
-        ),
-    ],
-    overwrite=True,
-)
+            [core_model_loading.Split(dim=0)],
+        )
+    )
+register_checkpoint_conversion_mapping("FusedCheckpointLlama", _FUSED_CONVERSIONS, overwrite=True)
 register_checkpoint_conversion_mapping(
     "InterleavedCheckpointLlama",
     [
@@ -297,7 +300,7 @@ def _fused_checkpoint(truth: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     fused = {}
     for name, tensor in truth.items():
         layer, _, leaf = name.rpartition(".self_attn.") if ".self_attn." in name else name.rpartition(".mlp.")
-        if leaf == "q_proj.weight":
+        if leaf == "q_proj.weight" and FUSED_QKV:
             qkv = [truth[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"]
             fused[f"{layer}.self_attn.qkv_proj.weight"] = torch.cat(qkv)
         elif leaf == "gate_proj.weight":
@@ -308,7 +311,9 @@ def _fused_checkpoint(truth: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
             fused[f"{layer}.self_attn.o_left.weight"], fused[f"{layer}.self_attn.o_right.weight"] = (
                 part.contiguous() for part in tensor.chunk(2, dim=1)
             )
-        elif leaf not in ("k_proj.weight", "v_proj.weight", "up_proj.weight"):
+        elif leaf == "up_proj.weight" or (leaf in ("k_proj.weight", "v_proj.weight") and FUSED_QKV):
+            continue  # fused with gate_proj or q_proj
+        else:
             fused[name] = tensor
     return fused
 
