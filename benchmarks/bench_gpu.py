@@ -10,7 +10,8 @@
     ratio to the model's own call and ``generate`` in the same run (CUDA-synchronized wall
     clock, medians).
 (2) A compiled artifact of the MoE model, loaded on the GPU (``afdc.load_deployment``), against
-    the monolith; then its FFN rank served by ``afdc serve --role ffn --device cuda`` in its
+    the monolith (logits, greedy tokens, time per new token of both, and the afdc kernels the
+    backend substituted); then its FFN rank served by ``afdc serve --role ffn --device cuda`` in its
     own process over the shm connector (payloads staged through host memory), over cuda-ipc
     (device to device), and over cuda-ipc with ``--token-buckets 256`` (its FFN segments
     replayed from CUDA graphs), the attention side in this process.
@@ -24,7 +25,9 @@ Run:  python benchmarks/bench_gpu.py [--json out.json] [--only correct speed gra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import secrets
 import socket
@@ -34,7 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -127,6 +130,15 @@ def section(results: dict, key: str, fn: Callable, *args) -> None:
     sys.stdout.flush()
 
 
+def _error_vs_fp32(name: str, device: str, ids: torch.Tensor, mask: torch.Tensor) -> Callable[[torch.Tensor], float]:
+    """Logits' distance to the fp32 model's at the valid positions, relative to its largest: in
+    bf16 a random model's routing turns rounding into other experts, so the disaggregated model
+    is judged against the monolith's own distance."""
+    exact = build(name, torch.float32, device)(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    return lambda logits: ((logits.float() - exact).abs()[valid].max() / exact.abs()[valid].max()).item()
+
+
 @torch.no_grad()
 def correctness(name: str, dtype: torch.dtype, plan: str, backend: str, micro_batches: int, device: str) -> dict:
     """fp32: logits within 1e-4 of the monolith's and the same greedy tokens. bf16: a random model's
@@ -145,9 +157,7 @@ def correctness(name: str, dtype: torch.dtype, plan: str, backend: str, micro_ba
     if dtype == torch.float32:
         row["ok"] = eq.ok(1e-4)
         return row
-    exact = build(name, torch.float32, device)(input_ids=ids, attention_mask=mask).logits
-    valid = mask.bool()
-    error = lambda logits: ((logits.float() - exact).abs()[valid].max() / exact.abs()[valid].max()).item()  # noqa: E731
+    error = _error_vs_fp32(name, device, ids, mask)
     row["mono_vs_fp32"] = error(model(input_ids=ids, attention_mask=mask).logits)
     row["dm_vs_fp32"] = error(dm(input_ids=ids, attention_mask=mask).logits)
     row["ok"] = row["dm_vs_fp32"] <= max(1.5 * row["mono_vs_fp32"], 1e-2)
@@ -184,12 +194,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    """The INFO messages logger ``name`` gives within the block."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 @torch.no_grad()
 def artifact(backend: str) -> dict:
     model = build("moe", torch.bfloat16, "cpu")
     ids, mask = inputs(model.config.vocab_size, "cuda")
     out: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _logged("afdc.backend") as kernels:
         src, art = Path(tmp) / "model", Path(tmp) / "art"
         model.save_pretrained(src)
         subprocess.run([sys.executable, "-m", "afdc.cli", "compile", str(src), "--plan", "1A1F", "-o", str(art),
@@ -201,8 +228,16 @@ def artifact(backend: str) -> dict:
         valid = mask.bool()
         rel = lambda logits: ((logits - ref).abs()[valid].max() / ref.abs()[valid].max()).item()  # noqa: E731
         out["loaded_rel_diff"] = rel(dm(input_ids=ids, attention_mask=mask).logits)
+        error = _error_vs_fp32("moe", "cuda", ids, mask)
+        out["mono_vs_fp32"], out["loaded_vs_fp32"] = error(ref), error(dm(input_ids=ids, attention_mask=mask).logits)
         out["loaded_greedy_equal"] = torch.equal(
             dm.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False), expected)
+        # the served rows' yardsticks: the monolith and the loaded program in-process (loopback)
+        out["monolith_per_token_ms"] = per_token(
+            lambda k: model.generate(ids, attention_mask=mask, max_new_tokens=k, do_sample=False), 16, 3)
+        out["loaded_per_token_ms"] = per_token(
+            lambda k: dm.generate(ids, attention_mask=mask, max_new_tokens=k, do_sample=False), 16, 3)
+        out["afdc_kernels"] = list(kernels)  # what the afdc backend substituted, per program
 
         # the FFN rank in its own process, as a user deploys it: payloads staged through host
         # memory (shm), then device to device (cuda-ipc), then with its segments in CUDA graphs
@@ -232,9 +267,8 @@ def _served(art: Path, dm, connector: str, buckets: int, backend: str, ids, mask
         out["served_rel_diff"] = rel(dm(input_ids=ids, attention_mask=mask).logits)
         out["served_greedy_equal"] = torch.equal(
             dm.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False), expected)
-        t = timed(lambda: dm.generate(ids, attention_mask=mask, max_new_tokens=17, do_sample=False), 3)
-        t1 = timed(lambda: dm.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False), 3)
-        out["served_per_token_ms"] = (t - t1) / 16
+        out["served_per_token_ms"] = per_token(
+            lambda k: dm.generate(ids, attention_mask=mask, max_new_tokens=k, do_sample=False), 16, 3)
         out["metrics"] = dm.metrics()
     finally:
         dm.disconnect()
