@@ -48,7 +48,7 @@ class Plan:
         if self.micro_batches < 1:
             raise PlanError(f"--micro-batches must be at least 1, got {self.micro_batches}")
         if self.attention_tp < 1:
-            raise PlanError(f"--attn-tp must be at least 1, got {self.attention_tp}")
+            raise PlanError(f"--attn-tp (attention_tp) must be at least 1, got {self.attention_tp}")
 
     @classmethod
     def parse(cls, text: str | Plan, **options) -> Plan:

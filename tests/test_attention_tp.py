@@ -89,7 +89,7 @@ def test_attention_tp_refuses_what_it_cannot_split():
         afdc.disaggregate(model, "1A1F", attention_tp=3)
     with pytest.raises(afdc.PlanError, match="--attn-tp 4 does not divide the model's 2 key/value heads"):
         afdc.disaggregate(model, "1A1F", attention_tp=4)
-    with pytest.raises(afdc.PlanError, match="--attn-tp must be at least 1"):
+    with pytest.raises(afdc.PlanError, match=r"--attn-tp \(attention_tp\) must be at least 1"):
         afdc.Plan.parse("1A1F", attention_tp=0)
     # XGLM's embedding is an index_select (its weight kept whole) and its attention folds the
     # heads into the batch dim, which no rule splits: every weight stays whole, and it says why,

@@ -215,7 +215,7 @@ def test_plan_errors(saved, tmp_path):
     for bad in ("2A", "0A1F", "1A0F", "AF", "2x2"):
         with pytest.raises(afdc.PlanError):
             afdc.Plan.parse(bad)
-    with pytest.raises(afdc.PlanError, match="--attn-tp must be at least 1"):
+    with pytest.raises(afdc.PlanError, match=r"--attn-tp \(attention_tp\) must be at least 1"):
         afdc.Plan.parse("2A2F", attention_tp=0)
     with pytest.raises(afdc.PlanError, match="--ffn-parallel"):
         afdc.Plan.parse("2A2F", ffn_parallel="dp")

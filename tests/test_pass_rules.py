@@ -105,7 +105,7 @@ def routed(m, x, scores):
 
 def _rebuild(ep: torch.export.ExportedProgram, weight, value) -> fx.Graph:
     """``ep``'s graph with parameter ``i`` (named ``fqn``) made by ``weight(graph, i, fqn)`` and user
-    input ``i`` (named ``name``) by ``value(graph, i, name)``, export's run-time asserts stripped."""
+    input ``i`` (named ``name``) by ``value(graph, i, name)``, cleaned up as capture's graph is."""
     params = ep.graph_signature.inputs_to_parameters
     graph, env, counts = fx.Graph(), {}, [0, 0]
     for node in ep.graph.nodes:
@@ -117,7 +117,7 @@ def _rebuild(ep: torch.export.ExportedProgram, weight, value) -> fx.Graph:
             counts[not is_param] += 1
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
-    return strip_assertions(graph)
+    return drop_sentinel_masks(strip_assertions(graph))
 
 
 def layer_graph(body, **parts: nn.Module) -> tuple[fx.Graph, set[str]]:
@@ -141,9 +141,9 @@ def segment_graph(module: nn.Module, *inputs: torch.Tensor) -> tuple[fx.Graph, l
 
 
 def program(module: nn.Module, *inputs: torch.Tensor) -> fx.GraphModule:
-    """``module`` exported to a runnable graph module, asserts stripped, as the passes receive it."""
+    """``module`` exported to a runnable graph module, cleaned up as the passes receive it."""
     gm = torch.export.export(module.eval(), inputs, strict=False).module()
-    strip_assertions(gm.graph)
+    drop_sentinel_masks(strip_assertions(gm.graph))
     gm.recompile()
     return gm
 
@@ -360,7 +360,7 @@ def test_transformers_experts_and_router_become_fused_moe_with_the_same_result(s
     gm = program(module, x, logits)
     with torch.no_grad():
         before = gm(x, logits)
-    report = fuse_moe(drop_sentinel_masks(gm.graph))
+    report = fuse_moe(gm.graph)
     gm.recompile()
     assert report.fused == {"fused_moe": 1, "moe_route": 1}
     assert not any("grouped_mm" in str(n.target) or op_name(n).startswith(("masked_fill", "clamp"))

@@ -55,7 +55,7 @@ def shard_attention(graph: fx.Graph, ranks: int) -> ShardedAttention:
     splits = {names[w]: s for w, s in sorted(prop.decided.items()) if s.dim is not None}
     if not splits:
         raise PlanError(
-            f"--attn-tp {ranks}: no attention weight can be split over {ranks} ranks "
+            f"--attn-tp {ranks} (attention_tp={ranks}): no attention weight can be split over {ranks} ranks "
             f"({'; then '.join(reasons) or 'none is a projection'}); use --attn-tp 1 and more attention ranks"
         )
     sharded = rewrite(graph, prop, ranks)

@@ -158,7 +158,8 @@ def shard_segment(
     def refuse(conflict: Conflict) -> None:
         if any(prop.decided.get(w, Split()).experts for w in conflict.blame):
             raise PlanError(
-                f"{label}: cannot split the experts over {ranks} FFN ranks ({conflict.reason}); use --ffn-parallel tp"
+                f"{label}: cannot split the experts over {ranks} FFN ranks ({conflict.reason}); use --ffn-parallel tp "
+                "(ffn_parallel='tp')"
             ) from None
         if not conflict.blame:
             raise PlanError(f"{label}: cannot shard this FFN segment: {conflict.reason}") from None
@@ -197,7 +198,9 @@ def _check_divisible(
             if not s.experts:
                 fix = "an F dividing it"
             else:
-                fix = "a plan whose F divides the expert count" + (", or --ffn-parallel tp" if tp_fits() else "")
+                fix = "a plan whose F divides the expert count"
+                if tp_fits():
+                    fix += ", or --ffn-parallel tp (ffn_parallel='tp')"
             raise PlanError(f"{label}: {ranks} FFN ranks do not divide {what}; use {fix}")
 
 
