@@ -192,9 +192,11 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
               help="Write each role's output to a file there instead of this terminal.")
 @click.option("--backend", type=click.Choice(afdc.plan.BACKENDS), default=None,
               help="What runs the programs (default: the artifact's): afdc kernels + Inductor, Inductor, eager.")
+@click.option("--token-buckets", type=int, default=0, show_default=True,
+              help="As `afdc serve --token-buckets`, for every FFN rank (on a GPU: its layers in CUDA graphs).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir,
-       backend, vllm_args) -> None:
+       backend, token_buckets, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine and serve the OpenAI API until Ctrl-C.
 
     Arguments after `--` go to each attention rank's `vllm serve`.
@@ -223,7 +225,8 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
         )
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-        deployment = Deployment(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None)
+        deployment = Deployment(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None,
+                                token_buckets)
         stop = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.append(True))

@@ -296,12 +296,13 @@ def test_ffn_rank_lost_mid_request(moe_server):
 
 
 def test_up_demo_serves_the_demo_model(tmp_path):
-    """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model."""
+    """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model (here
+    with its FFN rank's batches padded to token buckets, which must not change a token)."""
     port = free_port()
     env = {**os.environ, "AFDC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "afdc.cli", "up", "--demo", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-         "--", "--max-model-len", "128", "--return-tokens-as-token-ids"],
+         "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     lines = []
@@ -341,6 +342,11 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
     compile_model(str(models / "dense" / "config.json"), "1A1F", plan_only, weights=False, progress=False)
     code, out = serve(str(plan_only), "--role", "attn", "--connector", "loopback")
     assert code == 2 and "no model config and tokenizer" in out
+    # a model saved without its tokenizer: said before vLLM starts, unless it is told to serve token ids
+    build(entry("llama")).save_pretrained(tmp_path / "bare")
+    compile_model(str(tmp_path / "bare"), "1A1F", tmp_path / "bare-1a1f", progress=False)
+    code, out = serve(str(tmp_path / "bare-1a1f"), "--role", "attn", "--connector", "loopback")
+    assert code == 2 and "the artifact has no tokenizer" in out and "--skip-tokenizer-init" in out, out
     # attention hard-coded inline (MPT): no KV cache to page, refused before vLLM starts, saying why
     build(entry("mpt")).save_pretrained(tmp_path / "mpt")
     compile_model(str(tmp_path / "mpt"), "1A1F", tmp_path / "mpt-1a1f", progress=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch.fx as fx
 
@@ -22,6 +22,7 @@ from afdc.segment import Dispatch, ExpertRouting, Segment, Split
 FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 MODEL_DIR = "model"  # the model's config and tokenizer files, as a serving engine reads them
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer has one of them
 
 
 class ArtifactError(AfdcError):
@@ -130,6 +131,10 @@ class Manifest:
     @property
     def incremental_decode(self) -> bool:
         return not self.decode_recomputes
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return any(PurePosixPath(f).name in VOCABULARY_FILES for f in self.model_files)
 
     def rank_files(self, role: str, rank: int, tp_rank: int = 0) -> RankFiles:
         for r in self.ranks:

@@ -10,6 +10,7 @@ SIGINT/SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import secrets
 import signal
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from afdc.artifact.manifest import Manifest, read_manifest
+from afdc.artifact.manifest import VOCABULARY_FILES, Manifest, read_manifest
 from afdc.errors import AfdcError, UnsupportedModelError
 from afdc.serve.health import MIDDLEWARE
 from afdc.serve.settings import WorkerSettings
@@ -48,6 +49,15 @@ def check_serving_environment() -> None:
             ) from err
 
 
+def check_tokenizer(manifest: Manifest, vllm_args: Sequence[str]) -> None:
+    """Refuse an artifact without a tokenizer where vLLM would load one (it fails late, and less clearly)."""
+    if manifest.model_files and not manifest.has_tokenizer and "--skip-tokenizer-init" not in vllm_args:
+        raise AfdcError(
+            f"the artifact has no tokenizer (its source directory held none of {', '.join(VOCABULARY_FILES)}): "
+            "compile it from a directory with the model's tokenizer, or serve token ids only (-- --skip-tokenizer-init)"
+        )
+
+
 def check_servable(manifest: Manifest) -> None:
     """Refuse an artifact that vLLM's paged KV cache cannot run, before vLLM's engine starts."""
     if manifest.unpageable:
@@ -69,6 +79,7 @@ def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args:
     manifest = read_manifest(directory)
     manifest.rank_files("attn", settings.rank)  # a clear error for a rank the plan does not have
     check_servable(manifest)
+    check_tokenizer(manifest, vllm_args)
     model = model_dir(directory)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
@@ -94,8 +105,10 @@ def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: S
 def wait_healthy(url: str, deadline: float, alive: Callable[[], bool]) -> None:
     """Poll ``url``/health until it answers 200; ``alive`` says whether the server process still runs."""
     while True:
+        # HTTPException: before the server listens, a probe from a port in the ephemeral range
+        # can connect to itself (TCP self-connect) and read its own request as a bad status line
         with (
-            contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+            contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException),
             urllib.request.urlopen(f"{url}/health", timeout=5) as r,
         ):
             if r.status == 200:
@@ -117,6 +130,7 @@ class Deployment:
     port: int = 8000  # the OpenAI API (with several attention ranks, rank i serves on port + 1 + i)
     vllm_args: Sequence[str] = ()
     log_dir: Path | None = None  # each role's output goes to a file there; None: this terminal
+    token_buckets: int = 0  # the FFN ranks' (afdc serve --token-buckets)
 
     def __post_init__(self) -> None:
         self.processes: dict[str, subprocess.Popen] = {}
@@ -137,6 +151,7 @@ class Deployment:
         """Start every role and wait until the OpenAI API answers; returns its URL."""
         manifest = read_manifest(self.artifact)
         check_servable(manifest)  # before any role starts
+        check_tokenizer(manifest, self.vllm_args)
         plan = manifest.plan
         s = self.settings
         env = {**os.environ, "AFDC_TOKEN": s.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
@@ -147,7 +162,7 @@ class Deployment:
                     sys.executable, "-m", "afdc.cli", "serve", str(self.artifact), "--role", "ffn", "--rank", str(r),
                     "--rendezvous", s.rendezvous, "--connector", s.connector, "--timeout", str(s.timeout),
                     "--join-timeout", str(s.join_timeout), "--device", s.device,
-                    *(["--backend", s.backend] if s.backend else []),
+                    "--token-buckets", str(self.token_buckets), *(["--backend", s.backend] if s.backend else []),
                 ], env)
         # one rank serves on --port itself; several serve beside it, behind a router on --port
         ports = [self.port] if plan.attention_ranks == 1 else [self.port + 1 + a for a in range(plan.attention_ranks)]
