@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import os
 import socket
 import subprocess
 import sys
@@ -345,9 +346,12 @@ def test_wrong_token_is_refused_at_rendezvous(caplog):
 
     for intruder in (stranger, other_artifact):
         threading.Thread(target=intrude, args=(intruder,), daemon=True).start()
-        with caplog.at_level(logging.WARNING), pytest.raises(PeerLost, match="ffn rank 0 lost: did not join"):
+        with caplog.at_level(logging.WARNING), pytest.raises(PeerLost, match="ffn rank 0 lost: did not join") as lost:
             host.join(0, timeout=1.0)
         assert "refused ffn rank 0" in caplog.text
+        # the member that waited in vain hears why: the process that came for the slot was refused
+        assert f"a process that came for it was refused (pid {os.getpid()} on " in str(lost.value)
+        assert "wrong deployment token or another artifact" in str(lost.value)
         caplog.clear()
 
 

@@ -187,6 +187,7 @@ class Rendezvous:
                 "check the address, that attention rank 0 (or the launcher) is up, and firewalls"
             ) from err
         self._host_checked = host  # whether this process's token and deployment are the store host's
+        self._refused: dict[int, str] = {}  # slot -> the last process refused for it (said if the slot stays empty)
         if host:
             self.store.set("host", json.dumps({"deployment": deployment.hex(), "proof": self._stamp()}))
 
@@ -228,6 +229,7 @@ class Rendezvous:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         next_log = time.monotonic() + 10.0
+        self._refused.clear()  # refusals seen by an earlier join are not this one's
         self._check_held(slot)
         while True:
             gen = self.generation()
@@ -259,7 +261,10 @@ class Rendezvous:
                 if deadline is not None and now > deadline:
                     missing = [s for s in range(self.layout.world) if s not in members]
                     role, rank = self.layout.role_rank(missing[0])
-                    raise PeerLost(role, rank, f"did not join the deployment within {timeout:g} s")
+                    why = f"did not join the deployment within {timeout:g} s"
+                    if missing[0] in self._refused:
+                        why += f"; a process that came for it was refused ({self._refused[missing[0]]})"
+                    raise PeerLost(role, rank, why)
                 if now > next_log:
                     waiting = [self.layout.role_rank(s) for s in range(self.layout.world) if s not in members]
                     log.info("generation %d: waiting for %s", gen, ", ".join(f"{r} {k}" for r, k in waiting))
@@ -362,13 +367,8 @@ class Rendezvous:
             return None
         if not hmac.compare_digest(member.proof, self.proof(gen, slot)):
             role, rank = self.layout.role_rank(slot)
-            log.warning(
-                "refused %s rank %d (pid %d on %s): wrong deployment token or another artifact",
-                role,
-                rank,
-                member.pid,
-                member.host,
-            )
+            self._refused[slot] = f"pid {member.pid} on {member.host}: wrong deployment token or another artifact"
+            log.warning("refused %s rank %d (%s)", role, rank, self._refused[slot])
             self.store.delete_key(key)
             return None
         return member
