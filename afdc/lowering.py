@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch._prims_common import make_contiguous_strides_for
 
 from afdc import segment
+from afdc.codegen.triton_support import SOURCE_LOCK
 from afdc.passes.fuse_activation import fuse_activations
 from afdc.passes.fuse_moe import fuse_moe, fuse_shared_experts
 from afdc.passes.fuse_norms import fuse_norms
@@ -82,11 +83,12 @@ def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tup
     if backend == "eager":
         return straight_line(module) or module
     if backend == "afdc":
-        module = copy_module(module)
-        if any("val" not in n.meta for n in module.graph.find_nodes(op="placeholder")):
-            annotate(module, args)
-        report = substitute_kernels(module.graph)
-        module.recompile()
+        with SOURCE_LOCK:  # FX compiles the graph's code, maybe in a TP rank's thread (see SOURCE_LOCK)
+            module = copy_module(module)
+            if any("val" not in n.meta for n in module.graph.find_nodes(op="placeholder")):
+                annotate(module, args)
+            report = substitute_kernels(module.graph)
+            module.recompile()
         logger.info("afdc backend: %s: %s afdc kernels, %d candidates left to Inductor",
                     name, report.fused or "no", len(report.skipped))
     if module.graph.find_nodes(op="call_function", target=torch.ops.afdc.tp_all_reduce.default):

@@ -48,7 +48,11 @@ def launches(*tensors: torch.Tensor) -> bool:
 
 # The interpreter keeps the launch grid in globals: two threads (micro-batches) launching at
 # once would read each other's grid, so interpreted launches take turns. GPU launches do not.
-_interpreter = threading.Lock()
+# It also parses each kernel's source at its first launch, and on CPython 3.11 two threads
+# parsing or compiling Python at once can fail ("AST constructor recursion depth mismatch",
+# seen in CI: one TP rank's thread launching while another compiled its lowered program), so
+# code that compiles source in such threads takes this lock too (re-entrant: it may launch).
+SOURCE_LOCK = threading.RLock()
 
 
 class _Kernel:
@@ -61,7 +65,7 @@ class _Kernel:
             return launch
 
         def one_at_a_time(*args, **kwargs):
-            with _interpreter:
+            with SOURCE_LOCK:
                 return launch(*args, **kwargs)
 
         return one_at_a_time

@@ -30,6 +30,7 @@ from itertools import count
 import torch
 import torch.fx as fx
 
+from afdc.codegen.triton_support import SOURCE_LOCK
 from afdc.ops import BODIES
 from afdc.ops.call import bound
 from afdc.passes.fusion import copy_graph
@@ -196,5 +197,6 @@ class _Writer:
         filename = f"<afdc straight line {next(_SOURCES)}>"
         # tracebacks through the generated code show its lines
         linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
-        exec(compile(code, filename, "exec"), self.globals)
+        with SOURCE_LOCK:
+            exec(compile(code, filename, "exec"), self.globals)
         return StraightLine(self.globals["forward"], code, self.module, dtypes)
