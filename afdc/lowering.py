@@ -126,4 +126,3 @@ def _dense(args: tuple, activations: list[int]) -> list:
         if isinstance(x, torch.Tensor) and (x.storage_offset() or x.stride() != make_contiguous_strides_for(x.shape)):
             args[i] = x.clone(memory_format=torch.contiguous_format)
     return args
-

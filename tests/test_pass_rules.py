@@ -317,6 +317,20 @@ def routing_of(body, **parts: nn.Module) -> ExpertRouting | None:
     return expert_routing(sharded.graph, tokens)
 
 
+def test_rows_zeroed_by_a_mask_stay_an_expert_ranks_own():
+    """Sentinel masks of ids that are not shown to be a top-k (here an input) stay in the graph:
+    ``masked_fill(rows, mask, 0)`` keeps the rows another rank owns zero, whatever the mask's own
+    layout, so the experts still split over expert-parallel ranks."""
+    module = Body(lambda m, x, ids, weights: m.experts(x, ids, weights), experts=experts())
+    module.experts._is_expert_parallel = True  # transformers 5.17's form
+    ids = torch.randint(0, EXPERTS, (5, TOP_K))
+    graph, names, _ = segment_graph(module, torch.randn(5, H), ids, torch.rand(5, TOP_K))
+    assert nodes(graph, "masked_fill")
+    sharded = shard_segment(graph, FFNParallel.EP, 2, "layer", names)
+    split = {name: s for name, s in zip(names, sharded.splits)}
+    assert split["experts.gate_up_proj"] == split["experts.down_proj"] == Split(dim=0, experts=True)
+
+
 def test_experts_over_the_top_k_of_an_input_are_routed_by_it():
     assert routing_of(routed) == ExpertRouting(input=1, per_rank=EXPERTS // 2, top_k=TOP_K)
 

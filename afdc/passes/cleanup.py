@@ -7,7 +7,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from afdc.passes.graph_facts import op_name
+from afdc.passes.graph_facts import op_name, over_last_dim
 
 # Run-time metadata checks export leaves behind; they hang off values without feeding anything
 # and would otherwise have to be assigned to a side.
@@ -69,6 +69,5 @@ def _top_k_below(ids, experts: int) -> bool:
         return False
     topk = ids.args[0]
     scores = topk.args[0].meta.get("val")
-    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-    return (scores is not None and dim in (-1, scores.dim() - 1) and isinstance(scores.shape[-1], int)
+    return (scores is not None and over_last_dim(topk) and isinstance(scores.shape[-1], int)
             and scores.shape[-1] <= experts)

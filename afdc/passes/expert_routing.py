@@ -55,23 +55,6 @@ def _scaled_source(node):
     return node
 
 
-def _over_last_dim(node: fx.Node) -> bool:
-    name = gf.op_name(node)
-    last = val(node.args[0]).dim() - 1 if val(node.args[0]) is not None else -1
-    if name == "topk":
-        return (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) in (-1, last)
-    if name == "softmax":
-        return node.args[1] in (-1, last)
-    if name == "chunk":
-        return (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) in (-1, last)
-    if name in ("sum", "amax"):
-        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        return isinstance(dims, (list, tuple)) and list(dims) in ([-1], [last])
-    if name == "unsqueeze":
-        return node.args[1] in (-1, last + 1)
-    return True
-
-
 def _row_local(node, inputs: set[fx.Node], tokens, whole: frozenset[fx.Node] = frozenset()) -> bool:
     """Whether ``node`` is computed from the ``inputs`` row by row (token-major all the way),
     the same on every rank: weights may enter only if every rank holds them ``whole``, as a
@@ -86,7 +69,7 @@ def _row_local(node, inputs: set[fx.Node], tokens, whole: frozenset[fx.Node] = f
             continue
         if gf.op_name(n) == "linear" and not all(w in whole for w in n.args[1:] if w is not None):
             return False  # a token-dependent weight would mix rows
-        local = n.target is operator.getitem or (gf.op_name(n) in _ROW_LOCAL and _over_last_dim(n))
+        local = n.target is operator.getitem or (gf.op_name(n) in _ROW_LOCAL and gf.over_last_dim(n))
         token_major = val(n) is None or row_major(gf.token_layout(n, tokens))  # a tuple: its items are checked
         if n.op != "call_function" or not local or not token_major:
             return False
@@ -103,7 +86,7 @@ def _routing_key(ids, inputs: list[fx.Node]) -> tuple[int, int | None] | None:
     if not (isinstance(ids, fx.Node) and ids.target is operator.getitem and ids.args[1] == 1):
         return None
     topk = ids.args[0]
-    if gf.op_name(topk) != "topk" or not _over_last_dim(topk) or topk.args[0] not in inputs:
+    if gf.op_name(topk) != "topk" or not gf.over_last_dim(topk) or topk.args[0] not in inputs:
         return None
     largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
     return (inputs.index(topk.args[0]), int(topk.args[1])) if largest else None

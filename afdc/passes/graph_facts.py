@@ -37,6 +37,26 @@ def op_name(node: fx.Node) -> str:
     return target.__name__.split(".")[0] if isinstance(target, torch._ops.OpOverload) else ""
 
 
+def over_last_dim(node: fx.Node) -> bool:
+    """Whether an op that works along one dim (top-k, softmax, chunk, sum, amax, unsqueeze) works
+    along the last; True for any other op."""
+    name = op_name(node)
+    source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    last = source.dim() - 1 if isinstance(source, torch.Tensor) else -1
+    if name == "topk":
+        return (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) in (-1, last)
+    if name == "softmax":
+        return node.args[1] in (-1, last)
+    if name == "chunk":
+        return (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) in (-1, last)
+    if name in ("sum", "amax"):
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        return isinstance(dims, (list, tuple)) and list(dims) in ([-1], [last])
+    if name == "unsqueeze":
+        return node.args[1] in (-1, last + 1)
+    return True
+
+
 def where(node: fx.Node) -> str:
     """``node`` for a person: its op and the line of model source it was traced from."""
     what = op_name(node) or node.name
