@@ -17,7 +17,10 @@ each span both cores stalled each other (the monolithic row fell from about 1900
 widened to the demo tokenizer's 512): e.g. ``qwen3_next`` (a hybrid, its mixers' state in vLLM's
 state blocks) against ``qwen3_moe`` of the same size, to see what the mixers cost per token.
 
+Each setup runs once per round (``--rounds``), the setups taking turns; the table gives medians.
+
 Run:  python benchmarks/bench_serve.py [--requests 64] [--concurrency 16] [--tokens 32] [--threads 1] [--model demo]
+      [--rounds 3]
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of every process (via OMP_NUM_THREADS)")
     ap.add_argument("--model", default="demo", help="'demo', or a model_type of models_supported.catalog")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds in which every setup runs once; medians reported")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the spawned processes' torch
     torch.set_num_threads(args.threads)
@@ -105,11 +109,20 @@ def main() -> None:
     artifact = root / f"afdc-{args.model}"
     compile_model(str(root / "model"), "1A1F", artifact, progress=False)
 
-    rows = {name: measure(artifact, connector, m, args) for name, connector, m in CONFIGS}
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in CONFIGS}
+    for _ in range(args.rounds):  # the setups take turns, so a slow minute of the VM hits each alike
+        for name, connector, m in CONFIGS:
+            runs[name].append(measure(artifact, connector, m, args))
+    rows = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
     base = rows["monolithic"]
     print(f"{args.model} model, {args.requests} requests x {args.tokens} tokens, {args.concurrency} in flight, "
           f"prompt {args.prompt} tokens, CPU ({args.threads} torch thread(s) per process, load average "
-          f"{os.getloadavg()[0]:.2f})")
+          f"{os.getloadavg()[0]:.2f}), medians of {args.rounds} round(s)")
+    if args.rounds > 1:
+        for name, rs in runs.items():
+            p50 = ", ".join(f"{r['tpot_p50_ms']:.1f}" for r in rs)
+            ratio = ", ".join(f"{r['tpot_p50_ms'] / b['tpot_p50_ms']:.2f}" for r, b in zip(rs, runs["monolithic"]))
+            print(f"  {name}: p50 TPOT per round {p50} ms; / monolithic's of the same round {ratio}")
     print(f"{'':14} {'tok/s':>8} {'p50 TPOT ms':>12} {'p99 TPOT ms':>12}   ratios to monolithic (tok/s, p50, p99)")
     for name, r in rows.items():
         ratios = "" if r is base else (

@@ -171,6 +171,37 @@ def test_eager_backend_runs_straight_line_code_written_from_the_graph(moe):
     assert graph.find_nodes(op="call_function", target=torch.ops.afdc.attention.default)
 
 
+def test_straight_line_pauses_after_each_send_in_its_generator_form(moe):
+    """The generator form runs the same code, pausing once after each send to the FFN side (so one
+    thread can interleave micro-batches) and returning what the function returns."""
+    model, dm = moe
+    ids, mask = demo_batch(model.config.vocab_size)
+    pos = positions_from_mask(mask)
+    body = dm.attention._staged().body
+    ffn = functools.partial(combine, dm.ffn_ranks)
+    with torch.no_grad():
+        with connectors.active(connectors.LoopbackConnector(ffn)):
+            whole = body(ids, mask, pos)
+        link = connectors.LoopbackConnector(ffn)
+        run = dm.attention.body_steps(ids, mask, pos)
+        pauses = 0
+        with connectors.active(link):
+            while True:
+                try:
+                    next(run)
+                except StopIteration as stop:
+                    stepped = stop.value
+                    break
+                pauses += 1
+                assert len(link._pending) == 1  # paused right after a send, before its recv
+    assert pauses == len(dm.ffn.layers) == link.traffic.messages // 2
+    assert all(torch.equal(a, b) for a, b in zip(whole, stepped, strict=True))
+    # a program that sends nothing has no generator form
+    graph = fx.Graph()
+    graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (graph.placeholder("x"), 2)),))
+    assert straight_line(fx.GraphModule(torch.nn.Module(), graph)).steps(torch.ones(2)) is None
+
+
 def test_straight_line_reads_the_tensors_the_module_holds_now():
     """A parameter or buffer replaced after the code was written (``module.to()``, an assigning
     ``load_state_dict``) is what the code reads, as the module itself would."""

@@ -223,10 +223,43 @@ def test_transports_give_the_same_logits(reference):
         torch.testing.assert_close(remote[mask.bool()], local[mask.bool()], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("connector", ["gloo", "shm"])
-def test_killed_ffn_rank_is_reported_then_rejoins(reference, connector):
+def test_micro_batches_ping_pong_in_one_thread(reference):
+    """Over FFN servers, a step's micro-batches take turns in the caller's thread: micro-batch 1
+    sends each layer before micro-batch 0 waits for that layer's reply, then 0 computes its next
+    layer while 1's is on the FFN side."""
+    model, ids, mask, ref = reference("qwen3_moe")
+    dm = afdc.disaggregate(model, "1A1F", connector="shm")
+    dm.micro_batches = 2
+    events = []
+    with dm.launch(timeout=60):
+        endpoint = dm.endpoints[0]
+        send, wait = endpoint.send, endpoint.wait
+
+        def recorded_send(step, layer, micro_batch, *args):
+            events.append(("send", layer, micro_batch, threading.current_thread()))
+            return send(step, layer, micro_batch, *args)
+
+        def recorded_wait(step, layer, micro_batch, *args):
+            events.append(("wait", layer, micro_batch, threading.current_thread()))
+            return wait(step, layer, micro_batch, *args)
+
+        endpoint.send, endpoint.wait = recorded_send, recorded_wait
+        got = dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    assert torch.equal(got, ref)
+    assert {thread for *_, thread in events} == {threading.current_thread()}
+    layers = len(dm.ffn.layers)
+    turns = [("send", 0, 0), ("send", 0, 1)]
+    for layer in range(layers - 1):
+        turns += [("wait", layer, 0), ("send", layer + 1, 0), ("wait", layer, 1), ("send", layer + 1, 1)]
+    turns += [("wait", layers - 1, 0), ("wait", layers - 1, 1)]
+    assert [e[:3] for e in events] == turns * NEW_TOKENS  # every step, prefill and decode
+
+
+@pytest.mark.parametrize(("connector", "micro_batches"), [("gloo", 1), ("shm", 1), ("shm", 2)])
+def test_killed_ffn_rank_is_reported_then_rejoins(reference, connector, micro_batches):
     model, ids, mask, ref = reference("qwen3_moe")
     dm = afdc.disaggregate(model, "1A2F", connector=connector)
+    dm.micro_batches = micro_batches
     timeout = 5.0
     with dm.launch(timeout=timeout, join_timeout=60) as cluster:
         assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)

@@ -11,6 +11,10 @@ the C++ entry point that ``OpOverload.__call__`` forwards to, afdc's ops call th
 (:data:`afdc.ops.BODIES`), and casts to the dtype a value already has are left out (``to``
 returns its input then). Each value is released after its last use, as FX's own code does.
 
+A program that sends to the FFN side is also written as a generator that pauses after each
+``afdc::send`` (:meth:`StraightLine.steps`): one thread can then interleave several micro-batches,
+running the next one's attention while the FFN side computes for the one that sent.
+
 The program's module and graph stay as they were (passes, reports and the other backends read
 them); :attr:`StraightLine.code` is what runs.
 """
@@ -24,14 +28,14 @@ import linecache
 import math
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from itertools import count
 
 import torch
 import torch.fx as fx
 
 from afdc.codegen.triton_support import SOURCE_LOCK
-from afdc.ops import BODIES
+from afdc.ops import BODIES, SendCall
 from afdc.ops.call import bound
 from afdc.passes.fusion import copy_graph
 
@@ -51,17 +55,30 @@ class StraightLine:
     index, dtype): called with others (a float64 attention mask, say), it runs ``module`` as it is.
     """
 
-    def __init__(self, fn: Callable, code: str, module: fx.GraphModule, dtypes: list[tuple[int, torch.dtype]]):
+    def __init__(
+        self,
+        fn: Callable,
+        code: str,
+        module: fx.GraphModule,
+        dtypes: list[tuple[int, torch.dtype]],
+        stepwise: Callable[..., Generator] | None = None,
+    ):
         self.fn = fn
         self.code = code
         self.module = module
         self.dtypes = dtypes
+        self.stepwise = stepwise  # the generator form (None: the graph sends nothing)
+
+    def _as_captured(self, args: tuple) -> bool:
+        return all(args[i].dtype == dtype for i, dtype in self.dtypes)
 
     def __call__(self, *args):
-        for i, dtype in self.dtypes:
-            if args[i].dtype != dtype:
-                return self.module(*args)
-        return self.fn(*args)
+        return self.fn(*args) if self._as_captured(args) else self.module(*args)
+
+    def steps(self, *args) -> Generator[None, None, object] | None:
+        """A generator that runs the program, pausing after each ``afdc::send``; its return value
+        is the program's. None where the program sends nothing or runs as its module (see above)."""
+        return self.stepwise(*args) if self.stepwise is not None and self._as_captured(args) else None
 
 
 def straight_line(module: fx.GraphModule) -> StraightLine | None:
@@ -110,7 +127,7 @@ class _Writer:
         self.globals: dict[str, object] = {}
         self._global_of: dict[int, str] = {}
         locals_ = (n.name for n in graph.nodes if n.op != "get_attr")
-        self._taken = {"forward", *locals_, *builtins.__dict__, *keyword.kwlist}
+        self._taken = {"forward", "forward_steps", *locals_, *builtins.__dict__, *keyword.kwlist}
         self.names: dict[fx.Node, str] = {}
 
     def bind(self, value: object, hint: str) -> str:
@@ -178,7 +195,7 @@ class _Writer:
                 if value not in seen:
                     seen.add(value)
                     released[node].append(value)
-        params, lines = [], []
+        params, lines, pauses = [], [], []
         for node in self.graph.nodes:
             if node.op == "placeholder":
                 self.names[node] = node.name
@@ -188,15 +205,22 @@ class _Writer:
             elif node.op == "call_function":
                 self.names[node] = node.name
                 lines.append(f"{node.name} = {self.call(node)}" if node.users else self.call(node))
+                if node.target is SendCall.OP:
+                    pauses.append(len(lines))
             else:
                 lines.append(f"return {self.fmt(node.args[0])}")
             dead = [self.names[v] for v in released[node] if v.op != "get_attr"]
             if dead and node.op != "output":
                 lines.append(" = ".join(dead) + " = None")
-        code = f"def forward({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in lines)
+        signature = ", ".join(params)
+        code = f"def forward({signature}):\n" + "".join(f"    {line}\n" for line in lines)
+        if pauses:
+            for at in reversed(pauses):
+                lines.insert(at, "yield")
+            code += f"\n\ndef forward_steps({signature}):\n" + "".join(f"    {line}\n" for line in lines)
         filename = f"<afdc straight line {next(_SOURCES)}>"
         # tracebacks through the generated code show its lines
         linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
         with SOURCE_LOCK:
             exec(compile(code, filename, "exec"), self.globals)
-        return StraightLine(self.globals["forward"], code, self.module, dtypes)
+        return StraightLine(self.globals["forward"], code, self.module, dtypes, self.globals.get("forward_steps"))

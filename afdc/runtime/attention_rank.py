@@ -9,8 +9,10 @@ computes its attention (ping-pong).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +48,41 @@ def run_concurrently(pool: ThreadPoolExecutor | None, calls: list) -> tuple[list
     return [f.result() for f in futures], pool
 
 
+def _interleave(runs: list[Generator], active: Callable[[int], contextlib.AbstractContextManager]) -> list:
+    """Run micro-batch generators in turns, each to its next send (:meth:`AttentionRank.run`):
+    micro-batch 1 computes while micro-batch 0's layer is on the FFN side, then 0 takes its reply
+    and computes its next layer while 1's is there (ping-pong). ``active(mb)`` is entered around
+    each turn. As with threads, every micro-batch runs to its end or its error before the first
+    error is raised (a failed exchange fails the others' next wait at once)."""
+    results: list = [None] * len(runs)
+    errors: list[Exception] = []
+    turns = collections.deque(range(len(runs)))
+    while turns:
+        mb = turns.popleft()
+        try:
+            with active(mb):
+                done, value = _resume(runs[mb])
+        except Exception as err:  # raised below, once the others are done
+            errors.append(err)
+            continue
+        if done:
+            results[mb] = list(value)
+        else:
+            turns.append(mb)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _resume(run: Generator) -> tuple[bool, object]:
+    """Run ``run`` to its next pause: (False, None), or to its end: (True, its return value)."""
+    try:
+        next(run)
+    except StopIteration as stop:
+        return True, stop.value
+    return False, None
+
+
 class AttentionRank:
     """``ffn``: the FFN ranks' programs, run in-process until :attr:`endpoint` is set."""
 
@@ -71,30 +108,63 @@ class AttentionRank:
 
     def run(self, step: int, batches: list[MicroBatch]) -> tuple[list, connectors.Traffic]:
         """The program's outputs for each micro-batch of step ``step`` (from :meth:`begin_step`),
-        and what crossed the cut."""
+        and what crossed the cut.
 
-        # the only thread of the process that computes: its waits may poll without sleeping
-        alone = len(batches) == 1 and not self.beside and not isinstance(self.program, TensorParallelAttention)
+        With FFN servers and several micro-batches, one thread interleaves them where the
+        program's code can pause after each send (:meth:`AttentionProgram.body_steps`): no two
+        threads take turns at the GIL for every op. Otherwise each micro-batch runs in a thread
+        (in-process, that lets the FFN layers of two micro-batches compute on two cores)."""
         if self.endpoint is not None:
             self.endpoint.announce(step, [b.input_ids.numel() for b in batches])
+        runs = self._stepwise(batches)
+        # the waits of the only thread of the process that computes may poll without sleeping
+        alone = not self.beside and (runs is not None or len(batches) == 1)
+        alone = alone and not isinstance(self.program, TensorParallelAttention)
+        links = [self._link(step, mb, batch, alone) for mb, batch in enumerate(batches)]
         streams = self._streams_for(batches)
 
-        def one(mb: int, batch: MicroBatch):
-            if self.endpoint is None:
-                link = connectors.LoopbackConnector(functools.partial(combine, self.ffn))
-            else:
-                link = RemoteConnector(self.endpoint, step, mb, batch.input_ids.numel(), self.dispatch, spin=alone)
-            on_stream = torch.cuda.stream(streams[mb]) if streams else contextlib.nullcontext()
-            with torch.no_grad(), on_stream, connectors.active(link), kv_cache.active(batch.cache):
-                out = self.program.body(batch.input_ids, batch.attention_mask, batch.position_ids)
-            return out, link.traffic
+        def active(mb: int) -> contextlib.ExitStack:
+            stack = contextlib.ExitStack()
+            if streams:
+                stack.enter_context(torch.cuda.stream(streams[mb]))
+            stack.enter_context(connectors.active(links[mb]))
+            stack.enter_context(kv_cache.active(batches[mb].cache))
+            return stack
 
-        results, self._pool = run_concurrently(self._pool, [functools.partial(one, *b) for b in enumerate(batches)])
+        if runs is not None:
+            with torch.no_grad(), self.program.active():
+                bodies = _interleave(runs, active)
+        else:
+
+            def one(mb: int, batch: MicroBatch):
+                with torch.no_grad(), active(mb):
+                    return self.program.body(batch.input_ids, batch.attention_mask, batch.position_ids)
+
+            bodies, self._pool = run_concurrently(
+                self._pool, [functools.partial(one, *b) for b in enumerate(batches)]
+            )
         for s in streams:  # the head reads every micro-batch's rows
             torch.cuda.current_stream(s.device).wait_stream(s)
         with torch.no_grad():  # the LM head once over every micro-batch's rows: it reads its weight once
-            outputs = self.program.finish([out for out, _ in results])
-        return outputs, connectors.Traffic.total([t for _, t in results])
+            outputs = self.program.finish(bodies)
+        return outputs, connectors.Traffic.total([link.traffic for link in links])
+
+    def _link(self, step: int, mb: int, batch: MicroBatch, spin: bool) -> connectors.Connector:
+        if self.endpoint is None:
+            return connectors.LoopbackConnector(functools.partial(combine, self.ffn))
+        return RemoteConnector(self.endpoint, step, mb, batch.input_ids.numel(), self.dispatch, spin=spin)
+
+    def _stepwise(self, batches: list[MicroBatch]) -> list[Generator] | None:
+        """Each micro-batch's body as a generator (see :meth:`run`), or None: threads run them."""
+        if self.endpoint is None or len(batches) == 1 or not isinstance(self.program, AttentionProgram):
+            return None
+        runs = [self.program.body_steps(b.input_ids, b.attention_mask, b.position_ids) for b in batches]
+        if any(r is None for r in runs):
+            for r in runs:
+                if r is not None:
+                    r.close()
+            return None
+        return runs
 
     def _streams_for(self, batches: list[MicroBatch]) -> list[torch.cuda.Stream]:
         """On a GPU, a CUDA stream per micro-batch, each after the work queued so far: a transport

@@ -57,6 +57,7 @@ class AttentionEndpoint:
         self._lost: dict[int, str] = {}
         self._sent_at: dict[tuple, float] = {}
         self._generation = -1  # of the transport whose deliveries are filed
+        self._checked = 0.0  # when the store's generation was last read
 
     @classmethod
     def connect(
@@ -71,10 +72,19 @@ class AttentionEndpoint:
     # -- membership --------------------------------------------------------------------------
 
     def begin_step(self) -> int:
-        """Regroup if needed (first step, a lost peer, or a restarted FFN rank); returns the step id."""
-        gen = self.rendezvous.generation()
-        if self.transport is None or self._broken or gen != self.transport.group.generation:
+        """Regroup if needed (first step, a lost peer, or a new generation); returns the step id.
+
+        A peer that restarts or leaves is heard at once (its link ends); a generation started by
+        another attention rank is looked for in the store every ``poll_interval``, not every step
+        (a store round trip, about half a millisecond of a busy host's step)."""
+        stale = self.transport is None or self._broken or bool(self._lost)
+        now = time.monotonic()
+        if not stale and now - self._checked >= self.options.poll_interval:
+            stale = self.rendezvous.generation() != self.transport.group.generation
+            self._checked = now
+        if stale:
             self._regroup()
+            self._checked = time.monotonic()
         self._step += 1
         with self._cond:
             self._results.clear()
@@ -192,6 +202,8 @@ class AttentionEndpoint:
         generation = self._generation
         while True:
             with self._cond:
+                if self._broken:  # another micro-batch's exchange failed this step: a regroup follows
+                    self._fail(peers[0], layer, "the step's exchange failed (see the first error)")
                 for peer in peers:
                     if (key, peer) in self._errors:
                         _, rank = self.layout.role_rank(peer)

@@ -12,7 +12,7 @@ class RuntimeOptions:
     token: str | None = None  # shared deployment secret; None: $AFDC_TOKEN
     timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
-    poll_interval: float = 0.2  # how often an idle FFN server looks for a regrouping or a stop
+    poll_interval: float = 0.2  # how often an idle FFN server or an attention rank looks for a regrouping
     spin: float = 2e-3  # shm: seconds a waiting rank polls its slots before it sleeps between polls
     max_sleep: float = 2e-4  # shm: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # shm: ... of a rank idle for 50 ms (its wake-up rate)

@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from afdc import lowering
 from afdc.ops.context import MixerTable, mixers_active
 from afdc.passes.lm_head import split_head
+from afdc.passes.straight_line import StraightLine
 from afdc.runtime.static_shapes import StaticShapes, paddable
 from afdc.segment import Dispatch, ExpertRouting, Segment, SegmentBinding, as_rows, at_tokens
 
@@ -36,12 +37,21 @@ class _Lowered:
         self.backend = lowering.resolve(backend, device)
         self._run = None
 
-    def __call__(self, *args):
+    def _lowered(self, args: tuple) -> Callable:
         if self._run is None:
             with self._lock:
                 if self._run is None:
                     self._run = lowering.lower(self.module, self.backend, self.name, args)
-        return self._run(*args)
+        return self._run
+
+    def __call__(self, *args):
+        return self._lowered(args)(*args)
+
+    def steps(self, *args) -> Generator[None, None, tuple] | None:
+        """The run as a generator that pauses after each send to the FFN side, where the lowered
+        code can pause (the ``eager`` backend's straight-line code); else None."""
+        run = self._lowered(args)
+        return run.steps(*args) if isinstance(run, StraightLine) else None
 
     def __getstate__(self):
         return {"module": self.module, "name": self.name, "backend": self.backend}
@@ -93,8 +103,20 @@ class AttentionProgram(torch.nn.Module):
 
     def body(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> list:
         """The program up to its LM head: its flat outputs, the head's input rows in place of the logits."""
-        with mixers_active(self.mixers) if self.mixers else contextlib.nullcontext():
+        with self.active():
             return list(self._staged().body(input_ids, attention_mask, position_ids))
+
+    def body_steps(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> Generator[None, None, tuple] | None:
+        """:meth:`body` as a generator that pauses after each send to the FFN side (its return
+        value is the body's outputs), where the backend's code can pause; else None. Each resume
+        runs with :meth:`active` entered, as :meth:`body` runs."""
+        return self._staged().body.steps(input_ids, attention_mask, position_ids)
+
+    def active(self) -> contextlib.AbstractContextManager:
+        """What the program's ops need active while it runs (its mixer table)."""
+        return mixers_active(self.mixers) if self.mixers else contextlib.nullcontext()
 
     def finish(self, bodies: list[list]) -> list:
         """Each micro-batch's outputs from its :meth:`body` outputs, the LM head run once over all their rows."""
