@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable
 
 import torch
+import torch._dynamo.convert_frame
 
 try:
     import triton
@@ -52,7 +53,10 @@ def launches(*tensors: torch.Tensor) -> bool:
 # parsing or compiling Python at once can fail ("AST constructor recursion depth mismatch",
 # seen in CI: one TP rank's thread launching while another compiled its lowered program), so
 # code that compiles source in such threads takes this lock too (re-entrant: it may launch).
-SOURCE_LOCK = threading.RLock()
+# It is the lock Dynamo holds while it compiles a frame (Inductor's code generation included):
+# a launch in one micro-batch's thread while Dynamo compiled the FFN program in another's failed
+# that way too, in a CI-like run of the suite.
+SOURCE_LOCK = getattr(torch._dynamo.convert_frame, "compile_lock", None) or threading.RLock()
 
 
 class _Kernel:

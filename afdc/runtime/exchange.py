@@ -50,6 +50,7 @@ class AttentionEndpoint:
         self.metrics = Metrics("attn", rank)
         self.transport: Transport | None = None
         self._broken = False
+        self._failed: tuple[int, str, int | None] | None = None  # (FFN rank, reason, layer) of a failed exchange
         self._step = 0
         self._cond = threading.Condition()
         self._results: dict[tuple, list[torch.Tensor]] = {}
@@ -112,7 +113,7 @@ class AttentionEndpoint:
             raise RendezvousError(
                 f"attention rank {self.rank} could not reach the FFN ranks (generation {group.generation}): {err}"
             ) from err
-        self.transport, self._broken = transport, False
+        self.transport, self._broken, self._failed = transport, False, None
         self._waiter = Waiter(transport.pacing)
 
     def close(self) -> None:
@@ -202,8 +203,8 @@ class AttentionEndpoint:
         generation = self._generation
         while True:
             with self._cond:
-                if self._broken:  # another micro-batch's exchange failed this step: a regroup follows
-                    self._fail(peers[0], layer, "the step's exchange failed (see the first error)")
+                if self._failed is not None:  # another micro-batch's exchange failed: a regroup follows
+                    raise PeerLost("ffn", *self._failed)
                 for peer in peers:
                     if (key, peer) in self._errors:
                         _, rank = self.layout.role_rank(peer)
@@ -236,6 +237,7 @@ class AttentionEndpoint:
         self._broken = True
         self.metrics.errors += 1
         _, rank = self.layout.role_rank(peer)
+        self._failed = (rank, reason, layer)
         raise PeerLost("ffn", rank, reason, layer)
 
 
