@@ -15,6 +15,8 @@ import afdc
 from afdc.cli import main
 from afdc.demo import demo_batch, demo_model
 from afdc.equivalence import check
+from afdc.ops import body_of
+from afdc.ops.attention import attention_body
 from afdc.partition.mincut import FlowGraph
 from afdc.passes.graph_facts import op_name
 from afdc.passes.lm_head import split_head
@@ -200,6 +202,34 @@ def test_straight_line_pauses_after_each_send_in_its_generator_form(moe):
     graph = fx.Graph()
     graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (graph.placeholder("x"), 2)),))
     assert straight_line(fx.GraphModule(torch.nn.Module(), graph)).steps(torch.ones(2)) is None
+
+
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _thrice(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+_TWICE = torch.library.custom_op("afdc_test::twice", _twice, mutates_args=())
+_THRICE = torch.library.custom_op("afdc_test::thrice", _thrice, mutates_args=())
+_THRICE.register_kernel("cpu")(lambda x: x * 3)
+
+
+def test_python_custom_ops_are_called_as_their_functions():
+    """The eager code calls a Python custom op's own function where it is the op's kernel on every
+    device (afdc's ops, transformers' grouped matmul); an op with a kernel of its own for some
+    device goes through the dispatcher, which picks that kernel."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    twice = graph.call_function(torch.ops.afdc_test.twice.default, (x,))
+    graph.output((graph.call_function(torch.ops.afdc_test.thrice.default, (twice,)),))
+    line = straight_line(fx.GraphModule(torch.nn.Module(), graph))
+    assert "_twice(x)" in line.code and "_thrice(" not in line.code
+    assert torch.equal(line(torch.ones(2))[0], torch.full((2,), 6.0))
+    assert body_of(torch.ops.afdc.attention.default) is attention_body
+    assert body_of(torch.ops.aten.mul.Tensor) is None
 
 
 def test_straight_line_reads_the_tensors_the_module_holds_now():

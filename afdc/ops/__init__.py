@@ -6,55 +6,54 @@ They are ``torch.library`` custom ops with fake kernels, so they survive ``torch
 (:class:`AttentionCall`, :class:`SendCall`, :class:`RecvCall`): passes read an op's arguments
 through it, by name. What the ops hand their work to at run time is in :mod:`afdc.ops.context`.
 
-Each op's body is a plain function that runs on every device; :data:`BODIES` maps the op to it,
-so that eager execution (:mod:`afdc.passes.straight_line`) calls the body without the dispatcher's
-round trip.
+Each op's body is a plain function that runs on every device; :func:`body_of` finds it, so that
+eager execution (:mod:`afdc.passes.straight_line`) calls the body without the dispatcher's round
+trip.
 """
 
+from collections.abc import Callable
+
 import torch
+from torch._library import custom_ops
 
 from afdc.ops.attention import (
     AttentionCall,
     attention,
-    attention_body,
     cached_keys,
-    cached_keys_body,
     causal_mask,
     open_empty_rows,
     reference_attention,
     sampled_rows,
-    sampled_rows_body,
 )
-from afdc.ops.connector import RecvCall, SendCall, recv, recv_body, send, send_body
-from afdc.ops.mixer import MixerCall, mixer, mixer_body
+from afdc.ops.connector import RecvCall, SendCall, recv, send
+from afdc.ops.mixer import MixerCall, mixer
 from afdc.ops.parallel import (
     gather_local,
-    gather_local_body,
     grouped_mm_local,
-    grouped_mm_local_body,
     tp_all_reduce,
-    tp_all_reduce_body,
 )
 
-BODIES = {
-    torch.ops.afdc.attention.default: attention_body,
-    torch.ops.afdc.mixer.default: mixer_body,
-    torch.ops.afdc.cached_keys.default: cached_keys_body,
-    torch.ops.afdc.sampled_rows.default: sampled_rows_body,
-    torch.ops.afdc.send.default: send_body,
-    torch.ops.afdc.recv.default: recv_body,
-    torch.ops.afdc.grouped_mm_local.default: grouped_mm_local_body,
-    torch.ops.afdc.gather_local.default: gather_local_body,
-    torch.ops.afdc.tp_all_reduce.default: tp_all_reduce_body,
-}
+
+def body_of(op) -> Callable | None:
+    """The function a Python custom op (``torch.library.custom_op``: afdc's, transformers' grouped
+    matmul fallback) runs on every device, to call without the dispatcher's round trip back into
+    Python (autograd, kernel selection, an aliasing check: a tenth of the demo model's MoE layer
+    on a CPU). None for other ops, and for one with a kernel of its own for some device."""
+    if type(op) is not torch._ops.OpOverload:
+        return None
+    opdef = custom_ops._maybe_get_opdef(op)
+    if opdef is None or set(opdef._backend_fns) != {None}:
+        return None
+    return opdef._init_fn
+
 
 __all__ = [
-    "BODIES",
     "AttentionCall",
     "MixerCall",
     "RecvCall",
     "SendCall",
     "attention",
+    "body_of",
     "cached_keys",
     "causal_mask",
     "gather_local",

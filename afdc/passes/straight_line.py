@@ -7,9 +7,10 @@ level), each aten call goes through ``OpOverload.__call__``, and each afdc op go
 dispatcher's custom-op machinery and back into Python. On a decode step of a small model that
 was a third of the step. Here the graph is written out once as source in which each weight is
 one dict lookup in its owner module's parameters or buffers, aten overloads are called through
-the C++ entry point that ``OpOverload.__call__`` forwards to, afdc's ops call their bodies
-(:data:`afdc.ops.BODIES`), and casts to the dtype a value already has are left out (``to``
-returns its input then). Each value is released after its last use, as FX's own code does.
+the C++ entry point that ``OpOverload.__call__`` forwards to, Python custom ops (afdc's,
+transformers' grouped-matmul fallback) call their functions (:func:`afdc.ops.body_of`), and casts
+to the dtype a value already has are left out (``to`` returns its input then). Each value is
+released after its last use, as FX's own code does.
 
 A program that sends to the FFN side is also written as a generator that pauses after each
 ``afdc::send`` (:meth:`StraightLine.steps`): one thread can then interleave several micro-batches,
@@ -35,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from afdc.codegen.triton_support import SOURCE_LOCK
-from afdc.ops import BODIES, SendCall
+from afdc.ops import SendCall, body_of
 from afdc.ops.call import bound
 from afdc.passes.fusion import copy_graph
 
@@ -177,8 +178,9 @@ class _Writer:
             return f"{self.fmt(args[0])}[{args[1]}]"
         if target in _INFIX and len(args) == 2 and not node.kwargs:
             return f"{self.fmt(args[0])} {_INFIX[target]} {self.fmt(args[1])}"
-        if target in BODIES:
-            fn, hint = BODIES[target], BODIES[target].__name__
+        body = body_of(target)
+        if body is not None:
+            fn, hint = body, body.__name__
         elif type(target) is torch._ops.OpOverload:
             # what OpOverload.__call__ forwards to, without that Python frame
             fn, hint = target._op, str(target)
