@@ -99,7 +99,9 @@ def test_mixers_across_processes_over_shm():
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     dm = afdc.disaggregate(model, "1A2F", connector="shm")
     with dm.launch(timeout=60):
-        assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+        for m in (1, 2):  # m = 2: the micro-batches take turns in one thread, each with its own state
+            dm.micro_batches = m
+            assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected), m
 
 
 def test_artifact_records_mixer_state_and_decodes_incrementally(tmp_path):
