@@ -2,9 +2,10 @@
 
 Both drivers of the attention side use it: :class:`afdc.runtime.model.DisaggregatedModel`
 (a batch of rows, Hugging Face style) and the vLLM worker (a flat batch of scheduled tokens
-over a paged KV cache). A step's micro-batches run concurrently in threads, each with its own
-connector and KV-cache context, so that while one waits for an FFN layer's result the next
-computes its attention (ping-pong).
+over a paged KV cache). A step's micro-batches run concurrently, each with its own connector
+and KV-cache context, so that while one waits for an FFN layer's result the next computes its
+attention (ping-pong): in turns in one thread where the program's code can pause after a send
+(:func:`_interleave`), else in threads.
 """
 
 from __future__ import annotations
