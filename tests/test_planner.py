@@ -35,6 +35,7 @@ from afdc.planner import (
     split_for_planning,
 )
 from afdc.planner.cost import FORMULATION_LATENT, FORMULATION_STANDARD, DecodeCost, decode_cost, graph_flops
+from afdc.planner.result import format_ms
 from afdc.source import empty_model
 from models_supported.catalog import entry
 
@@ -413,3 +414,10 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     with pytest.raises(PlanError, match=r"--plot needs matplotlib: pip install 'afdc\[plot\]'"):
         require_matplotlib()
+
+
+def test_times_of_a_tiny_model_keep_their_digits():
+    """A tiny model's per-layer times are microseconds: they print as such, not as 0.00 ms."""
+    assert [format_ms(x) for x in (26.86, 3.356, 0.1, 0.0235, 0.0, 2e-4)] == [
+        "26.86 ms", "3.36 ms", "0.10 ms", "0.024 ms", "0.00 ms", "0.2 us"
+    ]

@@ -38,7 +38,10 @@ def body_of(op) -> Callable | None:
     """The function a Python custom op (``torch.library.custom_op``: afdc's, transformers' grouped
     matmul fallback) runs on every device, to call without the dispatcher's round trip back into
     Python (autograd, kernel selection, an aliasing check: a tenth of the demo model's MoE layer
-    on a CPU). None for other ops, and for one with a kernel of its own for some device."""
+    on a CPU). None for other ops, and for one with a kernel of its own for some device.
+    Called as its function, an op whose body writes into ``out=`` tensors (transformers' grouped
+    matmul) fails where grad is on and a weight requires it; the dispatcher ran it without
+    recording. Programs only run inference, so their eager code runs under ``torch.no_grad()``."""
     if type(op) is not torch._ops.OpOverload:
         return None
     opdef = custom_ops._maybe_get_opdef(op)

@@ -74,11 +74,17 @@ class StraightLine:
         return all(args[i].dtype == dtype for i, dtype in self.dtypes)
 
     def __call__(self, *args):
-        return self.fn(*args) if self._as_captured(args) else self.module(*args)
+        if not self._as_captured(args):
+            return self.module(*args)
+        if torch.is_grad_enabled():  # a custom op called as its function must not record (see body_of)
+            with torch.no_grad():
+                return self.fn(*args)
+        return self.fn(*args)
 
     def steps(self, *args) -> Generator[None, None, object] | None:
         """A generator that runs the program, pausing after each ``afdc::send``; its return value
-        is the program's. None where the program sends nothing or runs as its module (see above)."""
+        is the program's. None where the program sends nothing or runs as its module (see above).
+        Run it under ``torch.no_grad()``, as :meth:`__call__` runs the function."""
         return self.stepwise(*args) if self.stepwise is not None and self._as_captured(args) else None
 
 

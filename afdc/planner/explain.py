@@ -6,7 +6,7 @@ from __future__ import annotations
 from afdc.hardware import HardwareProfile
 from afdc.planner.deployment import Deployment, cut_link
 from afdc.planner.facts import ModelFacts
-from afdc.planner.result import PlanResult, format_bytes
+from afdc.planner.result import PlanResult, format_bytes, format_ms
 from afdc.planner.roofline import GB, Assumptions, ffn_gpus_needed, ffn_time, usable_memory
 
 
@@ -80,25 +80,25 @@ def _balance_reason(r: PlanResult, d: Deployment) -> str:
     on = f"on {d.ffn_gpus} {r.ffn_hw.name}"
     if bal.ratio is None and bal.ffn_read_ms > bal.attention_ms:
         return (
-            f"Balance: {on} reading {weights} alone takes {bal.ffn_read_ms:.2f} ms per micro-batch, more than"
-            f" attention's {bal.attention_ms:.2f} ms at any A:F; {here} is set by cost instead, where"
+            f"Balance: {on} reading {weights} alone takes {format_ms(bal.ffn_read_ms)} per micro-batch, more than"
+            f" attention's {format_ms(bal.attention_ms)} at any A:F; {here} is set by cost instead, where"
             f" {_ratio_limit(r, d)}."
         )
     if bal.ratio is None:
         return (
-            f"Balance: the FFN would keep up with attention ({bal.attention_ms:.2f} ms per micro-batch) up to"
+            f"Balance: the FFN would keep up with attention ({format_ms(bal.attention_ms)} per micro-batch) up to"
             f" {bal.compute_ratio:.0f}:1; {here} stops where {_ratio_limit(r, d)}."
         )
     if bal.read_bound:
         return (
-            f"Balance: {on} the FFN reads {weights} in about {bal.ffn_read_ms:.2f} ms per micro-batch whatever"
-            f" the token count, which matches attention's {bal.attention_ms:.2f} ms from A:F {bal.ratio:.2f}:1 up;"
+            f"Balance: {on} the FFN reads {weights} in about {format_ms(bal.ffn_read_ms)} per micro-batch whatever"
+            f" the token count, which matches attention's {format_ms(bal.attention_ms)} from A:F {bal.ratio:.2f}:1 up;"
             f" FFN compute alone would balance attention only at {bal.compute_ratio:.1f}:1. {here} stops where"
             f" {_ratio_limit(r, d)}."
         )
     chosen = d.attention_gpus / d.ffn_gpus
     head = (
-        f"Balance: A:F = {bal.ratio:.2f}:1 makes the FFN take as long as attention ({bal.attention_ms:.2f} ms per"
+        f"Balance: A:F = {bal.ratio:.2f}:1 makes the FFN take as long as attention ({format_ms(bal.attention_ms)} per"
         f" micro-batch)"
     )
     if abs(chosen / bal.ratio - 1) <= 0.25:
@@ -121,13 +121,13 @@ def _ffn_pool_reason(d: Deployment, facts: ModelFacts, hw_f: HardwareProfile, a:
 
 def _comm_reason(d: Deployment, link_bw: float) -> str:
     t = d.times_ms
-    round_trip = f"the round trip ({t.comm:.2f} ms over the {d.link} at {link_bw / GB:.0f} GB/s)"
+    round_trip = f"the round trip ({format_ms(t.comm)} over the {d.link} at {link_bw / GB:.0f} GB/s)"
     if d.micro_batches == 1:
         return f"Communication: a batch of one cannot be split into micro-batches, so {round_trip} adds to every step."
     if d.micro_batches >= d.micro_batches_needed:
         return (
             f"Communication: m = {d.micro_batches} micro-batches >= 2(1 + Tc/Tf) = {d.micro_batches_needed:.2f}"
-            f" (Tc {t.comm / 2:.2f} ms, Tf {t.ffn:.2f} ms per micro-batch, all layers) hide {round_trip}."
+            f" (Tc {format_ms(t.comm / 2)}, Tf {format_ms(t.ffn)} per micro-batch, all layers) hide {round_trip}."
         )
     return (
         f"Communication binds: 2(1 + Tc/Tf) = {d.micro_batches_needed:.1f} micro-batches would be needed to hide"
@@ -164,8 +164,8 @@ def _loss_reason(r: PlanResult, afd: Deployment, pool: str) -> str:
     t = afd.times_ms
     if afd.micro_batches < afd.micro_batches_needed and t.comm > 0.3 * (t.attention + t.ffn):
         return (
-            f"the attention-FFN round trip over the {afd.link} ({t.comm:.2f} ms per micro-batch) cannot be hidden"
-            f" behind {t.ffn:.2f} ms of FFN work; {pool}"
+            f"the attention-FFN round trip over the {afd.link} ({format_ms(t.comm)} per micro-batch) cannot be hidden"
+            f" behind {format_ms(t.ffn)} of FFN work; {pool}"
         )
     tokens, used = _ffn_utilization(r, afd)
     if used < 0.5:

@@ -92,6 +92,14 @@ def format_bytes(x: float) -> str:
     return f"{x / 1e3:.3g} kB"
 
 
+def format_ms(x: float) -> str:
+    """``x`` milliseconds, to two decimals, or to two significant digits below 0.1 ms (a tiny
+    model's FFN reads 0.00 ms otherwise) or in microseconds below 1 us."""
+    if x >= 0.1 or x == 0:
+        return f"{x:.2f} ms"
+    return f"{x:.2g} ms" if x >= 1e-3 else f"{x * 1e3:.2g} us"
+
+
 def render(r: PlanResult) -> str:
     """The plan as ``afdc plan`` prints it: what a token costs, each deployment, and why."""
     f, c = r.facts, r.facts.cost
@@ -143,8 +151,8 @@ def _deployment_lines(
         f"  batch per attention GPU   {d.batch_per_gpu} (memory allows {d.max_batch_memory}; bound by {d.batch_limit})",
         f"  micro-batches             {d.micro_batches}"
         + (f" (needs >= 2(1 + Tc/Tf) = {d.micro_batches_needed:.2f})" if d.kind == "afd" else ""),
-        f"  per micro-batch, all layers: attention {t.attention:.2f} ms, FFN {t.ffn:.2f} ms,"
-        f" transfer {t.to_ffn:.2f} + {t.to_attn:.2f} ms ({d.link})",
+        f"  per micro-batch, all layers: attention {format_ms(t.attention)}, FFN {format_ms(t.ffn)},"
+        f" transfer {format_ms(t.to_ffn)} + {format_ms(t.to_attn)} ({d.link})",
         f"  predicted TPOT            {d.tpot_ms:.1f} ms",
         f"  throughput                {d.tokens_per_gpu_s:.0f} tokens/GPU/s"
         f" ({d.tokens_per_s:.0f} tokens/s on {d.gpus} GPUs)",
