@@ -269,6 +269,18 @@ def _served(art: Path, dm, connector: str, buckets: int, backend: str, ids, mask
             dm.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False), expected)
         out["served_per_token_ms"] = per_token(
             lambda k: dm.generate(ids, attention_mask=mask, max_new_tokens=k, do_sample=False), 16, 3)
+        # two micro-batches ping-pong, each on a CUDA stream of its own: in turns in one thread under
+        # the eager backend, a thread each under the compiled ones (docs/runtime.md)
+        micro_batches, dm.micro_batches = dm.micro_batches, 2
+        try:
+            out["served_m2_greedy_equal"] = torch.equal(
+                dm.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False), expected)
+            out["served_m2_per_token_ms"] = per_token(
+                lambda k: dm.generate(ids, attention_mask=mask, max_new_tokens=k, do_sample=False), 16, 3)
+        except Exception as err:  # keep the m = 1 numbers above
+            out["served_m2_error"] = f"{type(err).__name__}: {err}"
+        finally:
+            dm.micro_batches = micro_batches
         out["metrics"] = dm.metrics()
     finally:
         dm.disconnect()
