@@ -119,8 +119,8 @@ class AttentionRank:
             self.endpoint.announce(step, [b.input_ids.numel() for b in batches])
         runs = self._stepwise(batches)
         # the waits of the only thread of the process that computes may poll without sleeping
-        alone = not self.beside and (runs is not None or len(batches) == 1)
-        alone = alone and not isinstance(self.program, TensorParallelAttention)
+        alone = not self.beside and not isinstance(self.program, TensorParallelAttention)
+        alone = alone and (runs is not None or len(batches) == 1)
         links = [self._link(step, mb, batch, alone) for mb, batch in enumerate(batches)]
         streams = self._streams_for(batches)
 
@@ -160,12 +160,7 @@ class AttentionRank:
         if self.endpoint is None or len(batches) == 1 or not isinstance(self.program, AttentionProgram):
             return None
         runs = [self.program.body_steps(b.input_ids, b.attention_mask, b.position_ids) for b in batches]
-        if any(r is None for r in runs):
-            for r in runs:
-                if r is not None:
-                    r.close()
-            return None
-        return runs
+        return None if any(r is None for r in runs) else runs  # an unstarted generator needs no closing
 
     def _streams_for(self, batches: list[MicroBatch]) -> list[torch.cuda.Stream]:
         """On a GPU, a CUDA stream per micro-batch, each after the work queued so far: a transport

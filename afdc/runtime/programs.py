@@ -110,8 +110,8 @@ class AttentionProgram(torch.nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> Generator[None, None, tuple] | None:
         """:meth:`body` as a generator that pauses after each send to the FFN side (its return
-        value is the body's outputs), where the backend's code can pause; else None. Each resume
-        runs with :meth:`active` entered, as :meth:`body` runs."""
+        value is the body's outputs), where the backend's code can pause; else None. The caller
+        enters :meth:`active` around the resumes, as :meth:`body` does around its call."""
         return self._staged().body.steps(input_ids, attention_mask, position_ids)
 
     def active(self) -> contextlib.AbstractContextManager:
