@@ -27,6 +27,7 @@ from afdc.passes.fuse_activation import fuse_activations
 from afdc.passes.fuse_moe import fuse_moe, fuse_shared_experts
 from afdc.passes.fuse_norms import fuse_norms
 from afdc.passes.fusion import FusionReport, copy_graph
+from afdc.passes.piecewise import pauses_after_piece, split_at_sends
 from afdc.passes.straight_line import straight_line
 from afdc.plan import BACKENDS
 
@@ -79,7 +80,9 @@ def annotate(module: fx.GraphModule, args: tuple) -> None:
 
 def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tuple = ()) -> Callable:
     """What runs ``module`` under ``backend`` (already resolved), first called with ``args``;
-    ``module`` itself is unchanged."""
+    ``module`` itself is unchanged. Inductor compiles a program that sends to the FFN side in
+    pieces cut at its sends (:mod:`afdc.passes.piecewise`): its code pauses after each send, as
+    the eager backend's does."""
     if backend == "eager":
         return straight_line(module) or module
     if backend == "afdc":
@@ -97,7 +100,14 @@ def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tup
         # under --attn-tp the attention program runs afdc's kernels without Inductor.
         logger.info("%s: attention TP: not compiled by Inductor", name)
         return straight_line(module) or module
-    return Compiled(module)
+    split = split_at_sends(module)
+    if split is None:
+        return Compiled(module)
+    parent, pieces = split
+    for piece in pieces:
+        piece.run = Compiled(piece.module)
+    logger.info("%s: cut at its sends into %d pieces, each compiled by Inductor", name, len(pieces))
+    return straight_line(parent, pause_after=pauses_after_piece) or parent
 
 
 class Compiled:

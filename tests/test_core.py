@@ -20,6 +20,7 @@ from afdc.ops.attention import attention_body
 from afdc.partition.mincut import FlowGraph
 from afdc.passes.graph_facts import op_name
 from afdc.passes.lm_head import split_head
+from afdc.passes.piecewise import pauses_after_piece, split_at_sends
 from afdc.passes.straight_line import straight_line
 from afdc.runtime import connector as connectors
 from afdc.runtime.model import positions_from_mask
@@ -173,6 +174,19 @@ def test_eager_backend_runs_straight_line_code_written_from_the_graph(moe):
     assert graph.find_nodes(op="call_function", target=torch.ops.afdc.attention.default)
 
 
+def _stepped(run, link) -> tuple[object, int]:
+    """What generator ``run`` returns, and how often it paused, each pause right after a send."""
+    pauses = 0
+    with connectors.active(link):
+        while True:
+            try:
+                next(run)
+            except StopIteration as stop:
+                return stop.value, pauses
+            pauses += 1
+            assert len(link._pending) == 1  # paused right after a send, before its recv
+
+
 def test_straight_line_pauses_after_each_send_in_its_generator_form(moe):
     """The generator form runs the same code, pausing once after each send to the FFN side (so one
     thread can interleave micro-batches) and returning what the function returns."""
@@ -185,23 +199,39 @@ def test_straight_line_pauses_after_each_send_in_its_generator_form(moe):
         with connectors.active(connectors.LoopbackConnector(ffn)):
             whole = body(ids, mask, pos)
         link = connectors.LoopbackConnector(ffn)
-        run = dm.attention.body_steps(ids, mask, pos)
-        pauses = 0
-        with connectors.active(link):
-            while True:
-                try:
-                    next(run)
-                except StopIteration as stop:
-                    stepped = stop.value
-                    break
-                pauses += 1
-                assert len(link._pending) == 1  # paused right after a send, before its recv
+        stepped, pauses = _stepped(dm.attention.body_steps(ids, mask, pos), link)
     assert pauses == len(dm.ffn.layers) == link.traffic.messages // 2
     assert all(torch.equal(a, b) for a, b in zip(whole, stepped, strict=True))
     # a program that sends nothing has no generator form
     graph = fx.Graph()
     graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (graph.placeholder("x"), 2)),))
     assert straight_line(fx.GraphModule(torch.nn.Module(), graph)).steps(torch.ones(2)) is None
+
+
+def test_a_program_cut_at_its_sends_runs_piece_by_piece(moe):
+    """The cut a compiled program gets (:mod:`afdc.passes.piecewise`): one piece per FFN layer
+    ending in its send, then the rest; each weight read inside the piece that uses it; run in
+    turn by a parent that pauses after each send, the same outputs as the program."""
+    model, dm = moe
+    ids, mask = demo_batch(model.config.vocab_size)
+    pos = positions_from_mask(mask)
+    body = dm.attention._staged().body.module
+    parent, pieces = split_at_sends(body)
+    layers = len(dm.ffn.layers)
+    assert [p.sends for p in pieces] == [True] * layers + [False]
+    weights = {n.target for n in body.graph.find_nodes(op="get_attr")}
+    assert {n.target for p in pieces for n in p.module.graph.find_nodes(op="get_attr")} == weights
+    assert not parent.graph.find_nodes(op="get_attr")  # no weight crosses a cut
+    ffn = functools.partial(combine, dm.ffn_ranks)
+    with torch.no_grad():
+        with connectors.active(connectors.LoopbackConnector(ffn)):
+            whole = body(ids, mask, pos)
+        link = connectors.LoopbackConnector(ffn)
+        run = straight_line(parent, pause_after=pauses_after_piece).steps(ids, mask, pos)
+        stepped, pauses = _stepped(run, link)
+    assert pauses == layers
+    assert all(torch.equal(a, b) for a, b in zip(whole, stepped, strict=True))
+    assert split_at_sends(dm.attention._staged().head.module) is None  # nothing to cut
 
 
 def _twice(x: torch.Tensor) -> torch.Tensor:

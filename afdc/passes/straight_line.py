@@ -88,9 +88,14 @@ class StraightLine:
         return self.stepwise(*args) if self.stepwise is not None and self._as_captured(args) else None
 
 
-def straight_line(module: fx.GraphModule) -> StraightLine | None:
+def sends(node: fx.Node) -> bool:
+    return node.target is SendCall.OP
+
+
+def straight_line(module: fx.GraphModule, pause_after: Callable[[fx.Node], bool] = sends) -> StraightLine | None:
     """``module``'s graph as one function, or None for a graph this does not write out (its own
-    calling convention, submodule or method calls): that one runs as the module itself."""
+    calling convention, submodule or method calls): that one runs as the module itself. Its
+    generator form pauses after each node ``pause_after`` names (each send to the FFN side)."""
     graph = module.graph
     if type(graph._codegen) is not fx.graph.CodeGen or any(
         n.op not in _NODE_KINDS or (n.op == "placeholder" and (n.args or n.target.startswith("*")))
@@ -108,7 +113,7 @@ def straight_line(module: fx.GraphModule) -> StraightLine | None:
                 graph.erase_node(node)
                 dropped = True
     dtypes = [(i, n.meta["val"].dtype) for i, n in enumerate(inputs) if isinstance(n.meta.get("val"), torch.Tensor)]
-    return _Writer(module, graph).write(dtypes if dropped else [])
+    return _Writer(module, graph, pause_after).write(dtypes if dropped else [])
 
 
 def _uncast(node: fx.Node) -> fx.Node | None:
@@ -128,9 +133,10 @@ def _uncast(node: fx.Node) -> fx.Node | None:
 
 
 class _Writer:
-    def __init__(self, module: fx.GraphModule, graph: fx.Graph):
+    def __init__(self, module: fx.GraphModule, graph: fx.Graph, pause_after: Callable[[fx.Node], bool]):
         self.module = module
         self.graph = graph
+        self.pause_after = pause_after
         self.globals: dict[str, object] = {}
         self._global_of: dict[int, str] = {}
         locals_ = (n.name for n in graph.nodes if n.op != "get_attr")
@@ -213,7 +219,7 @@ class _Writer:
             elif node.op == "call_function":
                 self.names[node] = node.name
                 lines.append(f"{node.name} = {self.call(node)}" if node.users else self.call(node))
-                if node.target is SendCall.OP:
+                if self.pause_after(node):
                     pauses.append(len(lines))
             else:
                 lines.append(f"return {self.fmt(node.args[0])}")
