@@ -49,7 +49,8 @@ class _Lowered:
 
     def steps(self, *args) -> Generator[None, None, tuple] | None:
         """The run as a generator that pauses after each send to the FFN side, where the lowered
-        code can pause (the ``eager`` backend's straight-line code); else None."""
+        code can pause (straight-line code: the ``eager`` backend's, or the one calling Inductor's
+        pieces of a program cut at its sends); else None."""
         run = self._lowered(args)
         return run.steps(*args) if isinstance(run, StraightLine) else None
 
