@@ -20,7 +20,7 @@ state blocks) against ``qwen3_moe`` of the same size, to see what the mixers cos
 Each setup runs once per round (``--rounds``), the setups taking turns; the table gives medians.
 
 Run:  python benchmarks/bench_serve.py [--requests 64] [--concurrency 16] [--tokens 32] [--threads 1] [--model demo]
-      [--rounds 3]
+      [--rounds 3] [--backend inductor]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _one(client, model: str, prompt: list[int], tokens: int) -> tuple[float, int
 
 def measure(artifact: Path, connector: str, micro_batches: int, args) -> dict:
     settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}",
-                              micro_batches=micro_batches)
+                              micro_batches=micro_batches, backend=args.backend)
     logs = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
     d = Deployment(artifact, settings, port=free_port(), log_dir=logs,
                    vllm_args=("--max-model-len", "256", "--max-num-seqs", str(args.concurrency)))
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of every process (via OMP_NUM_THREADS)")
     ap.add_argument("--model", default="demo", help="'demo', or a model_type of models_supported.catalog")
     ap.add_argument("--rounds", type=int, default=3, help="rounds in which every setup runs once; medians reported")
+    ap.add_argument("--backend", default=None, help="what runs the programs (default: the artifact's, auto)")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the spawned processes' torch
     torch.set_num_threads(args.threads)
@@ -116,8 +117,8 @@ def main() -> None:
     rows = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
     base = rows["monolithic"]
     print(f"{args.model} model, {args.requests} requests x {args.tokens} tokens, {args.concurrency} in flight, "
-          f"prompt {args.prompt} tokens, CPU ({args.threads} torch thread(s) per process, load average "
-          f"{os.getloadavg()[0]:.2f}), medians of {args.rounds} round(s)")
+          f"prompt {args.prompt} tokens, backend {args.backend or 'auto'}, CPU ({args.threads} torch thread(s) per "
+          f"process, load average {os.getloadavg()[0]:.2f}), medians of {args.rounds} round(s)")
     if args.rounds > 1:
         for name, rs in runs.items():
             p50 = ", ".join(f"{r['tpot_p50_ms']:.1f}" for r in rs)
