@@ -138,17 +138,22 @@ def test_completions_and_chat_equal_afdc_generate(models, tmp_path, kind, plan, 
             assert log.count("POST /v1/completions") > 0, f"attention rank {rank} got no request"
 
 
-def test_afdc_backend_and_expert_routing_under_vllm(models, tmp_path):
+def test_afdc_backend_and_expert_routing_under_vllm(models, tmp_path, monkeypatch):
     """The GPU default path on this CPU: every program lowered by the afdc backend (kernels in
     Triton's interpreter, Inductor for the rest) in the vLLM worker and the FFN servers, with the
     router on the attention side so each token goes only to its experts' FFN ranks; the tokens are
-    those of the eager runtime."""
+    those of the eager runtime. The worker compiles its programs for every step shape before it
+    serves: no request's step (prefills, then decode steps of one token) recompiles."""
+    monkeypatch.setenv("TORCH_LOGS", "recompiles")  # Dynamo logs each recompile, in every role's log
     artifact = _artifact(models, "moe", "1A2F", router="attn")
     assert read_manifest(artifact).segments[0].routing is not None
     with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",), backend="afdc") as (client, _):
         ref = _reference(artifact, PROMPTS[:2])
         assert [_complete(client, p) for p in PROMPTS[:2]] == ref
-    assert "micro-batches, backend afdc, FFN over shm" in (tmp_path / "attn-0.log").read_text()
+    log = (tmp_path / "attn-0.log").read_text()
+    assert "micro-batches, backend afdc, FFN over shm" in log
+    before, warmed, serving = log.partition("programs compiled for every step shape before serving")
+    assert warmed and "Recompiling" in before and "Recompiling" not in serving
     for rank in range(2):  # each FFN server lowered its segment with afdc's fused MoE in it
         assert "FFN segment 0: {'fused_moe': 1} afdc kernels" in (tmp_path / f"ffn-{rank}.log").read_text()
 
