@@ -27,9 +27,9 @@ from afdc.ops import SendCall
 
 @dataclass(eq=False)
 class Piece:
-    """One piece: called with the values it reads, in :attr:`reads` order, it returns the tuple
-    of values later pieces read. ``run`` is what runs :attr:`module` (the module itself until
-    the lowering sets its compiled form)."""
+    """One piece: called with the values it reads from outside it (as its module's placeholders
+    name them), it returns the tuple of its values that later pieces or the output read. ``run``
+    is what runs :attr:`module`: the module itself until the lowering sets its compiled form."""
 
     module: fx.GraphModule
     sends: bool  # ends in a send: the parent may pause after it
@@ -79,7 +79,7 @@ def split_at_sends(module: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece]]
             env[value] = parent.call_function(operator.getitem, (call, j), name=value.name)
             env[value].meta = dict(value.meta)
         pieces.append(piece)
-    parent.output(fx.map_arg(graph.output_node().args[0], lambda v: env.get(v) or parent.get_attr(v.target)))
+    parent.output(fx.map_arg(graph.output_node().args[0], lambda v: env[v] if v in env else parent.get_attr(v.target)))
     return fx.GraphModule(module, parent), pieces
 
 

@@ -89,6 +89,7 @@ class StraightLine:
 
 
 def sends(node: fx.Node) -> bool:
+    """Whether ``node`` sends to the FFN side (where the generator form pauses by default)."""
     return node.target is SendCall.OP
 
 
