@@ -275,6 +275,8 @@ def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
     ]
     for lr, binding in zip(layers_report, part.layers):
         lr.ffn_split = segments[binding.segment].describe()
+        lr.ranks_per_token = segments[binding.segment].dispatch().ranks_per_token(plan.ffn_ranks)
+        lr.routed = segments[binding.segment].routing is not None
 
     attention_params = {n.target for n in part.attention_graph.nodes if n.op == "get_attr"} & params
     attention_graph, attention_splits = part.attention_graph, {}

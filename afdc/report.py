@@ -34,6 +34,8 @@ class LayerReport:
     to_attn: list[Crossing]
     ffn_parameters: int
     ffn_split: str = "replicated"  # how the FFN ranks share the layer: "ep", "tp" or "replicated"
+    ranks_per_token: int = 1  # FFN ranks each token goes to and comes back from under the plan
+    routed: bool = False  # only to its experts' ranks: ranks_per_token bounds it, as does top_k
 
     @property
     def bytes_to_ffn(self) -> float:
@@ -42,6 +44,16 @@ class LayerReport:
     @property
     def bytes_to_attn(self) -> float:
         return sum(c.bytes_per_token for c in self.to_attn)
+
+    @property
+    def fan_out(self) -> int:
+        """FFN ranks a token goes to and comes back from; routed, the most it can."""
+        return min(self.ranks_per_token, self.top_k) if self.routed and self.top_k else self.ranks_per_token
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes per token on the wire both ways, each copy to and from every rank counted."""
+        return (self.bytes_to_ffn + self.bytes_to_attn) * self.fan_out
 
 
 @dataclass(kw_only=True)
@@ -78,11 +90,18 @@ class Report:
     def bytes_to_attn(self) -> float:
         return sum(layer.bytes_to_attn for layer in self.layers)
 
+    @property
+    def wire_bytes(self) -> float:
+        return sum(layer.wire_bytes for layer in self.layers)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["mixer_state_bytes_per_sequence"] = self.mixer_state_bytes
         d["bytes_per_token_to_ffn"] = self.bytes_to_ffn
         d["bytes_per_token_to_attn"] = self.bytes_to_attn
+        d["wire_bytes_per_token"] = self.wire_bytes
+        for layer, out in zip(self.layers, d["layers"]):
+            out["wire_bytes_per_token"] = layer.wire_bytes
         return d
 
     def to_json(self) -> str:
@@ -115,18 +134,23 @@ class Report:
             f"FFN side:       {self.ffn_parameters:,} parameters in {len(self.layers)} layers, "
             f"{self.segment_graphs} distinct segment graph(s)",
             "",
-            f"{'layer':>5}  {'module':<28} {'ffn':<19} {'to FFN (per token)':<26} {'to attn':<20} {'B/tok':>8}",
+            f"{'layer':>5}  {'module':<28} {'ffn':<19} {'to FFN (per token)':<26} {'to attn':<20} {'B/tok':>8}"
+            f" {'ranks':>6} {'wire B/tok':>11}",
         ]
         for r in self.layers:
             kind = f"moe {r.experts}e top-{r.top_k or '?'}" if r.kind == "moe" else "dense"
             if r.ffn_split != "replicated":
                 kind += f" {r.ffn_split}"  # how the FFN ranks split it
+            ranks = f"{'<=' if r.routed else ''}{r.fan_out}"
             lines.append(
                 f"{r.index:>5}  {r.module[-28:]:<28} {kind:<19} {crossings(r.to_ffn):<26} "
-                f"{crossings(r.to_attn):<20} {r.bytes_to_ffn + r.bytes_to_attn:>8.0f}"
+                f"{crossings(r.to_attn):<20} {r.bytes_to_ffn + r.bytes_to_attn:>8.0f} {ranks:>6} {r.wire_bytes:>11.0f}"
             )
+        routed = any(r.routed for r in self.layers)
         lines.append(
-            f"total bytes per token: {self.bytes_to_ffn:,.0f} to FFN, {self.bytes_to_attn:,.0f} to attention"
+            f"total bytes per token: {self.bytes_to_ffn:,.0f} to FFN, {self.bytes_to_attn:,.0f} to attention; "
+            f"{'at most ' if routed else ''}{self.wire_bytes:,.0f} on the wire (to and from each of a token's "
+            "FFN ranks)"
         )
         return "\n".join(lines)
 

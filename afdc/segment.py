@@ -298,6 +298,13 @@ class Dispatch:
             return [Share(0, 0, tokens)]
         return [Share(r, 0, tokens) for r in range(ranks)]
 
+    def ranks_per_token(self, ranks: int) -> int:
+        """How many of ``ranks`` FFN ranks a token goes to and gets a reply from, as
+        :meth:`shares` sends it (with ``experts``: the most it can, every rank)."""
+        if self.experts is None and (self.by_rows or all(how == "first" for how in self.reduce)):
+            return 1
+        return ranks
+
     def take(self, inputs: list[torch.Tensor], share: Share, tokens: int) -> list[torch.Tensor]:
         """The inputs ``share`` gets out of a message of ``tokens`` tokens."""
         if not self.partial_rows:

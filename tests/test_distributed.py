@@ -223,6 +223,31 @@ def test_transports_give_the_same_logits(reference):
         torch.testing.assert_close(remote[mask.bool()], local[mask.bool()], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "options", "fan_out"),
+    [
+        ("qwen3_moe", {}, "2"),  # expert-parallel, router on the FFN side: every token to both ranks
+        ("llama", {}, "2"),  # dense TP: every token to both ranks, partial sums back
+        ("llama", {"dense_ffn": "replicate"}, "1"),  # each rank serves its share of the tokens
+        ("qwen3_moe", {"router": "attn"}, "<=2"),  # each token only to its experts' ranks
+    ],
+)
+def test_wire_bytes_in_the_report_are_what_crosses(reference, model_type, options, fan_out):
+    """The report's bytes on the wire per token (each copy to and from every FFN rank a token goes
+    to) are what the exchange moves over shm, within the bound where the router decides."""
+    model, ids, mask, _ = reference(model_type)
+    dm = afdc.disaggregate(model, "1A2F", connector="shm", **options)
+    report = dm.report()
+    assert {f"{'<=' if r.routed else ''}{r.fan_out}" for r in report.layers} == {fan_out}
+    with dm.launch(timeout=60):
+        dm(ids, attention_mask=mask)
+    crossed = dm.last_traffic.to_ffn_bytes + dm.last_traffic.to_attn_bytes
+    if fan_out.startswith("<="):
+        assert (report.bytes_to_ffn + report.bytes_to_attn) * ids.numel() <= crossed <= report.wire_bytes * ids.numel()
+    else:
+        assert crossed == report.wire_bytes * ids.numel()
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_micro_batches_ping_pong_in_one_thread(reference, backend):
     """Over FFN servers, a step's micro-batches take turns in the caller's thread: micro-batch 1
