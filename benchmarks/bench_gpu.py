@@ -269,8 +269,8 @@ def _served(art: Path, dm, connector: str, buckets: int, backend: str, ids, mask
             dm.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False), expected)
         out["served_per_token_ms"] = per_token(
             lambda k: dm.generate(ids, attention_mask=mask, max_new_tokens=k, do_sample=False), 16, 3)
-        # two micro-batches ping-pong, each on a CUDA stream of its own: in turns in one thread under
-        # the eager backend, a thread each under the compiled ones (docs/runtime.md)
+        # two micro-batches ping-pong, each on a CUDA stream of its own, in turns in one thread (the
+        # compiled backends' attention program in pieces cut at its sends, docs/runtime.md)
         micro_batches, dm.micro_batches = dm.micro_batches, 2
         try:
             out["served_m2_greedy_equal"] = torch.equal(
