@@ -28,7 +28,7 @@ from afdc.passes.fuse_moe import fuse_moe, fuse_shared_experts
 from afdc.passes.fuse_norms import fuse_norms
 from afdc.passes.fusion import FusionReport, copy_graph
 from afdc.passes.piecewise import pauses_after_piece, split_at_sends
-from afdc.passes.straight_line import straight_line
+from afdc.passes.straight_line import StraightLine, straight_line
 from afdc.plan import BACKENDS
 
 logger = logging.getLogger("afdc.backend")
@@ -80,34 +80,57 @@ def annotate(module: fx.GraphModule, args: tuple) -> None:
 
 def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tuple = ()) -> Callable:
     """What runs ``module`` under ``backend`` (already resolved), first called with ``args``;
-    ``module`` itself is unchanged. Inductor compiles a program that sends to the FFN side in
-    pieces cut at its sends (:mod:`afdc.passes.piecewise`): its code pauses after each send, as
-    the eager backend's does."""
+    ``module`` itself is unchanged."""
     if backend == "eager":
         return straight_line(module) or module
-    if backend == "afdc":
-        with SOURCE_LOCK:  # FX compiles the graph's code, maybe in a TP rank's thread (see SOURCE_LOCK)
-            module = copy_module(module)
-            if any("val" not in n.meta for n in module.graph.find_nodes(op="placeholder")):
-                annotate(module, args)
-            report = substitute_kernels(module.graph)
-            module.recompile()
-        logger.info("afdc backend: %s: %s afdc kernels, %d candidates left to Inductor",
-                    name, report.fused or "no", len(report.skipped))
-    if module.graph.find_nodes(op="call_function", target=torch.ops.afdc.tp_all_reduce.default):
+    module = _with_kernels(module, backend, name, args)
+    if _tensor_parallel(module):
         # A TP rank of an attention rank runs in a thread that meets the others in collectives;
         # Dynamo compiling such threads stalled them past the group's timeout (not solved), so
         # under --attn-tp the attention program runs afdc's kernels without Inductor.
         logger.info("%s: attention TP: not compiled by Inductor", name)
         return straight_line(module) or module
-    split = split_at_sends(module)
-    if split is None:
-        return Compiled(module)
-    parent, pieces = split
+    return Compiled(module)
+
+
+def lower_in_pieces(
+    module: fx.GraphModule, backend: str, name: str = "program", args: tuple = ()
+) -> StraightLine | None:
+    """What runs ``module`` under a compiling ``backend`` so that it can pause after each send:
+    Inductor's pieces of it cut at its sends (:mod:`afdc.passes.piecewise`), called by
+    straight-line code. None where :func:`lower`'s code pauses already (``eager``, attention TP)
+    or the program sends nothing. Only the micro-batches' interleave asks for it: each piece
+    call costs Dynamo's guards and AOT wrappers (about 110 us on this CPU; a 12-layer program
+    decoded 20% slower in pieces than whole), which a single call need not pay."""
+    if backend == "eager" or split_at_sends(module) is None:
+        return None
+    module = _with_kernels(module, backend, name, args)
+    if _tensor_parallel(module):
+        return None
+    parent, pieces = split_at_sends(module)
     for piece in pieces:
         piece.run = Compiled(piece.module)
     logger.info("%s: cut at its sends into %d pieces, each compiled by Inductor", name, len(pieces))
-    return straight_line(parent, pause_after=pauses_after_piece) or parent
+    return straight_line(parent, pause_after=pauses_after_piece)
+
+
+def _with_kernels(module: fx.GraphModule, backend: str, name: str, args: tuple) -> fx.GraphModule:
+    """Under ``afdc``, a copy of ``module`` with afdc's kernels substituted; else ``module``."""
+    if backend != "afdc":
+        return module
+    with SOURCE_LOCK:  # FX compiles the graph's code, maybe in a TP rank's thread (see SOURCE_LOCK)
+        module = copy_module(module)
+        if any("val" not in n.meta for n in module.graph.find_nodes(op="placeholder")):
+            annotate(module, args)
+        report = substitute_kernels(module.graph)
+        module.recompile()
+    logger.info("afdc backend: %s: %s afdc kernels, %d candidates left to Inductor",
+                name, report.fused or "no", len(report.skipped))
+    return module
+
+
+def _tensor_parallel(module: fx.GraphModule) -> bool:
+    return bool(module.graph.find_nodes(op="call_function", target=torch.ops.afdc.tp_all_reduce.default))
 
 
 class Compiled:

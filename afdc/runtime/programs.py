@@ -31,11 +31,13 @@ class _Lowered:
         self.name = name
         self.backend = "eager"
         self._run: Callable | None = None
+        self._pieces: StraightLine | bool | None = False  # lowering.lower_in_pieces (False: not yet)
         self._lock = threading.Lock()
 
     def use(self, backend: str, device: torch.device) -> None:
         self.backend = lowering.resolve(backend, device)
         self._run = None
+        self._pieces = False
 
     def _lowered(self, args: tuple) -> Callable:
         if self._run is None:
@@ -48,11 +50,18 @@ class _Lowered:
         return self._lowered(args)(*args)
 
     def steps(self, *args) -> Generator[None, None, tuple] | None:
-        """The run as a generator that pauses after each send to the FFN side, where the lowered
-        code can pause (straight-line code: the ``eager`` backend's, or the one calling Inductor's
-        pieces of a program cut at its sends); else None."""
+        """The run as a generator that pauses after each send to the FFN side, where its code can
+        pause (straight-line code: the ``eager`` backend's, or under a compiling backend the code
+        calling Inductor's pieces of the program cut at its sends, lowered at the first call of
+        this); else None."""
         run = self._lowered(args)
-        return run.steps(*args) if isinstance(run, StraightLine) else None
+        if not isinstance(run, StraightLine):
+            if self._pieces is False:
+                with self._lock:
+                    if self._pieces is False:
+                        self._pieces = lowering.lower_in_pieces(self.module, self.backend, self.name, args)
+            run = self._pieces
+        return run.steps(*args) if run is not None else None
 
     def __getstate__(self):
         return {"module": self.module, "name": self.name, "backend": self.backend}
