@@ -78,12 +78,11 @@ def annotate(module: fx.GraphModule, args: tuple) -> None:
         FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes)
 
 
-def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tuple = ()) -> Callable:
-    """What runs ``module`` under ``backend`` (already resolved), first called with ``args``;
+def lower(module: fx.GraphModule, backend: str, name: str = "program") -> Callable:
+    """What runs ``module`` (given :func:`with_kernels`) under ``backend`` (already resolved);
     ``module`` itself is unchanged."""
     if backend == "eager":
         return straight_line(module) or module
-    module = _with_kernels(module, backend, name, args)
     if _tensor_parallel(module):
         # A TP rank of an attention rank runs in a thread that meets the others in collectives;
         # Dynamo compiling such threads stalled them past the group's timeout (not solved), so
@@ -93,29 +92,29 @@ def lower(module: fx.GraphModule, backend: str, name: str = "program", args: tup
     return Compiled(module)
 
 
-def lower_in_pieces(
-    module: fx.GraphModule, backend: str, name: str = "program", args: tuple = ()
-) -> StraightLine | None:
-    """What runs ``module`` under a compiling ``backend`` so that it can pause after each send:
-    Inductor's pieces of it cut at its sends (:mod:`afdc.passes.piecewise`), called by
-    straight-line code. None where :func:`lower`'s code pauses already (``eager``, attention TP)
-    or the program sends nothing. Only the micro-batches' interleave asks for it: each piece
-    call costs Dynamo's guards and AOT wrappers (about 110 us on this CPU; a 12-layer program
-    decoded 20% slower in pieces than whole), which a single call need not pay."""
-    if backend == "eager" or split_at_sends(module) is None:
+def lower_in_pieces(module: fx.GraphModule, backend: str, name: str = "program") -> StraightLine | None:
+    """What runs ``module`` (given :func:`with_kernels`) under a compiling ``backend`` so that it
+    can pause after each send: Inductor's pieces of it cut at its sends
+    (:mod:`afdc.passes.piecewise`), called by straight-line code. None where :func:`lower`'s code
+    pauses already (``eager``, attention TP) or the program sends nothing. Only the micro-batches'
+    interleave asks for it: each piece call costs Dynamo's guards and AOT wrappers (about 110 us
+    on this CPU; a 12-layer program decoded 20% slower in pieces than whole), which a single call
+    need not pay."""
+    if backend == "eager" or _tensor_parallel(module):
         return None
-    module = _with_kernels(module, backend, name, args)
-    if _tensor_parallel(module):
+    split = split_at_sends(module)
+    if split is None:
         return None
-    parent, pieces = split_at_sends(module)
+    parent, pieces = split
     for piece in pieces:
         piece.run = Compiled(piece.module)
     logger.info("%s: cut at its sends into %d pieces, each compiled by Inductor", name, len(pieces))
     return straight_line(parent, pause_after=pauses_after_piece)
 
 
-def _with_kernels(module: fx.GraphModule, backend: str, name: str, args: tuple) -> fx.GraphModule:
-    """Under ``afdc``, a copy of ``module`` with afdc's kernels substituted; else ``module``."""
+def with_kernels(module: fx.GraphModule, backend: str, name: str = "program", args: tuple = ()) -> fx.GraphModule:
+    """What :func:`lower` and :func:`lower_in_pieces` take for ``module``, first called with
+    ``args``: under ``afdc``, a copy of it with afdc's kernels substituted; else ``module``."""
     if backend != "afdc":
         return module
     with SOURCE_LOCK:  # FX compiles the graph's code, maybe in a TP rank's thread (see SOURCE_LOCK)

@@ -30,20 +30,27 @@ class _Lowered:
         self.module = module
         self.name = name
         self.backend = "eager"
+        self._kernels: fx.GraphModule | None = None  # lowering.with_kernels, shared by both lowerings
         self._run: Callable | None = None
         self._pieces: StraightLine | bool | None = False  # lowering.lower_in_pieces (False: not yet)
         self._lock = threading.Lock()
 
     def use(self, backend: str, device: torch.device) -> None:
         self.backend = lowering.resolve(backend, device)
-        self._run = None
+        self._kernels = self._run = None
         self._pieces = False
+
+    def _with_kernels(self, args: tuple) -> fx.GraphModule:
+        """``module`` as both lowerings take it (called under the lock)."""
+        if self._kernels is None:
+            self._kernels = lowering.with_kernels(self.module, self.backend, self.name, args)
+        return self._kernels
 
     def _lowered(self, args: tuple) -> Callable:
         if self._run is None:
             with self._lock:
                 if self._run is None:
-                    self._run = lowering.lower(self.module, self.backend, self.name, args)
+                    self._run = lowering.lower(self._with_kernels(args), self.backend, self.name)
         return self._run
 
     def __call__(self, *args):
@@ -59,7 +66,7 @@ class _Lowered:
             if self._pieces is False:
                 with self._lock:
                     if self._pieces is False:
-                        self._pieces = lowering.lower_in_pieces(self.module, self.backend, self.name, args)
+                        self._pieces = lowering.lower_in_pieces(self._with_kernels(args), self.backend, self.name)
             run = self._pieces
         return run.steps(*args) if run is not None else None
 
