@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -15,37 +15,25 @@ import torch.utils._pytree as pytree
 from transformers import PreTrainedModel
 
 from afdc import capture as capture_mod
-from afdc import segment
 from afdc.capture import CapturedGraph
 from afdc.errors import PlanError, UnsupportedModelError
 from afdc.mixer import MixerSite
 from afdc.ops import AttentionCall
 from afdc.partition.attention_tp import shard_attention
-from afdc.partition.cut import Cut, RouterPlacement, select_cuts
-from afdc.partition.shard import (
-    FFNParallel,
-    PartialSumsMeetNonLinearOps,
-    ShardedSegment,
-    data_parallel,
-    shard_segment,
-    single_rank,
-)
-from afdc.partition.split import Partition, partition
-from afdc.passes import graph_facts as gf
+from afdc.partition.policy import Placement, check_attention_tp, initial_cuts, place_ffn
 from afdc.passes.aliasing import split_writes
 from afdc.passes.classify import Classification, classify
 from afdc.passes.cleanup import drop_sentinel_masks, strip_assertions
-from afdc.passes.expert_routing import expert_routing, owner_mask
-from afdc.passes.fusion import copy_graph
+from afdc.passes.matching import copy_graph
 from afdc.passes.portable import portable
 from afdc.plan import TORCH_DTYPES, Plan
-from afdc.report import LayerReport, Report, kv_bytes_per_token, layer_report
+from afdc.report import Report, kv_bytes_per_token
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.mixers import Mixers
-from afdc.runtime.model import DefaultPositions, DisaggregatedModel
+from afdc.runtime.model import DefaultPositions, DisaggregatedModel, ModelTraits
 from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.tensor_parallel import TensorParallelAttention
-from afdc.segment import ExpertRouting, Segment, SegmentBinding, Split, row_major
+from afdc.segment import Segment, SegmentBinding, Split
 
 
 @dataclass(kw_only=True)
@@ -111,206 +99,80 @@ def _classify(captured: CapturedGraph) -> Classification:
     return classification
 
 
-def _split(
-    captured: CapturedGraph, classification: Classification, plan: Plan, cuts: list[Cut]
-) -> tuple[list[Cut], list[LayerReport], Partition, list[tuple[ShardedSegment, ExpertRouting | None]]]:
-    """Cut, partition and shard. Where the plan's partial sums (experts' or row-split outputs)
-    meet an op that is not linear in them (Gemma 4 norms each branch's output before adding
-    them), the FFN ranks cannot finish the layer: that op goes to the attention side, which
-    receives the reduced sums, and the cut is made again."""
-    graph, params = captured.graph, set(captured.parameter_names)
-    placement, tokens = RouterPlacement(plan.router), gf.token_symbols(graph)
-    kept: set[fx.Node] = set()
-    while True:
-        layers_report = [layer_report(c, 0, tokens, params) for c in cuts]
-        part = partition(graph, cuts)
-        try:
-            return cuts, layers_report, part, _shard(part, [lr.module for lr in layers_report], plan, tokens)
-        except PartialSumsMeetNonLinearOps as err:
-            readers = {
-                part.origins[layer][int(name.removeprefix("v"))]
-                for layer, binding in enumerate(part.layers)
-                if binding.segment == err.segment
-                for name in err.nodes
-            }
-            if readers <= kept:
-                raise
-            kept |= readers
-            try:
-                cuts = select_cuts(graph, classification, params, placement, kept)
-            except UnsupportedModelError:
-                raise err from None
-
-
-def _shard(part: Partition, labels: list[str], plan: Plan, tokens):
-    """Each segment over the plan's FFN ranks, with how its tokens go to experts' ranks (or None)."""
-    if plan.ffn_ranks == 1:
-        return [(single_rank(g), None) for g in part.segments]
-    mode = FFNParallel.TP if plan.ffn_parallel == "tp" else FFNParallel.EP
-    first = {b.segment: (labels[i], b.weights) for i, b in reversed(list(enumerate(part.layers)))}
-    sharded = []
-    for i, g in enumerate(part.segments):
-        try:
-            sharded.append(_shard_one(g, mode, plan, tokens, *first[i]))
-        except PartialSumsMeetNonLinearOps as err:
-            err.segment = i
-            raise
-    if plan.ffn_parallel == "ep" and not any(s.experts for seg, _ in sharded for s in seg.splits):
-        raise PlanError("--ffn-parallel ep: the model has no expert weights to partition (a dense model); use tp")
-    return sharded
-
-
-def _shard_one(
-    graph: fx.Graph, mode: FFNParallel, plan: Plan, tokens, label: str, names: list[str]
-) -> tuple[ShardedSegment, ExpertRouting | None]:
-    """One segment over the plan's FFN ranks; under ``--dense-ffn replicate`` a segment without
-    experts is kept whole and its tokens are shared out, when its rows can be split by token.
-    Under ``--router attn`` a MoE segment's shared experts are kept whole where that lets its
-    tokens go only to their experts' ranks."""
-    replicate = plan.dense_ffn == "replicate" and _rows_split(graph, tokens)
-    if replicate and mode is FFNParallel.TP:
-        return data_parallel(graph), None
-    try:
-        sharded = shard_segment(graph, mode, plan.ffn_ranks, label, names)
-    except PlanError as err:
-        replicable = _rows_split(graph, tokens) and not _stacked_weights(graph)
-        if replicable and replicate:  # a dense layer need not split to be replicated
-            return data_parallel(graph), None
-        if replicable and not isinstance(err, PartialSumsMeetNonLinearOps):  # (that one a re-cut may mend)
-            raise PlanError(
-                f"{err}, or --dense-ffn replicate (dense_ffn='replicate'): every FFN rank holds the whole layer "
-                "and serves a share of the tokens"
-            ) from None
-        raise
-    if sharded.describe() != "ep":
-        return (data_parallel(graph) if replicate else sharded), None
-    if plan.router != "attn":  # every rank sees every token: nothing to route
-        return sharded, None
-    routed = _routed(sharded, tokens)
-    shared = [i for i, s in enumerate(sharded.splits) if not s.experts and s.dim is not None]
-    if routed[1] is None and shared:  # whole on every rank, a token's shared expert runs on one of its ranks
-        whole = _routed(shard_segment(graph, mode, plan.ffn_ranks, label, names, whole=shared), tokens)
-        if whole[1] is not None:
-            return whole
-    return routed
-
-
-def _routed(sharded: ShardedSegment, tokens) -> tuple[ShardedSegment, ExpertRouting | None]:
-    """An expert-parallel segment with proven routing: as it is, or with its rank-0-only terms
-    moved to rows the attention side marks; else the segment unchanged, broadcast to every rank."""
-    whole = [i for i, split in enumerate(sharded.splits) if split.dim is None]
-    if (routing := expert_routing(sharded.graph, tokens, whole)) is not None:
-        return sharded, routing
-    masked = owner_mask(sharded.graph, tokens)
-    if masked is not None and (routing := expert_routing(masked, tokens, whole)) is not None:
-        return replace(sharded, graph=masked), routing
-    return sharded, None
-
-
-def _stacked_weights(graph: fx.Graph) -> bool:
-    """Whether the segment has weights of rank 3 or more (stacked experts)."""
-    return any(w.meta["val"].dim() >= 3 for w in segment.weights(graph))
-
-
-def _rows_split(graph: fx.Graph, tokens) -> bool:
-    """Whether every input and output of the segment is token-major ([b, s, ...] or [b*s, ...]),
-    so that each FFN rank can take a contiguous range of the tokens."""
-    values = segment.inputs(graph) + segment.outputs(graph)
-    return all(row_major(gf.token_layout(v, tokens)) for v in values if isinstance(v, fx.Node))
-
-
-def _check_heads(config, tp: int) -> None:
-    """Attention TP splits whole heads: query heads, and key/value heads unless there is one."""
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if isinstance(heads, int) and heads % tp:
-        raise PlanError(
-            f"--attn-tp {tp} does not divide the model's {heads} attention heads; use a TP size dividing it"
-        )
-    if isinstance(kv_heads, int) and kv_heads > 1 and kv_heads % tp:
-        raise PlanError(
-            f"--attn-tp {tp} does not divide the model's {kv_heads} key/value heads; use a TP size dividing it"
-        )
-
-
-def build(model: PreTrainedModel, plan: str | Plan = "1A1F") -> Built:
+def build(model: PreTrainedModel, plan: Plan) -> Built:
     """Capture, classify, cut, partition and shard ``model`` for ``plan``.
 
     Raises :class:`afdc.UnsupportedModelError` when the model cannot be split and
     :class:`afdc.PlanError` when the plan does not fit it.
     """
-    plan = Plan.parse(plan)
     if plan.attention_tp > 1:
-        _check_heads(model.config.get_text_config(), plan.attention_tp)
-    placement = RouterPlacement(plan.router)
+        check_attention_tp(model.config.get_text_config(), plan)
     captured = capture_mod.capture(model)
     mixers = mixer_table(model, captured.mixers).probe() if captured.mixers else []
     classification = _classify(captured)
-    cuts = select_cuts(captured.graph, classification, set(captured.parameter_names), placement)
+    cuts = initial_cuts(captured.graph, classification, set(captured.parameter_names), plan)
     if split_writes(captured.graph, (n for c in cuts for n in c.ffn_nodes)):
         captured = capture_mod.capture(model, functional=True)
         classification = _classify(captured)
-        cuts = select_cuts(captured.graph, classification, set(captured.parameter_names), placement)
-    cuts, layers_report, part, shards = _split(captured, classification, plan, cuts)
-    graph, params = captured.graph, set(captured.parameter_names)
-    # The KV cache lives in afdc's attention op; state computed inline cannot be cached
-    recompute = captured.recompute
-    if classification.inline_mixers:
-        recompute = (
-            "token mixers run inline, outside afdc's cached attention op "
-            "(attention hard-coded in the model, or recurrent or convolutional mixers)"
-        )
-    tokens = gf.token_symbols(graph)
-    for lr, binding in zip(layers_report, part.layers):
-        lr.segment = binding.segment
-    segments = [
-        Segment(
-            graph=seg.graph,
-            splits=tuple(seg.splits),
-            reduce=tuple(seg.reduce),
-            inputs=tuple(gf.token_layout(n, tokens) for n in segment.inputs(seg.graph)),
-            routing=routing,
-        )
-        for seg, routing in shards
-    ]
-    for lr, binding in zip(layers_report, part.layers):
-        lr.ffn_split = segments[binding.segment].describe()
-        lr.ranks_per_token = segments[binding.segment].dispatch().ranks_per_token(plan.ffn_ranks)
-        lr.routed = segments[binding.segment].routing is not None
-
-    attention_params = {n.target for n in part.attention_graph.nodes if n.op == "get_attr"} & params
-    attention_graph, attention_splits = part.attention_graph, {}
+        cuts = initial_cuts(captured.graph, classification, set(captured.parameter_names), plan)
+    placed = place_ffn(captured.graph, classification, set(captured.parameter_names), plan, cuts)
+    attention_graph, attention_splits = placed.partition.attention_graph, {}
     if plan.attention_tp > 1:
-        sharded = shard_attention(part.attention_graph, plan.attention_tp)
+        sharded = shard_attention(attention_graph, plan.attention_tp)
         attention_graph, attention_splits = sharded.graph, sharded.splits
-    ffn_weights = {w for b in part.layers for w in b.weights}
-    report = Report(
-        model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
-        plan=str(plan),
-        router=plan.router,
-        decode_recomputes=recompute,
-        attention_calls=len(AttentionCall.all_in(graph)),
-        attention_parameters=sum(captured.attrs[n].numel() for n in attention_params),
-        ffn_parameters=sum(captured.attrs[n].numel() for n in ffn_weights & params),
-        segment_graphs=len(part.segments),
-        layers=layers_report,
-        attention_tp=plan.attention_tp,
-        attention_tp_split=sum(captured.attrs[n].numel() for n in attention_splits),
-        max_positions=captured.max_positions,
-        kv_bytes_per_token=kv_bytes_per_token(graph),
-        mixers=mixers,
-    )
+    recompute = _recompute(captured, classification)
     return Built(
         plan=plan,
         attention_graph=attention_graph,
         out_spec=captured.out_spec,
-        segments=segments,
-        layers=part.layers,
+        segments=placed.segments,
+        layers=placed.partition.layers,
         attrs=captured.attrs,
         recompute=recompute,
-        report=report,
+        report=_report(model, plan, captured, placed, attention_splits, recompute, mixers),
         attention_splits=attention_splits,
         max_positions=captured.max_positions,
+        mixers=mixers,
+    )
+
+
+def _recompute(captured: CapturedGraph, classification: Classification) -> str:
+    """Why decode recomputes the prefix ("": it decodes against the KV cache, which lives in
+    afdc's attention op: state computed inline cannot be cached)."""
+    if classification.inline_mixers:
+        return (
+            "token mixers run inline, outside afdc's cached attention op "
+            "(attention hard-coded in the model, or recurrent or convolutional mixers)"
+        )
+    return captured.recompute
+
+
+def _report(
+    model: PreTrainedModel,
+    plan: Plan,
+    captured: CapturedGraph,
+    placed: Placement,
+    attention_splits: dict[str, Split],
+    recompute: str,
+    mixers: list[MixerSite],
+) -> Report:
+    params = set(captured.parameter_names)
+    attention_params = {n.target for n in placed.partition.attention_graph.nodes if n.op == "get_attr"} & params
+    ffn_weights = {w for b in placed.partition.layers for w in b.weights}
+    return Report(
+        model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        plan=str(plan),
+        router=plan.router,
+        decode_recomputes=recompute,
+        attention_calls=len(AttentionCall.all_in(captured.graph)),
+        attention_parameters=sum(captured.attrs[n].numel() for n in attention_params),
+        ffn_parameters=sum(captured.attrs[n].numel() for n in ffn_weights & params),
+        segment_graphs=len(placed.partition.segments),
+        layers=placed.layers,
+        attention_tp=plan.attention_tp,
+        attention_tp_split=sum(captured.attrs[n].numel() for n in attention_splits),
+        max_positions=captured.max_positions,
+        kv_bytes_per_token=kv_bytes_per_token(captured.graph),
         mixers=mixers,
     )
 
@@ -368,18 +230,21 @@ def disaggregate(
     attention.use_backend(built.plan.backend)
     for program in ffn:
         program.use_backend(built.plan.backend)
+    traits = ModelTraits(
+        incremental=not built.recompute,
+        report=built.report,
+        config=model.config,
+        generation_config=getattr(model, "generation_config", None),
+        max_positions=built.max_positions,
+        default_positions=default_positions(model),
+    )
     return DisaggregatedModel(
         attention=[attention] * built.plan.attention_ranks,
         ffn=ffn,
-        incremental=not built.recompute,
-        report=built.report,
-        generation_config=getattr(model, "generation_config", None),
-        config=model.config,
+        traits=traits,
         micro_batches=built.plan.micro_batches,
         deployment=deployment_id(str(built.plan), attention.module.code, *(s.code for s in ffn[0].segments)),
         connector=connector,
-        max_positions=built.max_positions,
-        default_positions=default_positions(model),
     )
 
 

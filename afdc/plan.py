@@ -20,7 +20,7 @@ ROUTERS = ("ffn", "attn")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPES = tuple(TORCH_DTYPES)
 _DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}  # dtype=torch.bfloat16 from Python
-BACKENDS = ("auto", "afdc", "inductor", "eager")  # afdc.lowering says what each runs
+BACKENDS = ("auto", "afdc", "inductor", "eager")  # afdc.lowering.backends says what each runs
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 One step of the serving worker's kind (a flat batch of R requests over a paged KV cache, the FFN
 side in-process) for a Llama-shaped model with Llama 3's vocabulary (128,256): the attention
 program as captured (logits for all T tokens), then with ``afdc::sampled_rows`` in front of the
-LM head (``afdc/passes/sampled_rows.py``, what the worker runs: logits for each request's last
+LM head (``afdc/lowering/sampled_rows.py``, what the worker runs: logits for each request's last
 token). Prints the median step time of each, the logits tensor's size, and the ratios; checks
 the sampled rows' logits equal the full run's.
 
@@ -21,8 +21,8 @@ import time
 import torch
 
 import afdc
-from afdc.passes.attention_slots import attention_slots
-from afdc.passes.sampled_rows import sample_rows_only
+from afdc.lowering.attention_slots import attention_slots
+from afdc.lowering.sampled_rows import sample_rows_only
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
 from afdc.runtime.paged import PagedBatch, PagedKVStore

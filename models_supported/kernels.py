@@ -17,7 +17,7 @@ import time
 import torch
 
 import afdc
-from afdc import lowering
+from afdc.lowering import backends
 from afdc.runtime.model import positions_from_mask
 from models_supported.catalog import ENTRIES, build
 
@@ -33,8 +33,8 @@ def _kernels(module: torch.fx.GraphModule) -> collections.Counter:
 
 
 def _substituted(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    module = lowering.copy_module(module)
-    lowering.substitute_kernels(module.graph)
+    module = backends.copy_module(module)
+    backends.substitute_kernels(module.graph)
     module.recompile()
     return module
 

@@ -148,7 +148,7 @@ def test_attention_tp_with_ffn_servers_and_a_lost_rank():
 
 def test_attention_tp_under_the_afdc_backend():
     """The GPU default path: afdc's kernels in every TP rank's program (not Inductor, see
-    afdc.lowering.lower) and in the FFN's, Inductor for the rest of the FFN."""
+    afdc.lowering.backends.lower) and in the FFN's, Inductor for the rest of the FFN."""
     model = _model("qwen3_moe")
     dm = afdc.disaggregate(model, "1A2F", attention_tp=2, backend="afdc", micro_batches=2)
     assert [s.backend for s in dm.attention.shards] == ["afdc", "afdc"]

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import afdc
-from afdc import lowering
 from afdc.demo import demo_batch
 from afdc.errors import PlanError
+from afdc.lowering import backends
 from afdc.runtime.model import positions_from_mask
 from models_supported import catalog
 from models_supported.kernels import substitute_eagerly
@@ -109,8 +109,8 @@ def test_a_routed_scaling_moves_into_the_routing_weights_beside_a_shared_expert(
     entry = catalog.entry("laguna")
     model = catalog.build(dataclasses.replace(entry, overrides={**entry.overrides, "moe_routed_scaling_factor": 2.5}))
     dm = afdc.disaggregate(model, "1A1F")
-    moe = lowering.copy_module(dm.ffn_ranks[0].segments[1])
-    assert lowering.substitute_kernels(moe.graph).fused["shared_expert"] == 1
+    moe = backends.copy_module(dm.ffn_ranks[0].segments[1])
+    assert backends.substitute_kernels(moe.graph).fused["shared_expert"] == 1
     assert substitute_eagerly(dm)["act_mul"] == 1  # the dense layer's; the shared expert's is in fused_moe
     ids, mask = _batch(model.config.vocab_size)
     pos = positions_from_mask(mask)
@@ -131,25 +131,25 @@ def test_near_misses_are_left_alone():
             return torch.nn.functional.silu(h) + x
 
     graph = torch.export.export(NearMiss(), (torch.randn(4, 8),)).graph
-    report = lowering.substitute_kernels(graph)
+    report = backends.substitute_kernels(graph)
     assert report.fused == {}
     assert any("not over the last dim" in s for s in report.skipped)
     assert any("not multiplied" in s for s in report.skipped)
 
     model = catalog.build(catalog.entry("gpt_oss"))
     dm = afdc.disaggregate(model, "1A1F")
-    segment = lowering.copy_module(dm.ffn_ranks[0].segments[0])
+    segment = backends.copy_module(dm.ffn_ranks[0].segments[0])
     (up_clamp,) = [n for n in segment.graph.nodes if n.target == torch.ops.aten.clamp.default and n.args[1] is not None]
     up_clamp.args = (up_clamp.args[0], -6.0, 7.0)
-    report = lowering.substitute_kernels(segment.graph)
+    report = backends.substitute_kernels(segment.graph)
     assert "fused_moe" not in report.fused and any("up not clamped to ±limit" in s for s in report.skipped)
 
     dm = afdc.disaggregate(catalog.build(catalog.entry("deepseek_v3")), "1A1F")
-    segment = lowering.copy_module(dm.ffn_ranks[0].segments[1])
+    segment = backends.copy_module(dm.ffn_ranks[0].segments[1])
     (act,) = [n for n in segment.graph.nodes  # the shared expert's, of its gate projection
               if n.target == torch.ops.aten.silu.default and n.args[0].target == torch.ops.aten.linear.default]
     act.target = torch.ops.aten.gelu.default
-    report = lowering.substitute_kernels(segment.graph)
+    report = backends.substitute_kernels(segment.graph)
     assert report.fused["fused_moe"] == 1 and "shared_expert" not in report.fused
     assert any("activation gelu is not the routed experts' silu" in s for s in report.skipped)
 
@@ -170,7 +170,7 @@ def test_a_layer_norm_written_out_becomes_the_kernel():
     x = torch.randn(2, 5, 48).to(torch.bfloat16)
     for module, fused in ((norm, {"layer_norm": 1}), (NotLayerNorm(), {})):
         program = torch.export.export(module, (x,)).module()
-        report = lowering.substitute_kernels(program.graph)
+        report = backends.substitute_kernels(program.graph)
         program.recompile()
         assert report.fused == fused
         with torch.no_grad():
@@ -179,8 +179,8 @@ def test_a_layer_norm_written_out_becomes_the_kernel():
 
 
 def test_backend_option():
-    assert lowering.resolve("auto", torch.device("cpu")) == "eager"
-    assert lowering.resolve("auto", torch.device("cuda")) == "afdc"
+    assert backends.resolve("auto", torch.device("cpu")) == "eager"
+    assert backends.resolve("auto", torch.device("cuda")) == "afdc"
     with pytest.raises(PlanError, match="--backend 'tensorrt' is not one of auto, afdc, inductor, eager"):
         afdc.Plan.parse("1A1F", backend="tensorrt")
 

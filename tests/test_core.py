@@ -15,13 +15,13 @@ import afdc
 from afdc.cli import main
 from afdc.demo import demo_batch, demo_model
 from afdc.equivalence import check
+from afdc.lowering.lm_head import split_head
+from afdc.lowering.piecewise import pauses_after_piece, split_at_sends
+from afdc.lowering.straight_line import straight_line
 from afdc.ops import body_of
 from afdc.ops.attention import attention_body
 from afdc.partition.mincut import FlowGraph
 from afdc.passes.graph_facts import op_name
-from afdc.passes.lm_head import split_head
-from afdc.passes.piecewise import pauses_after_piece, split_at_sends
-from afdc.passes.straight_line import straight_line
 from afdc.runtime import connector as connectors
 from afdc.runtime.model import positions_from_mask
 from afdc.runtime.programs import combine
@@ -209,7 +209,7 @@ def test_straight_line_pauses_after_each_send_in_its_generator_form(moe):
 
 
 def test_a_program_cut_at_its_sends_runs_piece_by_piece(moe):
-    """The cut a compiled program gets (:mod:`afdc.passes.piecewise`): one piece per FFN layer
+    """The cut a compiled program gets (:mod:`afdc.lowering.piecewise`): one piece per FFN layer
     ending in its send, then the rest; each weight read inside the piece that uses it; run in
     turn by a parent that pauses after each send, the same outputs as the program."""
     model, dm = moe

@@ -253,7 +253,7 @@ def test_micro_batches_ping_pong_in_one_thread(reference, backend):
     """Over FFN servers, a step's micro-batches take turns in the caller's thread: micro-batch 1
     sends each layer before micro-batch 0 waits for that layer's reply, then 0 computes its next
     layer while 1's is on the FFN side. A compiled program does it too, compiled in pieces cut
-    at its sends (:mod:`afdc.passes.piecewise`)."""
+    at its sends (:mod:`afdc.lowering.piecewise`)."""
     model, ids, mask, ref = reference("qwen3_moe")
     dm = afdc.disaggregate(model, "1A1F", connector="shm", backend=backend)
     dm.micro_batches = 2

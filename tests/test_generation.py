@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import afdc
 from afdc.demo import demo_batch
-from afdc.passes.cache_positions import cache_position_nodes
+from afdc.lowering.cache_positions import cache_position_nodes
 from models_supported import catalog
 from models_supported.catalog import TINY_COMMON
 

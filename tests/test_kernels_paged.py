@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import afdc
 from afdc.codegen import paged_attention
-from afdc.passes.attention_slots import SlotSpec, attention_slots
+from afdc.lowering.attention_slots import attention_slots
+from afdc.ops import SlotSpec
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache, paged
 from afdc.runtime.paged import (

@@ -12,9 +12,9 @@ import torch
 
 import afdc
 from afdc.artifact.manifest import read_manifest
+from afdc.lowering.attention_slots import attention_slots, program_slots
+from afdc.lowering.cache_positions import positions_as_cache_positions
 from afdc.ops import MixerCall
-from afdc.passes.attention_slots import attention_slots, program_slots
-from afdc.passes.cache_positions import positions_as_cache_positions
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
 from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore, PagedRows

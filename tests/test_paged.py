@@ -16,10 +16,10 @@ from transformers.masking_utils import (
 )
 
 import afdc
-from afdc.ops import AttentionCall, reference_attention
-from afdc.passes.attention_slots import SlotSpec, attention_slots
-from afdc.passes.cache_positions import positions_as_cache_positions
-from afdc.passes.sampled_rows import sample_rows_only
+from afdc.lowering.attention_slots import attention_slots
+from afdc.lowering.cache_positions import positions_as_cache_positions
+from afdc.lowering.sampled_rows import sample_rows_only
+from afdc.ops import AttentionCall, SlotSpec, reference_attention
 from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
 from afdc.runtime.paged import PagedBatch, PagedKVStore

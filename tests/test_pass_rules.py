@@ -22,14 +22,14 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 import afdc.ops  # noqa: F401 (registers afdc::attention)
 from afdc import segment
 from afdc.errors import PlanError, UnsupportedModelError
+from afdc.lowering.fuse_moe import fuse_moe
+from afdc.lowering.fuse_norms import fuse_norms
 from afdc.partition.cut import RouterPlacement, select_cuts
 from afdc.partition.mincut import INF, FlowGraph
 from afdc.partition.shard import FFNParallel, PartialSumsMeetNonLinearOps, shard_segment
 from afdc.passes.classify import classify
 from afdc.passes.cleanup import drop_sentinel_masks, strip_assertions
 from afdc.passes.expert_routing import expert_routing
-from afdc.passes.fuse_moe import fuse_moe
-from afdc.passes.fuse_norms import fuse_norms
 from afdc.passes.graph_facts import op_name
 from afdc.segment import ExpertRouting, Split
 

@@ -20,7 +20,7 @@ from afdc.artifact import manifest as mf
 from afdc.artifact.program_source import load_program
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.mixers import Mixers
-from afdc.runtime.model import DisaggregatedModel
+from afdc.runtime.model import DisaggregatedModel, ModelTraits
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.rendezvous import Layout
@@ -148,18 +148,21 @@ def load_deployment(
     attention = [load(directory, "attn", a, device, backend) for a in range(plan.attention_ranks)]
     ffn = [load(directory, "ffn", r, device, backend) for r in range(plan.ffn_ranks)]
     config = _config(directory)
+    traits = ModelTraits(
+        incremental=manifest.incremental_decode,
+        report=None,
+        config=config,
+        generation_config=_generation_config(directory, config),
+        max_positions=manifest.max_positions,
+    )
     return DisaggregatedModel(
         attention=attention,
         ffn=ffn,
-        incremental=manifest.incremental_decode,
-        report=None,
-        generation_config=_generation_config(directory, config),
-        config=config,
+        traits=traits,
         micro_batches=plan.micro_batches,
         deployment=deployment_of(directory)[1],
         ffn_source=FFNRankLoader(directory, str(ffn[0].device), ffn[0].backend),
         connector=connector,
-        max_positions=manifest.max_positions,
     )
 
 

@@ -7,7 +7,7 @@ They are ``torch.library`` custom ops with fake kernels, so they survive ``torch
 through it, by name. What the ops hand their work to at run time is in :mod:`afdc.ops.context`.
 
 Each op's body is a plain function that runs on every device; :func:`body_of` finds it, so that
-eager execution (:mod:`afdc.passes.straight_line`) calls the body without the dispatcher's round
+eager execution (:mod:`afdc.lowering.straight_line`) calls the body without the dispatcher's round
 trip.
 """
 
@@ -32,6 +32,7 @@ from afdc.ops.parallel import (
     grouped_mm_local,
     tp_all_reduce,
 )
+from afdc.ops.slot import SlotSpec
 
 
 def body_of(op) -> Callable | None:
@@ -55,6 +56,7 @@ __all__ = [
     "MixerCall",
     "RecvCall",
     "SendCall",
+    "SlotSpec",
     "attention",
     "body_of",
     "cached_keys",

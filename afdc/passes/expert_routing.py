@@ -4,7 +4,7 @@ An FFN rank under EP returns a partial result for every token it is sent; the at
 the ranks' results. Sending a token only to the ranks holding experts it chose is exact when a
 rank's result for any other token is exactly zero and a token's result depends on its own row
 only. This pass proves both from the rank's segment graph rather than trusting a model family:
-after kernel substitution (:func:`afdc.passes.fuse_moe.fuse_moe`) the segment's single output
+after kernel substitution (:func:`afdc.passes.moe_experts.experts_as_op`) the segment's single output
 must be one ``afdc::fused_moe`` (up to casts, views and scalings by a finite constant), whose op
 contract is "choices of experts outside ``[first, first + E_local)`` add zero", with
 ``first = rank * E_local``; its activations must be an input's rows; its expert ids must be an
@@ -28,8 +28,8 @@ import torch.fx as fx
 from afdc import segment
 from afdc.codegen.fused_moe import FusedMoeCall
 from afdc.passes import graph_facts as gf
-from afdc.passes.fuse_moe import fuse_moe
-from afdc.passes.fusion import constant_factor, copy_graph, val
+from afdc.passes.matching import constant_factor, copy_graph, val
+from afdc.passes.moe_experts import experts_as_op
 from afdc.segment import ExpertRouting, row_major, token_major
 
 _PASS_THROUGH = {"view", "reshape", "to", "_to_copy", "type_as", "contiguous", "clone"}
@@ -143,7 +143,7 @@ def expert_routing(graph: fx.Graph, tokens, whole: Collection[int] = ()) -> Expe
     graph does not prove it exact. ``tokens`` are the capture's token symbols; ``whole`` the
     indices of the weights every rank holds whole (the graph keeps full shapes, so it cannot say)."""
     copy = copy_graph(graph)
-    fuse_moe(copy)
+    experts_as_op(copy)
     inputs, weight_inputs, rank = segment.inputs(copy), segment.weights(copy), segment.rank(copy)
     whole_weights = frozenset(weight_inputs[i] for i in whole)
     (output,) = copy.find_nodes(op="output")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -90,6 +91,20 @@ def _split(n: int, parts: int, start: int = 0) -> list[slice]:
     return [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
+@dataclass(frozen=True)
+class ModelTraits:
+    """What a deployment keeps of the model it was split from, so that its calls behave as the
+    model's own: the one contract between the two ways of getting one (``afdc.disaggregate``
+    and loading an artifact)."""
+
+    incremental: bool  # False: decode recomputes the prefix (see Report.decode_recomputes)
+    report: object | None  # afdc.report.Report when split in this process (None: loaded)
+    config: object | None = None  # the model's PretrainedConfig, as generate's processors read it
+    generation_config: object | None = None  # what the model's own generate decodes with
+    max_positions: int | None = None  # the longest key length the captured graph is valid for
+    default_positions: DefaultPositions = DefaultPositions.COUNT_PADDING
+
+
 class DisaggregatedModel:
     """``attention_ranks[i]`` is attention rank i (it runs its share of the batch's rows);
     ``ffn_ranks[j]`` is FFN rank j (each FFN layer's tokens go to the ranks its
@@ -100,25 +115,20 @@ class DisaggregatedModel:
         *,
         attention: list[AttentionProgram],
         ffn: list[FFNProgram],
-        incremental: bool,
-        report,
-        generation_config=None,
-        config=None,
+        traits: ModelTraits,
         micro_batches: int = 1,
         deployment: bytes = b"",
         ffn_source: Callable[[int], FFNProgram] | None = None,
         connector: str = "gloo",
-        max_positions: int | None = None,
-        default_positions: DefaultPositions = DefaultPositions.COUNT_PADDING,
     ):
         self.attention_ranks = attention
         self.ffn_ranks = ffn
         self.attention = attention[0]
         self.ffn = ffn[0]
-        self.incremental = incremental  # False: decode recomputes the prefix (see Report.decode_recomputes)
-        self._report = report
-        self.generation_config = generation_config
-        self.config = config  # the model's config, as generate's processors read it (None: defaults)
+        self.incremental = traits.incremental  # False: decode recomputes the prefix (see Report.decode_recomputes)
+        self._report = traits.report
+        self.generation_config = traits.generation_config
+        self.config = traits.config  # the model's config, as generate's processors read it (None: defaults)
         self.micro_batches = micro_batches
         self.deployment = deployment  # the id every rank of a launched deployment checks
         # how a launched FFN server gets rank r's program (None: this process's, through shared memory)
@@ -126,8 +136,8 @@ class DisaggregatedModel:
         if connector != "loopback":
             transport_class(connector)  # an unknown name is refused here, not at launch()
         self.connector = connector  # the transport launch() uses unless told otherwise
-        self.max_positions = max_positions  # the longest key length the programs are valid for (None: any)
-        self.default_positions = default_positions  # used when a call gives no position_ids
+        self.max_positions = traits.max_positions  # the longest key length the programs are valid for (None: any)
+        self.default_positions = traits.default_positions  # used when a call gives no position_ids
         dispatch = [self.ffn.dispatch(layer) for layer in range(len(self.ffn.layers))]
         beside = len(attention) > 1  # the ranks run in threads of this process: none may spin
         self.ranks = [AttentionRank(i, p, ffn, dispatch, beside=beside) for i, p in enumerate(attention)]

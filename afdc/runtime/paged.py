@@ -10,7 +10,7 @@ blocks and attends per request over the cached keys.
 
 The graph's mask is ignored there: it is causal over the whole flat batch, wrong across
 requests. Which keys a query reaches comes from the slot's :class:`SlotSpec` instead, and
-:func:`afdc.passes.attention_slots.attention_slots` derives it by running each call site's mask computation, refusing
+:func:`afdc.lowering.attention_slots.attention_slots` derives it by running each call site's mask computation, refusing
 masks the paged path cannot reproduce rather than serving a silently different model.
 
 Programs whose masks depend on the hidden states (a sparse-attention indexer's top-k choice) run
@@ -29,8 +29,7 @@ import torch
 
 from afdc.codegen.paged_attention import decode_kernel_runs, paged_decode_attention
 from afdc.mixer import MixerSite
-from afdc.ops import causal_mask, reference_attention
-from afdc.passes.attention_slots import SlotSpec
+from afdc.ops import SlotSpec, causal_mask, reference_attention
 
 # -- the cache ------------------------------------------------------------------------------------
 

@@ -13,10 +13,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from afdc import lowering
+from afdc.lowering import backends
+from afdc.lowering.lm_head import split_head
+from afdc.lowering.straight_line import StraightLine
 from afdc.ops.context import MixerTable, mixers_active
-from afdc.passes.lm_head import split_head
-from afdc.passes.straight_line import StraightLine
 from afdc.runtime.static_shapes import StaticShapes, paddable
 from afdc.segment import Dispatch, ExpertRouting, Segment, SegmentBinding, as_rows, at_tokens
 
@@ -30,27 +30,27 @@ class _Lowered:
         self.module = module
         self.name = name
         self.backend = "eager"
-        self._kernels: fx.GraphModule | None = None  # lowering.with_kernels, shared by both lowerings
+        self._kernels: fx.GraphModule | None = None  # backends.with_kernels, shared by both lowerings
         self._run: Callable | None = None
-        self._pieces: StraightLine | bool | None = False  # lowering.lower_in_pieces (False: not yet)
+        self._pieces: StraightLine | bool | None = False  # backends.lower_in_pieces (False: not yet)
         self._lock = threading.Lock()
 
     def use(self, backend: str, device: torch.device) -> None:
-        self.backend = lowering.resolve(backend, device)
+        self.backend = backends.resolve(backend, device)
         self._kernels = self._run = None
         self._pieces = False
 
     def _with_kernels(self, args: tuple) -> fx.GraphModule:
         """``module`` as both lowerings take it (called under the lock)."""
         if self._kernels is None:
-            self._kernels = lowering.with_kernels(self.module, self.backend, self.name, args)
+            self._kernels = backends.with_kernels(self.module, self.backend, self.name, args)
         return self._kernels
 
     def _lowered(self, args: tuple) -> Callable:
         if self._run is None:
             with self._lock:
                 if self._run is None:
-                    self._run = lowering.lower(self._with_kernels(args), self.backend, self.name)
+                    self._run = backends.lower(self._with_kernels(args), self.backend, self.name)
         return self._run
 
     def __call__(self, *args):
@@ -66,7 +66,7 @@ class _Lowered:
             if self._pieces is False:
                 with self._lock:
                     if self._pieces is False:
-                        self._pieces = lowering.lower_in_pieces(self._with_kernels(args), self.backend, self.name)
+                        self._pieces = backends.lower_in_pieces(self._with_kernels(args), self.backend, self.name)
             run = self._pieces
         return run.steps(*args) if run is not None else None
 
@@ -91,7 +91,7 @@ class AttentionProgram(torch.nn.Module):
     connector; attention ops read and extend the active KV cache; stateful-mixer ops run through
     ``mixers`` (:mod:`afdc.runtime.mixers`), whose state the active KV cache keeps.
 
-    It runs in two stages (:mod:`afdc.passes.lm_head`): :meth:`body`, everything up to the LM
+    It runs in two stages (:mod:`afdc.lowering.lm_head`): :meth:`body`, everything up to the LM
     head, once per micro-batch, then :meth:`finish`, the head once over every micro-batch's rows.
     """
 
@@ -164,9 +164,9 @@ class AttentionProgram(torch.nn.Module):
         self._lock = threading.Lock()
 
     def use_backend(self, backend: str) -> None:
-        """Run under ``backend`` (:mod:`afdc.lowering`) from the next call on; rewrite
+        """Run under ``backend`` (:mod:`afdc.lowering.backends`) from the next call on; rewrite
         ``module``'s graph (as the serving passes do) before this, not after."""
-        self._backend = lowering.resolve(backend, device_of(self.module))
+        self._backend = backends.resolve(backend, device_of(self.module))
         self._stages = None
 
     @property
@@ -229,7 +229,7 @@ class FFNProgram(torch.nn.Module):
         return list(outputs)
 
     def use_backend(self, backend: str) -> None:
-        """Run every segment under ``backend`` (:mod:`afdc.lowering`); segments are lowered
+        """Run every segment under ``backend`` (:mod:`afdc.lowering.backends`); segments are lowered
         at their first run, on the device of this rank's weights."""
         self.backend = backend
         self._lowered = [_Lowered(s, f"FFN segment {i}") for i, s in enumerate(self.segments)]

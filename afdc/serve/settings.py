@@ -27,7 +27,7 @@ class WorkerSettings:
     micro_batches: int | None = None  # None: the artifact's plan
     kv_cache_bytes: int = 256 << 20  # KV pool on a CPU device (on a GPU: what vLLM's memory profile allows)
     device: str = "cpu"
-    backend: str | None = None  # what runs the programs (afdc.lowering); None: the artifact's plan
+    backend: str | None = None  # what runs the programs (afdc.lowering.backends); None: the artifact's plan
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}

@@ -29,10 +29,11 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from afdc.artifact import manifest as mf
 from afdc.artifact.load import deployment_of, load
 from afdc.errors import UnsupportedModelError
-from afdc.lowering import resolve as resolve_backend
-from afdc.passes.attention_slots import SlotSpec, program_slots
-from afdc.passes.cache_positions import positions_as_cache_positions
-from afdc.passes.sampled_rows import sample_rows_only
+from afdc.lowering.attention_slots import program_slots
+from afdc.lowering.backends import resolve as resolve_backend
+from afdc.lowering.cache_positions import positions_as_cache_positions
+from afdc.lowering.sampled_rows import sample_rows_only
+from afdc.ops import SlotSpec
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.options import RuntimeOptions

@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from afdc.passes.fusion import copy_graph
 from afdc.passes.graph_facts import IDENTITY_OPS, op_name
+from afdc.passes.matching import copy_graph
 
 _HEADS = {"linear", "mm", "matmul"}
 _WEIGHT_VIEWS = {"t", "transpose", "permute", *IDENTITY_OPS}

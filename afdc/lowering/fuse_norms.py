@@ -17,8 +17,8 @@ import torch.fx as fx
 
 from afdc.codegen import layer_norm as _layer_norm_ops  # noqa: F401 (defines the ops this pass emits)
 from afdc.codegen import rms_norm as _rms_norm_ops  # noqa: F401
-from afdc.passes.fusion import FusionReport, arg, expect, only_user, run_matches, strip_float_casts, val
 from afdc.passes.graph_facts import op_name, shapes_match
+from afdc.passes.matching import FusionReport, arg, expect, only_user, run_matches, strip_float_casts, val
 
 
 def fuse_norms(graph: fx.Graph) -> FusionReport:

@@ -136,3 +136,12 @@ def run_matches(
         else:
             report.add(done or kind)
     return report
+
+
+def activation_of(node: fx.Node) -> str:
+    """The kernels' name for a ``silu`` or ``gelu`` node's activation."""
+    if op_name(node) == "silu":
+        return "silu"
+    approximate = arg(node, 1, "approximate", "none")
+    expect(approximate in ("none", "tanh"), f"gelu approximation {approximate!r}")
+    return "gelu" if approximate == "none" else "gelu_tanh"

@@ -6,7 +6,7 @@ matmul of the model) and a ``[T, vocab]`` tensor for logits it throws away. This
 ``afdc::sampled_rows`` in front of the LM head: it keeps the rows the active step names
 (``PagedBatch.last_rows``) and passes everything through otherwise.
 
-A program without an LM head that :func:`afdc.passes.lm_head.lm_head` finds is left unchanged.
+A program without an LM head that :func:`afdc.lowering.lm_head.lm_head` finds is left unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from afdc.passes.lm_head import lm_head
+from afdc.lowering.lm_head import lm_head
 
 
 def sample_rows_only(module: fx.GraphModule, out_spec: pytree.TreeSpec) -> bool:

@@ -12,8 +12,8 @@ import torch
 import torch.fx as fx
 
 from afdc.codegen import act_mul as _act_mul_op  # noqa: F401 (defines the op this pass emits)
-from afdc.passes.fusion import FusionReport, arg, expect, only_user, run_matches, val
 from afdc.passes.graph_facts import op_name, shapes_match
+from afdc.passes.matching import FusionReport, activation_of, expect, only_user, run_matches, val
 
 
 def fuse_activations(graph: fx.Graph) -> FusionReport:
@@ -22,15 +22,6 @@ def fuse_activations(graph: fx.Graph) -> FusionReport:
     report = run_matches(graph, "act_mul", anchors, lambda n: _rewrite(graph, n))
     graph.lint()
     return report
-
-
-def activation_of(node: fx.Node) -> str:
-    """The kernels' name for a ``silu`` or ``gelu`` node's activation."""
-    if op_name(node) == "silu":
-        return "silu"
-    approximate = arg(node, 1, "approximate", "none")
-    expect(approximate in ("none", "tanh"), f"gelu approximation {approximate!r}")
-    return "gelu" if approximate == "none" else "gelu_tanh"
 
 
 def _rewrite(graph: fx.Graph, act: fx.Node) -> None:

@@ -3,7 +3,7 @@
 A program compiled whole (Inductor) is one call that cannot pause, so a step's micro-batches
 could only take turns at its sends from threads of their own. Cut after each ``afdc::send``,
 it becomes pieces (piece k runs from the reply of send k-1, its ``afdc::recv``, through send
-k) called in order by a straight-line parent (:mod:`afdc.passes.straight_line`) that pauses
+k) called in order by a straight-line parent (:mod:`afdc.lowering.straight_line`) that pauses
 after every piece ending in a send: one thread then interleaves the micro-batches, as it does
 the eager backend's code. It is the cut vLLM's piecewise compilation makes at attention, here
 at the exchange, and each piece is what a CUDA graph could hold per token bucket.

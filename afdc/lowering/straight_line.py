@@ -38,7 +38,7 @@ import torch.fx as fx
 from afdc.codegen.triton_support import SOURCE_LOCK
 from afdc.ops import SendCall, body_of
 from afdc.ops.call import bound
-from afdc.passes.fusion import copy_graph
+from afdc.passes.matching import copy_graph
 
 _NODE_KINDS = {"placeholder", "get_attr", "call_function", "output"}
 # size arithmetic (on SymInts at capture, ints at run time), written as FX writes it

@@ -9,7 +9,7 @@ cannot reproduce rather than serving a silently different model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -18,39 +18,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from afdc.capture import key_length_tied
 from afdc.errors import UnsupportedModelError
-from afdc.ops import AttentionCall
+from afdc.ops import AttentionCall, SlotSpec
 from afdc.passes import graph_facts as gf
-
-
-@dataclass(frozen=True)
-class SlotSpec:
-    """One attention call site's cache entry, and which keys its queries reach.
-
-    A query at position ``p`` reaches the keys at positions ``<= p``; with a ``window`` only
-    those in ``(p - window, p]`` (sliding window, transformers' ``kv > q - window``), or with
-    ``chunked`` only those in ``p``'s chunk ``[p // window * window, p]`` (Llama 4's chunked
-    attention). The two are told apart by the mask, not by the window size, which is the same
-    constant in the graph either way.
-    """
-
-    kv_heads: int
-    head_dim: int  # of queries and keys
-    value_dim: int
-    window: int = 0  # 0: no window
-    chunked: bool = False
-
-    def __post_init__(self) -> None:
-        if self.chunked and self.window <= 0:
-            raise ValueError("chunked attention needs a chunk size (window > 0)")
-
-    def allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Whether the query at ``q_pos`` attends to the key at ``k_pos`` (broadcast)."""
-        ok = k_pos <= q_pos
-        if self.chunked:
-            return ok & (k_pos // self.window == q_pos // self.window)
-        if self.window:
-            return ok & (k_pos > q_pos - self.window)
-        return ok
 
 
 def attention_slots(graph: fx.Graph, masks_applied: bool = False) -> list[SlotSpec]:

@@ -3,7 +3,7 @@
 ``afdc`` substitutes afdc's kernels where a pass recognizes their computation (fused MoE and
 its routing, residual-add + RMSNorm / LayerNorm, activation-and-multiply) and hands the rest of
 the graph to Inductor; ``inductor`` is Inductor alone; ``eager`` runs the graph as captured, its
-ops called one by one from straight-line Python (:mod:`afdc.passes.straight_line`).
+ops called one by one from straight-line Python (:mod:`afdc.lowering.straight_line`).
 ``auto`` is ``afdc`` on a GPU and ``eager`` on a CPU, where Triton has no backend and Inductor's
 C++ build costs more than it saves on small batches.
 
@@ -23,12 +23,12 @@ from torch._prims_common import make_contiguous_strides_for
 
 from afdc import segment
 from afdc.codegen.triton_support import SOURCE_LOCK
-from afdc.passes.fuse_activation import fuse_activations
-from afdc.passes.fuse_moe import fuse_moe, fuse_shared_experts
-from afdc.passes.fuse_norms import fuse_norms
-from afdc.passes.fusion import FusionReport, copy_graph
-from afdc.passes.piecewise import pauses_after_piece, split_at_sends
-from afdc.passes.straight_line import StraightLine, straight_line
+from afdc.lowering.fuse_activation import fuse_activations
+from afdc.lowering.fuse_moe import fuse_moe, fuse_shared_experts
+from afdc.lowering.fuse_norms import fuse_norms
+from afdc.lowering.piecewise import pauses_after_piece, split_at_sends
+from afdc.lowering.straight_line import StraightLine, straight_line
+from afdc.passes.matching import FusionReport, copy_graph
 from afdc.plan import BACKENDS
 
 logger = logging.getLogger("afdc.backend")
@@ -95,7 +95,7 @@ def lower(module: fx.GraphModule, backend: str, name: str = "program") -> Callab
 def lower_in_pieces(module: fx.GraphModule, backend: str, name: str = "program") -> StraightLine | None:
     """What runs ``module`` (given :func:`with_kernels`) under a compiling ``backend`` so that it
     can pause after each send: Inductor's pieces of it cut at its sends
-    (:mod:`afdc.passes.piecewise`), called by straight-line code. None where :func:`lower`'s code
+    (:mod:`afdc.lowering.piecewise`), called by straight-line code. None where :func:`lower`'s code
     pauses already (``eager``, attention TP) or the program sends nothing. Only the micro-batches'
     interleave asks for it: each piece call costs Dynamo's guards and AOT wrappers (about 110 us
     on this CPU; a 12-layer program decoded 20% slower in pieces than whole), which a single call
