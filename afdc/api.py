@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from afdc import capture as capture_mod
 from afdc.capture import CapturedGraph
 from afdc.errors import PlanError, UnsupportedModelError
-from afdc.mixer import MixerSite
+from afdc.mixer_site import MixerSite
 from afdc.ops import AttentionCall
 from afdc.partition.attention_tp import shard_attention
 from afdc.partition.policy import Placement, check_attention_tp, initial_cuts, place_ffn
@@ -29,8 +29,9 @@ from afdc.passes.portable import portable
 from afdc.plan import TORCH_DTYPES, Plan
 from afdc.report import Report, kv_bytes_per_token
 from afdc.runtime.exchange import deployment_id
-from afdc.runtime.mixers import Mixers
+from afdc.runtime.mixer_modules import Mixers
 from afdc.runtime.model import DefaultPositions, DisaggregatedModel, ModelTraits
+from afdc.runtime.options import ConnectorKind
 from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.segment import Segment, SegmentBinding, Split
@@ -210,7 +211,7 @@ def disaggregate(
     """
     if router is not None:
         options["router"] = router
-    connector = options.pop("connector", "gloo")
+    connector = ConnectorKind.parse(options.pop("connector", ConnectorKind.GLOO))
     plan = Plan.parse(plan, **options)
     if plan.dtype is not None and TORCH_DTYPES[plan.dtype] != model.dtype:
         raise PlanError(

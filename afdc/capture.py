@@ -9,7 +9,7 @@ key lengths, on real or meta tensors.
 A stateful token mixer (a convolution window, an SSM or linear-attention state kept from step to
 step) is found by what its forward does with the cache: the stand-in cache below answers nothing
 of per-layer state, and the module whose forward asks for it is made one ``afdc::mixer`` op per
-call (:mod:`afdc.mixer`), whose Python loops then stay out of the graph.
+call (:mod:`afdc.mixer_site`), whose Python loops then stay out of the graph.
 
 The graph's inputs are ``input_ids [b, s]``, ``attention_mask [b, kv]`` and ``position_ids [b, s]``,
 where the queries are the last ``s`` of the ``kv`` positions: the same graph runs prefill
@@ -40,7 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from afdc import ops
 from afdc.errors import UnsupportedModelError
-from afdc.mixer import MixerSite
+from afdc.mixer_site import MixerSite
 
 IMPLEMENTATION = "afdc"
 INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")

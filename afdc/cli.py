@@ -9,9 +9,24 @@ import click
 
 import afdc
 from afdc.errors import AfdcError
+from afdc.runtime.options import ConnectorKind
 
 
-@click.group()
+class _Commands(click.Group):
+    """Every command's afdc errors as one line and exit code 2, not a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except AfdcError as err:
+            click.echo(f"error: {err}", err=True)
+            sys.exit(2)
+
+
+_CONNECTORS = click.Choice([k.value for k in ConnectorKind])
+
+
+@click.group(cls=_Commands)
 @click.version_option(afdc.__version__, prog_name="afdc")
 def main() -> None:
     """afdc: automatic Attention-FFN Disaggregation for Hugging Face decoder models."""
@@ -32,19 +47,15 @@ def inspect(model: str | None, demo: bool, plan: str, router: str, as_json: bool
     """
     if demo == (model is not None):
         raise click.UsageError("give either MODEL or --demo")
-    try:
-        if demo:
-            _inspect_demo(plan, router, as_json)
-        else:
-            from afdc.api import build
-            from afdc.source import empty_model, load_config
+    if demo:
+        _inspect_demo(plan, router, as_json)
+    else:
+        from afdc.api import build
+        from afdc.source import empty_model, load_config
 
-            report = build(empty_model(load_config(model)), afdc.Plan.parse(plan, router=router)).report
-            report.model = model
-            click.echo(report.to_json() if as_json else str(report))
-    except AfdcError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+        report = build(empty_model(load_config(model)), afdc.Plan.parse(plan, router=router)).report
+        report.model = model
+        click.echo(report.to_json() if as_json else str(report))
 
 
 @main.command(name="compile")
@@ -79,14 +90,10 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
     """
     from afdc.compile import compile_model
 
-    try:
-        plan = afdc.Plan.parse(plan_text, ffn_parallel=ffn_parallel, dense_ffn=dense_ffn, attention_tp=attn_tp,
-                               router=router, micro_batches=micro_batches, dtype=dtype, backend=backend)
-        manifest = compile_model(model, plan, output, weights=not no_weights, revision=revision, force=force,
-                                 progress=not quiet)
-    except AfdcError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+    plan = afdc.Plan.parse(plan_text, ffn_parallel=ffn_parallel, dense_ffn=dense_ffn, attention_tp=attn_tp,
+                           router=router, micro_batches=micro_batches, dtype=dtype, backend=backend)
+    manifest = compile_model(model, plan, output, weights=not no_weights, revision=revision, force=force,
+                             progress=not quiet)
     splits = sorted({lay.ffn_split for lay in manifest.layers})
     size = sum(f.bytes for f in manifest.files)
     click.echo(
@@ -107,7 +114,7 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
 @click.option("--rank", type=int, default=0, show_default=True, help="Rank within the role.")
 @click.option("--rendezvous", help="HOST:PORT of the deployment's store (hosted by attention rank 0); "
               "required unless --connector loopback.")
-@click.option("--connector", type=click.Choice(["gloo", "nccl", "shm", "cuda-ipc", "loopback"]), default="gloo",
+@click.option("--connector", type=_CONNECTORS, default="gloo",
               show_default=True,
               help="Transport between the roles (nccl: GPU to GPU, one GPU per rank, with --device cuda:N; shm: "
                    "same host only; cuda-ipc: same host, GPU to GPU through shared device memory, --device cuda; "
@@ -142,34 +149,31 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
     steps run the rank's attention program; attention rank 0 hosts the rendezvous store. Arguments
     after `--` go to `vllm serve` (e.g. -- --max-num-seqs 64 --enable-prefix-caching).
     """
-    if connector != "loopback" and not rendezvous:
+    connector = ConnectorKind(connector)
+    if not connector.in_process and not rendezvous:
         raise click.UsageError(
             "--rendezvous HOST:PORT is required (or --connector loopback for a monolithic attention rank)"
         )
-    try:
-        if role == "attn":
-            from afdc.serve.launch import serve_attention
-            from afdc.serve.settings import WorkerSettings
+    if role == "attn":
+        from afdc.serve.settings import WorkerSettings
+        from afdc.serve.up import serve_attention
 
-            settings = WorkerSettings(
-                artifact, rank, connector, rendezvous, host_rendezvous=rank == 0 and connector != "loopback",
-                token=token, timeout=timeout, join_timeout=join_timeout, micro_batches=micro_batches,
-                kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
-            )
-            serve_attention(settings, host, port, vllm_args)
-        if connector == "loopback":
-            raise click.UsageError("an FFN rank serves attention ranks over gloo or shm, not loopback")
-        if vllm_args:
-            raise click.UsageError(f"unexpected arguments for an FFN rank: {' '.join(vllm_args)}")
-        from afdc.artifact.load import serve_ffn_rank
-        from afdc.runtime.options import RuntimeOptions
+        settings = WorkerSettings(
+            artifact, rank, connector, rendezvous, host_rendezvous=rank == 0 and not connector.in_process,
+            token=token, timeout=timeout, join_timeout=join_timeout, micro_batches=micro_batches,
+            kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
+        )
+        serve_attention(settings, host, port, vllm_args)
+    if connector.in_process:
+        raise click.UsageError("an FFN rank serves attention ranks over gloo or shm, not loopback")
+    if vllm_args:
+        raise click.UsageError(f"unexpected arguments for an FFN rank: {' '.join(vllm_args)}")
+    from afdc.runtime.options import RuntimeOptions
+    from afdc.serve.ffn import serve_ffn_rank
 
-        options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
-                                 join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets)
-        serve_ffn_rank(artifact, rank, options, device, backend)
-    except AfdcError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+    options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
+                             join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets)
+    serve_ffn_rank(artifact, rank, options, device, backend)
 
 
 @main.command(context_settings=_VLLM_ARGS)
@@ -178,7 +182,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the OpenAI servers bind.")
 @click.option("--port", type=int, default=8000, show_default=True,
               help="Port of the OpenAI API (several attention ranks serve on the next ports, behind a router).")
-@click.option("--connector", type=click.Choice(["shm", "cuda-ipc", "gloo", "loopback"]), default="shm",
+@click.option("--connector", type=_CONNECTORS, default="shm",
               show_default=True,
               help="Transport between the roles (cuda-ipc: with --device cuda; loopback: monolithic, no FFN "
                    "processes).")
@@ -206,48 +210,44 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
     from pathlib import Path
 
     from afdc.runtime.rendezvous import free_port
-    from afdc.serve.launch import Deployment, check_serving_environment
     from afdc.serve.settings import WorkerSettings
+    from afdc.serve.up import Deployment, check_serving_environment
 
     if demo and artifact is not None:  # `up --demo -- ARGS`: click fills the optional ARTIFACT first
         artifact, vllm_args = None, (artifact, *vllm_args)
     if demo == (artifact is not None):
         raise click.UsageError("give either ARTIFACT or --demo")
-    try:
-        check_serving_environment()
-        if demo:
-            from afdc.demo import demo_artifact
+    check_serving_environment()
+    if demo:
+        from afdc.demo import demo_artifact
 
-            artifact = demo_artifact(say=click.echo)
-        settings = WorkerSettings(
-            str(artifact), connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
-            micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
-        )
-        if log_dir:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-        deployment = Deployment(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None,
-                                token_buckets)
-        stop = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.append(True))
-        try:
-            url = deployment.start(startup_timeout, click.echo)
-            click.echo(f"ready: OpenAI API at {url}/v1")
-            click.echo("Ctrl-C stops every role")
-            while not stop:
-                gone = deployment.failed()
-                if gone is not None and not gone.startswith("ffn"):
-                    raise AfdcError(f"{gone} exited; stopping the other roles")
-                if gone is not None:  # stateless: the attention ranks regroup with the new process
-                    click.echo(f"{gone} exited (code {deployment.processes[gone].returncode}); restarting it")
-                    deployment.restart(gone)
-                time.sleep(0.5)
-        finally:
-            click.echo("stopping every role")
-            deployment.stop()
-    except AfdcError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+        artifact = demo_artifact(say=click.echo)
+    settings = WorkerSettings(
+        str(artifact), connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
+        micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
+    )
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    deployment = Deployment(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None,
+                            token_buckets)
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    try:
+        url = deployment.start(startup_timeout, click.echo)
+        click.echo(f"ready: OpenAI API at {url}/v1")
+        click.echo("Ctrl-C stops every role")
+        while not stop:
+            gone = deployment.failed()
+            if gone is not None and not gone.startswith("ffn"):
+                raise AfdcError(f"{gone} exited; stopping the other roles")
+            if gone is not None:  # stateless: the attention ranks regroup with the new process
+                click.echo(f"{gone} exited (code {deployment.processes[gone].returncode}); restarting it")
+                deployment.restart(gone)
+            time.sleep(0.5)
+    finally:
+        click.echo("stopping every role")
+        deployment.stop()
 
 
 def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
@@ -290,25 +290,21 @@ def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense
     from afdc.hardware import get_profile, load_profiles
     from afdc.source import empty_model, load_config
 
-    try:
-        if plot_path:
-            planner.require_matplotlib()  # before the capture, not after
-        profiles = load_profiles(hw_file)
-        hw_a, hw_f = get_profile(attn_hw, profiles), get_profile(ffn_hw, profiles)
-        dm, layers = planner.split_for_planning(empty_model(load_config(model)))
+    if plot_path:
+        planner.require_matplotlib()  # before the capture, not after
+    profiles = load_profiles(hw_file)
+    hw_a, hw_f = get_profile(attn_hw, profiles), get_profile(ffn_hw, profiles)
+    dm, layers = planner.split_for_planning(empty_model(load_config(model)))
 
-        def plan_at(ctx: int) -> planner.PlanResult:
-            facts = planner.model_facts(dm, ctx, weight_dtype, kv_dtype, name=model, layers=layers)
-            return planner.plan(facts, hw_a, hw_f, tpot_ms, planner.Assumptions(dense_ffn=dense_ffn))
+    def plan_at(ctx: int) -> planner.PlanResult:
+        facts = planner.model_facts(dm, ctx, weight_dtype, kv_dtype, name=model, layers=layers)
+        return planner.plan(facts, hw_a, hw_f, tpot_ms, planner.Assumptions(dense_ffn=dense_ffn))
 
-        result = plan_at(context)
-        click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
-        if plot_path:
-            _plot(planner, result, plan_at, plot_path)
-            click.echo(f"plot written to {plot_path}", err=as_json)
-    except AfdcError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+    result = plan_at(context)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
+    if plot_path:
+        _plot(planner, result, plan_at, plot_path)
+        click.echo(f"plot written to {plot_path}", err=as_json)
 
 
 def _plot(planner, result, plan_at, path: str) -> None:

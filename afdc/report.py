@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.fx as fx
 
-from afdc.mixer import MixerSite
+from afdc.mixer_site import MixerSite
 from afdc.ops import AttentionCall
 from afdc.partition.cut import Cut
 from afdc.passes import graph_facts as gf

@@ -23,8 +23,8 @@ import torch
 import afdc
 from afdc.lowering.attention_slots import attention_slots
 from afdc.lowering.sampled_rows import sample_rows_only
-from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
+from afdc.runtime import link as connectors
 from afdc.runtime.paged import PagedBatch, PagedKVStore
 from afdc.runtime.programs import combine
 

@@ -59,7 +59,7 @@ import torch.fx as fx
 
 import afdc
 from afdc.runtime.exchange import AttentionEndpoint
-from afdc.runtime.launch import LocalCluster
+from afdc.runtime.local_cluster import LocalCluster
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous

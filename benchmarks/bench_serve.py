@@ -39,8 +39,8 @@ import torch
 from afdc.compile import compile_model
 from afdc.demo import demo_tokenizer, save_demo
 from afdc.runtime.rendezvous import free_port
-from afdc.serve.launch import Deployment
 from afdc.serve.settings import WorkerSettings
+from afdc.serve.up import Deployment
 
 CONFIGS = [("monolithic", "loopback", 1), ("AFD 1A1F m=1", "shm", 1), ("AFD 1A1F m=2", "shm", 2)]
 

@@ -22,7 +22,7 @@ from afdc.ops import body_of
 from afdc.ops.attention import attention_body
 from afdc.partition.mincut import FlowGraph
 from afdc.passes.graph_facts import op_name
-from afdc.runtime import connector as connectors
+from afdc.runtime import link as connectors
 from afdc.runtime.model import positions_from_mask
 from afdc.runtime.programs import combine
 from afdc.segment import Dispatch, Share

@@ -22,7 +22,7 @@ import torch
 
 import afdc
 from afdc.api import build
-from afdc.runtime import connector as connectors
+from afdc.runtime import link as connectors
 from afdc.runtime import wire
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import JoinError, Layout, PeerLost, Rendezvous, free_port

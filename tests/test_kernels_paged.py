@@ -13,8 +13,8 @@ import afdc
 from afdc.codegen import paged_attention
 from afdc.lowering.attention_slots import attention_slots
 from afdc.ops import SlotSpec
-from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache, paged
+from afdc.runtime import link as connectors
 from afdc.runtime.paged import (
     PagedBatch,
     PagedKVStore,

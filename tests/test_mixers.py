@@ -15,11 +15,11 @@ from afdc.artifact.manifest import read_manifest
 from afdc.lowering.attention_slots import attention_slots, program_slots
 from afdc.lowering.cache_positions import positions_as_cache_positions
 from afdc.ops import MixerCall
-from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
+from afdc.runtime import link as connectors
 from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore, PagedRows
 from afdc.runtime.programs import combine
-from afdc.serve.launch import check_servable
+from afdc.serve.up import check_servable
 from models_supported import catalog
 
 NEW_TOKENS = 8

@@ -20,8 +20,8 @@ from afdc.lowering.attention_slots import attention_slots
 from afdc.lowering.cache_positions import positions_as_cache_positions
 from afdc.lowering.sampled_rows import sample_rows_only
 from afdc.ops import AttentionCall, SlotSpec, reference_attention
-from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
+from afdc.runtime import link as connectors
 from afdc.runtime.paged import PagedBatch, PagedKVStore
 from afdc.runtime.programs import combine
 

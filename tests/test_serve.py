@@ -33,8 +33,8 @@ from afdc.cli import main  # noqa: E402
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
 from afdc.runtime.rendezvous import free_port  # noqa: E402
-from afdc.serve.launch import Deployment, wait_healthy  # noqa: E402
 from afdc.serve.settings import WorkerSettings  # noqa: E402
+from afdc.serve.up import Deployment, wait_healthy  # noqa: E402
 from models_supported.catalog import build, entry  # noqa: E402
 
 NEW_TOKENS = 6

@@ -1,7 +1,6 @@
 """Loading a compiled artifact: each rank's program bound to its own weights, read from the files.
 
-:func:`load` gives one rank, :func:`load_deployment` every rank in this process,
-:func:`serve_ffn_rank` runs an FFN rank as a server. The manifest's format version and the
+:func:`load` gives one rank, :func:`load_deployment` every rank in this process. The manifest's format version and the
 SHA-256 of every file read are checked first (:mod:`afdc.artifact.manifest`).
 """
 
@@ -9,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,12 +17,11 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from afdc.artifact import manifest as mf
 from afdc.artifact.program_source import load_program
 from afdc.runtime.exchange import deployment_id
-from afdc.runtime.mixers import Mixers
+from afdc.runtime.mixer_modules import Mixers
 from afdc.runtime.model import DisaggregatedModel, ModelTraits
-from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.options import ConnectorKind
 from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.rendezvous import Layout
-from afdc.runtime.server import serve_program
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.segment import SegmentBinding
 
@@ -138,7 +135,10 @@ def deployment_of(directory: str | Path) -> tuple[Layout, bytes]:
 
 
 def load_deployment(
-    directory: str | Path, device: str | torch.device = "cpu", connector: str = "gloo", backend: str | None = None
+    directory: str | Path,
+    device: str | torch.device = "cpu",
+    connector: ConnectorKind | str = ConnectorKind.GLOO,
+    backend: str | None = None,
 ) -> DisaggregatedModel:
     """Every rank of an artifact in this process, joined by the loopback connector;
     ``dm.launch()`` moves the FFN ranks to server processes over ``connector``."""
@@ -177,11 +177,3 @@ class FFNRankLoader:
 
     def __call__(self, rank: int) -> FFNProgram:
         return load(self.directory, "ffn", rank, self.device, self.backend)
-
-
-def serve_ffn_rank(
-    directory: str | Path, rank: int, options: RuntimeOptions, device: str = "cpu", backend: str | None = None
-) -> NoReturn:
-    """Run FFN rank ``rank`` of a compiled artifact until stopped (``afdc serve --role ffn``)."""
-    layout, deployment = deployment_of(directory)
-    serve_program(load(directory, "ffn", rank, device, backend), layout, deployment, options)

@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 import torch.fx as fx
 
 from afdc.errors import AfdcError
-from afdc.mixer import MixerSite, StateTensor
+from afdc.mixer_site import MixerSite, StateTensor
 from afdc.plan import Plan
 from afdc.segment import Dispatch, ExpertRouting, Segment, Split
 

@@ -25,13 +25,13 @@ from afdc.ops.attention import (
     reference_attention,
     sampled_rows,
 )
-from afdc.ops.connector import RecvCall, SendCall, recv, send
 from afdc.ops.mixer import MixerCall, mixer
 from afdc.ops.parallel import (
     gather_local,
     grouped_mm_local,
     tp_all_reduce,
 )
+from afdc.ops.send_recv import RecvCall, SendCall, recv, send
 from afdc.ops.slot import SlotSpec
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
+from afdc.runtime import link as connectors
 from afdc.runtime.exchange import AttentionEndpoint, RemoteConnector
 from afdc.runtime.programs import AttentionProgram, FFNProgram, combine
 from afdc.runtime.tensor_parallel import TensorParallelAttention

@@ -19,7 +19,7 @@ import time
 import torch
 
 from afdc.runtime import wire
-from afdc.runtime.connector import Connector
+from afdc.runtime.link import Connector
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError

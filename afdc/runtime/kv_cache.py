@@ -39,7 +39,7 @@ class KVCache:
         return keys
 
     def run_mixer(self, mixers, slot, hidden, mask, run) -> torch.Tensor:
-        """A stateful mixer's call (:mod:`afdc.runtime.mixers`): the batch's rows are these
+        """A stateful mixer's call (:mod:`afdc.runtime.mixer_modules`): the batch's rows are these
         sequences, whose state lives here from their first step on."""
         if self._mixer_states is None:
             self._mixer_states = mixers.new_state()

@@ -14,19 +14,19 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
 
 from afdc.errors import AfdcError
-from afdc.runtime import connector as connectors
 from afdc.runtime import generation, kv_cache
+from afdc.runtime import link as connectors
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch, run_concurrently
 from afdc.runtime.exchange import AttentionEndpoint
-from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.options import ConnectorKind, RuntimeOptions
 from afdc.runtime.programs import AttentionProgram, FFNProgram, device_of
 from afdc.runtime.rendezvous import Layout, Rendezvous
 from afdc.runtime.tensor_parallel import TensorParallelAttention
@@ -119,7 +119,7 @@ class DisaggregatedModel:
         micro_batches: int = 1,
         deployment: bytes = b"",
         ffn_source: Callable[[int], FFNProgram] | None = None,
-        connector: str = "gloo",
+        connector: ConnectorKind | str = ConnectorKind.GLOO,
     ):
         self.attention_ranks = attention
         self.ffn_ranks = ffn
@@ -133,9 +133,7 @@ class DisaggregatedModel:
         self.deployment = deployment  # the id every rank of a launched deployment checks
         # how a launched FFN server gets rank r's program (None: this process's, through shared memory)
         self.ffn_source = ffn_source
-        if connector != "loopback":
-            transport_class(connector)  # an unknown name is refused here, not at launch()
-        self.connector = connector  # the transport launch() uses unless told otherwise
+        self.connector = ConnectorKind.parse(connector)  # what launch() uses unless told otherwise
         self.max_positions = traits.max_positions  # the longest key length the programs are valid for (None: any)
         self.default_positions = traits.default_positions  # used when a call gives no position_ids
         dispatch = [self.ffn.dispatch(layer) for layer in range(len(self.ffn.layers))]
@@ -180,7 +178,7 @@ class DisaggregatedModel:
         first call.
         """
         self.disconnect()
-        if options.connector == "loopback":
+        if options.connector.in_process:
             return
         if host:
             self._store_host = Rendezvous(
@@ -202,20 +200,17 @@ class DisaggregatedModel:
         self._store_host = None
 
     @contextlib.contextmanager
-    def launch(self, connector: str | None = None, **options) -> Iterator:
+    def launch(self, connector: ConnectorKind | str | None = None, **options) -> Iterator:
         """Start every FFN rank as a local process and run the FFN layers there.
 
-        Yields the :class:`afdc.runtime.launch.LocalCluster` (to watch, kill or restart ranks);
+        Yields the :class:`afdc.runtime.local_cluster.LocalCluster` (to watch, kill or restart ranks);
         on exit the servers are stopped and the FFN side is in-process again.
         """
-        from afdc.runtime.launch import LocalCluster
+        from afdc.runtime.local_cluster import LocalCluster
 
-        connector = connector or self.connector
-        if connector == "loopback":
-            raise AfdcError(
-                "the loopback connector runs the FFN ranks in this process; launch them with 'gloo' or 'shm'"
-            )
-        cluster = LocalCluster(self, RuntimeOptions(connector=connector, **options))
+        options = RuntimeOptions(connector=connector or self.connector, **options)
+        transport_class(options.connector)  # the loopback connector has no processes to launch
+        cluster = LocalCluster(self, options)
         try:
             self.connect(cluster.options)
             yield cluster

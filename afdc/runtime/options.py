@@ -3,11 +3,42 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+
+from afdc.errors import AfdcError
+
+
+class ConnectorKind(str, Enum):
+    """What carries activations between the attention and the FFN side: the one list of them,
+    from the CLI's choices to the transport registry (:mod:`afdc.runtime.transport`)."""
+
+    GLOO = "gloo"  # torch.distributed over TCP: any hosts
+    NCCL = "nccl"  # GPU to GPU, any hosts
+    SHM = "shm"  # shared memory, same host
+    CUDA_IPC = "cuda-ipc"  # GPU memory shared between processes, same host
+    LOOPBACK = "loopback"  # no link: the FFN programs run in the attention rank's process (monolithic)
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the FFN side runs in the attention rank's own process (no servers, no store)."""
+        return self is ConnectorKind.LOOPBACK
+
+    @classmethod
+    def parse(cls, value: str | ConnectorKind) -> ConnectorKind:
+        """``value`` as a kind, or an error naming the kinds there are."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(k.value for k in cls)
+            raise AfdcError(f"unknown connector {value!r}; choose one of {names}") from None
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    connector: str = "gloo"  # "gloo", "nccl" (GPU to GPU), "shm" (same host), "cuda-ipc" (GPUs, same host), "loopback"
+    connector: ConnectorKind = ConnectorKind.GLOO  # what carries the activations (a name is parsed)
     rendezvous: str | None = None  # HOST:PORT of the store; None: the launcher picks a free local port
     token: str | None = None  # shared deployment secret; None: $AFDC_TOKEN
     timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
@@ -20,3 +51,6 @@ class RuntimeOptions:
     token_buckets: int = 0
     gather: float = 2e-3  # FFN: seconds a layer's message waits for the other attention ranks' (one FFN run)
     log_interval: float = 30.0  # seconds between metrics log lines (0: never)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))

@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from afdc.codegen.paged_attention import decode_kernel_runs, paged_decode_attention
-from afdc.mixer import MixerSite
+from afdc.mixer_site import MixerSite
 from afdc.ops import SlotSpec, causal_mask, reference_attention
 
 # -- the cache ------------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ class PagedBatch:
             )
 
     def run_mixer(self, mixers, slot: int, hidden: torch.Tensor, mask, run) -> torch.Tensor:
-        """A stateful mixer's call (:mod:`afdc.runtime.mixers`) over the flat ``[1, T, d]`` step:
+        """A stateful mixer's call (:mod:`afdc.runtime.mixer_modules`) over the flat ``[1, T, d]`` step:
         the decoding requests together, one row each; every other request alone (its state
         loaded when it has computed tokens: a later prefill chunk, a resumed decode)."""
         if self.mixer_store is None or slot not in self.state_blocks:

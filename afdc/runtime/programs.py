@@ -89,7 +89,7 @@ class AttentionProgram(torch.nn.Module):
 
     Its graph sends each FFN layer's inputs and receives its outputs through the active
     connector; attention ops read and extend the active KV cache; stateful-mixer ops run through
-    ``mixers`` (:mod:`afdc.runtime.mixers`), whose state the active KV cache keeps.
+    ``mixers`` (:mod:`afdc.runtime.mixer_modules`), whose state the active KV cache keeps.
 
     It runs in two stages (:mod:`afdc.lowering.lm_head`): :meth:`body`, everything up to the LM
     head, once per micro-batch, then :meth:`finish`, the head once over every micro-batch's rows.

@@ -27,8 +27,8 @@ import torch.utils._pytree as pytree
 
 from afdc.errors import AfdcError
 from afdc.ops.context import group_active
-from afdc.runtime import connector as connectors
 from afdc.runtime import kv_cache
+from afdc.runtime import link as connectors
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class HealthGate:
         self._problem, self._read_at = "", 0.0
 
     def _gated(self) -> bool:
-        return self.settings is not None and self.settings.connector != "loopback"
+        return self.settings is not None and not self.settings.connector.in_process
 
     def _read(self) -> str:
         if self._rendezvous is None:

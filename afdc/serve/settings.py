@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from afdc.runtime.options import ConnectorKind
+
 ENV = "AFDC_SERVE_SETTINGS"
 
 
@@ -17,7 +19,7 @@ ENV = "AFDC_SERVE_SETTINGS"
 class WorkerSettings:
     artifact: str  # the compiled artifact directory
     rank: int = 0  # attention rank
-    connector: str = "gloo"  # "gloo", "nccl", "shm", or "loopback": the FFN layers run in this process (monolithic)
+    connector: ConnectorKind = ConnectorKind.GLOO  # loopback: the FFN layers run in this process (monolithic)
     rendezvous: str | None = None  # HOST:PORT of the deployment's store
     host_rendezvous: bool = False  # this rank hosts the store (attention rank 0 when started by hand)
     token: str | None = None  # the deployment secret; None: $AFDC_TOKEN
@@ -29,8 +31,11 @@ class WorkerSettings:
     device: str = "cpu"
     backend: str | None = None  # what runs the programs (afdc.lowering.backends); None: the artifact's plan
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
+
     def to_env(self) -> dict[str, str]:
-        return {ENV: json.dumps(asdict(self))}
+        return {ENV: json.dumps({**asdict(self), "connector": self.connector.value})}
 
     def open_rendezvous(self, host: bool = False):
         """This deployment's rendezvous store, reached (or hosted) within ``join_timeout``."""

@@ -47,9 +47,9 @@ from afdc.runtime.paged import (
 )
 from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.tensor_parallel import TensorParallelAttention
-from afdc.serve.launch import check_servable
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
+from afdc.serve.up import check_servable
 
 logger = logging.getLogger("vllm.afdc.worker")  # vLLM prints plugin logs under its own hierarchy
 
@@ -119,7 +119,7 @@ class AfdcWorker(WorkerBase):
         self.mixers = manifest.mixers
         program = load(directory, "attn", s.rank, self.device, backend="eager")
         dispatch = [manifest.segments[lay.segment].dispatch() for lay in manifest.layers]
-        in_process = s.connector == "loopback"
+        in_process = s.connector.in_process
         ffn = [load(directory, "ffn", r, self.device, s.backend) for r in range(manifest.plan.ffn_ranks)]
         ffn = ffn if in_process else []
         self.attention = AttentionRank(s.rank, program, ffn, dispatch)

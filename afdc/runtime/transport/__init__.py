@@ -9,21 +9,23 @@ each medium is its own module (:mod:`~afdc.runtime.transport.gloo`, :mod:`~afdc.
 from __future__ import annotations
 
 from afdc.errors import AfdcError
+from afdc.runtime.options import ConnectorKind
 from afdc.runtime.transport.base import Transport
 from afdc.runtime.transport.cuda_ipc import CudaIpcTransport
 from afdc.runtime.transport.gloo import GlooTransport
 from afdc.runtime.transport.nccl import NcclTransport
 from afdc.runtime.transport.shm import ShmTransport
 
-REGISTRY: dict[str, type[Transport]] = {
-    "cuda-ipc": CudaIpcTransport,
-    "gloo": GlooTransport,
-    "nccl": NcclTransport,
-    "shm": ShmTransport,
+REGISTRY: dict[ConnectorKind, type[Transport]] = {
+    ConnectorKind.CUDA_IPC: CudaIpcTransport,
+    ConnectorKind.GLOO: GlooTransport,
+    ConnectorKind.NCCL: NcclTransport,
+    ConnectorKind.SHM: ShmTransport,
 }
 
 
-def transport_class(name: str) -> type[Transport]:
-    if name not in REGISTRY:
-        raise AfdcError(f"unknown connector {name!r}; choose one of {sorted(REGISTRY)} (or 'loopback' in-process)")
-    return REGISTRY[name]
+def transport_class(kind: ConnectorKind) -> type[Transport]:
+    """The transport that carries ``kind`` between processes."""
+    if kind.in_process:
+        raise AfdcError("the loopback connector runs the FFN ranks in this process; launch them with 'gloo' or 'shm'")
+    return REGISTRY[kind]

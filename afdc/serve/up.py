@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NoReturn
 
 from afdc.artifact.manifest import VOCABULARY_FILES, Manifest, read_manifest
 from afdc.errors import AfdcError, UnsupportedModelError
@@ -92,11 +93,22 @@ def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args:
     return argv
 
 
-def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> None:
+def ffn_command(settings: WorkerSettings, rank: int, token_buckets: int = 0) -> list[str]:
+    """The command that runs FFN rank ``rank`` of ``settings``' deployment (``afdc serve --role ffn``)."""
+    s = settings
+    return [
+        sys.executable, "-m", "afdc.cli", "serve", s.artifact, "--role", "ffn", "--rank", str(rank),
+        "--rendezvous", s.rendezvous, "--connector", s.connector.value, "--timeout", str(s.timeout),
+        "--join-timeout", str(s.join_timeout), "--device", s.device,
+        "--token-buckets", str(token_buckets), *(["--backend", s.backend] if s.backend else []),
+    ]
+
+
+def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> NoReturn:
     """Become attention rank ``settings.rank``'s OpenAI server (this process is replaced)."""
     check_serving_environment()
     argv = attention_command(settings, host, port, vllm_args)
-    if settings.connector != "loopback" and not settings.host_rendezvous:
+    if not settings.connector.in_process and not settings.host_rendezvous:
         # reach the store here (TCPStore retries with backoff), rather than fail as a trace from vLLM's engine
         settings.open_rendezvous()
     os.execve(argv[0], argv, {**os.environ, **settings.to_env()})
@@ -155,20 +167,15 @@ class Deployment:
         plan = manifest.plan
         s = self.settings
         env = {**os.environ, "AFDC_TOKEN": s.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
-        if s.connector != "loopback":
+        if not s.connector.in_process:
             for r in range(plan.ffn_ranks):
                 say(f"starting FFN rank {r} of {plan.ffn_ranks}")
-                self._spawn(f"ffn-{r}", [
-                    sys.executable, "-m", "afdc.cli", "serve", str(self.artifact), "--role", "ffn", "--rank", str(r),
-                    "--rendezvous", s.rendezvous, "--connector", s.connector, "--timeout", str(s.timeout),
-                    "--join-timeout", str(s.join_timeout), "--device", s.device,
-                    "--token-buckets", str(self.token_buckets), *(["--backend", s.backend] if s.backend else []),
-                ], env)
+                self._spawn(f"ffn-{r}", ffn_command(s, r, self.token_buckets), env)
         # one rank serves on --port itself; several serve beside it, behind a router on --port
         ports = [self.port] if plan.attention_ranks == 1 else [self.port + 1 + a for a in range(plan.attention_ranks)]
         for a, port in enumerate(ports):
             say(f"starting attention rank {a} of {plan.attention_ranks} (vLLM engine) on port {port}")
-            settings = replace(s, rank=a, host_rendezvous=a == 0 and s.connector != "loopback", token=None)
+            settings = replace(s, rank=a, host_rendezvous=a == 0 and not s.connector.in_process, token=None)
             argv = attention_command(settings, self.host, port, self.vllm_args)
             self._spawn(f"attn-{a}", argv, {**env, **settings.to_env()})
         deadline = time.monotonic() + startup_timeout

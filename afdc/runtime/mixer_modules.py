@@ -1,6 +1,6 @@
 """The attention program's stateful mixers: each ``afdc::mixer`` call site run with the model's own code.
 
-A call runs the module the site names (:class:`afdc.mixer.MixerSite`) with the weights the op
+A call runs the module the site names (:class:`afdc.mixer_site.MixerSite`) with the weights the op
 passes (``torch.func.functional_call``), handing it the cache the model's forward would build (a
 cache class of the model's own where its modeling code defines one, as MiniMax's; else
 transformers' ``DynamicCache`` from the config): the module reads and writes its own layer's
@@ -23,7 +23,7 @@ from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PretrainedConfig
 
 from afdc.errors import AfdcError
-from afdc.mixer import MixerSite, StateTensor
+from afdc.mixer_site import MixerSite, StateTensor
 from afdc.ops.context import current_cache
 
 
