@@ -11,13 +11,17 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 import afdc
 
 ROOT = Path(afdc.__file__).parent
 
 # Lowest first. A module may import modules of its own layer and of the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("afdc.errors", "afdc.version", "afdc.plan", "afdc.hardware", "afdc.segment", "afdc.mixer_site", "afdc.ops")),
+    ("base", (
+        "afdc.errors", "afdc.version", "afdc.plan", "afdc.hardware", "afdc.segment", "afdc.mixer_site", "afdc.ops",
+    )),
     ("kernels", ("afdc.codegen",)),
     ("capture", ("afdc.capture",)),
     ("passes", ("afdc.passes",)),
@@ -62,6 +66,18 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     return found
 
 
+# Beyond the layers: what a package must not import although the table would allow it.
+FORBIDDEN: list[tuple[tuple[str, ...], str, str]] = [
+    (("afdc.runtime", "afdc.serve"), "afdc.passes",
+     "the runtime and the serving side take programs as they are lowered; graph analyses decide the split"),
+]
+
+
+def _within(module: str, prefixes: tuple[str, ...] | str) -> bool:
+    prefixes = (prefixes,) if isinstance(prefixes, str) else prefixes
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
 def _graph() -> dict[str, set[str]]:
     mods = _modules()
     return {name: _imports(name, path, mods) for name, path in mods.items()}
@@ -92,6 +108,22 @@ def test_imports_point_down_the_layers():
     assert not wrong, "imports pointing up the layers:\n" + "\n".join(sorted(wrong))
 
 
+def _forbidden(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} imports {t}: {why}"
+        for importers, banned, why in FORBIDDEN
+        for m, targets in graph.items()
+        if _within(m, importers)
+        for t in targets
+        if _within(t, banned)
+    )
+
+
+def test_no_forbidden_imports():
+    wrong = _forbidden(_graph())
+    assert not wrong, "forbidden imports:\n" + "\n".join(wrong)
+
+
 def test_no_import_cycles():
     graph = _graph()
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -112,15 +144,27 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-def test_the_checker_sees_a_wrong_way_import(tmp_path, monkeypatch):
-    """The rule is live: a kernel module importing the runtime is reported."""
+def _planted(tmp_path, monkeypatch, module: str, source: str) -> dict[str, set[str]]:
+    """The package's import graph with one more module, ``module``, holding ``source``."""
     fake = tmp_path / "afdc"
     for path in ROOT.rglob("*.py"):
         target = fake / path.relative_to(ROOT)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(path.read_text())
-    (fake / "codegen" / "bad.py").write_text("from afdc.runtime import programs\n")
+    (fake / Path(*module.split(".")[1:])).with_suffix(".py").write_text(source)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
-    graph = _graph()
+    return _graph()
+
+
+@pytest.mark.parametrize("importer", ["afdc.runtime.bad", "afdc.serve.bad"])
+def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch, importer):
+    """Each rule beyond the layers is live: a planted import of a graph analysis is reported."""
+    graph = _planted(tmp_path, monkeypatch, importer, "from afdc.passes import classify\n")
+    assert any(w.startswith(f"{importer} imports afdc.passes.classify") for w in _forbidden(graph))
+
+
+def test_the_checker_sees_a_wrong_way_import(tmp_path, monkeypatch):
+    """The rule is live: a kernel module importing the runtime is reported."""
+    graph = _planted(tmp_path, monkeypatch, "afdc.codegen.bad", "from afdc.runtime import programs\n")
     assert "afdc.runtime.programs" in graph["afdc.codegen.bad"]
     assert _layer("afdc.runtime.programs") > _layer("afdc.codegen.bad")
