@@ -150,17 +150,14 @@ class QuantScheme:
         return tuple(dict.fromkeys(p.format for p in self.parameters))
 
     def describe(self) -> str:
-        """One line for reports: the method and each format with its blocks."""
-        kinds = dict.fromkeys(f"{p.format.value} {'x'.join(map(str, _nontrivial(p)))}" for p in self.parameters)
+        """One line for reports: the method and its formats (fp8 blocks with their size)."""
+        kinds = dict.fromkeys(
+            f"{p.format.value} {'x'.join(map(str, p.block[-2:]))}"
+            if p.format is QuantFormat.FP8_BLOCK
+            else p.format.value
+            for p in self.parameters
+        )
         return f"{self.method}: {len(self.parameters)} quantized parameters ({', '.join(kinds)})"
-
-
-def _nontrivial(parameter: QuantizedParameter) -> tuple[int, ...]:
-    """The block without its leading 1s (an expert's block is its matrix block)."""
-    block = list(parameter.block)
-    while len(block) > 2 and block[0] == 1:
-        block.pop(0)
-    return tuple(block)
 
 
 # -- the config --------------------------------------------------------------------------------------
@@ -423,9 +420,8 @@ def recognise(
                 f"(modules_to_not_convert / ignore: {', '.join(rules.not_converted)})"
             )
     to_parameter = _parameter_names(model)
-    weights = [_with_parameter(w, to_parameter(w.name)) for w in weights]
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    parameters = _parameters(weights, shapes)
+    weights = [_with_parameter(w, to_parameter(w.parameter)) for w in weights]
+    parameters = _parameters(weights, model)
     return QuantScheme(rules.method, rules.activation_scheme, rules.not_converted, parameters, tuple(weights))
 
 
@@ -579,8 +575,13 @@ def _parameter_names(model: nn.Module) -> Callable[[str], str]:
     return rename
 
 
-def _parameters(weights: list[QuantizedWeight], shapes: dict[str, tuple[int, ...]]) -> tuple[QuantizedParameter, ...]:
-    """Group checkpoint tensors by the parameter they make, each block set along its dims."""
+def _parameters(weights: list[QuantizedWeight], model: nn.Module) -> tuple[QuantizedParameter, ...]:
+    """Group checkpoint tensors by the parameter they make, each block set along its dims.
+
+    An experts module that holds its matrices as ``[E, in, out]`` says so (``is_transposed``); that
+    settles the orientation of a square one.
+    """
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     groups: defaultdict[str, list[QuantizedWeight]] = defaultdict(list)
     for w in weights:
         if w.parameter not in shapes:
@@ -589,10 +590,17 @@ def _parameters(weights: list[QuantizedWeight], shapes: dict[str, tuple[int, ...
                 "(is the config the checkpoint's?)"
             )
         groups[w.parameter].append(w)
-    return tuple(_parameter(name, members, shapes[name]) for name, members in groups.items())
+    return tuple(
+        _parameter(
+            name, members, shapes[name], bool(getattr(model.get_submodule(_module_of(name)), "is_transposed", False))
+        )
+        for name, members in groups.items()
+    )
 
 
-def _parameter(name: str, members: list[QuantizedWeight], shape: tuple[int, ...]) -> QuantizedParameter:
+def _parameter(
+    name: str, members: list[QuantizedWeight], shape: tuple[int, ...], transposed: bool
+) -> QuantizedParameter:
     first = members[0]
     kinds = {(w.format, w.block, w.shape, w.input_scale is not None) for w in members}
     if len(kinds) > 1:
@@ -602,7 +610,7 @@ def _parameter(name: str, members: list[QuantizedWeight], shape: tuple[int, ...]
             f"{name} {list(shape)} is assembled from {len(members)} quantized tensors ({first.name}, ...) "
             f"of {list(first.shape)}: some are missing or extra"
         )
-    block = _block_along(shape, first)
+    block = _block_along(shape, first, transposed)
     if block is None:
         raise QuantizationError(
             f"{name} {list(shape)} is assembled from {first.name} {list(first.shape)} in blocks of "
@@ -612,22 +620,21 @@ def _parameter(name: str, members: list[QuantizedWeight], shape: tuple[int, ...]
     return QuantizedParameter(name, first.format, shape, block, sources, first.input_scale is not None)
 
 
-def _block_along(shape: tuple[int, ...], weight: QuantizedWeight) -> tuple[int, ...] | None:
+def _block_along(shape: tuple[int, ...], weight: QuantizedWeight, transposed: bool) -> tuple[int, ...] | None:
     """The block of ``weight`` along the dims of the parameter it is stacked/concatenated into.
 
     The parameter's trailing dims are the tensor's (a stacked or concatenated dim a whole number
-    of blocks), possibly with the last two transposed. None when neither lines up.
+    of blocks), with the last two swapped when the parameter is ``transposed``. None when they do
+    not line up.
     """
     src, block = weight.shape, weight.block
     lead = len(shape) - len(src)
-    if lead < 0:
+    if lead < 0 or (transposed and len(src) < 2):
         return None
-    candidates = [(src, block)]
-    if len(src) >= 2:
-        swap = lambda t: (*t[:-2], t[-1], t[-2])  # noqa: E731
-        candidates.append((swap(src), swap(block)))
-    for dims, steps in candidates:
-        tail = shape[lead:]
-        if all(t == d or (t % d == 0 and d % s == 0) for t, d, s in zip(tail, dims, steps, strict=True)):
-            return (1,) * lead + tuple(steps)
-    return None
+    if transposed:
+        src, block = (*src[:-2], src[-1], src[-2]), (*block[:-2], block[-1], block[-2])
+    fits = all(
+        size == part or (size % part == 0 and part % step == 0)  # stacked pieces start on block bounds
+        for size, part, step in zip(shape[lead:], src, block, strict=True)
+    )
+    return (1,) * lead + tuple(block) if fits else None
