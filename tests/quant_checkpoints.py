@@ -162,8 +162,10 @@ def deepseek_v3_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: in
 
     As DeepSeek ships it: every linear of the decoder layers (MLA projections, dense MLP, shared
     and routed experts, one by one) fp8 in blocks; the router (float32), norms, embedding and LM
-    head unquantized; no modules_to_not_convert. ``kv_a_proj_with_mqa`` is 48 rows (a partial
-    block at 32x32, as 576 rows are at 128x128 in the real model).
+    head unquantized; no modules_to_not_convert. ``kv_a_proj_with_mqa`` has 48 rows: at
+    ``block=(32, 32)`` its last block is partial, as 576 rows are at 128 in DeepSeek-V3. The default
+    16 divides every dim because transformers 5.24 infers the block from the scale grid
+    (rows // scale rows): at 32 it dequantizes that tensor with 24-row blocks, silently wrong.
     """
     config = DeepseekV3Config(
         vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
