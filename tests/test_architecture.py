@@ -21,6 +21,7 @@ ROOT = Path(afdc.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", (
         "afdc.errors", "afdc.version", "afdc.plan", "afdc.hardware", "afdc.segment", "afdc.mixer_site", "afdc.ops",
+        "afdc.quant",
     )),
     ("kernels", ("afdc.codegen",)),
     ("capture", ("afdc.capture",)),

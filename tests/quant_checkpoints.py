@@ -1,0 +1,288 @@
+"""Tiny checkpoints in the quantized formats models ship in, and the same models dequantized.
+
+Each builder makes a small random bf16 model, saves it as ``save_pretrained`` does (per-expert hub
+layout), quantizes the tensors the real release quantizes, exactly as the format defines it,
+and writes config.json (with the release's kind of ``quantization_config``) and
+model.safetensors as the hub ships them. It also returns the reference: the same model with every
+quantized weight dequantized by the format's definition, in float32, loaded by transformers from
+a plain checkpoint beside it. The quantization here is written independently of afdc.quant on
+purpose: tests quantize, the library dequantizes.
+
+Formats (float8 is float8_e4m3fn, whose largest value is 448):
+- fp8 blocks: a float32 ``weight_scale_inv`` per block = the block's max |w| / 448; stored
+  ``q = fp8(w / scale)``; ``w = q * scale``. Edge blocks may be partial.
+- fp8 per channel / per tensor (compressed-tensors): ``weight_scale`` [out, 1] or [1], in the
+  model's dtype, = max |w| over the row / tensor / 448.
+- MXFP4: along the last dim, groups of 32 share the exponent ``e = floor(log2(max |w|)) - 2``
+  (e2m1's largest value is 6 = 1.5 * 2**2), stored as the byte ``e + 127``; each value is the
+  e2m1 code nearest ``w / 2**e`` (saturating at 6), two a byte, the even element in the low nibble.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    GptOssConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3MoeConfig,
+)
+
+FP8_MAX = 448.0
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; code | 8 is the negative
+MX_GROUP = 32
+
+
+# -- the formats, as they define themselves ---------------------------------------------------------
+
+
+def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, float32 scale per block) of a 2-D weight."""
+    rows, cols = weight.shape
+    br, bc = block
+    grid = (math.ceil(rows / br), math.ceil(cols / bc))
+    padded = torch.zeros(grid[0] * br, grid[1] * bc, dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    amax = padded.reshape(grid[0], br, grid[1], bc).abs().amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+    return (weight.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_blocks_dequantized(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = q.shape
+    full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return q.float() * full
+
+
+def fp8_scaled(weight: torch.Tensor, per_channel: bool, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, scale [out, 1] or [1]) with the scale stored in ``scale_dtype``."""
+    amax = weight.float().abs().amax(dim=1, keepdim=True) if per_channel else weight.float().abs().amax().reshape(1)
+    scale = (amax / FP8_MAX).clamp(min=1e-12).to(scale_dtype)
+    return (weight.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 blocks [..., cols/32, 16], uint8 scales [..., cols/32]) along the last dim."""
+    *lead, cols = weight.shape
+    groups = weight.float().reshape(*lead, cols // MX_GROUP, MX_GROUP)
+    amax = groups.abs().amax(dim=-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    magnitudes = torch.tensor(E2M1)
+    nearest = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)  # saturates at 6 by itself
+    codes = (nearest | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def mxfp4_dequantized(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor([*E2M1, *(-v for v in E2M1)])
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # low nibble first
+    values = table[codes].flatten(-2) * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.flatten(-2)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantCheckpoint:
+    """A checkpoint directory in a shipping format and its dequantized reference model."""
+
+    directory: Path
+    reference: PreTrainedModel  # float32, weights dequantized by the format's definition
+    quantized: tuple[str, ...]  # checkpoint names of the quantized weights (the data tensors)
+    kept: tuple[str, ...]  # checkpoint names of the matrices left unquantized
+
+
+# A hub tensor to (its shipped tensors, its dequantized value), or None to ship it as it is.
+Quantizer = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor] | None]
+
+
+def _write(
+    directory: Path, config: PretrainedConfig, quantization: dict, quantize: Quantizer, seed: int
+) -> QuantCheckpoint:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    plain = directory.parent / f"{directory.name}-bf16"
+    model.save_pretrained(plain)
+    shipped: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    quantized, kept = [], []
+    for name, tensor in load_file(plain / "model.safetensors").items():
+        found = quantize(name, tensor)
+        if found is None:
+            shipped[name], dequantized[name] = tensor, tensor.float()
+            if tensor.dim() >= 2:
+                kept.append(name)
+        else:
+            parts, dequantized[name] = found
+            shipped.update(parts)
+            quantized.append(next(iter(parts)))
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(shipped, directory / "model.safetensors", metadata={"format": "pt"})
+    document = json.loads((plain / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**document, "quantization_config": quantization}, indent=2))
+
+    reference_dir = directory.parent / f"{directory.name}-dequantized"
+    reference_dir.mkdir(exist_ok=True)
+    save_file(dequantized, reference_dir / "model.safetensors", metadata={"format": "pt"})
+    (reference_dir / "config.json").write_text(json.dumps({**document, "dtype": "float32"}, indent=2))
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    return QuantCheckpoint(directory, reference, tuple(quantized), tuple(kept))
+
+
+def _fp8_block_quantizer(block: tuple[int, int], select: Callable[[str, torch.Tensor], bool]) -> Quantizer:
+    def quantize(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        if not select(name, tensor):
+            return None
+        q, scale = fp8_blocks(tensor, block)
+        return {name: q, f"{name}_scale_inv": scale}, fp8_blocks_dequantized(q, scale, block)
+
+    return quantize
+
+
+def _layer_matrix(name: str, tensor: torch.Tensor) -> bool:
+    return name.startswith("model.layers.") and name.endswith(".weight") and tensor.dim() == 2
+
+
+def deepseek_v3_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: int = 0) -> QuantCheckpoint:
+    """DeepSeek-V3-shaped: one dense layer, one MoE layer (4 routed experts, a shared expert).
+
+    As DeepSeek ships it: every linear of the decoder layers (MLA projections, dense MLP, shared
+    and routed experts, one by one) fp8 in blocks; the router (float32), norms, embedding and LM
+    head unquantized; no modules_to_not_convert. ``kv_a_proj_with_mqa`` has 48 rows: at
+    ``block=(32, 32)`` its last block is partial, as 576 rows are at 128 in DeepSeek-V3. The default
+    16 divides every dim because transformers 5.24 infers the block from the scale grid
+    (rows // scale rows): at 32 it dequantizes that tensor with 24-row blocks, silently wrong.
+    """
+    config = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    quantization = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+
+    def select(name: str, tensor: torch.Tensor) -> bool:
+        return _layer_matrix(name, tensor) and not name.endswith("mlp.gate.weight") and "norm" not in name
+
+    return _write(directory, config, quantization, _fp8_block_quantizer(block, select), seed)
+
+
+def qwen3_moe_fp8(directory: Path, block: tuple[int, int] = (32, 32), seed: int = 0) -> QuantCheckpoint:
+    """Qwen3-MoE-shaped, as the ``-FP8`` releases ship: attention and experts fp8 in blocks, the
+    router (``mlp.gate``) and LM head bf16 and listed, layer by layer, in modules_to_not_convert."""
+    layers = 2
+    config = Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
+        num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    skipped = ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(layers))]
+    quantization = {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block),
+        "modules_to_not_convert": skipped,
+    }  # fmt: skip
+
+    def select(name: str, tensor: torch.Tensor) -> bool:
+        return _layer_matrix(name, tensor) and name.removesuffix(".weight") not in skipped
+
+    return _write(directory, config, quantization, _fp8_block_quantizer(block, select), seed)
+
+
+def gpt_oss_mxfp4(directory: Path, seed: int = 0) -> QuantCheckpoint:
+    """gpt-oss-shaped: experts in MXFP4 as gpt-oss ships them, everything else bf16.
+
+    The model's ``experts.gate_up_proj`` is ``[E, in, out]``; the hub stores ``gate_up_proj_blocks``
+    ``[E, out, in/32, 16]`` and ``gate_up_proj_scales`` ``[E, out, in/32]`` (groups along ``in``),
+    and the same for ``down_proj``; expert biases stay bf16.
+    """
+    config = GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_local_experts=4,
+        num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        max_position_embeddings=131072,
+    )  # fmt: skip
+    quantization = {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    }  # fmt: skip
+
+    def quantize(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            return None
+        blocks, scales = mxfp4(tensor.transpose(1, 2))
+        dequantized = mxfp4_dequantized(blocks, scales).transpose(1, 2).contiguous()
+        return {f"{name}_blocks": blocks, f"{name}_scales": scales}, dequantized
+
+    return _write(directory, config, quantization, quantize, seed)
+
+
+def llama_compressed_fp8(
+    directory: Path, per_channel: bool = True, static_input: bool = False, seed: int = 0
+) -> QuantCheckpoint:
+    """Llama-shaped in compressed-tensors float8 (as llm-compressor writes it): every decoder linear
+    fp8 with a ``weight_scale`` per channel ([out, 1]) or per tensor ([1]) in bf16; static input
+    scales (``input_scale`` [1], max |x| / 448 for |x| <= 8) when ``static_input``; LM head ignored.
+
+    The reference dequantizes the weights only: quantizing the activations (dynamic per token, or
+    by the static scale) is the w8a8 kernel's part, not the checkpoint's.
+    """
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    strategy = "channel" if per_channel else "tensor"
+    inputs = (
+        {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+        if static_input
+        else {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+    )
+    quantization = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "input_activations": inputs, "output_activations": None,
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False},
+        }},
+        "ignore": ["lm_head"], "kv_cache_scheme": None,
+    }  # fmt: skip
+
+    def quantize(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        if not _layer_matrix(name, tensor) or "norm" in name:
+            return None
+        q, scale = fp8_scaled(tensor, per_channel, torch.bfloat16)
+        module = name.removesuffix(".weight")
+        parts = {name: q, f"{name}_scale": scale}
+        if static_input:
+            parts[f"{module}.input_scale"] = torch.tensor([8.0 / FP8_MAX], dtype=torch.bfloat16)
+        return parts, q.float() * scale.float()
+
+    return _write(directory, config, quantization, quantize, seed)
+
+
+BUILDERS: dict[str, Callable[[Path], QuantCheckpoint]] = {
+    "deepseek_v3_fp8": deepseek_v3_fp8,
+    "qwen3_moe_fp8": qwen3_moe_fp8,
+    "gpt_oss_mxfp4": gpt_oss_mxfp4,
+    "llama_fp8_channel": llama_compressed_fp8,
+    "llama_fp8_tensor": lambda directory: llama_compressed_fp8(directory, per_channel=False, static_input=True),
+}
