@@ -164,7 +164,9 @@ class Mxfp4:
             raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} are not "
                              f"[..., N, K/{self.block}, {half}] and [..., N, K/{self.block}]")
 
-    def dequantize(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(
+        self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """The ``[..., N, K]`` weight (output-major), computed in fp32 and rounded once to ``dtype``."""
         self.check("MXFP4 dequantize", blocks, scales)
         lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
