@@ -36,7 +36,6 @@ intermediate ``act(gate) * up`` is rounded to the weights' dtype, the input of t
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
@@ -45,9 +44,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from afdc.codegen import autotune
-from afdc.codegen.quant_tiles import quantize_token_groups, weight_tile
+from afdc.codegen.quant_tiles import quantize_token_groups, rounding_grid, weight_tile
 from afdc.codegen.triton_support import interpreting, jit, launches, next_power_of_2, tl
-from afdc.codegen.typed_calls import EmittedCall
+from afdc.codegen.typed_calls import EmittedCall, takes_arguments_of
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
@@ -92,22 +91,6 @@ class Experts:
         e = self.output_major()
         _check(e.x, e.w_gate_up, e.w_down, e.topk_ids, e.activation, e.b_gate_up, e.b_down, e.alpha, e.limit,
                e.shared)
-
-
-def takes_arguments_of(cls: type, **keyword_only: object) -> Callable[[Callable], Callable]:
-    """Gives a ``(*args, **kwargs)`` function the signature of ``cls``'s fields (plus keyword-only
-    ``keyword_only`` with their defaults), returning a tensor: what ``inspect`` shows, and what
-    ``torch.library.custom_op`` reads the op's schema from."""
-    base = inspect.signature(cls)
-    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d, annotation="int | None")
-             for n, d in keyword_only.items()]
-
-    def wrap(fn: Callable) -> Callable:
-        fn.__signature__ = base.replace(parameters=[*base.parameters.values(), *extra],
-                                        return_annotation="torch.Tensor")
-        return fn
-
-    return wrap
 
 
 def output_major(
@@ -327,6 +310,8 @@ def _gate_up_kernel(
     FORMAT: tl.constexpr,
     W8A8: tl.constexpr,
     UPCAST: tl.constexpr,
+    GRID_MANTISSA: tl.constexpr,
+    GRID_MIN_EXP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -400,9 +385,9 @@ def _gate_up_kernel(
         else:  # weight-only: the tiles dequantized, rounded to the activations' dtype
             k = k0 + ks
             wg = weight_tile(w_expert, ws_gate, k, cols, w_mask, stride_wn, stride_wh, stride_wsn, stride_wsk,
-                             scale_n, scale_k, FORMAT).to(a.dtype)
+                             scale_n, scale_k, FORMAT, UPCAST, GRID_MANTISSA, GRID_MIN_EXP).to(a.dtype)
             wu = weight_tile(w_expert + up_shift_w, ws_up, k, cols, w_mask, stride_wn, stride_wh, stride_wsn,
-                             stride_wsk, scale_n, scale_k, FORMAT).to(a.dtype)
+                             stride_wsk, scale_n, scale_k, FORMAT, UPCAST, GRID_MANTISSA, GRID_MIN_EXP).to(a.dtype)
             if UPCAST:
                 a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
             gate = tl.dot(a, wg, gate, input_precision=PRECISION)
@@ -470,6 +455,8 @@ def _down_kernel(
     FORMAT: tl.constexpr,
     W8A8: tl.constexpr,
     UPCAST: tl.constexpr,
+    GRID_MANTISSA: tl.constexpr,
+    GRID_MIN_EXP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -528,7 +515,7 @@ def _down_kernel(
             acc += tl.dot(a, w, input_precision=PRECISION) * a_s[:, None] * w_s[None, :]
         else:
             w = weight_tile(w_expert, ws_expert, k0 + ks, cols, w_mask, stride_wh, stride_wi, stride_wsn, stride_wsk,
-                            scale_n, scale_k, FORMAT).to(a.dtype)
+                            scale_n, scale_k, FORMAT, UPCAST, GRID_MANTISSA, GRID_MIN_EXP).to(a.dtype)
             if UPCAST:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
@@ -619,6 +606,7 @@ def launch(
     # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those bits: it gets fp32
     # operands. fp32 runs in full precision ("ieee"), as torch's matmul does unless TF32 is enabled.
     upcast = interpreting()
+    grid = rounding_grid(compute_dtype)  # where quantized weights are rounded to (the interpreter rounds itself)
     precision = "ieee" if upcast or compute_dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16
     step = 2 if e.interleaved else 1  # gate column c sits at row c * step
     up_row = 1 if e.interleaved else inter  # and its up column that many rows on
@@ -672,6 +660,8 @@ def launch(
         FORMAT=quant.format,
         W8A8=w8a8,
         UPCAST=upcast,
+        GRID_MANTISSA=grid[0],
+        GRID_MIN_EXP=grid[1],
         PRECISION=precision,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -711,6 +701,8 @@ def launch(
         FORMAT=quant.format,
         W8A8=w8a8,
         UPCAST=upcast,
+        GRID_MANTISSA=grid[0],
+        GRID_MIN_EXP=grid[1],
         PRECISION=precision,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

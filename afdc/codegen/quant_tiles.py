@@ -22,16 +22,51 @@ from __future__ import annotations
 
 import torch
 
-from afdc.codegen.triton_support import device_function, jit, launches, next_power_of_2, tl
+from afdc.codegen.triton_support import device_function, interpreting, jit, launches, next_power_of_2, tl
 from afdc.quant.formats import FP8_DTYPE, FP8_MAX, Fp8Scaled, TokenGroupQuant
 
 WEIGHT_FORMATS = ("fp8", "mxfp4")
 
 
+def rounding_grid(dtype: torch.dtype) -> tuple[int, int]:
+    """``(mantissa bits, smallest normal exponent)`` of a float dtype, for :func:`rounded`; (0, 0)
+    for float32, which needs no rounding."""
+    if dtype == torch.float32:
+        return 0, 0
+    info = torch.finfo(dtype)
+    return {torch.bfloat16: 7, torch.float16: 10, FP8_DTYPE: 3}[dtype], int(torch.log2(torch.tensor(info.tiny)))
+
+
+@device_function
+def rounded(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``v`` (fp32) rounded to nearest, ties to even, onto the grid of a float with ``MANTISSA``
+    bits and normal exponents from ``MIN_EXP``: what a cast to that float gives, kept in fp32.
+
+    Triton's interpreter drops the carry when a downcast rounds up to the next power of 2 (to fp8,
+    -125.2 became -64; to bf16 a weight lost half its value), so under it kernels round with this
+    and cast (exactly) after."""
+    if MANTISSA == 0:
+        return v
+    ulp = tl.math.exp2(tl.maximum(tl.floor(tl.log2(tl.abs(v))), MIN_EXP) - MANTISSA)
+    return tl.where(v == 0.0, v, ((v / ulp + 12582912.0) - 12582912.0) * ulp)  # 1.5 * 2 ** 23 rounds to integers
+
+
 @device_function
 def weight_tile(w_ptr, s_ptr, k, n, mask, stride_wn, stride_wk, stride_sn, stride_sk, scale_n, scale_k,
-                FORMAT: tl.constexpr):
-    """The fp32 ``[len(k), len(n)]`` tile of ``W^T`` at input features ``k``, output features ``n``."""
+                FORMAT: tl.constexpr, EMULATE: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """The fp32 ``[len(k), len(n)]`` tile of ``W^T`` at input features ``k``, output features ``n``,
+    dequantized, for the caller to round to the activations' dtype (whose grid ``MANTISSA``, ``MIN_EXP``
+    give) by the caller's cast; ``EMULATE`` (the interpreter) rounds it first with :func:`rounded`,
+    so that the cast is exact."""
+    w = _dequantized(w_ptr, s_ptr, k, n, mask, stride_wn, stride_wk, stride_sn, stride_sk, scale_n, scale_k, FORMAT)
+    if EMULATE:
+        w = rounded(w, MANTISSA, MIN_EXP)
+    return w
+
+
+@device_function
+def _dequantized(w_ptr, s_ptr, k, n, mask, stride_wn, stride_wk, stride_sn, stride_sk, scale_n, scale_k,
+                 FORMAT: tl.constexpr):
     if FORMAT == "mxfp4":
         packed = tl.load(w_ptr + n[None, :] * stride_wn + (k // 2)[:, None] * stride_wk, mask=mask, other=0)
         code = (packed.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 15
@@ -61,6 +96,7 @@ def _token_group_kernel(
     stride_sm,
     eps,
     STATIC: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -74,6 +110,8 @@ def _token_group_kernel(
     else:
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), eps), FP8_MAX)
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    if ROUND_FIRST:  # e4m3: 3 mantissa bits, normal exponents from -6
+        q = rounded(q, 3, -6)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + g, scale)
 
@@ -104,6 +142,7 @@ def quantize_token_groups(
     if x.numel():
         jit(_token_group_kernel)[(rows, groups)](
             x, x_q, scales, input_scale if input_scale is not None else scales, k, group, x.stride(0), x_q.stride(0),
-            scales.stride(0), TokenGroupQuant(group).eps, STATIC=input_scale is not None, BLOCK=next_power_of_2(group),
+            scales.stride(0), TokenGroupQuant(group).eps, STATIC=input_scale is not None, ROUND_FIRST=interpreting(),
+            BLOCK=next_power_of_2(group),
         )
     return x_q, scales
