@@ -44,7 +44,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from afdc.codegen import autotune
-from afdc.codegen.quant_tiles import quantize_token_groups, rounding_grid, weight_tile
+from afdc.codegen.quant_tiles import quantize_token_groups, rounded, rounding_grid, weight_tile
 from afdc.codegen.triton_support import interpreting, jit, launches, next_power_of_2, tl
 from afdc.codegen.typed_calls import EmittedCall, takes_arguments_of
 
@@ -411,7 +411,12 @@ def _gate_up_kernel(
         gate = tl.minimum(gate, limit)
         act = gate * tl.sigmoid(alpha * gate)
         up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
-    tl.store(out_ptrs, (act * up).to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+    gated = act * up
+    if UPCAST and FORMAT != "none":
+        # w8a8 quantizes this to fp8, where a bf16 rounding the interpreter gets wrong (quant_tiles.rounded)
+        # becomes a whole fp8 step: round it here, so that the cast is exact
+        gated = rounded(gated, GRID_MANTISSA, GRID_MIN_EXP)
+    tl.store(out_ptrs, gated.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
 def _down_kernel(
