@@ -183,8 +183,9 @@ class Mxfp4:
         amax = groups.abs().amax(dim=-1)
         exponent = torch.ceil(torch.log2(torch.where(amax > 0, amax, 1.0) / 6.0)).clamp(-E8M0_BIAS, E8M0_BIAS)
         scaled = groups / torch.exp2(exponent)[..., None]
-        magnitudes = torch.tensor(E2M1_VALUES[:8], device=weight.device)
-        codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1) | torch.where(scaled < 0, 8, 0)
+        # the nearest of e2m1's magnitudes by the midpoints between them (a tie goes to the smaller)
+        midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=weight.device)
+        codes = torch.bucketize(scaled.abs(), midpoints) | torch.where(scaled < 0, 8, 0)
         codes = codes.to(torch.uint8)
         return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + E8M0_BIAS).to(torch.uint8)
 
