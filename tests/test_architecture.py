@@ -17,7 +17,8 @@ ROOT = Path(afdc.__file__).parent
 
 # Lowest first. A module may import modules of its own layer and of the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("afdc.errors", "afdc.version", "afdc.plan", "afdc.hardware", "afdc.segment", "afdc.mixer", "afdc.ops", "afdc.quant")),
+    ("base", ("afdc.errors", "afdc.version", "afdc.plan", "afdc.hardware", "afdc.segment", "afdc.mixer", "afdc.ops",
+              "afdc.quant")),
     ("kernels", ("afdc.codegen",)),
     ("capture", ("afdc.capture",)),
     ("passes", ("afdc.passes",)),
