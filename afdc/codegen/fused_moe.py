@@ -44,7 +44,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from afdc.codegen import autotune
-from afdc.codegen.quant_tiles import quantize_token_groups, rounded, rounding_grid, weight_tile
+from afdc.codegen.quant_tiles import WEIGHT_FORMATS, quantize_token_groups, rounded, rounding_grid, weight_tile
 from afdc.codegen.triton_support import interpreting, jit, launches, next_power_of_2, tl
 from afdc.codegen.typed_calls import EmittedCall, takes_arguments_of
 
@@ -555,6 +555,11 @@ class ExpertScales:
     scale_n: int
     scale_k: int
     w8a8: bool = False  # fp8 only: activations quantized per token group of scale_k, fp8 x fp8 dots
+
+    def __post_init__(self) -> None:
+        if self.format not in WEIGHT_FORMATS or (self.w8a8 and self.format != "fp8"):
+            raise ValueError(f"fused_moe: weights in {self.format!r}{' with w8a8' if self.w8a8 else ''} are not "
+                             f"supported; formats: {', '.join(WEIGHT_FORMATS)} (w8a8 with fp8 only)")
 
 
 def w8a8_block_k(block_k: int, scale_k: int) -> int:
