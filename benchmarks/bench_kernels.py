@@ -24,6 +24,17 @@
     references. act_mul reads gate and up in place as the two halves of one [tokens, 2 hidden] tensor.
     Target: >= 80% of HBM bandwidth.
 
+(3) Quantized kernels (``--skip-quant`` leaves them out), per model at the same token counts, the weights
+    quantized from the bf16 ones: fp8 block-scaled [128, 128] experts (``afdc::fused_moe_fp8``)
+    weight-only, and w8a8 where the GPU has fp8 tensor cores (compute capability >= 8.9); gpt-oss's
+    MXFP4 experts (``afdc::fused_moe_mxfp4``); and a DeepSeek-V3-sized dense fp8 linear
+    (``afdc::fp8_linear``, 7168 -> 18432). Each against the dequantize-then-bf16 path (the format's
+    dequantization, then the bf16 kernel: what running a quantized checkpoint widened costs per call)
+    and against the bf16 kernel alone on the widened weights. Printed: median ms, and the ratios
+    quantized / bf16 and (dequantize + bf16) / quantized, measured in the same run. Each model keeps
+    at most QUANT_EXPERTS of its experts here (its per-expert sizes and top-k), for the widened copies'
+    memory.
+
 Peaks come from afdc's hardware table (afdc/data/hardware.json), matched on torch.cuda.get_device_name();
 override them with --peak-tflops / --hbm-gbps. Every implementation's output is checked against the
 eager reference (column "check"); a mismatch is printed, not hidden.
@@ -81,6 +92,8 @@ TOL = {"atol": 2e-2, "rtol": 2e-2}  # bf16 outputs, fp32 accumulation in a diffe
 SMOKE_TOKENS = (48,)  # x top-3 (Qwen, DeepSeek): 64-row blocks; x top-2 (Mixtral): 16-row blocks
 SMOKE_MOE = {"hidden": 40, "inter": 24, "experts": 8, "top_k": 3}
 SMOKE_ROWS = ((5, 72),)
+SMOKE_QUANT = {"hidden": 256, "inter": 128, "experts": 4, "top_k": 2}  # whole 128-blocks (MXFP4 needs 32s)
+SMOKE_LINEAR = (200, 136)
 
 torch = None  # imported in main(), after TRITON_INTERPRET is settled
 
@@ -594,6 +607,126 @@ def summary(moe_rows: list[dict], row_rows: list[dict]) -> None:
             )
 
 
+# -- (3) quantized kernels ---------------------------------------------------------------------------
+
+QUANT_LINEAR = (7168, 18432)  # DeepSeek-V3's hidden size -> its dense MLP's intermediate size
+QUANT_BLOCK = (128, 128)  # DeepSeek-V3's and Qwen3-FP8's weight_block_size
+QUANT_EXPERTS = 32
+
+
+def _quant_case(tokens: int, cases: list[tuple[str, Callable]], expected, timer, strict: bool, tol: float) -> list:
+    """Every implementation of one case, checked against ``expected`` within ``tol`` of its largest value."""
+    runs = []
+    for impl, fn in cases:
+        try:
+            out = fn()
+            worst = (out.float() - expected.float()).abs().max().item()
+            ok = worst <= tol * expected.float().abs().max().item()
+            if strict and not ok:
+                raise AssertionError(f"{impl}: max abs difference {worst:.3g} from the dequantized reference")
+            runs.append(Run(impl, timer(fn) if timer else None, "ok" if ok else f"DIFF {worst:.2g}"))
+        except Exception as err:
+            if strict:
+                raise
+            runs.append(Run(impl, check="error", note=f"{type(err).__name__}: {str(err).strip()[:100]}"))
+    return runs
+
+
+def quant_moe_cases(shape: MoeShape, tokens: int, device: str, gen, w8a8: bool):
+    """``(name, [(impl, fn)], expected)`` for one model's experts in its shipping format."""
+    from afdc.codegen.fused_moe import fused_moe_triton
+    from afdc.codegen.fused_moe_quant import fused_moe_fp8_triton, fused_moe_mxfp4_triton
+    from afdc.quant.formats import Fp8Block, Mxfp4
+
+    (w_gate_up, w_down), options = expert_weights(shape, device, gen)
+    x = torch.randn(tokens, shape.hidden, generator=gen, device=device, dtype=torch.bfloat16)
+    weights = torch.rand(tokens, shape.top_k, generator=gen, device=device)
+    ids = torch.rand(tokens, shape.experts, generator=gen, device=device).topk(shape.top_k, dim=-1).indices
+    if shape.gpt_oss:  # output-major for the quantizer: gpt-oss ships [E, 2I, H/32, 16] blocks
+        fmt, extra = Mxfp4(), {k: v for k, v in options.items() if k != "transposed"}
+        (gb, gs), (db, ds) = fmt.quantize(w_gate_up.transpose(1, 2)), fmt.quantize(w_down.transpose(1, 2))
+        del w_gate_up, w_down
+
+        def widened():
+            return fmt.dequantize(gb, gs, torch.bfloat16), fmt.dequantize(db, ds, torch.bfloat16)
+
+        impls = [("mxfp4", lambda: fused_moe_mxfp4_triton(x, gb, db, weights, ids, 0, shape.activation, gs, ds,
+                                                           **extra))]
+    else:
+        fmt, extra = Fp8Block(*QUANT_BLOCK), options
+        inter = shape.inter
+        (gq, gsc), (uq, usc) = fmt.quantize(w_gate_up[:, :inter]), fmt.quantize(w_gate_up[:, inter:])
+        gb, gs, (db, ds) = torch.cat([gq, uq], 1), torch.cat([gsc, usc], 1), fmt.quantize(w_down)
+        del w_gate_up, w_down, gq, uq
+
+        def widened():
+            return (torch.cat([fmt.dequantize(gb[:, :inter], gs[:, : gs.shape[1] // 2], torch.bfloat16),
+                               fmt.dequantize(gb[:, inter:], gs[:, gs.shape[1] // 2 :], torch.bfloat16)], 1),
+                    fmt.dequantize(db, ds, torch.bfloat16))
+
+        def fp8(a8: bool):
+            return lambda: fused_moe_fp8_triton(x, gb, db, weights, ids, 0, shape.activation, gs, ds, *QUANT_BLOCK,
+                                                a8, **extra)
+
+        impls = [("fp8 weight-only", fp8(False))] + ([("fp8 w8a8", fp8(True))] if w8a8 else [])
+    dense = widened()
+    expected = fused_moe_triton(x, *dense, weights, ids, 0, shape.activation, **extra)
+    impls += [("dequantize+bf16", lambda: fused_moe_triton(x, *widened(), weights, ids, 0, shape.activation, **extra)),
+              ("bf16 fused_moe", lambda: fused_moe_triton(x, *dense, weights, ids, 0, shape.activation, **extra))]
+    return impls, expected
+
+
+def quant_linear_cases(tokens: int, k: int, n: int, device: str, gen, w8a8: bool):
+    import torch.nn.functional as F
+
+    from afdc.codegen.fp8_linear import fp8_linear_triton
+    from afdc.quant.formats import Fp8Block
+
+    fmt = Fp8Block(*QUANT_BLOCK)
+    weight, scale = fmt.quantize(torch.randn(n, k, generator=gen, device=device).mul_(k**-0.5))
+    x = torch.randn(tokens, k, generator=gen, device=device, dtype=torch.bfloat16)
+    dense = fmt.dequantize(weight, scale, torch.bfloat16)
+    impls = [("fp8 weight-only", lambda: fp8_linear_triton(x, weight, scale, *QUANT_BLOCK))]
+    if w8a8:
+        impls.append(("fp8 w8a8", lambda: fp8_linear_triton(x, weight, scale, *QUANT_BLOCK, None, True)))
+    impls += [("dequantize+bf16", lambda: F.linear(x, fmt.dequantize(weight, scale, torch.bfloat16))),
+              ("bf16 linear", lambda: F.linear(x, dense))]
+    return impls, F.linear(x, dense)
+
+
+def bench_quant(shapes, tokens_list, linear: tuple[int, int], timer, device, strict: bool) -> list[dict]:
+    """Section (3): one row per (case, tokens, implementation)."""
+    w8a8 = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    few = [s.scaled(s.hidden, s.inter, min(s.experts, QUANT_EXPERTS), s.top_k) for s in shapes]
+    cases = [(f"{s.model} ({s.experts} experts)", functools.partial(quant_moe_cases, s)) for s in few]
+    cases.append((f"linear {linear[0]}->{linear[1]}", lambda t, d, g, a: quant_linear_cases(t, *linear, d, g, a)))
+    for name, make in cases:
+        for tokens in tokens_list:
+            impls, expected = make(tokens, device, gen, w8a8)
+            # w8a8 rounds the activations to fp8 too: 3 mantissa bits
+            for run in _quant_case(tokens, impls, expected, timer, strict, tol=0.1):
+                rows.append({"case": name, "tokens": tokens, **run.__dict__})
+            del impls, expected
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def print_quant(rows: list[dict]) -> None:
+    print(f"{'case':<26} {'tokens':>6} {'impl':<16} {'ms':>9} {'check':<10} {'/ bf16':>7} {'dequant+bf16 /':>15}")
+    for row in rows:
+        same = {r["impl"]: r["ms"] for r in rows if (r["case"], r["tokens"]) == (row["case"], row["tokens"])}
+        bf16 = next((ms for impl, ms in same.items() if impl.startswith("bf16")), None)
+        widened = same.get("dequantize+bf16")
+        quantized = row["impl"].startswith(("fp8", "mxfp4"))
+        vs_bf16 = row["ms"] / bf16 if quantized and row["ms"] and bf16 else None
+        vs_widened = widened / row["ms"] if quantized and row["ms"] and widened else None
+        print(f"{row['case']:<26} {row['tokens']:>6} {row['impl']:<16} {_num(row['ms'], '.3f'):>9} "
+              f"{row['check']:<10} {_num(vs_bf16, '.2f'):>7} {_num(vs_widened, '.2f'):>15} {row['note']}")
+
+
 def smoke(args, device: str, shapes: list[MoeShape]) -> int:
     """Every path once at tiny shapes, each output checked against the reference; no timings."""
     start = time.perf_counter()
@@ -617,8 +750,16 @@ def smoke(args, device: str, shapes: list[MoeShape]) -> int:
         for case in dict.fromkeys((r["op"], r["tokens"], r["hidden"]) for r in row_rows):
             done = [f"{r['impl']} {r['check']}" for r in row_rows if (r["op"], r["tokens"], r["hidden"]) == case]
             print(f"  {case[0]} {case[1]}x{case[2]}: {', '.join(done)}")
+    quant_rows = []
+    if not args.skip_quant:
+        small = [s.scaled(**SMOKE_QUANT) for s in shapes]
+        quant_rows = bench_quant(small, SMOKE_TOKENS, SMOKE_LINEAR, None, device, strict=True)
+        for case in dict.fromkeys(r["case"] for r in quant_rows):
+            done = [f"{r['impl']} {r['check']}" for r in quant_rows if r["case"] == case]
+            print(f"  quantized {case}: {', '.join(done)}")
     # the report paths too, silently: tables, targets and JSON of untimed rows, and the peak lookup
     with contextlib.redirect_stdout(io.StringIO()):
+        print_quant(quant_rows)
         print_moe(moe_rows, None, None)
         print_rows(row_rows, None)
         summary(moe_rows, row_rows)
@@ -648,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--skip-norm", action="store_true")
     p.add_argument("--skip-compile", action="store_true", help="leave out torch.compile")
+    p.add_argument("--skip-quant", action="store_true", help="leave out the quantized kernels (section 3)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument(
         "--smoke",
@@ -740,6 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"warmup": args.warmup, "repeats": args.repeats, "flush_mb": args.flush_mb},
         "moe": [],
         "rows": [],
+        "quant": [],
     }
 
     def save() -> None:  # after each part, so that a run cut short keeps what it measured
@@ -772,6 +915,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = bench_rows(row_shapes, timer, device, strict=False, skip_compile=args.skip_compile)
         print_rows(rows, hbm)
         results["rows"] = rows
+        save()
+    if not args.skip_quant:
+        print("\n== (3) quantized kernels against dequantize-then-bf16 and bf16 (ratios of medians in this run)",
+              flush=True)
+        results["quant"] = bench_quant(shapes, args.tokens, QUANT_LINEAR, timer, device, strict=False)
+        print_quant(results["quant"])
         save()
     summary(results["moe"], results["rows"])
     if args.json:

@@ -36,17 +36,61 @@ intermediate ``act(gate) * up`` is rounded to the weights' dtype, the input of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from afdc.codegen import autotune
+from afdc.codegen.quant_tiles import WEIGHT_FORMATS, quantize_token_groups, rounded, rounding_grid, weight_tile
 from afdc.codegen.triton_support import interpreting, jit, launches, next_power_of_2, tl
-from afdc.ops.call import OpCall
+from afdc.codegen.typed_calls import EmittedCall, takes_arguments_of
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The arguments of ``afdc::fused_moe`` (:func:`fused_moe`), declared once: the op's schema,
+    its reference and its Triton launcher all take these, positionally or by name."""
+
+    x: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    first_expert: int
+    activation: str
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    transposed: bool = False
+    interleaved: bool = False
+    alpha: float | None = None
+    limit: float | None = None
+    s_gate: torch.Tensor | None = None
+    s_up: torch.Tensor | None = None
+    s_down: torch.Tensor | None = None
+    s_scale: torch.Tensor | None = None
+
+    @property
+    def shared(self) -> tuple:
+        return self.s_gate, self.s_up, self.s_down, self.s_scale
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(v for v in (getattr(self, f.name) for f in fields(self)) if isinstance(v, torch.Tensor))
+
+    def output_major(self) -> Experts:
+        """The same call with the weights as [E, 2I, H] and [E, H, I] views (:func:`output_major`)."""
+        w_gate_up, w_down = output_major(self.w_gate_up, self.w_down, self.transposed)
+        return replace(self, w_gate_up=w_gate_up, w_down=w_down, transposed=False)
+
+    def check(self) -> None:
+        """Raises unless the weights, biases, routing and shared expert fit together."""
+        e = self.output_major()
+        _check(e.x, e.w_gate_up, e.w_down, e.topk_ids, e.activation, e.b_gate_up, e.b_down, e.alpha, e.limit,
+               e.shared)
 
 
 def output_major(
@@ -123,41 +167,37 @@ def _gated(gate_up: torch.Tensor, activation: str, interleaved: bool, alpha, lim
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
-def fused_moe_reference(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    first_expert: int,
-    activation: str,
-    b_gate_up: torch.Tensor | None = None,
-    b_down: torch.Tensor | None = None,
-    transposed: bool = False,
-    interleaved: bool = False,
-    alpha: float | None = None,
-    limit: float | None = None,
-    s_gate: torch.Tensor | None = None,
-    s_up: torch.Tensor | None = None,
-    s_down: torch.Tensor | None = None,
-    s_scale: torch.Tensor | None = None,
+@takes_arguments_of(Experts)
+def fused_moe_reference(*args, **kwargs) -> torch.Tensor:
+    """transformers' expert loop over the local experts, rounding where the kernels do (the
+    arguments of :class:`Experts`)."""
+    experts = Experts(*args, **kwargs)
+    experts.check()
+    return experts_reference(experts.output_major())
+
+
+def experts_reference(
+    e: Experts, intermediate: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> torch.Tensor:
-    """transformers' expert loop over the local experts, rounding where the kernels do."""
-    w_gate_up, w_down = output_major(w_gate_up, w_down, transposed)
-    shared = (s_gate, s_up, s_down, s_scale)
-    _check(x, w_gate_up, w_down, topk_ids, activation, b_gate_up, b_down, alpha, limit, shared)
+    """The expert loop over output-major weights; ``intermediate`` rounds ``act(gate) * up``, the
+    down projection's input (by default to the down weights' dtype, as the kernels store it)."""
+    x, w_gate_up, w_down, topk_weights = e.x, e.w_gate_up, e.w_down, e.topk_weights
+    b_gate_up, b_down, activation, interleaved, alpha, limit = e.b_gate_up, e.b_down, e.activation, e.interleaved, \
+        e.alpha, e.limit
+    s_gate, s_up, s_down, s_scale = e.shared
+    intermediate = intermediate or (lambda h: h.to(w_down.dtype))
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    local = topk_ids.long() - first_expert
+    local = e.topk_ids.long() - e.first_expert
     held = (local >= 0) & (local < w_gate_up.shape[0])
-    for e in local[held].unique().tolist():
-        tokens, slots = torch.where(local == e)
-        gate_up = F.linear(x[tokens].to(w_gate_up.dtype), w_gate_up[e]).float()
+    for expert in local[held].unique().tolist():
+        tokens, slots = torch.where(local == expert)
+        gate_up = F.linear(x[tokens].to(w_gate_up.dtype), w_gate_up[expert]).float()
         if b_gate_up is not None:
-            gate_up += b_gate_up[e].float()
-        hidden = _gated(gate_up, activation, interleaved, alpha, limit).to(w_down.dtype)
-        y = F.linear(hidden, w_down[e]).float()
+            gate_up += b_gate_up[expert].float()
+        hidden = intermediate(_gated(gate_up, activation, interleaved, alpha, limit))
+        y = F.linear(hidden, w_down[expert]).float()
         if b_down is not None:
-            y += b_down[e].float()
+            y += b_down[expert].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
     if s_gate is not None:
         rows = x.to(s_gate.dtype)
@@ -255,10 +295,23 @@ def _gate_up_kernel(
     stride_sun,
     stride_suh,
     stride_so,
+    ws_ptr,
+    a_scale_ptr,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    up_shift_ws,
+    stride_asm,
+    scale_n,
+    scale_k,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    FORMAT: tl.constexpr,
+    W8A8: tl.constexpr,
     UPCAST: tl.constexpr,
+    GRID_MANTISSA: tl.constexpr,
+    GRID_MIN_EXP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -301,16 +354,44 @@ def _gate_up_kernel(
 
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # quantized weights (FORMAT): the expert's weights and scales, its up rows' scales further on
+    w_expert = w_ptr + expert * stride_we
+    ws_gate = ws_ptr + expert * stride_wse
+    ws_up = ws_gate + up_shift_ws
     for k0 in range(0, hidden, BLOCK_K):
         ks_ok = ks < hidden - k0
+        w_mask = ks_ok[:, None] & cols_ok[None, :]
         a = tl.load(x_ptrs, mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
-        wg = tl.load(gate_ptrs, mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
-        wu = tl.load(up_ptrs, mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
-        a = a.to(wg.dtype)  # as transformers casts the input to the weights' dtype
-        if UPCAST:
-            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        gate = tl.dot(a, wg, gate, input_precision=PRECISION)
-        up = tl.dot(a, wu, up, input_precision=PRECISION)
+        if FORMAT == "none":
+            wg = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            wu = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            a = a.to(wg.dtype)  # as transformers casts the input to the weights' dtype
+            if UPCAST:
+                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            gate = tl.dot(a, wg, gate, input_precision=PRECISION)
+            up = tl.dot(a, wu, up, input_precision=PRECISION)
+        elif W8A8:  # fp8 x fp8, each k tile inside one scale block: scaled per row and column after the dot
+            wg = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            wu = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            a_s = tl.load(a_scale_ptr + x_rows * stride_asm + k0 // scale_k, mask=rows_ok, other=0.0)[:, None]
+            g_s = tl.load(ws_gate + (cols // scale_n) * stride_wsn + (k0 // scale_k) * stride_wsk, mask=cols_ok,
+                          other=0.0)
+            u_s = tl.load(ws_up + (cols // scale_n) * stride_wsn + (k0 // scale_k) * stride_wsk, mask=cols_ok,
+                          other=0.0)
+            if UPCAST:
+                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            gate += tl.dot(a, wg, input_precision=PRECISION) * a_s * g_s[None, :]
+            up += tl.dot(a, wu, input_precision=PRECISION) * a_s * u_s[None, :]
+        else:  # weight-only: the tiles dequantized, rounded to the activations' dtype
+            k = k0 + ks
+            wg = weight_tile(w_expert, ws_gate, k, cols, w_mask, stride_wn, stride_wh, stride_wsn, stride_wsk,
+                             scale_n, scale_k, FORMAT, UPCAST, GRID_MANTISSA, GRID_MIN_EXP).to(a.dtype)
+            wu = weight_tile(w_expert + up_shift_w, ws_up, k, cols, w_mask, stride_wn, stride_wh, stride_wsn,
+                             stride_wsk, scale_n, scale_k, FORMAT, UPCAST, GRID_MANTISSA, GRID_MIN_EXP).to(a.dtype)
+            if UPCAST:
+                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            gate = tl.dot(a, wg, gate, input_precision=PRECISION)
+            up = tl.dot(a, wu, up, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xh
         gate_ptrs += gate_step
         up_ptrs += up_step
@@ -330,7 +411,12 @@ def _gate_up_kernel(
         gate = tl.minimum(gate, limit)
         act = gate * tl.sigmoid(alpha * gate)
         up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
-    tl.store(out_ptrs, (act * up).to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+    gated = act * up
+    if UPCAST and FORMAT != "none":
+        # w8a8 quantizes this to fp8, where a bf16 rounding the interpreter gets wrong (quant_tiles.rounded)
+        # becomes a whole fp8 step: round it here, so that the cast is exact
+        gated = rounded(gated, GRID_MANTISSA, GRID_MIN_EXP)
+    tl.store(out_ptrs, gated.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
 def _down_kernel(
@@ -360,10 +446,22 @@ def _down_kernel(
     stride_shp,
     stride_sdh,
     stride_sdi,
+    ws_ptr,
+    a_scale_ptr,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    stride_asm,
+    scale_n,
+    scale_k,
     HAS_BIAS: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    FORMAT: tl.constexpr,
+    W8A8: tl.constexpr,
     UPCAST: tl.constexpr,
+    GRID_MANTISSA: tl.constexpr,
+    GRID_MIN_EXP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -401,13 +499,31 @@ def _down_kernel(
         routing = tl.where(routed, routing, scale)
         out_ptrs = tl.where(routed, out_ptrs, out_ptr + (num_pairs + tokens)[:, None] * stride_op + cols[None, :])
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_expert = w_ptr + expert * stride_we
+    ws_expert = ws_ptr + expert * stride_wse
     for k0 in range(0, k_end, BLOCK_K):
         ks_ok = ks < k_end - k0
+        w_mask = ks_ok[:, None] & cols_ok[None, :]
         a = tl.load(h_ptrs, mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=ks_ok[:, None] & cols_ok[None, :], other=0.0)
-        if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if FORMAT == "none":
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            if UPCAST:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        elif W8A8:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            a_s = tl.load(a_scale_ptr + pairs * stride_asm + k0 // scale_k, mask=rows_ok, other=0.0)
+            w_s = tl.load(ws_expert + (cols // scale_n) * stride_wsn + (k0 // scale_k) * stride_wsk, mask=cols_ok,
+                          other=0.0)
+            if UPCAST:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(a, w, input_precision=PRECISION) * a_s[:, None] * w_s[None, :]
+        else:
+            w = weight_tile(w_expert, ws_expert, k0 + ks, cols, w_mask, stride_wh, stride_wi, stride_wsn, stride_wsk,
+                            scale_n, scale_k, FORMAT, UPCAST, GRID_MANTISSA, GRID_MIN_EXP).to(a.dtype)
+            if UPCAST:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += w_step
     if HAS_BIAS:
@@ -425,77 +541,98 @@ def candidate_block_sizes(hidden: int, inter: int) -> list[tuple[int, int, int]]
     return list(dict.fromkeys((m, min(n, smallest), min(k, smallest)) for m, n, k in _CANDIDATES))
 
 
-def fused_moe_triton(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    first_expert: int,
-    activation: str,
-    b_gate_up: torch.Tensor | None = None,
-    b_down: torch.Tensor | None = None,
-    transposed: bool = False,
-    interleaved: bool = False,
-    alpha: float | None = None,
-    limit: float | None = None,
-    s_gate: torch.Tensor | None = None,
-    s_up: torch.Tensor | None = None,
-    s_down: torch.Tensor | None = None,
-    s_scale: torch.Tensor | None = None,
-    *,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class ExpertScales:
+    """How the routed experts' weights are quantized, for the kernels (``afdc/codegen/fused_moe_quant.py``
+    builds it): ``format`` one of :data:`afdc.codegen.quant_tiles.WEIGHT_FORMATS`, the scales of the
+    gate-up and down weights, and the block each scale covers (``scale_n`` output x ``scale_k`` input
+    features). fp8 gate-up scales hold the gate rows' blocks, then the up rows'
+    (``[E, 2 * ceil(I / scale_n), ceil(H / scale_k)]``); MXFP4 scales have one row per weight row."""
+
+    format: str
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    scale_n: int
+    scale_k: int
+    w8a8: bool = False  # fp8 only: activations quantized per token group of scale_k, fp8 x fp8 dots
+
+    def __post_init__(self) -> None:
+        if self.format not in WEIGHT_FORMATS or (self.w8a8 and self.format != "fp8"):
+            raise ValueError(f"fused_moe: weights in {self.format!r}{' with w8a8' if self.w8a8 else ''} are not "
+                             f"supported; formats: {', '.join(WEIGHT_FORMATS)} (w8a8 with fp8 only)")
+
+
+def w8a8_block_k(block_k: int, scale_k: int) -> int:
+    """The K tile of a w8a8 GEMM: a power of 2 dividing the scale block, so that a tile has one scale."""
+    tile = min(block_k, scale_k & -scale_k)
+    if tile < 16:
+        raise ValueError(f"w8a8 needs a weight block_k that is a multiple of 16 (tl.dot's smallest K), got {scale_k}; "
+                         "run it weight-only (w8a8=False)")
+    return tile
+
+
+@takes_arguments_of(Experts, block_m=None, block_n=None, block_k=None)
+def fused_moe_triton(*args, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                     **kwargs) -> torch.Tensor:
     """:func:`fused_moe` by the Triton kernels. Block sizes not given are tuned for this device and
     shape (:mod:`afdc.codegen.autotune`, on by default on CUDA) or else :func:`default_block_sizes`."""
-    args = (x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_gate_up, b_down,
-            transposed, interleaved, alpha, limit, s_gate, s_up, s_down, s_scale)
-    w_gate_up, w_down = output_major(w_gate_up, w_down, transposed)
-    _check(x, w_gate_up, w_down, topk_ids, activation, b_gate_up, b_down, alpha, limit, (s_gate, s_up, s_down, s_scale))
+    experts = Experts(*args, **kwargs)
+    experts.check()
+    kernel = "fused_moe" + ("_transposed" if experts.transposed else "")
+    return launch(experts.output_major(), None, (block_m, block_n, block_k), kernel)
+
+
+def launch(
+    e: Experts, scales: ExpertScales | None, tiles: tuple[int | None, int | None, int | None], kernel: str
+) -> torch.Tensor:
+    """Runs the kernels on output-major, checked experts (quantized when ``scales`` is given);
+    ``kernel`` names the variant in the autotune cache."""
+    x, w_gate_up, w_down, topk_ids = e.x, e.w_gate_up, e.w_down, e.topk_ids
     tokens, hidden = x.shape
-    num_local, two_inter, _ = w_gate_up.shape
+    num_local, two_inter = w_gate_up.shape[:2]
     inter = two_inter // 2
     num_pairs = topk_ids.numel()
     if num_pairs == 0:
         return torch.zeros_like(x)
-    has_shared = s_gate is not None
-    shared_inter = s_gate.shape[0] if has_shared else 0
-    if block_m is block_n is block_k is None and autotune.enabled(x):
+    has_shared = e.s_gate is not None
+    shared_inter = e.s_gate.shape[0] if has_shared else 0
+    if tiles == (None, None, None) and autotune.enabled(x):
         # the weights' layout and a shared expert change which tiles read memory best
-        kernel = "fused_moe" + ("_transposed" if transposed else "") + (f"_shared{shared_inter}" if has_shared else "")
+        kernel += f"_shared{shared_inter}" if has_shared else ""
         key = autotune.TuneKey.of(kernel, w_gate_up, (next_power_of_2(num_pairs), num_local, hidden, inter))
-        block_m, block_n, block_k = autotune.tuner().best(
-            key,
-            candidate_block_sizes(hidden, inter),
-            lambda tiles: fused_moe_triton(*args, block_m=tiles[0], block_n=tiles[1], block_k=tiles[2]),
-            x,
-        )
-    default_m, default_n, default_k = default_block_sizes(num_pairs, num_local, hidden, inter)
-    block_m, block_n, block_k = block_m or default_m, block_n or default_n, block_k or default_k
+        tiles = autotune.tuner().best(key, candidate_block_sizes(hidden, inter),
+                                      lambda tried: launch(e, scales, tried, kernel), x)
+    block_m, block_n, block_k = (given or default for given, default in
+                                 zip(tiles, default_block_sizes(num_pairs, num_local, hidden, inter)))
+    w8a8 = scales is not None and scales.w8a8
+    if w8a8:
+        block_k = w8a8_block_k(block_k, scales.scale_k)
 
-    sorted_pairs, block_experts = align_pairs(topk_ids, first_expert, num_local, block_m)
+    sorted_pairs, block_experts = align_pairs(topk_ids, e.first_expert, num_local, block_m)
     routed_blocks = block_experts.numel()
     shared_blocks = -(-tokens // block_m) if has_shared else 0
+    # quantized weights are dequantized to the activations' dtype, the dtype they multiply in
+    compute_dtype = w_gate_up.dtype if scales is None else x.dtype
     # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those bits: it gets fp32
     # operands. fp32 runs in full precision ("ieee"), as torch's matmul does unless TF32 is enabled.
     upcast = interpreting()
-    precision = "ieee" if upcast or w_gate_up.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16
-    step = 2 if interleaved else 1  # gate column c sits at row c * step
-    up_row = 1 if interleaved else inter  # and its up column that many rows on
+    grid = rounding_grid(compute_dtype)  # where quantized weights are rounded to (the interpreter rounds itself)
+    precision = "ieee" if upcast or compute_dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16
+    step = 2 if e.interleaved else 1  # gate column c sits at row c * step
+    up_row = 1 if e.interleaved else inter  # and its up column that many rows on
     stride_we, stride_wn, stride_wh = w_gate_up.stride()
     # pointers a kernel never reads stand in for the tensors an option leaves out
-    b1 = b_gate_up if b_gate_up is not None else x
-    b2 = b_down if b_down is not None else x
-    s_gate, s_up, s_down = (s_gate, s_up, s_down) if has_shared else (w_gate_up[0],) * 3
-    scale = s_scale.reshape(-1).float() if s_scale is not None else x
-    hidden_states = torch.empty(num_pairs, inter, dtype=w_down.dtype, device=x.device)
-    shared_states = (torch.empty(tokens, shared_inter, dtype=w_down.dtype, device=x.device) if has_shared
+    b1 = e.b_gate_up if e.b_gate_up is not None else x
+    b2 = e.b_down if e.b_down is not None else x
+    s_gate, s_up, s_down = (e.s_gate, e.s_up, e.s_down) if has_shared else (w_gate_up[0],) * 3
+    scale = e.s_scale.reshape(-1).float() if e.s_scale is not None else x
+    hidden_states = torch.empty(num_pairs, inter, dtype=compute_dtype, device=x.device)
+    shared_states = (torch.empty(tokens, shared_inter, dtype=compute_dtype, device=x.device) if has_shared
                      else hidden_states)
+    quant = _QuantArgs.of(scales, x, inter, up_row, step)
     grid_n = -(-max(inter, shared_inter) // block_n)
     jit(_gate_up_kernel)[(routed_blocks + shared_blocks, grid_n)](
-        x,
+        quant.x,
         w_gate_up,
         b1,
         hidden_states,
@@ -511,10 +648,10 @@ def fused_moe_triton(
         hidden,
         inter,
         shared_inter,
-        alpha or 0.0,
-        limit or 0.0,
-        x.stride(0),
-        x.stride(1),
+        e.alpha or 0.0,
+        e.limit or 0.0,
+        quant.x.stride(0),
+        quant.x.stride(1),
         stride_we,
         stride_wn * step,
         stride_wh,
@@ -526,22 +663,28 @@ def fused_moe_triton(
         *s_gate.stride(),
         *s_up.stride(),
         shared_states.stride(0),
-        ACTIVATION=activation,
-        HAS_BIAS=b_gate_up is not None,
+        *quant.gate_up_args,
+        ACTIVATION=e.activation,
+        HAS_BIAS=e.b_gate_up is not None,
         HAS_SHARED=has_shared,
+        FORMAT=quant.format,
+        W8A8=w8a8,
         UPCAST=upcast,
+        GRID_MANTISSA=grid[0],
+        GRID_MIN_EXP=grid[1],
         PRECISION=precision,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
+    h, h_scales = quantize_token_groups(hidden_states, scales.scale_k) if w8a8 else (hidden_states, x)
     # pairs of other ranks' experts are never written: they stay zero; the shared rows follow the pairs
     pair_out = torch.zeros(num_pairs + (tokens if has_shared else 0), hidden, dtype=torch.float32, device=x.device)
     jit(_down_kernel)[(routed_blocks + shared_blocks, -(-hidden // block_n))](
-        hidden_states,
+        h,
         w_down,
         b2,
-        topk_weights.reshape(-1).contiguous(),
+        e.topk_weights.reshape(-1).contiguous(),
         pair_out,
         shared_states,
         s_down,
@@ -554,17 +697,22 @@ def fused_moe_triton(
         hidden,
         inter,
         shared_inter,
-        hidden_states.stride(0),
+        h.stride(0),
         *w_down.stride(),
         b2.stride(0),
         b2.stride(1),
         pair_out.stride(0),
         shared_states.stride(0),
         *s_down.stride(),
-        HAS_BIAS=b_down is not None,
+        *quant.down_args(h_scales),
+        HAS_BIAS=e.b_down is not None,
         HAS_SHARED=has_shared,
-        HAS_SCALE=s_scale is not None,
+        HAS_SCALE=e.s_scale is not None,
+        FORMAT=quant.format,
+        W8A8=w8a8,
         UPCAST=upcast,
+        GRID_MANTISSA=grid[0],
+        GRID_MIN_EXP=grid[1],
         PRECISION=precision,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -576,26 +724,40 @@ def fused_moe_triton(
     return out.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class _QuantArgs:
+    """The kernels' quantization arguments: the activations they read (fp8 for w8a8) and the
+    scales' pointers, strides and blocks; stand-ins that are never read for bf16 weights."""
+
+    format: str
+    x: torch.Tensor
+    gate_up_args: tuple
+    down_scales: torch.Tensor
+    scale_n: int
+    scale_k: int
+
+    @classmethod
+    def of(cls, scales: ExpertScales | None, x: torch.Tensor, inter: int, up_row: int, step: int) -> _QuantArgs:
+        if scales is None:
+            return cls("none", x, (x, x, 0, 0, 0, 0, 0, 1, 1), x, 1, 1)
+        stride_se, stride_sn, stride_sk = scales.gate_up.stride()
+        # fp8: the up rows' blocks follow the gate rows' ceil(I / scale_n); MXFP4: a scale row per weight row
+        up_shift = -(-inter // scales.scale_n) * stride_sn if scales.format == "fp8" else up_row * stride_sn
+        a, a_scales = quantize_token_groups(x, scales.scale_k) if scales.w8a8 else (x, x)
+        gate_up = (scales.gate_up, a_scales, stride_se, stride_sn * step, stride_sk, up_shift, a_scales.stride(0),
+                   scales.scale_n, scales.scale_k)
+        return cls(scales.format, a, gate_up, scales.down, scales.scale_n, scales.scale_k)
+
+    def down_args(self, h_scales: torch.Tensor) -> tuple:
+        if self.format == "none":
+            return self.x, self.x, 0, 0, 0, 0, 1, 1
+        return (self.down_scales, h_scales, *self.down_scales.stride(), h_scales.stride(0), self.scale_n,
+                self.scale_k)
+
+
 @torch.library.custom_op("afdc::fused_moe", mutates_args=())
-def fused_moe(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    first_expert: int,
-    activation: str,
-    b_gate_up: torch.Tensor | None = None,
-    b_down: torch.Tensor | None = None,
-    transposed: bool = False,
-    interleaved: bool = False,
-    alpha: float | None = None,
-    limit: float | None = None,
-    s_gate: torch.Tensor | None = None,
-    s_up: torch.Tensor | None = None,
-    s_down: torch.Tensor | None = None,
-    s_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+@takes_arguments_of(Experts)
+def fused_moe(*args, **kwargs) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * expert(x[t])`` over the choices of the local experts
     ``[first_expert, first_expert + E_local)``: ``down(act(gate(x)) * up(x))`` with ``w_gate_up``
     [E_local, 2I, H] (gate rows, then up rows) and ``w_down`` [E_local, H, I]. Other experts'
@@ -607,23 +769,20 @@ def fused_moe(
     ``swigluoai``. A shared expert every token passes through: ``s_down(act(s_gate x) * s_up x)``
     times ``s_scale`` (one value per token, or 1), added to the sum.
     """
-    args = (x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_gate_up, b_down,
-            transposed, interleaved, alpha, limit, s_gate, s_up, s_down, s_scale)
-    if launches(*(t for t in args if isinstance(t, torch.Tensor))):
-        return fused_moe_triton(*args)
-    return fused_moe_reference(*args)
+    if launches(*Experts(*args, **kwargs).tensors()):
+        return fused_moe_triton(*args, **kwargs)
+    return fused_moe_reference(*args, **kwargs)
 
 
 @fused_moe.register_fake
-def _(x, w_gate_up, w_down, topk_weights, topk_ids, first_expert, activation, b_gate_up=None, b_down=None,
-      transposed=False, interleaved=False, alpha=None, limit=None, s_gate=None, s_up=None, s_down=None, s_scale=None):
-    _check(x, *output_major(w_gate_up, w_down, transposed), topk_ids, activation, b_gate_up, b_down, alpha, limit,
-           (s_gate, s_up, s_down, s_scale))
-    return torch.empty_like(x)
+def _(*args, **kwargs):
+    experts = Experts(*args, **kwargs)
+    experts.check()
+    return torch.empty_like(experts.x)
 
 
 @dataclass(frozen=True)
-class FusedMoeCall(OpCall):
+class FusedMoeCall(EmittedCall):
     """One ``afdc::fused_moe`` node's arguments by name (tensors are graph values)."""
 
     node: fx.Node
@@ -654,17 +813,3 @@ class FusedMoeCall(OpCall):
     @property
     def has_biases(self) -> bool:
         return self.b_gate_up is not None or self.b_down is not None
-
-    @classmethod
-    def emit(cls, graph: fx.Graph, **arguments) -> fx.Node:
-        """A new call; arguments left at their defaults are left out of the node."""
-        names = [a.name for a in cls.OP._schema.arguments]
-        required = names[: names.index("activation") + 1]
-        args = tuple(arguments[n] for n in required)
-        defaults = {f.name: f.default for f in fields(cls) if f.name in names and f.name not in required}
-        kwargs = {k: v for k, v in arguments.items() if k not in required and v != defaults[k]}
-        return graph.call_function(cls.OP, args, kwargs)
-
-    def arguments(self) -> dict:
-        """Every argument by name, to emit a changed call (``emit(graph, **{**call.arguments(), ...})``)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "node"}

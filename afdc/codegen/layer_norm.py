@@ -10,16 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from afdc.codegen.rms_norm import (
-    as_rows,
-    check_residual,
-    check_row_param,
-    present,
-    row_block,
-    row_num_warps,
-    row_outputs,
-)
-from afdc.codegen.triton_support import jit, launches, tl
+from afdc.codegen.rms_norm import check_residual, launch_row_kernel, present
+from afdc.codegen.triton_support import launches, tl
 
 # -- reference -----------------------------------------------------------------------------------
 
@@ -86,48 +78,11 @@ def _layer_norm_kernel(
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the kernel; returns ``(normed, summed)``, ``summed`` None without a residual."""
-    width = x.shape[-1]
-    check_row_param("layer_norm", "weight", weight, width)
-    check_row_param("layer_norm", "bias", bias, width)
-    out, summed = row_outputs(x, residual, out_dtype)
-    if x.numel() == 0:
-        return out, summed
-    x2 = as_rows(x)
-    r2 = as_rows(residual) if residual is not None else x2
-    block = row_block(width)
-    jit(_layer_norm_kernel)[(x2.shape[0],)](
-        x2,
-        r2,
-        weight.contiguous() if weight is not None else x2,
-        bias.contiguous() if bias is not None else x2,
-        out,
-        summed if summed is not None else out,
-        x2.stride(0),
-        r2.stride(0),
-        width,
-        eps,
-        HAS_RESIDUAL=residual is not None,
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None,
-        BLOCK=block,
-        num_warps=row_num_warps(block),
-    )
-    return out, summed
-
-
 def layer_norm_triton(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    return _launch(x, None, weight, bias, eps, out_dtype)[0]
+    return launch_row_kernel(_layer_norm_kernel, "layer_norm", x, None, {"weight": weight, "bias": bias}, (eps,),
+                             out_dtype)[0]
 
 
 def add_layer_norm_triton(
@@ -139,7 +94,8 @@ def add_layer_norm_triton(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_residual("add_layer_norm", x, residual)
-    return _launch(x, residual, weight, bias, eps, out_dtype)
+    return launch_row_kernel(_layer_norm_kernel, "layer_norm", x, residual, {"weight": weight, "bias": bias}, (eps,),
+                             out_dtype)
 
 
 # -- custom ops ----------------------------------------------------------------------------------

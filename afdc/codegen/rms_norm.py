@@ -11,6 +11,8 @@ The row helpers here are shared by the other row-wise kernels (layer norm, act_m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from afdc.codegen.triton_support import jit, launches, next_power_of_2, tl
@@ -66,6 +68,46 @@ def row_outputs(
 def present(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """The tensors that are not None (optional weights and biases), for :func:`launches`."""
     return tuple(t for t in tensors if t is not None)
+
+
+def launch_row_kernel(
+    kernel: Callable,
+    op: str,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    params: dict[str, torch.Tensor | None],
+    scalars: tuple,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Runs a norm kernel, one program per row, returning ``(normed, summed)`` (``summed`` None
+    without a residual). The kernel takes ``(x, residual, *params, out, sum, x row stride,
+    residual row stride, width, *scalars)`` and the constexprs ``HAS_RESIDUAL``, ``HAS_<PARAM>``
+    for each optional per-feature parameter, and ``BLOCK``."""
+    width = x.shape[-1]
+    for name, param in params.items():
+        check_row_param(op, name, param, width)
+    out, summed = row_outputs(x, residual, out_dtype)
+    if x.numel() == 0:
+        return out, summed
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else x2
+    block = row_block(width)
+    jit(kernel)[(x2.shape[0],)](
+        x2,
+        r2,
+        *(param.contiguous() if param is not None else x2 for param in params.values()),
+        out,
+        summed if summed is not None else out,
+        x2.stride(0),
+        r2.stride(0),
+        width,
+        *scalars,
+        HAS_RESIDUAL=residual is not None,
+        **{f"HAS_{name.upper()}": param is not None for name, param in params.items()},
+        BLOCK=block,
+        num_warps=row_num_warps(block),
+    )
+    return out, summed
 
 
 # -- reference -----------------------------------------------------------------------------------
@@ -131,46 +173,10 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    eps: float,
-    offset: float,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the kernel; returns ``(normed, summed)``, ``summed`` None without a residual."""
-    width = x.shape[-1]
-    check_row_param("rms_norm", "weight", weight, width)
-    out, summed = row_outputs(x, residual, out_dtype)
-    if x.numel() == 0:
-        return out, summed
-    x2 = as_rows(x)
-    r2 = as_rows(residual) if residual is not None else x2
-    block = row_block(width)
-    jit(_rms_norm_kernel)[(x2.shape[0],)](
-        x2,
-        r2,
-        weight.contiguous() if weight is not None else x2,
-        out,
-        summed if summed is not None else out,
-        x2.stride(0),
-        r2.stride(0),
-        width,
-        eps,
-        offset,
-        HAS_RESIDUAL=residual is not None,
-        HAS_WEIGHT=weight is not None,
-        BLOCK=block,
-        num_warps=row_num_warps(block),
-    )
-    return out, summed
-
-
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    return _launch(x, None, weight, eps, offset, out_dtype)[0]
+    return launch_row_kernel(_rms_norm_kernel, "rms_norm", x, None, {"weight": weight}, (eps, offset), out_dtype)[0]
 
 
 def add_rms_norm_triton(
@@ -182,7 +188,7 @@ def add_rms_norm_triton(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_residual("add_rms_norm", x, residual)
-    return _launch(x, residual, weight, eps, offset, out_dtype)
+    return launch_row_kernel(_rms_norm_kernel, "rms_norm", x, residual, {"weight": weight}, (eps, offset), out_dtype)
 
 
 # -- custom ops ----------------------------------------------------------------------------------

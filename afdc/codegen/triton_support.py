@@ -81,5 +81,12 @@ def jit(fn: Callable) -> _Kernel:
     return _Kernel(fn)
 
 
+def device_function(fn: Callable) -> Callable:
+    """A helper that kernels call: ``triton.jit`` for compiled kernels; in the interpreter (and
+    without Triton) the plain function, which the interpreted kernel calls as Python. Decided at
+    import, as Triton itself decides the interpreter (``TRITON_INTERPRET`` set before import)."""
+    return fn if triton is None or interpreting() else triton.jit(fn)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()

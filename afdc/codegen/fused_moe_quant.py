@@ -1,0 +1,274 @@
+"""Routed experts whose weights stay quantized as the checkpoint ships them: custom ops, references.
+
+Two ops, each ``afdc::fused_moe``'s computation (:mod:`afdc.codegen.fused_moe`, whose kernels run
+them) with the weights in a quantized format, dequantized tile by tile inside the kernels. Their
+first seven arguments are ``fused_moe``'s, so a graph rewrite swaps the target and appends the
+scales::
+
+    afdc::fused_moe_fp8(Tensor x, Tensor w_gate_up, Tensor w_down, Tensor topk_weights,
+        Tensor topk_ids, SymInt first_expert, str activation, Tensor w_gate_up_scale,
+        Tensor w_down_scale, SymInt block_n, SymInt block_k, bool w8a8=False,
+        Tensor? b_gate_up=None, Tensor? b_down=None, float? alpha=None, float? limit=None) -> Tensor
+
+    afdc::fused_moe_mxfp4(Tensor x, Tensor w_gate_up_blocks, Tensor w_down_blocks,
+        Tensor topk_weights, Tensor topk_ids, SymInt first_expert, str activation,
+        Tensor w_gate_up_scales, Tensor w_down_scales, Tensor? b_gate_up=None,
+        Tensor? b_down=None, bool interleaved=False, float? alpha=None, float? limit=None) -> Tensor
+
+``fused_moe_fp8``: :class:`afdc.quant.formats.Fp8Block` experts in transformers' fused form,
+``w_gate_up`` [E_local, 2I, H] and ``w_down`` [E_local, H, I] float8_e4m3fn, output-major; the
+scales multiply (DeepSeek's ``weight_scale_inv``): ``w_gate_up_scale`` float32
+[E_local, 2 * ceil(I / block_n), ceil(H / block_k)] (each expert's gate_proj blocks, then its
+up_proj blocks, as the per-expert checkpoint tensors concatenate; with I a multiple of block_n,
+``[E, 2I / block_n, H / block_k]``) and ``w_down_scale`` [E_local, ceil(H / block_n), ceil(I / block_k)].
+``w8a8=False`` dequantizes the weights to x's dtype in the kernel (any GPU); ``w8a8=True``
+quantizes the activations per token group of ``block_k`` (x, and ``act(gate) * up`` before the
+down projection) and multiplies fp8 by fp8 with fp32 accumulators (GPUs with fp8 tensor cores;
+``block_k`` a multiple of 16).
+
+``fused_moe_mxfp4``: :class:`afdc.quant.formats.Mxfp4` experts as gpt-oss ships them,
+``*_blocks`` uint8 [E_local, 2I, H / 32, 16] and [E_local, H, I / 32, 16], ``*_scales`` uint8
+[E_local, 2I, H / 32] and [E_local, H, I / 32]: output-major, so unlike the bf16 gpt-oss
+experts there is no ``transposed``. gpt-oss's gate and up rows alternate (``interleaved``), it has
+biases and ``swigluoai``. Weight-only: dequantized to x's dtype in the kernel.
+
+Both take the local experts of an expert-parallel rank from ``first_expert`` on, as
+``fused_moe`` does, and no shared expert (a shared expert's linears are ``afdc::fp8_linear``).
+The references dequantize by the format's definition and run ``fused_moe``'s reference loop,
+rounding where the kernels do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.fx as fx
+
+from afdc.codegen.fused_moe import Experts, ExpertScales, experts_reference, launch
+from afdc.codegen.triton_support import launches
+from afdc.codegen.typed_calls import EmittedCall, takes_arguments_of
+from afdc.quant.formats import Fp8Block, Mxfp4, TokenGroupQuant
+
+
+def _tensors(args: object) -> tuple[torch.Tensor, ...]:
+    values = (getattr(args, f.name) for f in fields(args))
+    return tuple(v for v in values if isinstance(v, torch.Tensor))
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """The arguments of ``afdc::fused_moe_fp8`` (the op's schema is read from these fields)."""
+
+    x: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    first_expert: int
+    activation: str
+    w_gate_up_scale: torch.Tensor
+    w_down_scale: torch.Tensor
+    block_n: int
+    block_k: int
+    w8a8: bool = False
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    alpha: float | None = None
+    limit: float | None = None
+
+    def experts(self) -> Experts:
+        return Experts(self.x, self.w_gate_up, self.w_down, self.topk_weights, self.topk_ids, self.first_expert,
+                       self.activation, self.b_gate_up, self.b_down, alpha=self.alpha, limit=self.limit)
+
+    def check(self) -> None:
+        self.experts().check()
+        fmt = Fp8Block(self.block_n, self.block_k)
+        fmt.check("fused_moe_fp8 w_down", self.w_down, self.w_down_scale)
+        num, two_inter, hidden = self.w_gate_up.shape
+        gate_rows, cols = fmt.scale_shape(two_inter // 2, hidden)
+        expected = (num, 2 * gate_rows, cols)
+        scale = self.w_gate_up_scale
+        if self.w_gate_up.dtype != self.w_down.dtype or tuple(scale.shape) != expected or scale.dtype != torch.float32:
+            raise ValueError(f"fused_moe_fp8: w_gate_up {self.w_gate_up.dtype} {tuple(self.w_gate_up.shape)} in "
+                             f"[{self.block_n}, {self.block_k}] blocks needs fp8 weights and float32 scales {expected} "
+                             f"(the gate rows' blocks, then the up rows'), got {scale.dtype} {tuple(scale.shape)}")
+
+    def reference(self) -> torch.Tensor:
+        fmt = Fp8Block(self.block_n, self.block_k)
+        inter = self.w_gate_up.shape[1] // 2
+        gate, up = self.w_gate_up[:, :inter], self.w_gate_up[:, inter:]
+        gate_s, up_s = self.w_gate_up_scale.chunk(2, dim=1)
+        if not self.w8a8:  # weights dequantized to x's dtype, as the kernels round them
+            dtype = self.x.dtype
+            w_gate_up = torch.cat([fmt.dequantize(gate, gate_s, dtype), fmt.dequantize(up, up_s, dtype)], dim=1)
+            return experts_reference(replace(self.experts(), w_gate_up=w_gate_up,
+                                             w_down=fmt.dequantize(self.w_down, self.w_down_scale, dtype)))
+        groups = TokenGroupQuant(self.block_k)
+
+        def fake_quant(h: torch.Tensor) -> torch.Tensor:  # what the kernels' fp8 operands hold, in fp32
+            return groups.dequantize(*groups.quantize(h.to(self.x.dtype)))
+
+        w_gate_up = torch.cat([fmt.dequantize(gate, gate_s), fmt.dequantize(up, up_s)], dim=1)
+        experts = replace(self.experts(), x=fake_quant(self.x), w_gate_up=w_gate_up,
+                          w_down=fmt.dequantize(self.w_down, self.w_down_scale))
+        return experts_reference(experts, fake_quant).to(self.x.dtype)
+
+    def launch(self, tiles: tuple[int | None, int | None, int | None]) -> torch.Tensor:
+        scales = ExpertScales("fp8", self.w_gate_up_scale, self.w_down_scale, self.block_n, self.block_k, self.w8a8)
+        return launch(self.experts(), scales, tiles, "fused_moe_fp8" + ("_w8a8" if self.w8a8 else ""))
+
+
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """The arguments of ``afdc::fused_moe_mxfp4`` (the op's schema is read from these fields)."""
+
+    x: torch.Tensor
+    w_gate_up_blocks: torch.Tensor
+    w_down_blocks: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    first_expert: int
+    activation: str
+    w_gate_up_scales: torch.Tensor
+    w_down_scales: torch.Tensor
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    interleaved: bool = False
+    alpha: float | None = None
+    limit: float | None = None
+
+    def experts(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> Experts:
+        return Experts(self.x, w_gate_up, w_down, self.topk_weights, self.topk_ids, self.first_expert,
+                       self.activation, self.b_gate_up, self.b_down, False, self.interleaved, self.alpha, self.limit)
+
+    def check(self) -> None:
+        fmt = Mxfp4()
+        fmt.check("fused_moe_mxfp4 gate_up", self.w_gate_up_blocks, self.w_gate_up_scales)
+        fmt.check("fused_moe_mxfp4 down", self.w_down_blocks, self.w_down_scales)
+        # the weights' logical shapes, [E, 2I, H] and [E, H, I], checked against the rest as fused_moe checks them
+        logical = [torch.empty(*b.shape[:-2], b.shape[-2] * b.shape[-1] * 2, device="meta")
+                   for b in (self.w_gate_up_blocks, self.w_down_blocks)]
+        self.experts(*logical).check()
+
+    def reference(self) -> torch.Tensor:
+        fmt, dtype = Mxfp4(), self.x.dtype
+        return experts_reference(self.experts(fmt.dequantize(self.w_gate_up_blocks, self.w_gate_up_scales, dtype),
+                                              fmt.dequantize(self.w_down_blocks, self.w_down_scales, dtype)))
+
+    def launch(self, tiles: tuple[int | None, int | None, int | None]) -> torch.Tensor:
+        # the blocks as [E, N, K / 2] bytes: the kernels find k's byte and nibble
+        experts = self.experts(self.w_gate_up_blocks.flatten(-2), self.w_down_blocks.flatten(-2))
+        scales = ExpertScales("mxfp4", self.w_gate_up_scales, self.w_down_scales, 1, Mxfp4().block)
+        return launch(experts, scales, tiles, "fused_moe_mxfp4")
+
+
+@takes_arguments_of(Fp8Experts)
+def fused_moe_fp8_reference(*args, **kwargs) -> torch.Tensor:
+    call = Fp8Experts(*args, **kwargs)
+    call.check()
+    return call.reference()
+
+
+def fused_moe_fp8_triton(*args, tiles: tuple[int | None, int | None, int | None] = (None, None, None),
+                         **kwargs) -> torch.Tensor:
+    """:func:`fused_moe_fp8` (its arguments) by the Triton kernels; ``tiles`` (BLOCK_M, BLOCK_N,
+    BLOCK_K), each tuned or defaulted where None as ``fused_moe_triton`` does."""
+    call = Fp8Experts(*args, **kwargs)
+    call.check()
+    return call.launch(tiles)
+
+
+@torch.library.custom_op("afdc::fused_moe_fp8", mutates_args=())
+@takes_arguments_of(Fp8Experts)
+def fused_moe_fp8(*args, **kwargs) -> torch.Tensor:
+    """``afdc::fused_moe`` over fp8 block-scaled experts (the module docstring has the layout)."""
+    call = Fp8Experts(*args, **kwargs)
+    call.check()
+    return call.launch((None, None, None)) if launches(*_tensors(call)) else call.reference()
+
+
+@fused_moe_fp8.register_fake
+def _(*args, **kwargs):
+    call = Fp8Experts(*args, **kwargs)
+    call.check()
+    return torch.empty_like(call.x)
+
+
+@takes_arguments_of(Mxfp4Experts)
+def fused_moe_mxfp4_reference(*args, **kwargs) -> torch.Tensor:
+    call = Mxfp4Experts(*args, **kwargs)
+    call.check()
+    return call.reference()
+
+
+def fused_moe_mxfp4_triton(*args, tiles: tuple[int | None, int | None, int | None] = (None, None, None),
+                           **kwargs) -> torch.Tensor:
+    """:func:`fused_moe_mxfp4` by the Triton kernels (``tiles`` as :func:`fused_moe_fp8_triton`)."""
+    call = Mxfp4Experts(*args, **kwargs)
+    call.check()
+    return call.launch(tiles)
+
+
+@torch.library.custom_op("afdc::fused_moe_mxfp4", mutates_args=())
+@takes_arguments_of(Mxfp4Experts)
+def fused_moe_mxfp4(*args, **kwargs) -> torch.Tensor:
+    """``afdc::fused_moe`` over MXFP4 experts (the module docstring has the layout)."""
+    call = Mxfp4Experts(*args, **kwargs)
+    call.check()
+    return call.launch((None, None, None)) if launches(*_tensors(call)) else call.reference()
+
+
+@fused_moe_mxfp4.register_fake
+def _(*args, **kwargs):
+    call = Mxfp4Experts(*args, **kwargs)
+    call.check()
+    return torch.empty_like(call.x)
+
+
+@dataclass(frozen=True)
+class FusedMoeFp8Call(EmittedCall):
+    """One ``afdc::fused_moe_fp8`` node's arguments by name (tensors are graph values)."""
+
+    node: fx.Node
+    x: fx.Node
+    w_gate_up: fx.Node
+    w_down: fx.Node
+    topk_weights: fx.Node
+    topk_ids: fx.Node
+    first_expert: object  # an int, or a graph value on a sharded rank
+    activation: str
+    w_gate_up_scale: fx.Node
+    w_down_scale: fx.Node
+    block_n: int
+    block_k: int
+    w8a8: bool = False
+    b_gate_up: fx.Node | None = None
+    b_down: fx.Node | None = None
+    alpha: float | None = None
+    limit: float | None = None
+
+    OP = torch.ops.afdc.fused_moe_fp8.default
+
+
+@dataclass(frozen=True)
+class FusedMoeMxfp4Call(EmittedCall):
+    """One ``afdc::fused_moe_mxfp4`` node's arguments by name (tensors are graph values)."""
+
+    node: fx.Node
+    x: fx.Node
+    w_gate_up_blocks: fx.Node
+    w_down_blocks: fx.Node
+    topk_weights: fx.Node
+    topk_ids: fx.Node
+    first_expert: object
+    activation: str
+    w_gate_up_scales: fx.Node
+    w_down_scales: fx.Node
+    b_gate_up: fx.Node | None = None
+    b_down: fx.Node | None = None
+    interleaved: bool = False
+    alpha: float | None = None
+    limit: float | None = None
+
+    OP = torch.ops.afdc.fused_moe_mxfp4.default

@@ -1,0 +1,209 @@
+"""The quantized weight formats checkpoints ship, each defined by its dequantization in PyTorch.
+
+Each format is a frozen dataclass holding what the checkpoint's ``quantization_config`` fixes
+(block sizes, strategy); its ``dequantize`` is the format's definition, which afdc's kernels
+(``afdc/codegen/fp8_linear.py``, ``afdc/codegen/fused_moe_quant.py``) and their references must
+reproduce, and its ``quantize`` is how a checkpoint's producer makes the tensors (tests use it to
+save tiny models in the shipping format). Weights are output-major ``[..., N, K]`` (``N`` output
+features, ``K`` input features; leading dims are experts), as ``nn.Linear`` and transformers'
+fused experts store them.
+
+- :class:`Fp8Block`: fp8 e4m3 weights with one float32 ``weight_scale_inv`` per
+  ``block_n x block_k`` block, ``[ceil(N / block_n), ceil(K / block_k)]`` (DeepSeek-V3, Kimi K2,
+  the Qwen3 ``-FP8`` releases: ``quant_method: fp8``, ``weight_block_size``). Despite its name
+  ``weight_scale_inv`` multiplies: ``w = fp8.float() * scale_inv[n // block_n, k // block_k]``.
+  Last blocks may be ragged (DeepSeek-V3 ships such shapes).
+- :class:`Fp8Scaled`: compressed-tensors float8, a float32 ``weight_scale`` per output channel
+  (``[N, 1]``) or per tensor (one value) that multiplies, and optionally a static per-tensor
+  ``input_scale`` that activations are divided by before the fp8 cast. Both are block formats
+  with one block per row or one block in all (:meth:`Fp8Scaled.blocks`), which is how the kernels
+  take them.
+- :class:`Mxfp4`: OCP MX fp4 (gpt-oss experts): ``*_blocks`` uint8 ``[..., N, K / 32, 16]``, two
+  e2m1 values per byte (low nibble first, the even ``k``), and ``*_scales`` uint8
+  ``[..., N, K / 32]``, one e8m0 exponent (bias 127) per 32 values:
+  ``w = E2M1_VALUES[code] * 2 ** (scale - 127)``. transformers' ``convert_moe_packed_tensors``
+  (integrations/mxfp4.py) is the reference this reproduces bit for bit; it returns the transpose
+  ``[..., K, N]``, gpt-oss's input-major parameters.
+- :class:`TokenGroupQuant`: the dynamic activation quantization of DeepSeek's fp8 GEMMs: each
+  row's groups of ``group`` values along K share one float32 scale ``max(amax, eps) / 448``, and
+  ``x_q = fp8(clamp(x / scale, -448, 448))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value, torch.finfo(torch.float8_e4m3fn).max
+
+# e2m1 codes 0..15: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0; 0 and 8 are +-0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0_BIAS = 127
+MXFP4_BLOCK = 32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_fp8(name: str, weight: torch.Tensor) -> None:
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"{name}: the weight is {weight.dtype}, expected {FP8_DTYPE} (fp8 e4m3)")
+
+
+def _expand_blocks(scale: torch.Tensor, rows: int, cols: int, block_n: int, block_k: int) -> torch.Tensor:
+    """One scale per element of a ``[..., rows, cols]`` weight (ragged last blocks cut off)."""
+    scale = scale.repeat_interleave(block_n, dim=-2)[..., :rows, :]
+    return scale.repeat_interleave(block_k, dim=-1)[..., :cols]
+
+
+def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+@dataclass(frozen=True)
+class Fp8Block:
+    """fp8 e4m3 weights with a float32 multiplier per ``block_n x block_k`` block."""
+
+    block_n: int = 128
+    block_k: int = 128
+
+    def __post_init__(self) -> None:
+        if self.block_n < 1 or self.block_k < 1:
+            raise ValueError(f"fp8 block sizes must be positive, got [{self.block_n}, {self.block_k}]")
+
+    def scale_shape(self, n: int, k: int) -> tuple[int, int]:
+        """The ``weight_scale_inv`` shape of an ``[N, K]`` weight."""
+        return _cdiv(n, self.block_n), _cdiv(k, self.block_k)
+
+    def check(self, name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        """Raises naming ``name`` unless ``scale_inv`` has one float32 value per block of ``weight``."""
+        _check_fp8(name, weight)
+        expected = (*weight.shape[:-2], *self.scale_shape(*weight.shape[-2:]))
+        if tuple(scale_inv.shape) != expected or scale_inv.dtype != torch.float32:
+            raise ValueError(f"{name}: weight {tuple(weight.shape)} in [{self.block_n}, {self.block_k}] blocks needs "
+                             f"float32 scales {expected}, got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+
+    def dequantize(
+        self, weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """``weight.float() * scale_inv`` of each element's block, in fp32, rounded once to ``dtype``."""
+        self.check("fp8 block dequantize", weight, scale_inv)
+        rows, cols = weight.shape[-2:]
+        return (weight.float() * _expand_blocks(scale_inv, rows, cols, self.block_n, self.block_k)).to(dtype)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fp8 weight, scale_inv)``: each block divided by ``amax / 448`` (1 for an all-zero block)."""
+        rows, cols = weight.shape[-2:]
+        nb, kb = self.scale_shape(rows, cols)
+        padded = F.pad(weight.float(), (0, kb * self.block_k - cols, 0, nb * self.block_n - rows))
+        tiles = padded.unflatten(-1, (kb, self.block_k)).unflatten(-3, (nb, self.block_n))
+        amax = tiles.abs().amax(dim=(-3, -1))
+        scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        return _to_fp8(weight.float() / _expand_blocks(scale_inv, rows, cols, self.block_n, self.block_k)), scale_inv
+
+
+@dataclass(frozen=True)
+class Fp8Scaled:
+    """compressed-tensors float8: a float32 ``weight_scale`` per output channel or per tensor."""
+
+    strategy: Literal["channel", "tensor"]
+    static_input: bool = False  # a per-tensor ``input_scale`` ships with the weight
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("channel", "tensor"):
+            raise ValueError(f"compressed-tensors float8 strategy {self.strategy!r} is not 'channel' or 'tensor'")
+
+    def blocks(self, n: int, k: int) -> Fp8Block:
+        """The same scales as :class:`Fp8Block`: a block per row, or one block over the whole weight."""
+        return Fp8Block(1, k) if self.strategy == "channel" else Fp8Block(n, k)
+
+    def block_scale(self, weight_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """``weight_scale`` (``[N, 1]``, ``[N]``, ``[1]`` or ``[]``) in :meth:`blocks`' scale shape."""
+        shape = self.blocks(n, k).scale_shape(n, k)
+        if weight_scale.numel() != shape[0] * shape[1]:
+            raise ValueError(f"compressed-tensors {self.strategy} scale {tuple(weight_scale.shape)} does not fit a "
+                             f"[{n}, {k}] weight: expected {shape[0]} value(s)")
+        return weight_scale.float().reshape(shape)
+
+    def dequantize(
+        self, weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        _check_fp8("compressed-tensors float8 dequantize", weight)
+        # the scale as [N, 1] or [1, 1] broadcasts over the row or the whole weight
+        return (weight.float() * self.block_scale(weight_scale, *weight.shape)).to(dtype)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fp8 weight, weight_scale)``, the scale ``[N, 1]`` per channel or ``[1]`` per tensor."""
+        w = weight.float()
+        amax = w.abs().amax(dim=-1, keepdim=True) if self.strategy == "channel" else w.abs().amax().reshape(1)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        return _to_fp8(w / scale), scale
+
+    @staticmethod
+    def quantize_input(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+        """The static activation quantization: ``fp8(clamp(x / input_scale))``."""
+        return _to_fp8(x.float() / input_scale.float().reshape(()))
+
+
+@dataclass(frozen=True)
+class Mxfp4:
+    """OCP MX fp4: e2m1 values packed two per byte, an e8m0 exponent per 32 of them."""
+
+    block: int = MXFP4_BLOCK
+
+    def check(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        half = self.block // 2
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+            raise ValueError(f"{name}: MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
+        if blocks.dim() < 3 or blocks.shape[-1] != half or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+            raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} are not "
+                             f"[..., N, K/{self.block}, {half}] and [..., N, K/{self.block}]")
+
+    def dequantize(
+        self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The ``[..., N, K]`` weight (output-major), computed in fp32 and rounded once to ``dtype``."""
+        self.check("MXFP4 dequantize", blocks, scales)
+        lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # low nibble first
+        values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - E8M0_BIAS)
+        return values.flatten(-2).to(dtype)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(blocks, scales)`` of a ``[..., N, K]`` weight, K a multiple of 32: each group's exponent the
+        smallest that fits its largest value in e2m1's 6, each value rounded to the nearest e2m1."""
+        if weight.shape[-1] % self.block:
+            raise ValueError(f"MXFP4 needs K a multiple of {self.block}, got a weight {tuple(weight.shape)}")
+        groups = weight.float().unflatten(-1, (-1, self.block))
+        amax = groups.abs().amax(dim=-1)
+        exponent = torch.ceil(torch.log2(torch.where(amax > 0, amax, 1.0) / 6.0)).clamp(-E8M0_BIAS, E8M0_BIAS)
+        scaled = groups / torch.exp2(exponent)[..., None]
+        # the nearest of e2m1's magnitudes by the midpoints between them (a tie goes to the smaller)
+        midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=weight.device)
+        codes = torch.bucketize(scaled.abs(), midpoints) | torch.where(scaled < 0, 8, 0)
+        codes = codes.to(torch.uint8)
+        return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+@dataclass(frozen=True)
+class TokenGroupQuant:
+    """Dynamic fp8 activations, one scale per ``group`` values of a row (DeepSeek: 128, the weights' block_k)."""
+
+    group: int = 128
+    eps: float = 1e-10  # keeps an all-zero group's scale finite (vLLM's value)
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x_q, scales)``: ``x_q`` fp8 like ``x``, ``scales`` float32 ``[..., ceil(K / group)]``."""
+        k = x.shape[-1]
+        groups = _cdiv(k, self.group)
+        padded = F.pad(x.float(), (0, groups * self.group - k)).unflatten(-1, (groups, self.group))
+        scales = padded.abs().amax(dim=-1).clamp(min=self.eps) / FP8_MAX
+        return _to_fp8(x.float() / scales.repeat_interleave(self.group, dim=-1)[..., :k]), scales
+
+    def dequantize(self, x_q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x_q.float() * scales.repeat_interleave(self.group, dim=-1)[..., : x_q.shape[-1]]
