@@ -287,7 +287,7 @@ def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense
     MODEL (hub id, model directory or config.json) is built on the meta device: no weights are read.
     """
     from afdc import planner
-    from afdc.hardware import get_profile, load_profiles
+    from afdc.planner.hardware import get_profile, load_profiles
     from afdc.source import empty_model, load_config
 
     try:

@@ -17,7 +17,7 @@ ROOT = Path(afdc.__file__).parent
 
 # Lowest first. A module may import modules of its own layer and of the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("afdc.errors", "afdc.version", "afdc.plan", "afdc.hardware", "afdc.segment", "afdc.mixer", "afdc.ops")),
+    ("base", ("afdc.errors", "afdc.version", "afdc.plan", "afdc.segment", "afdc.mixer", "afdc.ops")),
     ("kernels", ("afdc.codegen",)),
     ("capture", ("afdc.capture",)),
     ("passes", ("afdc.passes",)),
@@ -28,6 +28,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("serve", ("afdc.serve",)),
     ("drivers", ("afdc.api", "afdc.compile", "afdc.source", "afdc.planner", "afdc.demo", "afdc.equivalence")),
     ("entry points", ("afdc.cli", "afdc")),
+]
+
+# Imports the layers allow but a package must not make: (importer, imported, why).
+APART: list[tuple[str, str, str]] = [
+    ("afdc.planner", "afdc.runtime", "the planner reads graphs (afdc.api.Built), not a runnable model"),
 ]
 
 
@@ -124,3 +129,38 @@ def test_the_checker_sees_a_wrong_way_import(tmp_path, monkeypatch):
     graph = _graph()
     assert "afdc.runtime.programs" in graph["afdc.codegen.bad"]
     assert _layer("afdc.runtime.programs") > _layer("afdc.codegen.bad")
+
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _apart_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} imports {t}: {why}"
+        for m, targets in graph.items()
+        for t in targets
+        for importer, imported, why in APART
+        if _within(m, importer) and _within(t, imported)
+    )
+
+
+def test_packages_kept_apart_import_nothing_of_each_other():
+    wrong = _apart_violations(_graph())
+    assert not wrong, "imports between packages kept apart:\n" + "\n".join(wrong)
+
+
+def test_the_checker_sees_the_planner_import_the_runtime(tmp_path, monkeypatch):
+    """The rule is live: a planner module importing the runtime is reported, which the layers
+    alone allow (the runtime lies below the drivers, where the planner is)."""
+    fake = tmp_path / "afdc"
+    for package in ("", "planner", "runtime"):
+        (fake / package).mkdir(parents=True, exist_ok=True)
+        (fake / package / "__init__.py").write_text("")
+    (fake / "runtime" / "model.py").write_text("class DisaggregatedModel: ...\n")
+    (fake / "planner" / "bad.py").write_text("from afdc.runtime.model import DisaggregatedModel\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    graph = _graph()
+    assert _layer("afdc.runtime.model") < _layer("afdc.planner.bad")  # not an upward import
+    assert _apart_violations(graph) == [f"afdc.planner.bad imports afdc.runtime.model: {APART[0][2]}"]
