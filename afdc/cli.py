@@ -287,17 +287,17 @@ def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense
     MODEL (hub id, model directory or config.json) is built on the meta device: no weights are read.
     """
     from afdc import planner
-    from afdc.hardware import get_profile, load_profiles
+    from afdc.planner.hardware import get_profile, load_profiles
     from afdc.source import empty_model, load_config
 
     if plot_path:
         planner.require_matplotlib()  # before the capture, not after
     profiles = load_profiles(hw_file)
     hw_a, hw_f = get_profile(attn_hw, profiles), get_profile(ffn_hw, profiles)
-    dm, layers = planner.split_for_planning(empty_model(load_config(model)))
+    built, layers = planner.split_for_planning(empty_model(load_config(model)))
 
     def plan_at(ctx: int) -> planner.PlanResult:
-        facts = planner.model_facts(dm, ctx, weight_dtype, kv_dtype, name=model, layers=layers)
+        facts = planner.model_facts(built, ctx, weight_dtype, kv_dtype, name=model, layers=layers)
         return planner.plan(facts, hw_a, hw_f, tpot_ms, planner.Assumptions(dense_ffn=dense_ffn))
 
     result = plan_at(context)

@@ -187,7 +187,7 @@ def _key(name: str) -> str:
 def device_profile(device_name: str):
     """afdc's hardware profile whose name or alias is a word of ``device_name``
     ("NVIDIA H100 80GB HBM3" -> H100, "NVIDIA A100-SXM4-80GB" -> A100); None when none is."""
-    from afdc.hardware import load_profiles
+    from afdc.planner.hardware import load_profiles
 
     words = {_key(w) for w in re.split(r"[\s_\-/]+", device_name)} | {_key(device_name)}
     best, best_len = None, 0

@@ -16,9 +16,9 @@ from click.testing import CliRunner
 from transformers import AutoConfig
 
 import afdc
+from afdc.api import Built, build
 from afdc.cli import main
 from afdc.errors import AfdcError, PlanError
-from afdc.hardware import HardwareError, HardwareProfile, get_profile, load_profiles
 from afdc.passes.graph_facts import token_symbols
 from afdc.planner import (
     Assumptions,
@@ -35,6 +35,7 @@ from afdc.planner import (
     split_for_planning,
 )
 from afdc.planner.cost import FORMULATION_LATENT, FORMULATION_STANDARD, DecodeCost, decode_cost, graph_flops
+from afdc.planner.hardware import HardwareError, HardwareProfile, get_profile, load_profiles
 from afdc.planner.result import format_ms
 from afdc.source import empty_model
 from models_supported.catalog import entry
@@ -43,17 +44,17 @@ L = 100  # context length of the cost tests
 KV = 2  # bf16 KV cache
 
 
-def _split(config):
-    return afdc.disaggregate(empty_model(config))
+def _split(config) -> Built:
+    return build(empty_model(config), afdc.Plan.parse("1A1F"))
 
 
 # --------------------------------------------------------------------------- (a) GQA dense llama
 
 
-def _angle_table_flops(dm) -> float:
+def _angle_table_flops(built: Built) -> float:
     """One token's FLOPs in the rotary embedding's angle table where it is a matmul (transformers
     5.17: ``inv_freq @ positions``, d/2 products; later versions multiply elementwise: 0)."""
-    graph = dm.attention.module.graph
+    graph = built.attention_graph
     rotary = {n for n in graph.nodes if any(k.endswith("rotary_emb") for k in n.meta.get("nn_module_stack", {}))}
     tokens = token_symbols(graph)
     return graph_flops(graph, tokens) - graph_flops(graph, tokens, skip=rotary)
@@ -204,13 +205,13 @@ def _catalog_config(model_type: str, layers: int):
 )
 def test_prefix_capture_costs_what_the_full_capture_costs(model_type, layers, prefix, distinct):
     model = empty_model(_catalog_config(model_type, layers))
-    dm, pattern = split_for_planning(model)
+    short, pattern = split_for_planning(model)
     assert pattern is not None and pattern.prefix == prefix and len(set(pattern.first)) == distinct
     assert len(model.get_submodule(pattern.path)) == layers  # the model got its layers back
-    full = afdc.disaggregate(model)
-    assert len(dm.report().layers) < len(full.report().layers)
+    full = build(model, afdc.Plan.parse("1A1F"))
+    assert len(short.report.layers) < len(full.report.layers)
     for context in (2, 4096):  # below and past the sliding window
-        short_facts = model_facts(dm, context, "fp8", "bf16", layers=pattern)
+        short_facts = model_facts(short, context, "fp8", "bf16", layers=pattern)
         assert short_facts == model_facts(full, context, "fp8", "bf16")
         assert short_facts.layer_count == layers
 
@@ -226,8 +227,8 @@ def test_prefix_capture_falls_back_when_layers_differ_by_position_alone(monkeypa
         return forward(self, hidden_states, *args, **kwargs)
 
     monkeypatch.setattr(LlamaDecoderLayer, "forward", first_layer_runs_its_mlp_twice)
-    dm, pattern = split_for_planning(empty_model(_catalog_config("llama", 4)))
-    assert pattern is None and dm.report().attention_calls == 4  # the full capture, all four layers
+    built, pattern = split_for_planning(empty_model(_catalog_config("llama", 4)))
+    assert pattern is None and built.report.attention_calls == 4  # the full capture, all four layers
 
 
 # --------------------------------------------------------------------------- planner model (synthetic)
@@ -366,7 +367,7 @@ def test_dtype_options_change_the_numbers(llama):
     assert fp8_kv.kv_bytes == base.kv_bytes / 2 == 2 * 4096 * 32
     assert fp8_kv.ffn_weight_bytes == base.ffn_weight_bytes
     # the attention weights read per step leave out the embedding table (a row gather)
-    assert base.attention_read_bytes == (llama.report().attention_parameters - 128 * 32) * 2
+    assert base.attention_read_bytes == (llama.report.attention_parameters - 128 * 32) * 2
 
 
 @pytest.fixture(scope="module")
@@ -395,8 +396,8 @@ def test_cli_plan_json_dtypes_and_plot(llama_config_file, tmp_path, llama):
     cost = decode_cost(llama, 4096, kv_dtype_bytes=1)
     assert {k: data[k] for k in FIELDS} == {k: getattr(cost, k) for k in FIELDS}
     assert data["kv_bytes"] == 2 * 4096 * (2 * 2 * 8) * 1
-    assert data["attention_weight_bytes"] == llama.report().attention_parameters * 1
-    assert data["ffn_weight_bytes"] == llama.report().ffn_parameters * 1
+    assert data["attention_weight_bytes"] == llama.report.attention_parameters * 1
+    assert data["ffn_weight_bytes"] == llama.report.ffn_parameters * 1
     afd = data["plan"]["afd"]
     assert afd["name"] == f"{afd['attention_gpus']}A{afd['ffn_gpus']}F"
     assert afd["tpot_ms"] <= 50 and afd["tokens_per_gpu_s"] > 0 and afd["cost_per_million_tokens"] > 0

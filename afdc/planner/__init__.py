@@ -29,8 +29,10 @@ measurement.
 
 The modules, each built on those before it:
 
+- :mod:`~afdc.planner.hardware`: accelerator profiles (``afdc/data/hardware.json``, ``--hw-file``);
 - :mod:`~afdc.planner.layers`: which decoder layers are identical, so a prefix capture stands for all;
-- :mod:`~afdc.planner.cost`: one decoded token's FLOPs, KV and cut bytes, counted from the graphs;
+- :mod:`~afdc.planner.cost`: one decoded token's FLOPs, KV and cut bytes, counted from the graphs
+  (:class:`afdc.api.Built`: partitioned, bound to no weights);
 - :mod:`~afdc.planner.facts`: those per layer, with each side's weights (:class:`ModelFacts`);
 - :mod:`~afdc.planner.roofline`: one layer's times and memory on one GPU, and the A:F balance;
 - :mod:`~afdc.planner.deployment`: a deployment's decode step and its largest batch under the target;

@@ -1,4 +1,4 @@
-"""Per-token decode cost, counted from the partitioned programs' graphs.
+"""Per-token decode cost, counted from the partitioned graphs (:class:`afdc.api.Built`).
 
 Every count is a sympy expression in the graph's own symbols (batch ``b``, tokens ``s``, keys
 ``kv``) evaluated at one decoded token (``b = s = 1``) and context ``L``: nothing here knows a
@@ -21,12 +21,12 @@ import sympy
 import torch
 import torch.fx as fx
 
+from afdc.api import Built
 from afdc.ops import AttentionCall
 from afdc.partition.mincut import INF, FlowGraph
 from afdc.passes import aliasing
 from afdc.passes import graph_facts as gf
 from afdc.planner.layers import LayerPattern
-from afdc.runtime.model import DisaggregatedModel
 
 aten = torch.ops.aten
 
@@ -250,14 +250,14 @@ def graph_flops(graph: fx.Graph, tokens: tuple[sympy.Symbol, sympy.Symbol], skip
 
 
 def decode_cost(
-    dm: DisaggregatedModel, context: int, kv_dtype_bytes: int | None = None, layers: LayerPattern | None = None
+    built: Built, context: int, kv_dtype_bytes: int | None = None, layers: LayerPattern | None = None
 ) -> DecodeCost:
-    """Cost of one decoded token at ``context`` for a :class:`DisaggregatedModel`.
+    """Cost of one decoded token at ``context`` for a partitioned model (:func:`afdc.api.build`).
 
-    With ``layers``, ``dm`` holds only the pattern's prefix of the layers, and the cost is the
+    With ``layers``, ``built`` holds only the pattern's prefix of the layers, and the cost is the
     whole model's: each layer past the prefix costs what the first layer like it costs.
     """
-    graph = dm.attention.module.graph
+    graph = built.attention_graph
     tokens = gf.token_symbols(graph)
     free = gf.data_free(graph)
     attn_calls = AttentionCall.all_in(graph)
@@ -266,8 +266,8 @@ def decode_cost(
     sites = [attention_site(c, free, tokens) for c in attn_calls]
     attn_layers = [attention_cost(s, context, kv_dtype_bytes) for s in sites]
     ffn_layers = []
-    for layer, binding in zip(dm.report().layers, dm.ffn.layers):
-        seg = dm.ffn.segments[binding.segment].graph
+    for layer, binding in zip(built.report.layers, built.layers):
+        seg = built.segments[binding.segment].graph
         ffn_layers.append(
             LayerCost(
                 ffn_flops=graph_flops(seg, tokens),
@@ -278,7 +278,7 @@ def decode_cost(
     linear_flops = graph_flops(graph, tokens)
     if layers is not None:
         attn_layers = layers.expand(attn_layers, [layers.layer_of_node(c.node) for c in attn_calls])
-        ffn_layers = layers.expand(ffn_layers, [layers.layer_of(r.module) for r in dm.report().layers])
+        ffn_layers = layers.expand(ffn_layers, [layers.layer_of(r.module) for r in built.report.layers])
         parts = [(layers.layer_of_node(n), _per_token(f, tokens)) for n in graph.nodes if (f := op_flops(n)) != 0]
         linear_flops = layers.total(linear_flops, parts)
     return DecodeCost(

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from afdc.hardware import HardwareProfile
 from afdc.planner.facts import ModelFacts
+from afdc.planner.hardware import HardwareProfile
 from afdc.planner.roofline import (
     GB,
     Assumptions,

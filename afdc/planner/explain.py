@@ -3,9 +3,9 @@ the communication, and whether AFD beats the monolithic rival."""
 
 from __future__ import annotations
 
-from afdc.hardware import HardwareProfile
 from afdc.planner.deployment import Deployment, cut_link
 from afdc.planner.facts import ModelFacts
+from afdc.planner.hardware import HardwareProfile
 from afdc.planner.result import PlanResult, format_bytes, format_ms
 from afdc.planner.roofline import GB, Assumptions, ffn_gpus_needed, ffn_time, usable_memory
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from afdc.api import disaggregate
+from afdc.api import Built, build
 from afdc.errors import PlanError
-from afdc.hardware import dtype_bytes
 from afdc.passes import graph_facts as gf
+from afdc.plan import Plan
 from afdc.planner.cost import DecodeCost, LayerCost, decode_cost
+from afdc.planner.hardware import dtype_bytes
 from afdc.planner.layers import LayerPattern, captured_prefix, layer_pattern
 from afdc.report import LayerReport
-from afdc.runtime.model import DisaggregatedModel
 
 
 @dataclass(frozen=True)
@@ -76,41 +76,50 @@ class ModelFacts:
         return sum(layer.count * layer.attention_weight_bytes for layer in self.layers)
 
 
-# Context at which a prefix capture is checked against itself: past every sliding window, so
-
+# The split the planner reads graphs from: what a token costs does not depend on the plan, and
+# one attention and one FFN rank keep every graph whole
+_PLAN = Plan.parse("1A1F")
 
 # Context at which a prefix capture is checked against itself: past every sliding window, so
 # that layers differing only in their window cost differently
 _CHECK_CONTEXT = 1 << 20
 
 
-def split_for_planning(model: nn.Module) -> tuple[DisaggregatedModel, LayerPattern | None]:
-    """``(dm, pattern)``: ``model`` split for :func:`model_facts`. Capture time grows with the
-    layers captured and most models repeat one or two, so ``dm`` holds only the prefix of the
-    layers that :func:`afdc.planner.layers.layer_pattern` picks, when there is one and it stands
-    for the whole model; else ``dm`` is the whole model and ``pattern`` None."""
+def split_for_planning(model: nn.Module) -> tuple[Built, LayerPattern | None]:
+    """``(built, pattern)``: ``model``'s graphs for :func:`model_facts`, partitioned for one
+    attention and one FFN GPU (what a token costs does not depend on the plan) and bound to no
+    weights. Capture time grows with the layers captured and most models repeat one or two, so
+    ``built`` holds only the prefix of the layers that :func:`afdc.planner.layers.layer_pattern`
+    picks, when there is one and it stands for the whole model; else ``built`` is the whole model
+    and ``pattern`` None."""
     try:
         short = _split_prefix(model)
     except Exception:  # whatever fails on the short path, the full capture gives the answer, only slower
         short = None
-    return short or (disaggregate(model), None)
+    return short or (build(model, _PLAN), None)
 
 
-def _split_prefix(model: nn.Module) -> tuple[DisaggregatedModel, LayerPattern] | None:
+def _split_prefix(model: nn.Module) -> tuple[Built, LayerPattern] | None:
     pattern = layer_pattern(model)
     if pattern is None:
         return None
     with captured_prefix(model, pattern):
-        dm = disaggregate(model)
-    model_facts(dm, _CHECK_CONTEXT, layers=pattern)  # raises LayerMismatch where the prefix cannot stand in
-    return dm, pattern
+        built = build(model, _PLAN)
+    model_facts(built, _CHECK_CONTEXT, layers=pattern)  # raises LayerMismatch where the prefix cannot stand in
+    return built, pattern
 
 
-def _embedding_only_parameters(dm: DisaggregatedModel) -> list[tuple[str, int]]:
-    """Parameters the attention program only gathers rows from: a decode step reads a row each,
+def _attention_parameters(built: Built) -> dict[str, torch.Tensor]:
+    """The model parameters the attention graph reads (buffers and constants left out)."""
+    attrs = built.attrs
+    return {n: attrs[n] for n in built.attention_names() if isinstance(attrs[n], nn.Parameter)}
+
+
+def _embedding_only_parameters(built: Built) -> list[tuple[str, int]]:
+    """Parameters the attention graph only gathers rows from: a decode step reads a row each,
     not the table (a table tied to the LM head is read in full by the head, so it stays)."""
-    graph = dm.attention.module.graph
-    params = set(dm.attention.parameter_names())
+    graph = built.attention_graph
+    params = set(_attention_parameters(built))
     return [
         (n.target, n.meta["val"].numel())
         for n in graph.nodes
@@ -128,15 +137,15 @@ class _Weights:
     ffn: float
 
 
-def _weights(dm: DisaggregatedModel, layers: LayerPattern | None) -> _Weights:
-    report = dm.report()
-    embedding_only = _embedding_only_parameters(dm)
+def _weights(built: Built, layers: LayerPattern | None) -> _Weights:
+    report = built.report
+    embedding_only = _embedding_only_parameters(built)
     embedding = sum(size for _, size in embedding_only)
     if layers is None:
         attention = report.attention_parameters
         return _Weights(report.layers, attention, attention - embedding, report.ffn_parameters)
     owners = [layers.layer_of(r.module) for r in report.layers]
-    attention_sizes = [(layers.layer_of(k), p.numel()) for k, p in dm.attention.module.named_parameters()]
+    attention_sizes = [(layers.layer_of(k), p.numel()) for k, p in _attention_parameters(built).items()]
     attention = layers.total(report.attention_parameters, attention_sizes)
     return _Weights(
         layers.expand(report.layers, owners, lambda r: (r.kind, r.experts, r.top_k, r.ffn_parameters)),
@@ -168,21 +177,22 @@ def _paired_attention(cost: DecodeCost) -> list[LayerCost]:
 
 
 def model_facts(
-    dm: DisaggregatedModel,
+    built: Built,
     context: int,
     weight_dtype: str = "bf16",
     kv_dtype: str = "bf16",
     name: str | None = None,
     layers: LayerPattern | None = None,
 ) -> ModelFacts:
-    """Per-token cost and per-side weights of a :class:`DisaggregatedModel` at ``context``; with
-    ``layers``, of the whole model ``dm``'s prefix capture stands for (:func:`split_for_planning`)."""
-    wb, report = dtype_bytes(weight_dtype), dm.report()
-    cost = decode_cost(dm, context, kv_dtype_bytes=dtype_bytes(kv_dtype), layers=layers)
+    """Per-token cost and per-side weights of a partitioned model (:func:`afdc.api.build`) at
+    ``context``; with ``layers``, of the whole model ``built``'s prefix capture stands for
+    (:func:`split_for_planning`)."""
+    wb, report = dtype_bytes(weight_dtype), built.report
+    cost = decode_cost(built, context, kv_dtype_bytes=dtype_bytes(kv_dtype), layers=layers)
     if not cost.ffn_layers:
         raise PlanError("the model has no FFN layers to disaggregate; there is nothing to plan")
     n = len(cost.ffn_layers)
-    weights = _weights(dm, layers)
+    weights = _weights(built, layers)
     rows = []
     for ffn, layer, attn in zip(cost.ffn_layers, weights.ffn_layers, _paired_attention(cost)):
         activated = ffn.ffn_flops / 2  # every FFN weight a token touches does one multiply-add

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from afdc.hardware import HardwareProfile
 from afdc.planner.deployment import Deployment, better
 from afdc.planner.facts import ModelFacts
+from afdc.planner.hardware import HardwareProfile
 from afdc.planner.roofline import Assumptions, Balance
 
 

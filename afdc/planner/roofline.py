@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from afdc.hardware import HardwareProfile
 from afdc.planner.facts import LayerFacts, ModelFacts
+from afdc.planner.hardware import HardwareProfile
 
 GB = 1e9
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from afdc.errors import PlanError
-from afdc.hardware import HardwareProfile
 from afdc.planner.deployment import Deployment, afd_deployment, afd_step, better, mono_deployment, mono_step
 from afdc.planner.explain import explain
 from afdc.planner.facts import ModelFacts
+from afdc.planner.hardware import HardwareProfile
 from afdc.planner.result import PlanResult, Shortfall
 from afdc.planner.roofline import GB, Assumptions, attention_batch_memory, balance, ffn_gpus_needed, usable_memory
 
