@@ -56,6 +56,8 @@ def _artifact(root: Path, model_type: str, plan: str, micro_batches: int = 1, at
         ("granitemoehybrid", "1A2F", 1, 1, None),
         ("minimax", "1A2F", 1, 1, None),
         ("deepseek_v32", "2A2F", 2, 1, None),
+        ("qwen3_5_moe_text", "1A1F", 1, 1, None),
+        ("nemotron_h", "1A1F", 1, 1, None),
     ],
 )
 def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micro_batches, attention_tp, backend):
