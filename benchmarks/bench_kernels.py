@@ -763,7 +763,9 @@ def smoke(args, device: str, shapes: list[MoeShape]) -> int:
         print_moe(moe_rows, None, None)
         print_rows(row_rows, None)
         summary(moe_rows, row_rows)
-    json.dumps({"moe": moe_rows, "rows": row_rows})
+    untimed = json.dumps({"moe": moe_rows, "rows": row_rows})
+    if args.json:
+        args.json.write_text(untimed)
     profile = device_profile("NVIDIA H100 80GB HBM3")
     assert profile is not None and profile.name == "H100", profile
     print(f"smoke ok ({time.perf_counter() - start:.0f} s)")
@@ -925,7 +927,13 @@ def main(argv: list[str] | None = None) -> int:
     summary(results["moe"], results["rows"])
     if args.json:
         print(f"wrote {args.json}")
-    return 0
+    # a failed check fails the run (gpu_session.sh says so); another library's error is only noted
+    afdc_impls = ("afdc triton", "+shared fused", "+shared apart")
+    wrong = [r for r in results["moe"] + results["rows"]
+             if r["check"].startswith("DIFF") or (r["check"] == "error" and r["impl"] in afdc_impls)]
+    for r in wrong:
+        print(f"FAILED: {r['impl']} at {r['tokens']} tokens of {r.get('model') or r.get('op')}: {r['check']}")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

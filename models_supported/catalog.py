@@ -368,7 +368,8 @@ _DATA_DEPENDENT = (
 
 # model_type -> the UnsupportedModelError text afdc raises for it (the message starts with this).
 REFUSED: dict[str, str] = {
-    "zamba2": "no FFN region found: this is a model with no position-wise weight branch added to the residual stream",
+    "zamba2": "no FFN region found: in model.layers.1 weight work (an MLP) runs after attention or a mixer in one "
+              "branch of the residual stream, with no residual add between them",
     "recurrent_gemma": _STATE_OUTSIDE_CACHE,
     "rwkv": _SPECIALIZES,
     "mamba": _NO_FFN_SSM,

@@ -4,9 +4,11 @@ state specs, one block per request) and DeepSeek-V3.2-style sparse attention (th
 in the paged blocks beside K and V).
 
 Greedy completions, concurrent and under preemption (a pool too small for every request),
-equal ``dm.generate`` of the same artifact, for a Gated DeltaNet hybrid MoE (Qwen3-Next), a
-Mamba-2 hybrid MoE (Granite 4 hybrid), a lightning-attention hybrid MoE whose state lives in a
-cache class of its own (MiniMax) and DeepSeek-V3.2.
+equal ``dm.generate`` of the same artifact, for Gated DeltaNet hybrid MoEs (Qwen3-Next, and
+Qwen3.5-MoE, whose vLLM implementation imports torchvision: vLLM resolves it to afdc's served-model
+class and never imports its own), Mamba-2 hybrid MoEs (Granite 4 hybrid, Nemotron-H), a
+lightning-attention hybrid MoE whose state lives in a cache class of its own (MiniMax) and
+DeepSeek-V3.2.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def _artifact(root: Path, model_type: str, plan: str, micro_batches: int = 1, at
         ("granitemoehybrid", "1A2F", 1, 1, None),
         ("minimax", "1A2F", 1, 1, None),
         ("deepseek_v32", "2A2F", 2, 1, None),
+        ("qwen3_5_moe_text", "1A1F", 1, 1, None),
+        ("nemotron_h", "1A1F", 1, 1, None),
     ],
 )
 def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micro_batches, attention_tp, backend):

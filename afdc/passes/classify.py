@@ -208,6 +208,13 @@ def classify(graph: fx.Graph, parameter_names: set[str]) -> Classification:
         if n.op == "call_function" and n not in mixers and n not in over_cached and _is_mixer(n, finder.free)
     ]
     if not regions:
+        serial = _weights_after_mixing(graph, finder)
+        if serial is not None:
+            raise UnsupportedModelError(
+                f"no FFN region found: in {serial} weight work (an MLP) runs after attention or a mixer in one branch "
+                "of the residual stream, with no residual add between them, so it is no branch of its own: afdc "
+                "cuts only position-wise branches that read the stream and are added back to it"
+            )
         attention = any(n.target is torch.ops.afdc.attention.default for n in mixers)
         kind = "a model" if attention else "a pure sequence-mixer (state-space) model"
         raise UnsupportedModelError(
@@ -216,3 +223,22 @@ def classify(graph: fx.Graph, parameter_names: set[str]) -> Classification:
     return Classification(
         [FFNRegion(i, nodes, stream, _label(nodes)) for i, (stream, nodes) in enumerate(regions)], mixers, inline
     )
+
+
+def _weights_after_mixing(graph: fx.Graph, finder: _Finder) -> str | None:
+    """The label of a residual branch that applies an MLP's weights after a mixer in it (attention,
+    a norm and an MLP in series, as Zamba's shared block), or None."""
+    for node in graph.nodes:
+        operands = finder.residual_operands(node)
+        if operands is None:
+            continue
+        region = finder.region(*operands)
+        mixing = [m for m in region if m.target in _MIXER_OPS]
+        after = [
+            n for n in region
+            if any(finder.anc[n] >> finder.index[m] & 1 for m in mixing)
+            and any(gf.is_parameter(p, finder.params) and p.meta["val"].ndim >= 2 for p in n.all_input_nodes)
+        ]
+        if len(after) >= 3:  # beyond the mixer's own output projection, an MLP's two or more
+            return _label(region)
+    return None

@@ -4,15 +4,23 @@ It is registered under the ``vllm.platform_plugins`` entry point and is active o
 processes started by ``afdc serve --role attn`` (which set :data:`afdc.serve.settings.ENV`),
 so installing afdc never changes how vLLM runs anything else. The same platform serves a CPU
 and a GPU device: only the device queries differ, the worker's code path does not.
+
+vLLM resolves the served config's architecture in its model registry before any worker starts,
+to learn the model's interfaces (hybrid, inner state), by importing its own implementation of it
+in a subprocess; Qwen3.5-MoE's imports torchvision, and an architecture vLLM lacks falls back to
+its Transformers backend. afdc's worker runs the artifact's attention program and never builds a
+vLLM model, so every architecture of the served config resolves to :class:`AfdcServedModel`.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from afdc.serve.settings import WorkerSettings, active
@@ -38,11 +46,51 @@ def _has_mixers() -> bool:
     return active() and bool(read_manifest(Path(WorkerSettings.from_env().artifact)).mixers)
 
 
+def _architectures() -> list[str]:
+    """The architectures the served artifact's model config names (what vLLM resolves)."""
+    from afdc.artifact.load import model_dir
+
+    config = json.loads((model_dir(WorkerSettings.from_env().artifact) / "config.json").read_text())
+    return list(config.get("architectures") or [])
+
+
+class AfdcServedModel(nn.Module):
+    """What vLLM's model registry resolves the served architectures to: the interfaces vLLM's
+    configuration reads (a subclass per artifact says whether it is a hybrid with mixer state),
+    and no model: afdc's worker runs the artifact's attention program, so nothing builds this."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        raise NotImplementedError("afdc's worker runs the artifact's attention program; vLLM builds no model")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("afdc's worker runs the artifact's attention program")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("afdc's worker runs the artifact's attention program")
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("afdc's worker runs the artifact's attention program")
+
+
+def _served_model(name: str) -> type[AfdcServedModel]:
+    # vLLM reads the interfaces as class attributes (vllm.model_executor.models.interfaces)
+    hybrid = _has_mixers()
+    return type(name, (AfdcServedModel,), {"is_hybrid": hybrid, "has_inner_state": hybrid})
+
+
 class AfdcPlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name = device_type = _device().type
     dispatch_key = device_type.upper()
     dist_backend = "gloo"
+
+    @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Called by vLLM before it builds its configuration (and so resolves the architecture)."""
+        from vllm.model_executor.models import ModelRegistry
+
+        for name in _architectures():
+            ModelRegistry.register_model(name, _served_model(name))
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
