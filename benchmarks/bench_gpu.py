@@ -59,8 +59,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import afdc
-from afdc import lowering
 from afdc.equivalence import check
+from afdc.lowering import backends
 
 BACKENDS = ("auto", "eager", "inductor", "afdc")
 SECTIONS = ("model", "interleave", "correct", "graph", "artifact")
@@ -298,7 +298,7 @@ def pieces(records: list[logging.LogRecord]) -> int:
 
 
 def _resolved(backend: str, setup: Setup) -> str:
-    return lowering.resolve(backend, torch.device(setup.device))
+    return backends.resolve(backend, torch.device(setup.device))
 
 
 @torch.no_grad()
