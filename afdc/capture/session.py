@@ -1,10 +1,11 @@
 """One export attempt's capture state, and the context through which afdc's hooks reach it.
 
-transformers calls afdc's attention and mask functions by name, and a stateful mixer's wrapped
-``forward`` is installed once for several attempts, so none of them can be handed the attempt
-they serve; they read it from :func:`current`. The state is a fresh :class:`CaptureSession` per
-``torch.export`` attempt (slots numbered from 0 each time), set in a context variable: per thread,
-and a capture started inside another (a nested :func:`tracing`) restores the outer one on exit.
+The state is a fresh :class:`CaptureSession` per ``torch.export`` attempt (slots numbered from 0
+each time). What the attempt builds is handed it: the stand-in cache holds it, and a stateful
+mixer's op records its call site in the session of the cache it was called with. transformers
+calls afdc's attention and mask functions by name, so they cannot be handed it; they read it from
+:func:`current`, a context variable: per thread, and a capture started inside another (a nested
+:func:`tracing`) restores the outer one on exit.
 """
 
 from __future__ import annotations
