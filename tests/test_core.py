@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 
 import pytest
 import torch
@@ -583,3 +584,19 @@ def test_call_without_position_ids_follows_the_models_own_default():
     dm.default_positions = DefaultPositions.OWN  # a rule none of these reproduces is refused, not guessed
     with pytest.raises(afdc.AfdcError, match="pass position_ids"):
         dm(ids, attention_mask=mask)
+
+
+def test_capture_state_is_per_attempt_and_per_thread():
+    """What an export attempt traces lives in its own CaptureSession, current in this thread only
+    (a model run in another thread meanwhile numbers no slot of it); a nested one restores the outer."""
+    from afdc.capture import session
+
+    outer, inner, elsewhere = session.CaptureSession(), session.CaptureSession(), []
+    with session.tracing(outer):
+        with session.tracing(inner):
+            assert session.current() is inner
+        assert session.current() is outer
+        thread = threading.Thread(target=lambda: elsewhere.append(session.current()))
+        thread.start()
+        thread.join(timeout=10)
+    assert elsewhere == [None] and session.current() is None
