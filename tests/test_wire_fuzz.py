@@ -36,7 +36,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="the fuzz test needs hypot
 st = pytest.importorskip("hypothesis.strategies")
 
 EXAMPLES = {"shm": 150, "gloo": 40}  # messages per transport (a dropped gloo link costs a regroup)
-BUDGET_S = 50.0  # per transport: hypothesis stops drawing after this
+BUDGET_S = 40.0  # per transport, from its start (model, launch): hypothesis draws nothing more after this
 RSS_BOUND = 256 << 20  # bytes the server's resident memory may grow by over the run
 PROBE_S = 10.0  # how long a probe waits for the refusal or the link's end
 SOCKET_BUDGET = 4 << 20  # a claimed payload beyond this is sent in part, then the link closed
@@ -46,7 +46,7 @@ HOSTILE = 0  # the hostile rank's slot: attention rank 0 (a one-row batch goes t
 
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
-        kb = next(line for line in status if line.startswith("VmRSS:")).split()[1]
+        kb = next((line for line in status if line.startswith("VmRSS:")), "VmRSS: 0 kB").split()[1]  # 0: exited
     return int(kb) << 10
 
 
@@ -178,7 +178,7 @@ def known_cases(ctx: Context) -> dict[str, list[Message]]:
         "a socket message claiming 1 GiB": [claim(1 << 30)],
         "DATA sent as the real rank": [
             Message(_raw_header({**base, "sender": 1, "step": step, "payload": len(data)}, specs), data, True, 0)
-            for step in range(1, 41)
+            for step in range(1, 9)
         ],
     }
 
@@ -215,17 +215,20 @@ class HostileRank:
     def generation(self) -> int:
         return self.transport.group.generation
 
-    def send(self, m: Message) -> None:
-        """Put ``m`` on the wire as it is; never raises for a link the server closed."""
+    def send(self, m: Message) -> bool:
+        """Put ``m`` on the wire as it is; never raises for a link the server closed. True where
+        this left the link stalled: over gloo a payload announced and never sent (a stream of its
+        own has no end to hear), which the server waits for on that link alone."""
         try:
             if self.connector == "gloo":
-                self._send_gloo(m)
-            elif m.slotted and len(m.payload) <= self.transport.slot_bytes:
+                return self._send_gloo(m)
+            if m.slotted and len(m.payload) <= self.transport.slot_bytes:
                 self._send_slot(m)
             else:
                 self._send_socket(m)
         except (OSError, RuntimeError):
             pass
+        return False
 
     def link(self):
         """The shm link to the server, connected again where the server dropped it."""
@@ -234,15 +237,18 @@ class HostileRank:
         return self.transport._links[self.server]
 
     def _send_slot(self, m: Message) -> None:
-        box = self.link().outbound
         try:
             kind = wire.Header.decode(m.header).kind
         except wire.WireError:
             kind = None
-        k = box.slots - 1 if kind == wire.Kind.STEP else m.micro_batch % (box.slots - 1)
+        link = self.link()
+        k = link.outbound.slots - 1 if kind == wire.Kind.STEP else m.micro_batch % (link.outbound.slots - 1)
         deadline = time.monotonic() + PROBE_S
-        while box._ack(k) != box._seq(k) and time.monotonic() < deadline:  # the server takes every message
+        while not link.outbound.free(k) and time.monotonic() < deadline:  # taken, or the link dropped for it
+            if link.dropped:
+                link = self.link()
             time.sleep(1e-3)
+        box = link.outbound
         start = box._start(k)
         box._view[start : start + wire.HEADER_BYTES] = m.header
         box._view[start + shm._PAYLOAD : start + shm._PAYLOAD + len(m.payload)] = m.payload
@@ -270,13 +276,17 @@ class HostileRank:
         if m.close_after or len(body) < claim:  # the stream ends mid-message
             link.close()
 
-    def _send_gloo(self, m: Message) -> None:
+    def _send_gloo(self, m: Message) -> bool:
         pg = self.transport.pg
         pg.send([torch.frombuffer(bytearray(m.header), dtype=torch.uint8)], self.server, 1).wait()
         claim = self._claimed(m)
-        if claim and claim <= SOCKET_BUDGET and not m.close_after:
-            body = (m.payload + bytes(claim))[:claim]
-            pg.send([torch.frombuffer(bytearray(body), dtype=torch.uint8)], self.server, 2).wait()
+        if not claim:
+            return False
+        if claim > SOCKET_BUDGET or m.close_after:
+            return claim <= self.transport.max_message_bytes  # a bigger claim drops the link at once
+        body = (m.payload + bytes(claim))[:claim]
+        pg.send([torch.frombuffer(bytearray(body), dtype=torch.uint8)], self.server, 2).wait()
+        return False
 
     def probe(self) -> str:
         """Ask something the server must refuse (a DATA for a layer that does not exist, no
@@ -348,15 +358,14 @@ def test_hostile_peer_cannot_stop_the_ffn_server(connector):
             link, and check the server and the real rank."""
             with hostile.lock:
                 ctx.generation = hostile.generation
-                for m in build(ctx):
-                    hostile.send(m)
-                answer = hostile.probe()
+                stalled = any([hostile.send(m) for m in build(ctx)])
+                answer = "stalled" if stalled else hostile.probe()
                 seen.append(answer)
                 assert answer != "silence", "the server neither refused the probe nor dropped the link"
-                if answer == "link ended" and connector == "gloo":  # rejoin (a regroup); shm connects again
+                if answer in ("link ended", "stalled") and connector == "gloo":  # rejoin (a regroup); shm reconnects
                     hostile.join(bump=True)
-            assert server.is_alive(), f"the FFN server exited with code {server.exitcode}"
             assert _rss(server.pid) - baseline < RSS_BOUND, "the server's memory grew without bound"
+            assert server.is_alive(), f"the FFN server exited with code {server.exitcode}"
             assert not record["errors"], record["errors"]
 
         @hypothesis.settings(max_examples=EXAMPLES[connector], deadline=None, database=None, derandomize=True,

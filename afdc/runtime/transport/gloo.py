@@ -28,6 +28,7 @@ from afdc.runtime.transport.base import LEFT, Failure, Transport
 
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _NO_DEADLINE = datetime.timedelta(days=365)  # see the module docstring: receives cannot be abandoned
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 class GlooTransport(Transport):
@@ -60,6 +61,7 @@ class GlooTransport(Transport):
     # -- messages ------------------------------------------------------------------------------
 
     def send(self, peer: int, header: wire.Header, tensors: list[torch.Tensor]) -> None:
+        self._check_outgoing(header)
         head = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
         payload = self._payload(tensors)
         with self._locks[peer]:
@@ -72,24 +74,36 @@ class GlooTransport(Transport):
             self._pending.popleft()
 
     def _receive(self, peer: int) -> None:
+        """Receive ``peer``'s messages until it leaves or sends one that cannot be taken: then its
+        link is dropped (what it sends next is never read, so it cannot be misparsed) and told so
+        with BYE."""
         while not self._closed:
             head = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8)
             try:
                 self.pg.recv([head], peer, _HEADER_TAG).wait(_NO_DEADLINE)
+            except RuntimeError as err:  # the peer's process is gone
+                self._failed(peer, str(err))
+                return
+            try:
                 header = wire.Header.decode(head.numpy().tobytes())
                 if header.kind == wire.Kind.BYE:
-                    self.deliver(Failure(peer, LEFT))
+                    self._failed(peer, LEFT)
                     return
-                payload = (
-                    self._recv_payload(peer, header.payload_bytes)
-                    if header.payload_bytes
-                    else torch.empty(0, dtype=torch.uint8)
-                )
-            except (RuntimeError, wire.WireError) as err:
+                refusal = self._refusal(peer, header)
+                if refusal:
+                    raise wire.WireError(refusal)
+                payload = self._recv_payload(peer, header.payload_bytes) if header.payload_bytes else _EMPTY
+                incoming = self._incoming(header, payload)
+            except (wire.WireError, RuntimeError, ValueError) as err:  # Runtime, Value: a payload torch refuses
+                self._failed(peer, f"a malformed message: {err}")
                 if not self._closed:
-                    self.deliver(Failure(peer, str(err)))
+                    self._say_bye(peer)
                 return
-            self._arrived(header, payload)
+            self.deliver(incoming)
+
+    def _failed(self, peer: int, reason: str) -> None:
+        if not self._closed:
+            self.deliver(Failure(peer, reason))
 
     def _release(self) -> None:
         self._closed = True
