@@ -38,6 +38,7 @@ class GlooTransport(Transport):
         self._open_payload_plane()
         self._locks = {p: threading.Lock() for p in self.layout.peers(self.role)}
         self._pending: collections.deque = collections.deque()
+        self._dropped: set[int] = set()  # peers whose messages this end stopped reading
         self._closed = False
         for peer in self.layout.peers(self.role):
             threading.Thread(target=self._receive, args=(peer,), daemon=True, name=f"afdc-recv-{peer}").start()
@@ -69,8 +70,8 @@ class GlooTransport(Transport):
             if payload.numel():
                 works.append(self._send_payload(peer, payload))
         # sends complete asynchronously; their buffers must live until they do
-        self._pending.append((works, head, payload))
-        while self._pending and all(w.is_completed() for w in self._pending[0][0]):
+        self._pending.append((peer, works, head, payload))
+        while self._pending and all(w.is_completed() for w in self._pending[0][1]):
             self._pending.popleft()
 
     def _receive(self, peer: int) -> None:
@@ -95,6 +96,7 @@ class GlooTransport(Transport):
                 payload = self._recv_payload(peer, header.payload_bytes) if header.payload_bytes else _EMPTY
                 incoming = self._incoming(header, payload)
             except (wire.WireError, RuntimeError, ValueError) as err:  # Runtime, Value: a payload torch refuses
+                self._dropped.add(peer)
                 self._failed(peer, f"a malformed message: {err}")
                 if not self._closed:
                     self._say_bye(peer)
@@ -107,8 +109,12 @@ class GlooTransport(Transport):
 
     def _release(self) -> None:
         self._closed = True
-        for works, _, _ in self._pending:  # the BYEs included: a peer must not see a half-sent message
-            for w in works:
-                with contextlib.suppress(RuntimeError):
-                    w.wait()
-        self._pending.clear()
+        # the BYEs included: a peer must not see a half-sent message. A send to a dropped peer may
+        # never complete (it does not post the receive): its buffers stay with this transport.
+        kept = collections.deque(p for p in self._pending if p[0] in self._dropped)
+        for peer, works, _, _ in self._pending:
+            if peer not in self._dropped:
+                for w in works:
+                    with contextlib.suppress(RuntimeError):
+                        w.wait()
+        self._pending = kept
