@@ -596,7 +596,7 @@ def test_a_mailbox_reader_sleeps_until_a_message_is_posted(tmp_path):
     from afdc.runtime.transport.shm import Mailbox
 
     writer = Mailbox(tmp_path / "box", slots=1, slot_bytes=64, create=True)
-    reader = Mailbox(tmp_path / "box")
+    reader = Mailbox(tmp_path / "box", 1, 64)  # the reader maps it with the geometry agreed
     start = time.monotonic()
     reader.wait_posted(reader.posted, 0.2)
     assert time.monotonic() - start >= 0.2
@@ -628,7 +628,7 @@ def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrit
     from afdc.runtime.transport.shm import Mailbox
 
     writer = Mailbox(tmp_path / "box", slots=2, slot_bytes=64, create=True)
-    reader = Mailbox(tmp_path / "box")
+    reader = Mailbox(tmp_path / "box", 2, 64)
     assert (reader.slots, reader.slot_bytes) == (2, 64) and not reader.ready(0) and reader.posted == 0
 
     def header(micro_batch, tensors):
