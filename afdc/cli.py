@@ -120,6 +120,8 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
                    "same host only; cuda-ipc: same host, GPU to GPU through shared device memory, --device cuda; "
                    "loopback: attention only, the FFN layers run in the attention process, i.e. monolithic).")
 @click.option("--token", default=None, help="Shared deployment secret (default: $AFDC_TOKEN).")
+@click.option("--insecure-no-token", is_flag=True,
+              help="Run without a token: any process that reaches the rendezvous store can join (refused otherwise).")
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="Seconds to reach the rendezvous store and for every rank to join.")
@@ -138,8 +140,8 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
               help="FFN: pad each layer's batch to a power of two up to this many tokens, so the FFN runs at a few "
                    "shapes; on a GPU each is captured in a CUDA graph and replayed (0: off).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_timeout, log_interval, device, host, port,
-          micro_batches, kv_cache_mb, backend, token_buckets, vllm_args) -> None:
+def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout, log_interval,
+          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -160,8 +162,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
 
         settings = WorkerSettings(
             artifact, rank, connector, rendezvous, host_rendezvous=rank == 0 and not connector.in_process,
-            token=token, timeout=timeout, join_timeout=join_timeout, micro_batches=micro_batches,
-            kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
+            token=token, insecure_no_token=insecure_no_token, timeout=timeout, join_timeout=join_timeout,
+            micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
         )
         serve_attention(settings, host, port, vllm_args)
     if connector.in_process:
@@ -169,10 +171,13 @@ def serve(artifact, role, rank, rendezvous, connector, token, timeout, join_time
     if vllm_args:
         raise click.UsageError(f"unexpected arguments for an FFN rank: {' '.join(vllm_args)}")
     from afdc.runtime.options import RuntimeOptions
+    from afdc.runtime.rendezvous import deployment_token
     from afdc.serve.ffn import serve_ffn_rank
 
+    deployment_token(token, insecure_no_token)  # refused before the artifact loads
     options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
-                             join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets)
+                             join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets,
+                             insecure_no_token=insecure_no_token)
     serve_ffn_rank(artifact, rank, options, device, backend)
 
 

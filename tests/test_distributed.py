@@ -358,7 +358,7 @@ def test_cli_serve_errors(tmp_path):
     from afdc.cli import main
 
     result = CliRunner().invoke(
-        main, ["serve", str(tmp_path / "nothing"), "--role", "ffn", "--rendezvous", "127.0.0.1:1"]
+        main, ["serve", str(tmp_path / "nothing"), "--role", "ffn", "--rendezvous", "127.0.0.1:1", "--token", "t"]
     )
     assert result.exit_code == 2 and "give the output directory of `afdc compile`" in result.output
 
@@ -388,10 +388,12 @@ def test_a_mailbox_of_another_connector_is_refused_by_name(tmp_path):
     DeviceMailbox(tmp_path / "device", slots=2, slot_bytes=64, create=True)  # the file; its GPU buffer comes apart
     for kind, path in ((DeviceMailbox, "host"), (Mailbox, "device")):
         with pytest.raises(ConnectionError, match="the peer runs another connector"):
-            kind(tmp_path / path)
-    assert (Mailbox(tmp_path / "host").slot_bytes, DeviceMailbox(tmp_path / "device").slot_bytes) == (64, 64)
+            kind(tmp_path / path, 2, 64)
+    assert Mailbox(tmp_path / "host", 2, 64).slot_bytes == DeviceMailbox(tmp_path / "device", 2, 64).slot_bytes == 64
     with pytest.raises(ConnectionError, match="no device buffer: it runs another connector"):
-        DeviceMailbox.open({"path": str(tmp_path / "device")}, torch.device("cpu"))
+        DeviceMailbox.open({"path": str(tmp_path / "device")}, torch.device("cpu"), 2, 64)
+    with pytest.raises(ConnectionError, match=r"not the 3 of 64 \(\d+ bytes\) agreed"):  # refused before it is mapped
+        Mailbox(tmp_path / "host", 3, 64)
 
 
 def test_wrong_token_is_refused_at_rendezvous(caplog):
@@ -594,7 +596,7 @@ def test_a_mailbox_reader_sleeps_until_a_message_is_posted(tmp_path):
     from afdc.runtime.transport.shm import Mailbox
 
     writer = Mailbox(tmp_path / "box", slots=1, slot_bytes=64, create=True)
-    reader = Mailbox(tmp_path / "box")
+    reader = Mailbox(tmp_path / "box", 1, 64)  # the reader maps it with the geometry agreed
     start = time.monotonic()
     reader.wait_posted(reader.posted, 0.2)
     assert time.monotonic() - start >= 0.2
@@ -626,7 +628,7 @@ def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrit
     from afdc.runtime.transport.shm import Mailbox
 
     writer = Mailbox(tmp_path / "box", slots=2, slot_bytes=64, create=True)
-    reader = Mailbox(tmp_path / "box")
+    reader = Mailbox(tmp_path / "box", 2, 64)
     assert (reader.slots, reader.slot_bytes) == (2, 64) and not reader.ready(0) and reader.posted == 0
 
     def header(micro_batch, tensors):

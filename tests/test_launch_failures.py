@@ -21,7 +21,16 @@ import torch.distributed as dist
 
 import afdc
 from afdc.artifact.load import deployment_of
-from afdc.runtime.rendezvous import JoinError, Layout, Member, PeerLost, Rendezvous, free_port, parse_address
+from afdc.runtime.rendezvous import (
+    JoinError,
+    Layout,
+    Member,
+    PeerLost,
+    Rendezvous,
+    RendezvousError,
+    free_port,
+    parse_address,
+)
 
 JOIN_TIMEOUT = 60.0  # what a launch failure used to cost; every test here hears it far sooner
 
@@ -216,3 +225,23 @@ def test_strangers_cannot_make_members_leave():
     finally:
         stop.set()
         server.join(10)
+
+
+def test_a_deployment_without_a_token_is_refused_unless_said_insecure(artifact, monkeypatch):
+    """Without --token or $AFDC_TOKEN, anyone reaching the store could join and send the servers
+    what it likes: `afdc serve --role ffn` exits at once naming the flag that allows it, and so
+    does a rendezvous; with --insecure-no-token the server goes on (here to a store that is not there)."""
+    monkeypatch.delenv("AFDC_TOKEN", raising=False)
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "afdc.cli", "serve", str(artifact), "--role", "ffn", "--rank", "0",
+           "--rendezvous", address, "--join-timeout", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * JOIN_TIMEOUT)
+    assert done.returncode == 2, done.stderr
+    assert "error: no deployment token" in done.stderr and "--insecure-no-token" in done.stderr
+    done = subprocess.run([*cmd, "--insecure-no-token"], capture_output=True, text=True, timeout=2 * JOIN_TIMEOUT)
+    assert done.returncode == 2 and "cannot reach the rendezvous store" in done.stderr, done.stderr
+    layout, deployment = deployment_of(artifact)
+    with pytest.raises(RendezvousError, match=r"no deployment token.*--insecure-no-token"):
+        Rendezvous(address, layout, deployment, None, host=True)
+    host = Rendezvous(address, layout, deployment, None, host=True, insecure_no_token=True)
+    assert host.token == "" and host.generation() == 0

@@ -66,7 +66,8 @@ class AttentionEndpoint:
     ) -> AttentionEndpoint:
         """Attention rank ``rank``'s endpoint at ``options.rendezvous``; it joins at its first step."""
         rendezvous = Rendezvous(
-            options.rendezvous, layout, deployment, options.token, connect_timeout=options.join_timeout
+            options.rendezvous, layout, deployment, options.token, connect_timeout=options.join_timeout,
+            insecure_no_token=options.insecure_no_token,
         )
         return cls(rank, rendezvous, options, device)
 

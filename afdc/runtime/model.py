@@ -183,7 +183,7 @@ class DisaggregatedModel:
         if host:
             self._store_host = Rendezvous(
                 options.rendezvous, self.layout, self.deployment, options.token, host=True,
-                connect_timeout=options.join_timeout,
+                connect_timeout=options.join_timeout, insecure_no_token=options.insecure_no_token,
             )
         for r in self.ranks:
             r.endpoint = AttentionEndpoint.connect(

@@ -41,6 +41,7 @@ class RuntimeOptions:
     connector: ConnectorKind = ConnectorKind.GLOO  # what carries the activations (a name is parsed)
     rendezvous: str | None = None  # HOST:PORT of the store; None: the launcher picks a free local port
     token: str | None = None  # shared deployment secret; None: $AFDC_TOKEN
+    insecure_no_token: bool = False  # run without a token (anyone reaching the store can join); else refused
     timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
     poll_interval: float = 0.2  # how often an idle FFN server or an attention rank looks for a regrouping

@@ -140,6 +140,26 @@ def read_key(store: dist.Store, key: str) -> bytes | None:
     return None if value == _ABSENT.encode() else value
 
 
+INSECURE_FLAG = "--insecure-no-token"
+
+
+def deployment_token(token: str | None, insecure_no_token: bool = False) -> str:
+    """The deployment's token: ``token``, else ``$AFDC_TOKEN``. Without one any process that
+    reaches the store could join and send the FFN servers what it likes, so a deployment without
+    a token is refused unless its user said so (``insecure_no_token``, the CLI's
+    ``--insecure-no-token``)."""
+    token = token if token is not None else os.environ.get("AFDC_TOKEN", "")
+    if not token and not insecure_no_token:
+        raise RendezvousError(
+            "no deployment token: set AFDC_TOKEN (or --token) to the same secret on every rank (`afdc up` and "
+            f"dm.launch() make one themselves), or pass {INSECURE_FLAG} to let any process that reaches the "
+            "rendezvous store join"
+        )
+    if not token:
+        log.warning("no deployment token (%s): any process reaching the rendezvous can join", INSECURE_FLAG)
+    return token
+
+
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -164,12 +184,10 @@ class Rendezvous:
         token: str | None,
         host: bool = False,
         connect_timeout: float = 30.0,
+        insecure_no_token: bool = False,
     ):
         self.layout = layout
         self.deployment = deployment
-        self.token = token if token is not None else os.environ.get("AFDC_TOKEN", "")
-        if not self.token:
-            log.warning("no deployment token (AFDC_TOKEN or --token): any process reaching the rendezvous can join")
         self.address = address
         hostname, port = parse_address(address)
         try:
@@ -186,6 +204,7 @@ class Rendezvous:
                 f"cannot {what} the rendezvous store at {address} within {connect_timeout:g} s ({err}); "
                 "check the address, that attention rank 0 (or the launcher) is up, and firewalls"
             ) from err
+        self.token = deployment_token(token, insecure_no_token)  # after the store: an unreachable one is said first
         self._host_checked = host  # whether this process's token and deployment are the store host's
         self._refused: dict[int, str] = {}  # slot -> the last process refused for it (said if the slot stays empty)
         if host:

@@ -7,15 +7,20 @@ their tokens (the bigger FFN batch is the point of AFD), and reply to each sende
 holds no state between messages, so a restarted server loses nothing: it bumps the rendezvous
 generation and the attention ranks regroup with it at their next step.
 
-A message for another deployment or generation, a malformed one, or one the program rejects is
-answered with an ERROR message naming the reason and logged; the server keeps serving. SIGTERM
-finishes the messages already received, then exits.
+Nothing a peer sends can stop it. A message for another deployment or generation, of a kind or
+layer it does not take, whose tensors do not fit the layer, or one the program rejects is answered
+with an ERROR message naming the reason; one that cannot be parsed, is bigger than its slot or
+than any message a rank takes, or says it comes from another slot than its link's drops that link
+(the transport's :class:`Failure`). Either is logged once per peer with its rank, and a message's
+fault fails no other sender's tokens batched with it. SIGTERM finishes the messages already
+received, then exits.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -37,9 +42,11 @@ from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous, RendezvousError
 from afdc.runtime.transport import transport_class
 from afdc.runtime.transport.base import LEFT, Failure, Incoming, Pacing, Transport
+from afdc.segment import inputs as segment_inputs
 
 log = logging.getLogger("afdc.server")
 _RECONNECT_SLICE = 1.0  # s: how often a server waiting for a lost store checks whether it was stopped
+MAX_MICRO_BATCHES = 64  # the most micro-batches a step plan may name
 
 
 class FFNServer:
@@ -57,6 +64,12 @@ class FFNServer:
         self.metrics = Metrics("ffn", program.rank)
         self.stopping = threading.Event()
         self.rdv: Rendezvous | None = None  # the deployment's store, while the server runs
+        self._refused: set[int] = set()  # the slots whose refusals this generation were logged (once each)
+        # per segment, each input's dtype where the graph records it (a loaded artifact's may not)
+        self._dtypes = [
+            tuple(n.meta["val"].dtype if "val" in n.meta else None for n in segment_inputs(seg.graph))
+            for seg in program.segments
+        ]
 
     def serve(self) -> None:
         """Serve until :meth:`stop` (or SIGTERM, when running in the main thread).
@@ -93,6 +106,7 @@ class FFNServer:
             self.deployment,
             self.options.token,
             connect_timeout=self.options.join_timeout if connect_timeout is None else connect_timeout,
+            insecure_no_token=self.options.insecure_no_token,
         )
         rdv.check_slot(self.slot)  # refused (token, artifact, slot held): said now, before anyone regroups
         rdv.bump()  # a (re)started rank: everyone regroups with it
@@ -140,6 +154,7 @@ class FFNServer:
     def _serve_generation(self, transport: Transport) -> None:
         gen = transport.group.generation
         gathering = Gathering(self.program, self.layout.ffn_ranks, self.options.gather)
+        self._refused.clear()
         while True:
             deadline = gathering.deadline()
             wait = self.options.poll_interval if deadline is None else max(0.0, deadline - time.monotonic())
@@ -161,14 +176,14 @@ class FFNServer:
 
     def _handle(self, transport: Transport, gathering: Gathering, items: list[Incoming | Failure]) -> None:
         for item in items:
-            if isinstance(item, Failure):
+            if isinstance(item, Failure):  # the link ended (left, died, or dropped for what came on it)
                 role, rank = self.layout.role_rank(item.peer)
                 level = logging.INFO if item.reason == LEFT else logging.WARNING
                 log.log(level, "ffn rank %d: %s rank %d: %s", self.rank, role, rank, item.reason)
                 gathering.forget(item.peer)
                 continue
             self.metrics.received(item.header.payload_bytes)
-            reason = self._check(item.header, transport.group.generation)
+            reason = self._check(item.header, transport.group.generation) or self._check_tensors(item)
             if reason:
                 self._refuse(transport, item.header, reason)
             elif item.header.kind == wire.Kind.STEP:
@@ -178,21 +193,28 @@ class FFNServer:
         self._run(transport, gathering.ready())
 
     def _run(self, transport: Transport, messages: list[Incoming]) -> None:
-        """Run each FFN layer once over all of its messages and reply to each sender."""
-        by_layer: dict[int, list[Incoming]] = defaultdict(list)
+        """Run each FFN layer once over all of its messages (of one dtype: a batch must not cast
+        one sender's tokens to another's) and reply to each sender."""
+        by_batch: dict[tuple, list[Incoming]] = defaultdict(list)
         for m in messages:
-            by_layer[m.header.layer].append(m)
-        for layer, group in by_layer.items():
-            tokens = [m.header.tokens for m in group]
-            try:
-                outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
-            except Exception as err:  # the program rejected these inputs: tell the senders why
+            by_batch[m.header.layer, tuple(t.dtype for t in m.tensors)].append(m)
+        for (layer, _), group in by_batch.items():
+            self._run_batch(transport, layer, group)
+
+    def _run_batch(self, transport: Transport, layer: int, group: list[Incoming]) -> None:
+        tokens = [m.header.tokens for m in group]
+        try:
+            outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
+        except Exception as err:  # the program rejected these inputs: tell the senders why
+            if len(group) > 1:  # one message's fault must not fail the others' tokens: each runs alone
                 for m in group:
-                    self._refuse(transport, m.header, f"FFN layer {layer} failed: {type(err).__name__}: {err}")
-                continue
-            self.metrics.batch_tokens.observe(sum(tokens))
-            for m, outs in zip(group, outputs):
-                self._reply(transport, m.header, wire.Kind.RESULT, outs)
+                    self._run_batch(transport, layer, [m])
+                return
+            self._refuse(transport, group[0].header, f"FFN layer {layer} failed: {type(err).__name__}: {err}")
+            return
+        self.metrics.batch_tokens.observe(sum(tokens))
+        for m, outs in zip(group, outputs):
+            self._reply(transport, m.header, wire.Kind.RESULT, outs)
 
     def _check(self, h: wire.Header, generation: int) -> str:
         if h.deployment != self.deployment:
@@ -207,9 +229,42 @@ class FFNServer:
             return f"FFN layer {h.layer} does not exist (the program has {len(self.program.layers)})"
         return ""
 
+    def _check_tensors(self, m: Incoming) -> str:
+        """Why ``m``'s tensors cannot be taken ("" when they can): a step plan is each micro-batch's
+        token count, adding up to its header's; a DATA message carries its layer's inputs, each of
+        the dtype the layer takes (where known) and of ``tokens`` tokens' elements."""
+        h, tensors = m.header, m.tensors
+        if h.kind == wire.Kind.STEP:
+            counts = tensors[0] if len(tensors) == 1 else None
+            if counts is None or counts.dtype != torch.int64 or counts.dim() != 1:
+                return "a STEP message carries one 1-D int64 tensor: each micro-batch's token count"
+            if not 0 < counts.numel() <= MAX_MICRO_BATCHES or counts.numel() != h.micro_batch:
+                return (f"a STEP message names {counts.numel()} micro-batches (its header {h.micro_batch}); "
+                        f"a step has 1 to {MAX_MICRO_BATCHES}")
+            if bool((counts < 0).any()) or int(counts.sum()) != h.tokens:
+                return f"a STEP message's counts {counts.tolist()} do not add up to its header's {h.tokens} tokens"
+            return ""
+        segment = self.program.layers[h.layer].segment
+        layouts, dtypes = self.program.dispatch(h.layer).inputs, self._dtypes[segment]
+        if len(tensors) != len(layouts):
+            return f"FFN layer {h.layer} takes {len(layouts)} inputs, the message carries {len(tensors)}"
+        for i, (t, layout, dtype) in enumerate(zip(tensors, layouts, dtypes)):
+            if dtype is not None and t.dtype != dtype:
+                return f"input {i} of FFN layer {h.layer} is {dtype}, the message's is {t.dtype}"
+            per_token = math.prod(abs(d) for d in layout) if layout is not None else None
+            if per_token is not None and t.numel() != h.tokens * per_token:
+                return (f"input {i} of FFN layer {h.layer} is {per_token} elements per token: {h.tokens} tokens "
+                        f"are {h.tokens * per_token}, the message's tensor holds {t.numel()}")
+        return ""
+
     def _refuse(self, transport: Transport, h: wire.Header, reason: str) -> None:
-        role, rank = self.layout.role_rank(h.sender) if 0 <= h.sender < self.layout.world else ("?", h.sender)
-        log.warning("ffn rank %d: refused a message from %s rank %s: %s", self.rank, role, rank, reason)
+        """Answer ERROR with ``reason``; logged once per peer and generation (a peer sending
+        nothing but malformed messages must not flood the log), counted in the metrics."""
+        role, rank = self.layout.role_rank(h.sender)  # the transport checked the sender is its link's peer
+        level = logging.DEBUG if h.sender in self._refused else logging.WARNING
+        self._refused.add(h.sender)
+        log.log(level, "ffn rank %d: refused a message from %s rank %s: %s%s", self.rank, role, rank, reason,
+                "" if level == logging.DEBUG else " (its further refusals this generation are counted, not logged)")
         self.metrics.errors += 1
         self._reply(transport, h, wire.Kind.ERROR, [torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8)])
 
@@ -228,8 +283,10 @@ class FFNServer:
         try:
             transport.send(h.sender, header, tensors)
             self.metrics.sent(header.payload_bytes)
-        except (RuntimeError, OSError, KeyError) as err:
-            log.warning("ffn rank %d: could not reply to slot %d: %s", self.rank, h.sender, err)
+        except (RuntimeError, OSError, KeyError, wire.WireError) as err:
+            # a link that ended was said once, as its Failure; anything else is said here
+            level = logging.DEBUG if isinstance(err, OSError) else logging.WARNING
+            log.log(level, "ffn rank %d: could not reply to slot %d: %s", self.rank, h.sender, err)
 
 
 def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions) -> NoReturn:

@@ -23,6 +23,7 @@ class WorkerSettings:
     rendezvous: str | None = None  # HOST:PORT of the deployment's store
     host_rendezvous: bool = False  # this rank hosts the store (attention rank 0 when started by hand)
     token: str | None = None  # the deployment secret; None: $AFDC_TOKEN
+    insecure_no_token: bool = False  # run without a token (afdc serve --insecure-no-token)
     timeout: float = 30.0  # seconds an FFN reply may take
     join_timeout: float = 60.0  # seconds to wait for every FFN rank to join
     recovery_timeout: float = 600.0  # seconds a step waits for a lost FFN rank to come back before the engine fails
@@ -44,7 +45,7 @@ class WorkerSettings:
 
         layout, deployment = deployment_of(self.artifact)
         return Rendezvous(self.rendezvous, layout, deployment, self.token, host=host,
-                          connect_timeout=self.join_timeout)
+                          connect_timeout=self.join_timeout, insecure_no_token=self.insecure_no_token)
 
     @classmethod
     def from_env(cls) -> WorkerSettings:

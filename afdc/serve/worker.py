@@ -154,7 +154,7 @@ class AfdcWorker(WorkerBase):
             layout, deployment = deployment_of(directory)
             options = RuntimeOptions(
                 connector=s.connector, rendezvous=s.rendezvous, token=s.token, timeout=s.timeout,
-                join_timeout=s.join_timeout,
+                join_timeout=s.join_timeout, insecure_no_token=s.insecure_no_token,
             )
             if s.host_rendezvous:
                 self._store_host = s.open_rendezvous(host=True)

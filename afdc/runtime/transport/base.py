@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from afdc.runtime.rendezvous import Group, Layout, Rendezvous
-from afdc.runtime.wire import Header, Kind, unpack
+from afdc.runtime.wire import Header, Kind, WireError, unpack
 
 
 @dataclass
@@ -109,6 +109,10 @@ class Waiter:
 
 
 class Transport(ABC):
+    # The largest message a rank takes (header's claim, before anything is allocated for it); a peer
+    # that sends a bigger one loses its link. Every rank runs the same afdc, so both ends agree.
+    max_message_bytes = 1 << 28
+
     def __init__(
         self,
         rendezvous: Rendezvous,
@@ -175,11 +179,33 @@ class Transport(ABC):
     def close(self) -> None:
         """Leave this generation: say BYE to every peer (so their receivers stop cleanly), then
         release the links."""
-        bye = Header(Kind.BYE, self.rendezvous.deployment, self.group.generation, 0, 0, 0, 0, self.slot)
         for peer in self.layout.peers(self.role):
-            with contextlib.suppress(RuntimeError, OSError):  # a peer already gone needs no goodbye
-                self.send(peer, bye, [])
+            self._say_bye(peer)
         self._release()
+
+    def _say_bye(self, peer: int) -> None:
+        bye = Header(Kind.BYE, self.rendezvous.deployment, self.group.generation, 0, 0, 0, 0, self.slot)
+        with contextlib.suppress(RuntimeError, OSError):  # a peer already gone needs no goodbye
+            self.send(peer, bye, [])
+
+    def _refusal(self, peer: int, header: Header) -> str:
+        """Why a message that came on ``peer``'s link cannot be taken ("" when it can), said before
+        anything is allocated for its payload: it claims to come from another slot, or it is bigger
+        than any message a rank takes. Either ends the link."""
+        if header.sender != peer:
+            return f"a message on the link of slot {peer} says it comes from slot {header.sender}"
+        if header.payload_bytes > self.max_message_bytes:
+            return (f"a message of {header.payload_bytes} bytes, more than the {self.max_message_bytes} "
+                    "a rank takes")
+        return ""
+
+    def _check_outgoing(self, header: Header) -> None:
+        """Refuse to send what the peer would refuse (:meth:`_refusal`), saying so here."""
+        if header.payload_bytes > self.max_message_bytes:
+            raise WireError(
+                f"a message of {header.payload_bytes} bytes ({len(header.tensors)} tensors, {header.tokens} tokens) "
+                f"exceeds the {self.max_message_bytes} bytes a rank takes; send fewer tokens per step"
+            )
 
     def _arrived(self, header: Header, payload: torch.Tensor) -> None:
         """Deliver a message whose payload bytes (uint8, on any device) have all arrived."""

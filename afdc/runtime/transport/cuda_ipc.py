@@ -50,7 +50,7 @@ class DeviceMailbox(Mailbox):
 
     payloads_in_file = False
 
-    def __init__(self, path: Path, slots: int = 0, slot_bytes: int = 0, create: bool = False):
+    def __init__(self, path: Path, slots: int, slot_bytes: int, create: bool = False):
         super().__init__(path, slots, slot_bytes, create)
         self._region: torch.Tensor | None = None  # set by create() or open()
         self._device = torch.device("cpu")  # where taken tensors go
@@ -66,11 +66,14 @@ class DeviceMailbox(Mailbox):
         return {**super().describe(), "cuda_ipc": _share(self._region)}
 
     @classmethod
-    def open(cls, description: dict, device: torch.device) -> DeviceMailbox:
-        box = cls(Path(description["path"]))
+    def open(cls, description: dict, device: torch.device, slots: int, slot_bytes: int) -> DeviceMailbox:
+        box = cls(Path(description["path"]), slots, slot_bytes)
         if "cuda_ipc" not in description:
             raise ConnectionError("the peer's mailbox has no device buffer: it runs another connector")
         box._region, box._device = _mapped(description["cuda_ipc"]), device
+        if box._region.numel() != slots * slot_bytes:
+            raise ConnectionError(f"the peer's device buffer holds {box._region.numel()} bytes, not the "
+                                  f"{slots * slot_bytes} agreed: it runs another afdc")
         return box
 
     def _write(self, k: int, tensors: list[torch.Tensor]) -> None:

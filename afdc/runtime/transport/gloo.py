@@ -28,6 +28,7 @@ from afdc.runtime.transport.base import LEFT, Failure, Transport
 
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _NO_DEADLINE = datetime.timedelta(days=365)  # see the module docstring: receives cannot be abandoned
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 class GlooTransport(Transport):
@@ -37,6 +38,7 @@ class GlooTransport(Transport):
         self._open_payload_plane()
         self._locks = {p: threading.Lock() for p in self.layout.peers(self.role)}
         self._pending: collections.deque = collections.deque()
+        self._dropped: set[int] = set()  # peers whose messages this end stopped reading
         self._closed = False
         for peer in self.layout.peers(self.role):
             threading.Thread(target=self._receive, args=(peer,), daemon=True, name=f"afdc-recv-{peer}").start()
@@ -60,6 +62,7 @@ class GlooTransport(Transport):
     # -- messages ------------------------------------------------------------------------------
 
     def send(self, peer: int, header: wire.Header, tensors: list[torch.Tensor]) -> None:
+        self._check_outgoing(header)
         head = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
         payload = self._payload(tensors)
         with self._locks[peer]:
@@ -67,34 +70,51 @@ class GlooTransport(Transport):
             if payload.numel():
                 works.append(self._send_payload(peer, payload))
         # sends complete asynchronously; their buffers must live until they do
-        self._pending.append((works, head, payload))
-        while self._pending and all(w.is_completed() for w in self._pending[0][0]):
+        self._pending.append((peer, works, head, payload))
+        while self._pending and all(w.is_completed() for w in self._pending[0][1]):
             self._pending.popleft()
 
     def _receive(self, peer: int) -> None:
+        """Receive ``peer``'s messages until it leaves or sends one that cannot be taken: then its
+        link is dropped (what it sends next is never read, so it cannot be misparsed) and told so
+        with BYE."""
         while not self._closed:
             head = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8)
             try:
                 self.pg.recv([head], peer, _HEADER_TAG).wait(_NO_DEADLINE)
+            except RuntimeError as err:  # the peer's process is gone
+                self._failed(peer, str(err))
+                return
+            try:
                 header = wire.Header.decode(head.numpy().tobytes())
                 if header.kind == wire.Kind.BYE:
-                    self.deliver(Failure(peer, LEFT))
+                    self._failed(peer, LEFT)
                     return
-                payload = (
-                    self._recv_payload(peer, header.payload_bytes)
-                    if header.payload_bytes
-                    else torch.empty(0, dtype=torch.uint8)
-                )
-            except (RuntimeError, wire.WireError) as err:
+                refusal = self._refusal(peer, header)
+                if refusal:
+                    raise wire.WireError(refusal)
+                payload = self._recv_payload(peer, header.payload_bytes) if header.payload_bytes else _EMPTY
+                incoming = self._incoming(header, payload)
+            except (wire.WireError, RuntimeError, ValueError) as err:  # Runtime, Value: a payload torch refuses
+                self._dropped.add(peer)
+                self._failed(peer, f"a malformed message: {err}")
                 if not self._closed:
-                    self.deliver(Failure(peer, str(err)))
+                    self._say_bye(peer)
                 return
-            self._arrived(header, payload)
+            self.deliver(incoming)
+
+    def _failed(self, peer: int, reason: str) -> None:
+        if not self._closed:
+            self.deliver(Failure(peer, reason))
 
     def _release(self) -> None:
         self._closed = True
-        for works, _, _ in self._pending:  # the BYEs included: a peer must not see a half-sent message
-            for w in works:
-                with contextlib.suppress(RuntimeError):
-                    w.wait()
-        self._pending.clear()
+        # the BYEs included: a peer must not see a half-sent message. A send to a dropped peer may
+        # never complete (it does not post the receive): its buffers stay with this transport.
+        kept = collections.deque(p for p in self._pending if p[0] in self._dropped)
+        for peer, works, _, _ in self._pending:
+            if peer not in self._dropped:
+                for w in works:
+                    with contextlib.suppress(RuntimeError):
+                        w.wait()
+        self._pending = kept

@@ -13,13 +13,16 @@ died (end of stream). Mailbox files are unlinked as soon as both ends have mappe
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import json
 import logging
 import mmap
 import os
+import re
 import socket
+import stat
 import struct
 import threading
 import time
@@ -87,25 +90,26 @@ class Mailbox:
 
     payloads_in_file = True
 
-    def __init__(self, path: Path, slots: int = 0, slot_bytes: int = 0, create: bool = False):
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+    def __init__(self, path: Path, slots: int, slot_bytes: int, create: bool = False):
+        """``create``: a new mailbox of ``slots`` slots of ``slot_bytes``; else the peer's, which
+        must have that geometry (both ends run the same constants), checked before it is mapped:
+        what a reader takes out of a slot is bounded by it."""
+        in_file = slot_bytes if self.payloads_in_file else 0
+        size = (2 + slots) * _LINE + slots * (_PAYLOAD + in_file)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else os.O_NOFOLLOW), 0o600)
         try:
             if create:
-                in_file = slot_bytes if self.payloads_in_file else 0
-                os.ftruncate(fd, (2 + slots) * _LINE + slots * (_PAYLOAD + in_file))
-            self._mm = mmap.mmap(fd, 0)
+                os.ftruncate(fd, size)
+            else:
+                _check_geometry(path, fd, (slots, slot_bytes, in_file), size)
+            self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         if create:
-            _WORD.pack_into(self._mm, 0, slots)
-            _WORD.pack_into(self._mm, 8, slot_bytes)
-            _WORD.pack_into(self._mm, 16, in_file)
+            for i, word in enumerate((slots, slot_bytes, in_file)):
+                _WORD.pack_into(self._mm, 8 * i, word)
         self.path = path
-        self.slots, self.slot_bytes, self._in_file = (_WORD.unpack_from(self._mm, 8 * i)[0] for i in range(3))
-        if self._in_file != (self.slot_bytes if self.payloads_in_file else 0):
-            raise ConnectionError(f"{path} holds payloads {'in' if self._in_file else 'out of'} the file; the peer "
-                                  "runs another connector (every rank of a deployment must use the same one)")
+        self.slots, self.slot_bytes, self._in_file = slots, slot_bytes, in_file
         self._body = (2 + self.slots) * _LINE
         self._view = memoryview(self._mm)
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
@@ -126,9 +130,10 @@ class Mailbox:
         return {"path": str(self.path)}
 
     @classmethod
-    def open(cls, description: dict, device: torch.device) -> Mailbox:
-        """The peer's mailbox from its :meth:`describe`; ``device`` is where taken tensors go."""
-        return cls(Path(description["path"]))
+    def open(cls, description: dict, device: torch.device, slots: int, slot_bytes: int) -> Mailbox:
+        """The peer's mailbox from its :meth:`describe`, of the geometry agreed; ``device`` is
+        where taken tensors go."""
+        return cls(Path(description["path"]), slots, slot_bytes)
 
     @property
     def posted(self) -> int:
@@ -145,6 +150,10 @@ class Mailbox:
 
     def fits(self, payload_bytes: int) -> bool:
         return payload_bytes <= self.slot_bytes
+
+    def free(self, k: int) -> bool:
+        """Sender: the receiver has taken slot ``k``'s last message."""
+        return self._seq(k) == self._ack(k)
 
     def ready(self, k: int) -> bool:
         """Receiver: slot ``k`` holds a message not yet taken."""
@@ -227,7 +236,28 @@ class Mailbox:
         return tensors
 
 
+def _check_geometry(path: Path, fd: int, words: tuple[int, int, int], size: int) -> None:
+    """Refuse a peer's mailbox file that is not of the agreed geometry (``words``: slot count, slot
+    bytes, payload bytes per slot in the file), before it is mapped."""
+    info = os.fstat(fd)
+    head = os.pread(fd, 3 * _WORD.size, 0)
+    if not stat.S_ISREG(info.st_mode) or len(head) < 3 * _WORD.size:
+        raise ConnectionError(f"{path} is not a mailbox")
+    got = struct.unpack("<QQQ", head)
+    if bool(got[2]) != bool(words[2]):
+        raise ConnectionError(f"{path} holds payloads {'in' if got[2] else 'out of'} the file; the peer "
+                              "runs another connector (every rank of a deployment must use the same one)")
+    if got != words or info.st_size != size:
+        raise ConnectionError(
+            f"{path} holds {got[0]} slots of {got[1]} bytes in {info.st_size} bytes, not the {words[0]} of "
+            f"{words[1]} ({size} bytes) agreed: the peer runs another afdc (run the same on every rank)"
+        )
+
+
 _SLOTTED = (wire.Kind.DATA, wire.Kind.RESULT, wire.Kind.STEP)
+_MAILBOX_NAME = re.compile(r"afdc-[0-9a-f]{32}")
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+_CHUNK = 1 << 20  # a payload over the socket is read in pieces: memory grows with what arrived, not what was claimed
 
 
 def _slot(box: Mailbox, micro_batch: int) -> int:
@@ -244,6 +274,9 @@ class _Link:
         self.lock = threading.Lock()  # one writer at a time, on the socket and per slot
         self.reading = threading.Lock()  # one reader per inbound slot (micro-batches may share one)
         self.seen = 0  # the inbound doorbell when its slots were last scanned
+        # a server's replies whose slot the peer has not freed yet: (slot, header, tensors, since)
+        self.backlog: collections.deque[tuple[int, bytes, list[torch.Tensor], float]] = collections.deque()
+        self.dropped = False  # this end ended the link (its failure is said once)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -304,7 +337,7 @@ class ShmTransport(Transport):
             reply = _read_line(sock)
             if "error" in reply:
                 raise ConnectionError(f"refused by the FFN rank: {reply['error']}")
-            inbound = self.mailbox.open(reply["mailbox"], self.device)
+            inbound = self._peer_mailbox(reply["mailbox"])
             _send_line(sock, {"mapped": True})
         finally:
             outbound.path.unlink(missing_ok=True)
@@ -338,7 +371,7 @@ class ShmTransport(Transport):
                 _send_line(sock, {"error": reason})
                 sock.close()
                 return
-            inbound = self.mailbox.open(hello["mailbox"], self.device)
+            inbound = self._peer_mailbox(hello["mailbox"])
             outbound = self._new_mailbox()
             _send_line(sock, {"mailbox": outbound.describe()})
             _read_line(sock)  # the peer mapped our mailbox: it can go from the file system
@@ -351,10 +384,21 @@ class ShmTransport(Transport):
             if outbound is not None:
                 outbound.path.unlink(missing_ok=True)
 
+    def _peer_mailbox(self, description: dict) -> Mailbox:
+        """The peer's mailbox of a handshake: a file this transport's peers create (in /dev/shm,
+        named as :meth:`_new_mailbox` names them, not a link), of the agreed geometry."""
+        path = Path(str(description["path"]))
+        if path.parent != _SHM_DIR or not _MAILBOX_NAME.fullmatch(path.name):
+            raise ValueError(f"{path} is not a mailbox path")
+        return self.mailbox.open(description, self.device, self.slots + 1, self.slot_bytes)
+
     def _start(self, peer: int, link: _Link) -> None:
+        # a peer that stops reading its socket stalls a send for at most the timeout, then loses its link
+        link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(self.timeout), 0))
         with self._lock:
             old = self._links.pop(peer, None)
-            if old is not None:
+            if old is not None:  # the peer connected again: its old link ends without a failure
+                old.dropped = True
                 old.close()
             self._links[peer] = link
         threading.Thread(target=self._receive, args=(peer, link), daemon=True, name=f"afdc-shm-{peer}").start()
@@ -365,15 +409,36 @@ class ShmTransport(Transport):
         link = self._links.get(peer)
         if link is None:
             raise ConnectionError(f"no link to slot {peer}")
+        self._check_outgoing(header)
         head = header.encode()
         with link.lock:
             box = link.outbound
             if header.kind in _SLOTTED and box.fits(header.payload_bytes):
                 slot = _slot(box, header.micro_batch) if header.kind != wire.Kind.STEP else box.slots - 1
-                box.put(slot, head, [self._staged(t) for t in tensors], self.pacing, self.timeout, f"slot {peer}")
-            else:
+                staged = [self._staged(t) for t in tensors]
+                if self.role == "ffn":  # a server never waits for one peer to free a slot: its others wait on it
+                    link.backlog.append((slot, head, staged, time.monotonic()))
+                    self._flush(peer, link)
+                else:
+                    box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}")
+                return
+            try:
                 link.sock.sendall(head)
                 link.sock.sendall(memoryview(wire.pack(tensors).cpu().numpy()))
+            except OSError as err:  # a message cut short: nothing more on this stream can be parsed
+                self._drop(peer, link, f"could not send to it ({err})")
+                raise
+
+    def _flush(self, peer: int, link: _Link) -> None:
+        """Post a server's replies that wait for their slots, in order, as far as the peer freed
+        them (``link.lock`` held); a peer that leaves them waiting ``timeout`` loses its link."""
+        box = link.outbound
+        while link.backlog and box.free(link.backlog[0][0]):
+            slot, head, staged, _ = link.backlog.popleft()
+            box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}")
+        if link.backlog and (time.monotonic() - link.backlog[0][3] > self.timeout or len(link.backlog) > self.slots):
+            link.backlog.clear()
+            self._drop(peer, link, f"it has not taken its replies for {self.timeout:g} s")
 
     def receive(self, peers: list[int], micro_batch: int) -> list[Incoming]:
         arrived = []
@@ -383,9 +448,11 @@ class ShmTransport(Transport):
             if link is None or not link.inbound.ready(slot) or not link.reading.acquire(blocking=False):
                 continue
             try:
-                arrived.append(self._taken(*link.inbound.take(slot)))
+                taken = self._take(peer, link, slot)
             finally:
                 link.reading.release()
+            if taken is not None:
+                arrived.append(taken)
         return arrived
 
     def block(self, peers: list[int], micro_batch: int, seconds: float) -> None:
@@ -409,14 +476,24 @@ class ShmTransport(Transport):
         deadline = start + wait
         pause = self._waiter.pauses(block=self._block_any)
         while True:
-            items: list[Incoming | Failure] = self._drain() if not self.inbox.empty() else []
-            for link in list(self._links.values()):
+            for peer, link in list(self._links.items()):
+                if link.backlog:
+                    with link.lock:
+                        self._flush(peer, link)
+            items: list[Incoming | Failure] = []
+            for peer, link in list(self._links.items()):
                 box = link.inbound
                 posted = box.posted  # read before the scan: a message posted after it rings again
                 if posted == link.seen:
                     continue
                 link.seen = posted
-                items.extend(self._taken(*box.take(slot)) for slot in box.pending())
+                for slot in box.pending():
+                    taken = self._take(peer, link, slot)
+                    if taken is None:
+                        break
+                    items.append(taken)
+            if not self.inbox.empty():  # the sockets' messages, and the failures of links (dropped ones too)
+                items.extend(self._drain())
             if items:
                 self._waiter.waited(time.monotonic() - start)
                 return items
@@ -424,11 +501,32 @@ class ShmTransport(Transport):
                 return items
             pause()
 
-    def _taken(self, header: wire.Header, tensors: list[torch.Tensor]) -> Incoming:
-        """A message taken out of a slot, on this rank's device."""
+    def _take(self, peer: int, link: _Link, slot: int) -> Incoming | None:
+        """The message in ``slot`` of ``peer``'s link, on this rank's device; None where it cannot be
+        taken (malformed, too big for its slot, another sender's): the link is dropped then."""
+        try:
+            header, tensors = link.inbound.take(slot)
+            refusal = self._refusal(peer, header)
+            if refusal:
+                raise wire.WireError(refusal)
+        except (wire.WireError, RuntimeError, ValueError) as err:  # Runtime: shapes torch cannot allocate
+            self._drop(peer, link, f"a malformed message in slot {slot}: {err}")
+            return None
         if self.device.type != "cpu":
             tensors = [t.to(self.device) for t in tensors]
         return Incoming(header, tensors)
+
+    def _drop(self, peer: int, link: _Link, reason: str) -> None:
+        """End ``peer``'s link from this end, saying why once (the peer hears the socket close)."""
+        with self._lock:
+            if link.dropped:
+                return
+            link.dropped = True
+            if self._links.get(peer) is link:
+                del self._links[peer]
+        if not self._closed:
+            self.deliver(Failure(peer, reason))
+        link.close()
 
     def _receive(self, peer: int, link: _Link) -> None:
         try:
@@ -436,16 +534,15 @@ class ShmTransport(Transport):
                 header = wire.Header.decode(_read_exact(link.sock, wire.HEADER_BYTES))
                 if header.kind == wire.Kind.BYE:
                     raise ConnectionError(LEFT)
-                n = header.payload_bytes
-                payload = torch.frombuffer(bytearray(_read_exact(link.sock, n)), dtype=torch.uint8) if n else None
-                self._arrived(header, payload if payload is not None else torch.empty(0, dtype=torch.uint8))
-        except (OSError, ConnectionError, wire.WireError) as err:
-            if not self._closed:
-                self.deliver(Failure(peer, str(err)))
-            with self._lock:
-                if self._links.get(peer) is link:
-                    del self._links[peer]
-            link.close()
+                refusal = self._refusal(peer, header)
+                if refusal:
+                    raise wire.WireError(refusal)
+                payload = bytearray()
+                while len(payload) < header.payload_bytes:
+                    payload += _read_exact(link.sock, min(_CHUNK, header.payload_bytes - len(payload)))
+                self._arrived(header, torch.frombuffer(payload, dtype=torch.uint8) if payload else _EMPTY)
+        except (OSError, wire.WireError, RuntimeError, ValueError) as err:  # Runtime, Value: tensors torch refuses
+            self._drop(peer, link, str(err))
 
     def _release(self) -> None:
         self._closed = True
