@@ -62,7 +62,7 @@ def program_text(graph: fx.Graph) -> str:
     Inputs come first, in their order, as in the function FX generates for the graph."""
     ordered = sorted(graph.nodes, key=lambda node: node.op != "placeholder")  # stable: keeps the rest's order
     nodes = [json.dumps(_node_entry(node), allow_nan=False) for node in ordered]
-    return '{"format": "%s",\n "nodes": [\n  %s\n ]}\n' % (FORMAT, ",\n  ".join(nodes))
+    return f'{{"format": "{FORMAT}",\n "nodes": [\n  ' + ",\n  ".join(nodes) + "\n ]}\n"
 
 
 def write_program(graph: fx.Graph, path: Path) -> None:
@@ -86,8 +86,10 @@ def _node_entry(node: fx.Node) -> dict[str, Any]:
 
 def _target_name(node: fx.Node) -> str:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and target.namespace in OP_NAMESPACES:
-        return str(target)  # "aten.embedding.default"
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        name = str(target)  # "aten.embedding.default"
+        if name.split(".")[0] in OP_NAMESPACES:
+            return name
     if target in _PYTHON_NAMES:
         return _PYTHON_NAMES[target]
     raise AfdcError(
@@ -251,7 +253,7 @@ def _op(namespace: str, name: str, overload: str | None = None) -> torch._ops.Op
         schemas = [op._schema]
     else:
         return None
-    if op.namespace != namespace:
+    if str(op).split(".")[0] != namespace:
         return None
     names_a_file = any(a.name in _FILE_ARGUMENTS for s in schemas for a in s.arguments)
     return None if names_a_file else op
