@@ -17,6 +17,7 @@ fake values from the first call's arguments (:func:`afdc.lowering.annotate`).
 from __future__ import annotations
 
 import json
+import keyword
 import math
 import numbers
 import operator
@@ -49,7 +50,7 @@ _FILE_ARGUMENTS = ("filename", "path", "file")
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 _MEMORY_FORMATS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.memory_format)}
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_IDENTIFIER = re.compile(rf"(?!(?:{'|'.join(keyword.kwlist)})$)[A-Za-z_][A-Za-z0-9_]*")  # not a Python keyword
 _ATTRIBUTE = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")  # a weight's qualified name: model.layers.0.mlp
 _NODE_OPS = ("placeholder", "get_attr", "call_function", "output")
 
@@ -128,10 +129,12 @@ def load_program(path: Path, attrs: dict[str, torch.Tensor], device: torch.devic
     in it is not a program."""
     try:
         data = json.loads(path.read_text())
-    except (UnicodeDecodeError, ValueError) as err:
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise ArtifactError(f"{path} is not an afdc program ({err}); recompile the artifact with this afdc") from err
     try:
         graph = _Reader(device, attrs).graph(data)
+    except RecursionError:
+        raise ArtifactError(f"{path}: values nest deeper than any program's") from None
     except _Refused as err:
         raise ArtifactError(f"{path}: {err}") from None
     root = torch.nn.Module()
