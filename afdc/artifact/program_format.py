@@ -4,7 +4,8 @@ running anything from the file.
 A program file lists the graph's nodes in order, one per line: name, op, target, and arguments
 as typed literals (references to earlier nodes, numbers, strings, lists, tuples, dtypes, devices).
 Reading resolves every call target against an allow-list: aten ops (less those that name a
-file), afdc's own ops, and a short list of Python operators on sizes. A program naming anything
+file), afdc's own ops, transformers' grouped expert matmul, and a short list of Python operators
+on sizes. A program naming anything
 else is refused by name; nothing is imported, evaluated or executed from the file, so an
 artifact whose program and manifest were changed together still cannot run code. Names are
 checked to be identifiers before FX turns the graph into Python, so none can smuggle code into
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
 
 import afdc.ops  # noqa: F401  (registers the afdc ops the programs call)
 from afdc.artifact.manifest import ArtifactError
@@ -34,6 +36,9 @@ from afdc.errors import AfdcError
 
 FORMAT = "afdc-fx-graph/1"
 OP_NAMESPACES = ("aten", "afdc")
+# ops of other libraries that captured graphs keep: transformers' grouped expert matmul (an
+# unsharded MoE segment calls it)
+LIBRARY_OPS = ("transformers.grouped_mm_fallback",)
 # Python functions a captured graph calls on sizes and tuples (FX writes them as `a * b`, `t[0]`)
 PYTHON_FUNCTIONS = {
     f"operator.{f.__name__}": f
@@ -89,13 +94,13 @@ def _target_name(node: fx.Node) -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
         name = str(target)  # "aten.embedding.default"
-        if name.split(".")[0] in OP_NAMESPACES:
+        if _allowed_op(name):
             return name
     if target in _PYTHON_NAMES:
         return _PYTHON_NAMES[target]
     raise AfdcError(
-        f"cannot write a program that calls {target!r} (node {node.name}): a program may call aten and afdc ops "
-        f"and {', '.join(PYTHON_FUNCTIONS)}"
+        f"cannot write a program that calls {target!r} (node {node.name}): a program may call aten and afdc ops, "
+        f"{', '.join(LIBRARY_OPS)} and {', '.join(PYTHON_FUNCTIONS)}"
     )
 
 
@@ -231,14 +236,20 @@ def _resolve(target: Any, node: str = "?") -> Any:
     if target in PYTHON_FUNCTIONS:
         return PYTHON_FUNCTIONS[target]
     parts = target.split(".")
-    if len(parts) in (2, 3) and parts[0] in OP_NAMESPACES and all(_IDENTIFIER.fullmatch(p) for p in parts[1:]):
+    if len(parts) in (2, 3) and _allowed_op(target) and all(_IDENTIFIER.fullmatch(p) for p in parts[1:]):
         op = _op(*parts)
         if op is not None:
             return op
     raise _Refused(
-        f"node {node} calls {target}, which is not an aten or afdc op nor one of the Python operators a "
-        "program may call; afdc never writes such a program: the file was altered, or written by something else"
+        f"node {node} calls {target}, which is not an aten or afdc op, nor one of {', '.join(LIBRARY_OPS)} and the "
+        "Python operators a program may call; afdc never writes such a program: the file was altered, or written "
+        "by something else"
     )
+
+
+def _allowed_op(name: str) -> bool:
+    """Whether ``name`` ("aten.mm", "aten.mm.default") is in an allowed namespace or list."""
+    return name.split(".")[0] in OP_NAMESPACES or ".".join(name.split(".")[:2]) in LIBRARY_OPS
 
 
 def _op(namespace: str, name: str, overload: str | None = None) -> torch._ops.OpOverload | None:
