@@ -8,8 +8,8 @@ temporary directory that is renamed into place once complete; the manifest is wr
 Layout (see docs/artifact.md)::
 
     manifest.json                 plan, boundary specs, ranks -> files, SHA-256 of every file
-    programs/attention.py         the attention program (generated FX source)
-    programs/ffn_segment_<i>.py   FFN segment programs, shared by layers of the same structure
+    programs/attention.json       the attention program (its FX graph as data)
+    programs/ffn_segment_<i>.json FFN segment programs, shared by layers of the same structure
     weights/attn.safetensors      attention-side weights (every attention rank loads it)
     weights/attn-tp<t>.safetensors  instead, under --attn-tp N: TP rank t's heads (and the whole rest)
     weights/ffn-<r>.safetensors   FFN rank r's experts (EP) or shards (TP)
@@ -33,7 +33,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from afdc.api import Built, build
 from afdc.artifact import manifest as mf
-from afdc.artifact.program_source import write_program
+from afdc.artifact.program_format import write_program
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
 from afdc.plan import TORCH_DTYPES, Plan
@@ -183,11 +183,11 @@ def compile_model(
     with _staging(out, force) as tmp:
         (tmp / "programs").mkdir()
         (tmp / "weights").mkdir()
-        written = ["programs/attention.py"]
+        written = ["programs/attention.json"]
         write_program(built.attention_graph, tmp / written[0])
         segments = []
         for i, seg in enumerate(built.segments):
-            rel = f"programs/ffn_segment_{i}.py"
+            rel = f"programs/ffn_segment_{i}.json"
             write_program(seg.graph, tmp / rel)
             written.append(rel)
             segments.append(mf.SegmentSpec.of(rel, seg))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from afdc.artifact import manifest as mf
-from afdc.artifact.program_source import load_program
+from afdc.artifact.program_format import load_program
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.mixer_modules import Mixers
 from afdc.runtime.model import DisaggregatedModel, ModelTraits

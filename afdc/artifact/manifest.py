@@ -19,7 +19,7 @@ from afdc.mixer_site import MixerSite, StateTensor
 from afdc.plan import Plan
 from afdc.segment import Dispatch, ExpertRouting, Segment, Split
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5  # 5: programs as graph data (4 and before: Python source, executed on load)
 MANIFEST = "manifest.json"
 MODEL_DIR = "model"  # the model's config and tokenizer files, as a serving engine reads them
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer has one of them
