@@ -86,14 +86,18 @@ def demo_artifact(cache: str | None = None, say=print):
     import os
     from pathlib import Path
 
-    from afdc.artifact.manifest import MANIFEST
+    from afdc.artifact.manifest import MANIFEST, ArtifactError, read_manifest
     from afdc.compile import compile_model
 
     root = Path(cache or os.environ.get("AFDC_CACHE", Path.home() / ".cache" / "afdc")) / "demo"
     artifact = root / "afdc-demo"  # the served model name
     if (artifact / MANIFEST).is_file():
-        say(f"using the demo artifact in {artifact}")
-        return artifact
+        try:
+            read_manifest(artifact)
+            say(f"using the demo artifact in {artifact}")
+            return artifact
+        except ArtifactError as err:  # compiled by another afdc (an older format): compiled again below
+            say(f"the cached demo artifact cannot be used ({err})")
     say(f"building the demo model (random Qwen3-MoE, 8 experts) and its tokenizer in {root / 'model'}")
     save_demo(root / "model")
     say("compiling it for plan 1A1F")
