@@ -40,6 +40,9 @@ class MixerSite:
     cache_argument: str  # the forward's argument that takes the model's cache
     mask_argument: str | None  # ... that takes the 2-D padding mask (None: it takes none)
     constants: tuple[tuple[str, bool | int | float | str | None], ...] = ()  # other arguments, as traced
+    # the last dim of its first argument, as traced: the model's hidden size for most mixers, not for
+    # one that mixes keys or values of another width (Inkling's short convolutions of K and V)
+    width: int | None = None
     layer: int | None = None  # the layer of the model's cache that holds its state
     state: tuple[StateTensor, ...] = field(default=())
 

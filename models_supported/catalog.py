@@ -368,6 +368,7 @@ _DATA_DEPENDENT = (
 
 # model_type -> the UnsupportedModelError text afdc raises for it (the message starts with this).
 REFUSED: dict[str, str] = {
+    "inkling_text": "no FFN region found: in model.layers.0 weight work (an MLP) runs into a token mixer",
     "zamba2": "no FFN region found: in model.layers.1 weight work (an MLP) runs after attention or a mixer in one "
               "branch of the residual stream, with no residual add between them",
     "recurrent_gemma": _STATE_OUTSIDE_CACHE,
@@ -381,6 +382,8 @@ REFUSED: dict[str, str] = {
 
 # model_type -> what in the model's code leads to the refusal.
 REFUSED_CAUSE: dict[str, str] = {
+    "inkling_text": "its MLP's output runs through a short convolution over the sequence (mlp_sconv) before the "
+                    "residual add, so the FFN branch mixes tokens; the same convolution follows attention",
     "zamba2": "its MLP sits in a shared attention block without a residual: the block's output is projected into "
               "the next Mamba layer's input, so no FFN branch of the residual stream exists to cut (its Mamba-2 "
               "mixers themselves are captured as stateful mixers)",
@@ -398,6 +401,7 @@ REFUSED_CAUSE: dict[str, str] = {
 
 # The tiny configurations the refusals are checked with (on top of TINY_COMMON).
 REFUSED_OVERRIDES: dict[str, dict] = {
+    "inkling_text": {},
     "zamba2": {"layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1], "mamba_d_state": 8,
                "n_mamba_heads": 4, "mamba_headdim": 16, "chunk_size": 4, "attention_head_dim": 8, "num_mem_blocks": 1},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 32, "attention_window_size": 4},

@@ -67,6 +67,7 @@ def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs
         cache_argument=cache[0],
         mask_argument=tensors[0][0] if tensors else None,
         constants=tuple(constants),
+        width=int(hidden.shape[-1]),
     )
     sites.append(site)
     mask = tensors[0][1] if tensors else None

@@ -215,6 +215,13 @@ def classify(graph: fx.Graph, parameter_names: set[str]) -> Classification:
                 "of the residual stream, with no residual add between them, so it is no branch of its own: afdc "
                 "cuts only position-wise branches that read the stream and are added back to it"
             )
+        into = _weights_into_mixing(graph, finder)
+        if into is not None:
+            raise UnsupportedModelError(
+                f"no FFN region found: in {into} weight work (an MLP) runs into a token mixer (a short convolution, "
+                "attention) before the branch is added to the residual stream, so its output mixes tokens: afdc "
+                "cuts only position-wise branches that read the stream and are added back to it"
+            )
         attention = any(n.target is torch.ops.afdc.attention.default for n in mixers)
         kind = "a model" if attention else "a pure sequence-mixer (state-space) model"
         raise UnsupportedModelError(
@@ -223,6 +230,35 @@ def classify(graph: fx.Graph, parameter_names: set[str]) -> Classification:
     return Classification(
         [FFNRegion(i, nodes, stream, _label(nodes)) for i, (stream, nodes) in enumerate(regions)], mixers, inline
     )
+
+
+def _weights_into_mixing(graph: fx.Graph, finder: _Finder) -> str | None:
+    """The label of a residual branch whose mixer takes two or more weight products in series,
+    an MLP (Inkling's short convolution of its MLP's output), or None. Attention's own inputs
+    are one product deep (q, k, v projections), and a mixer starts the count again."""
+    for node in graph.nodes:
+        operands = finder.residual_operands(node)
+        if operands is None:
+            continue
+        region = sorted(finder.region(*operands), key=finder.index.__getitem__)
+        inside, depth = set(region), {}
+        for n in region:
+            deepest = max((depth.get(a, 0) for a in n.all_input_nodes if a in inside), default=0)
+            depth[n] = 0 if n.target in _MIXER_OPS else deepest + _reads_weight(n, finder.params)
+        if any(m.target in _MIXER_OPS and depth.get(m.args[0], 0) >= 2 for m in region):
+            return _label(region)
+    return None
+
+
+def _reads_weight(node: fx.Node, params: set[str]) -> bool:
+    """Whether ``node`` takes a matrix (or stacked experts') parameter, directly or through views
+    and casts of it alone (a transposed expert weight into a grouped matmul)."""
+    for p in node.all_input_nodes:
+        while p.op == "call_function" and len(p.all_input_nodes) == 1:
+            p = p.all_input_nodes[0]
+        if gf.is_parameter(p, params) and p.meta["val"].ndim >= 2:
+            return True
+    return False
 
 
 def _weights_after_mixing(graph: fx.Graph, finder: _Finder) -> str | None:

@@ -132,7 +132,7 @@ class Mixers:
             module, state = self.modules[slot], self.new_state()
             weight = next(iter(module.parameters()), None)
             hidden = torch.zeros(
-                1, 2, self.config.get_text_config().hidden_size,
+                1, 2, site.width or self.config.get_text_config().hidden_size,
                 dtype=weight.dtype if weight is not None else torch.float32,
                 device=weight.device if weight is not None else None,
             )
