@@ -264,6 +264,39 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
         deployment.stop()
 
 
+@main.command(context_settings=_VLLM_ARGS)
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(file_okay=False), default="k8s", show_default=True,
+              help="Directory the manifests are written to (kubectl apply -f DIR).")
+@click.option("--name", default=None, help="Prefix of every object's name (default: the artifact's directory name).")
+@click.option("--image", required=True, help="Container image with afdc[serve] installed.")
+@click.option("--claim", required=True, help="PersistentVolumeClaim whose volume holds the artifact.")
+@click.option("--sub-path", default="", help="The artifact's directory inside that volume.")
+@click.option("--namespace", default=None, help="Namespace of every object (default: kubectl's).")
+@click.option("--attention-per-pod", type=int, default=1, show_default=True,
+              help="Attention ranks (vLLM DP ranks, one GPU each) per attention pod.")
+@click.option("--device", default="cuda", show_default=True, help="cuda: one GPU per rank; cpu: none.")
+@click.option("--connector", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True,
+              help="Transport between the pods.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def k8s(artifact, output, name, image, claim, sub_path, namespace, attention_per_pod, device, connector,
+        vllm_args) -> None:
+    """Write Kubernetes manifests that deploy ARTIFACT's plan (StatefulSets, Services, a Secret).
+
+    Arguments after `--` go to the attention ranks' `vllm serve`. Not run in a cluster by afdc's
+    tests: the manifests are checked against the Kubernetes API's schemas only.
+    """
+    from pathlib import Path
+
+    from afdc.serve import k8s as kube
+
+    cluster = kube.Cluster(name or kube.default_name(artifact), image, claim, sub_path, namespace,
+                           attention_per_pod, device, connector, tuple(vllm_args))
+    for path in kube.write(kube.manifests(artifact, cluster), Path(output)):
+        click.echo(f"wrote {path}")
+    click.echo(f"deploy: kubectl apply -f {output}   (the OpenAI API: Service {cluster.name}, port {kube.API_PORT})")
+
+
 def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
     from afdc.demo import demo_batch, demo_model
     from afdc.equivalence import check

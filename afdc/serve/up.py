@@ -170,9 +170,11 @@ class Deployment:
         settings = replace(s, token=None)
         argv = attention_command(settings, self.host, self.port, self.vllm_args)  # refused before any role starts
         if not s.connector.in_process:
+            # the FFN ranks wait for the store that attention rank 0 hosts once its vLLM engine is up
+            ffn = replace(s, join_timeout=max(s.join_timeout, startup_timeout))
             for r in range(plan.ffn_ranks):
                 say(f"starting FFN rank {r} of {plan.ffn_ranks}")
-                self._spawn(f"ffn-{r}", ffn_command(s, r, self.token_buckets), env)
+                self._spawn(f"ffn-{r}", ffn_command(ffn, r, self.token_buckets), env)
         say(f"starting {plan.attention_ranks} attention ranks (vLLM data-parallel engines) on port {self.port}")
         self._spawn("attn", argv, {**env, **settings.to_env()})
         proc = self.processes["attn"]
