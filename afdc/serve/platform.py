@@ -108,7 +108,9 @@ class AfdcPlatform(Platform):
         parallel = vllm_config.parallel_config
         parallel.worker_cls = WORKER
         parallel.distributed_executor_backend = "uni"
-        if parallel.data_parallel_size != _attention_ranks():  # `vllm serve` run without `afdc serve`
+        # `vllm serve` run without `afdc serve` (which checks it before vLLM starts, a DP size of 1
+        # included); an engine core's own config has a DP size of 1 once vLLM made it independent
+        if parallel.data_parallel_size not in (1, _attention_ranks()):
             raise ValueError(
                 f"the artifact's plan has {_attention_ranks()} attention ranks but vLLM runs "
                 f"--data-parallel-size {parallel.data_parallel_size}: each attention rank is one DP rank"

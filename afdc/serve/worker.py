@@ -113,6 +113,8 @@ class AfdcWorker(WorkerBase):
 
     def init_device(self) -> None:
         self.device = torch.device(self.settings.device)
+        if self.device.type == "cuda" and self.device.index is None:  # a host's DP ranks: a GPU each
+            self.device = torch.device("cuda", self.vllm_config.parallel_config.data_parallel_rank_local or 0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.sampler = StepSampler(self.vllm_config, self.device)
