@@ -145,7 +145,10 @@ def _check_data_parallel_ranks(log: Path, ranks: int) -> None:
 
 def _engine_counter(metrics: str, name: str) -> dict[str, float]:
     """A Prometheus counter of vLLM's /metrics text, per DP engine."""
-    return {e: float(v) for e, v in re.findall(rf'^{name}{{[^}}]*engine="(\d+)"[^}}]*}} (\S+)$', metrics, re.M)}
+    counts: dict[str, float] = {}
+    for e, v in re.findall(rf'^{name}{{[^}}]*engine="(\d+)"[^}}]*}} (\S+)$', metrics, re.M):
+        counts[e] = counts.get(e, 0.0) + float(v)  # summed over the other labels (finish reasons)
+    return counts
 
 
 def test_afdc_backend_and_expert_routing_under_vllm(models, tmp_path, monkeypatch):
