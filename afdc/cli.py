@@ -111,7 +111,8 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
 @main.command(context_settings=_VLLM_ARGS)
 @click.argument("artifact", type=click.Path(file_okay=False))
 @click.option("--role", type=click.Choice(["ffn", "attn"]), required=True, help="Which role this process runs.")
-@click.option("--rank", type=int, default=0, show_default=True, help="Rank within the role.")
+@click.option("--rank", type=int, default=0, show_default=True,
+              help="FFN: rank within the role (attention ranks are vLLM's data-parallel ranks: see below).")
 @click.option("--rendezvous", help="HOST:PORT of the deployment's store (hosted by attention rank 0); "
               "required unless --connector loopback.")
 @click.option("--connector", type=_CONNECTORS, default="gloo",
@@ -147,9 +148,12 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
     answers every attention rank, one batched FFN run per layer for all that arrived.
 
-    An attention rank is vLLM's OpenAI server (vLLM's scheduler, paged KV blocks, sampling) whose
-    steps run the rank's attention program; attention rank 0 hosts the rendezvous store. Arguments
-    after `--` go to `vllm serve` (e.g. -- --max-num-seqs 64 --enable-prefix-caching).
+    The attention role is vLLM's OpenAI server (vLLM's scheduler, paged KV blocks, sampling) whose
+    steps run the attention program; each attention rank is one vLLM data-parallel rank (the plan's
+    A is passed as --data-parallel-size unless given), attention rank 0 hosts the rendezvous store.
+    Arguments after `--` go to `vllm serve` (e.g. -- --max-num-seqs 64 --enable-prefix-caching;
+    on a further host: -- --data-parallel-size-local N --data-parallel-start-rank R --headless
+    --data-parallel-address HEAD --data-parallel-rpc-port PORT).
     """
     connector = ConnectorKind(connector)
     if not connector.in_process and not rendezvous:
@@ -160,10 +164,15 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         from afdc.serve.settings import WorkerSettings
         from afdc.serve.up import serve_attention
 
+        if rank:
+            raise click.UsageError(
+                "attention ranks are vLLM's data-parallel ranks, not --rank: -- --data-parallel-size A serves all "
+                "A; on further hosts add --data-parallel-size-local N --data-parallel-start-rank R --headless"
+            )
         settings = WorkerSettings(
-            artifact, rank, connector, rendezvous, host_rendezvous=rank == 0 and not connector.in_process,
-            token=token, insecure_no_token=insecure_no_token, timeout=timeout, join_timeout=join_timeout,
-            micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
+            artifact, connector, rendezvous, token=token, insecure_no_token=insecure_no_token, timeout=timeout,
+            join_timeout=join_timeout, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
+            backend=backend,
         )
         serve_attention(settings, host, port, vllm_args)
     if connector.in_process:
@@ -186,7 +195,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @click.option("--demo", is_flag=True, help="Build the tiny demo MoE model, compile it 1A1F and serve it.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the OpenAI servers bind.")
 @click.option("--port", type=int, default=8000, show_default=True,
-              help="Port of the OpenAI API (several attention ranks serve on the next ports, behind a router).")
+              help="Port of the OpenAI API (vLLM balances requests over the attention ranks, its DP ranks).")
 @click.option("--connector", type=_CONNECTORS, default="shm",
               show_default=True,
               help="Transport between the roles (cuda-ipc: with --device cuda; loopback: monolithic, no FFN "
@@ -208,7 +217,7 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
        backend, token_buckets, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine and serve the OpenAI API until Ctrl-C.
 
-    Arguments after `--` go to each attention rank's `vllm serve`.
+    Arguments after `--` go to the attention ranks' `vllm serve --data-parallel-size A`.
     """
     import signal
     import time
@@ -253,6 +262,39 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
     finally:
         click.echo("stopping every role")
         deployment.stop()
+
+
+@main.command(context_settings=_VLLM_ARGS)
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(file_okay=False), default="k8s", show_default=True,
+              help="Directory the manifests are written to (kubectl apply -f DIR).")
+@click.option("--name", default=None, help="Prefix of every object's name (default: the artifact's directory name).")
+@click.option("--image", required=True, help="Container image with afdc[serve] installed.")
+@click.option("--claim", required=True, help="PersistentVolumeClaim whose volume holds the artifact.")
+@click.option("--sub-path", default="", help="The artifact's directory inside that volume.")
+@click.option("--namespace", default=None, help="Namespace of every object (default: kubectl's).")
+@click.option("--attention-per-pod", type=int, default=1, show_default=True,
+              help="Attention ranks (vLLM DP ranks, one GPU each) per attention pod.")
+@click.option("--device", default="cuda", show_default=True, help="cuda: one GPU per rank; cpu: none.")
+@click.option("--connector", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True,
+              help="Transport between the pods.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def k8s(artifact, output, name, image, claim, sub_path, namespace, attention_per_pod, device, connector,
+        vllm_args) -> None:
+    """Write Kubernetes manifests that deploy ARTIFACT's plan (StatefulSets, Services, a Secret).
+
+    Arguments after `--` go to the attention ranks' `vllm serve`. Not run in a cluster by afdc's
+    tests: the manifests are checked against the Kubernetes API's schemas only.
+    """
+    from pathlib import Path
+
+    from afdc.serve import k8s as kube
+
+    cluster = kube.Cluster(name or kube.default_name(artifact), image, claim, sub_path, namespace,
+                           attention_per_pod, device, connector, tuple(vllm_args))
+    for path in kube.write(kube.manifests(artifact, cluster), Path(output)):
+        click.echo(f"wrote {path}")
+    click.echo(f"deploy: kubectl apply -f {output}   (the OpenAI API: Service {cluster.name}, port {kube.API_PORT})")
 
 
 def _inspect_demo(plan: str, router: str, as_json: bool) -> None:

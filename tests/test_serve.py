@@ -83,7 +83,9 @@ def _reference(artifact: Path, prompts: list[list[int]], new_tokens: int = NEW_T
 def _serving(artifact: Path, connector: str, tmp: Path, vllm_args: tuple[str, ...] = (), backend: str | None = None):
     settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}", timeout=60,
                               backend=backend)
-    d = Deployment(artifact, settings, port=free_port(), vllm_args=("--max-model-len", "128", *vllm_args),
+    # one API server in front of the DP engines (vLLM's default is one per DP rank): a cheaper start
+    args = ("--max-model-len", "128", "--api-server-count", "1", *vllm_args)
+    d = Deployment(artifact, settings, port=free_port(), vllm_args=args,
                    log_dir=tmp)
     try:
         url = d.start(STARTUP, print)
@@ -127,15 +129,26 @@ def _check_completions_and_chat(client, artifact: Path) -> None:
     assert text == streamed == chat_ref
 
 
-@pytest.mark.parametrize(("kind", "plan", "connector"), [("dense", "2A2F", "gloo"), ("moe", "2A2F", "shm")])
-def test_completions_and_chat_equal_afdc_generate(models, tmp_path, kind, plan, connector):
-    artifact = _artifact(models, kind, plan)
-    with _serving(artifact, connector, tmp_path, ("--return-tokens-as-token-ids",)) as (client, _):
+def test_dense_2a2f_completions_and_chat_equal_afdc_generate(models, tmp_path):
+    artifact = _artifact(models, "dense", "2A2F")
+    with _serving(artifact, "gloo", tmp_path, ("--return-tokens-as-token-ids",)) as (client, _):
         _check_completions_and_chat(client, artifact)
-    if plan == "2A2F":  # the router spread the requests over both attention ranks
-        for rank in range(2):
-            log = (tmp_path / f"attn-{rank}.log").read_text()
-            assert log.count("POST /v1/completions") > 0, f"attention rank {rank} got no request"
+    _check_data_parallel_ranks(tmp_path / "attn.log", 2)
+
+
+def _check_data_parallel_ranks(log: Path, ranks: int) -> None:
+    """One vLLM server ran every attention rank, each in the DP engine of its own rank."""
+    text = log.read_text()
+    for a in range(ranks):
+        assert re.search(rf"EngineCore_DP{a} .*afdc: attention rank {a} of ", text), f"no DP engine {a} in {log}"
+
+
+def _engine_counter(metrics: str, name: str) -> dict[str, float]:
+    """A Prometheus counter of vLLM's /metrics text, per DP engine."""
+    counts: dict[str, float] = {}
+    for e, v in re.findall(rf'^{name}{{[^}}]*engine="(\d+)"[^}}]*}} (\S+)$', metrics, re.M):
+        counts[e] = counts.get(e, 0.0) + float(v)  # summed over the other labels (finish reasons)
+    return counts
 
 
 def test_afdc_backend_and_expert_routing_under_vllm(models, tmp_path, monkeypatch):
@@ -171,17 +184,42 @@ def test_attention_tp_under_vllm(models, tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_server(models, tmp_path_factory):
-    """The MoE model under 1A1F over shared memory, shared by the tests below (the FFN-kill
-    drill last: it leaves the deployment serving again)."""
-    artifact = _artifact(models, "moe", "1A1F")
+    """The MoE model under 2A2F over shared memory: its two attention ranks are the DP ranks of
+    one vLLM server (one OpenAI port, vLLM's coordinator balancing). Shared by the tests below
+    (the FFN-kill drill last: it leaves the deployment serving again)."""
+    artifact = _artifact(models, "moe", "2A2F")
     args = ("--return-tokens-as-token-ids", "--max-num-seqs", "32")
-    with _serving(artifact, "shm", tmp_path_factory.mktemp("moe-1a1f"), args) as (client, d):
+    with _serving(artifact, "shm", tmp_path_factory.mktemp("moe-2a2f"), args) as (client, d):
         yield artifact, client, d
 
 
-def test_moe_1a1f_completions_and_chat(moe_server):
-    artifact, client, _ = moe_server
+def test_moe_2a2f_attention_ranks_are_vllm_dp_ranks(moe_server):
+    """Both DP engines serve as attention ranks 0 and 1; 32 concurrent greedy requests equal
+    afdc's own generation; each engine steps only for its own requests (no MoE lockstep: an idle
+    rank makes no dummy steps, so its step count stays at what its requests needed)."""
+    artifact, client, d = moe_server
+    _check_data_parallel_ranks(d.log_dir / "attn.log", 2)
     _check_completions_and_chat(client, artifact)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(32)]
+    ref = _reference(artifact, prompts)
+    url = str(client.base_url).removesuffix("/v1/")
+    before = urllib.request.urlopen(f"{url}/metrics").read().decode()
+    with ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(lambda p: _complete(client, p), prompts)) == ref
+    metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
+    served = _engine_counter(metrics, "vllm:request_success_total")
+    assert sum(served.values()) - sum(_engine_counter(before, "vllm:request_success_total").values()) == 32
+    assert set(served) == {"0", "1"} and min(served.values()) > 0, served  # the coordinator used both
+    # then one request at a time: a step count per engine, idle or not, bounded by its own work
+    steps = _engine_counter(metrics, "vllm:iteration_tokens_total_count")
+    for p in prompts[:4]:
+        _complete(client, p)
+    after = urllib.request.urlopen(f"{url}/metrics").read().decode()
+    grown = {e: n - steps[e] for e, n in _engine_counter(after, "vllm:iteration_tokens_total_count").items()}
+    print(f"steps per DP engine for 4 sequential requests of {NEW_TOKENS} tokens: {grown}")
+    assert sum(grown.values()) <= 4 * NEW_TOKENS, grown
 
 
 def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
@@ -292,7 +330,7 @@ def test_ffn_rank_lost_mid_request(moe_server):
         with pytest.raises(openai.APIStatusError) as lost:
             long.result(timeout=60)
     assert lost.value.status_code == 503 and "ffn rank 0" in str(lost.value)
-    with pytest.raises(urllib.error.HTTPError) as health:
+    with pytest.raises(urllib.error.HTTPError) as health:  # whichever attention rank reported it
         urllib.request.urlopen(f"{url}/health")
     assert health.value.code == 503 and b"ffn rank 0" in health.value.read()
     d.restart("ffn-0")
@@ -336,12 +374,21 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
     code, out = serve(str(tmp_path / "nothing"), "--role", "attn", "--connector", "loopback")
     assert code == 2 and "is not a directory" in out
     artifact = _artifact(models, "dense", "1A1F")
-    code, out = serve(str(artifact), "--role", "attn", "--rank", "3", "--rendezvous", "127.0.0.1:1")
-    assert code == 2 and "1 attn ranks (0..0); rank 3 is not one" in out
+    code, out = serve(str(artifact), "--role", "attn", "--rank", "1", "--rendezvous", "127.0.0.1:1")
+    assert code == 2 and "attention ranks are vLLM's data-parallel ranks" in out
     code, out = serve(str(artifact), "--role", "attn")
     assert code == 2 and "--rendezvous" in out
-    code, out = serve(str(_artifact(models, "dense", "2A2F")), "--role", "attn", "--rank", "1",
-                      "--rendezvous", f"127.0.0.1:{free_port()}", "--join-timeout", "2")
+    # attention ranks are vLLM's DP ranks: the plan's A and the DP arguments must agree
+    two = str(_artifact(models, "dense", "2A2F"))
+    code, out = serve(two, "--role", "attn", "--connector", "loopback", "--", "-dp", "3")
+    assert code == 2 and "the plan has 2 attention ranks but vLLM was given --data-parallel-size 3" in out, out
+    code, out = serve(two, "--role", "attn", "--connector", "loopback", "--", "--data-parallel-start-rank=2")
+    assert code == 2 and "are not all within the plan's attention ranks 0..1" in out, out
+    code, out = serve(two, "--role", "attn", "--connector", "loopback", "--", "--data-parallel-rank", "1")
+    assert code == 2 and "external load balancing" in out, out
+    # a further host's ranks (not rank 0, which hosts the store) reach the store before vLLM starts
+    code, out = serve(two, "--role", "attn", "--rendezvous", f"127.0.0.1:{free_port()}", "--join-timeout", "2",
+                      "--", "-dpl", "1", "-dpr", "1", "--headless")
     assert code == 2 and "cannot reach the rendezvous store" in out
     plan_only = tmp_path / "plan-only"
     compile_model(str(models / "dense" / "config.json"), "1A1F", plan_only, weights=False, progress=False)
@@ -360,7 +407,7 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
 
 
 def test_settings_round_trip_through_the_environment(monkeypatch):
-    s = WorkerSettings("/a", rank=1, connector="shm", rendezvous="h:1", micro_batches=2)
+    s = WorkerSettings("/a", connector="shm", rendezvous="h:1", micro_batches=2)
     for k, v in s.to_env().items():
         monkeypatch.setenv(k, v)
     assert WorkerSettings.from_env() == s

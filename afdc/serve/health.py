@@ -1,7 +1,8 @@
 """The attention server's health gate: an ASGI middleware added to vLLM's OpenAI server.
 
-The worker runs in vLLM's engine-core process and, while an FFN rank is lost, keeps retrying
-its step; it publishes the problem in the deployment's rendezvous store. This middleware, in
+The worker runs in vLLM's engine-core process (one per attention rank: vLLM's DP ranks) and,
+while an FFN rank is lost, keeps retrying its step; it publishes the problem in the
+deployment's rendezvous store. This middleware, in
 the API-server process, reads it: ``/health`` answers 503 with the problem until the rank is
 back, new API requests get a 503 naming it, and requests in flight when it happens are ended
 with a 503 (their cancellation aborts them in vLLM's engine). Requests after the recovery are
@@ -32,9 +33,11 @@ class HealthGate:
         return self.settings is not None and not self.settings.connector.in_process
 
     def _read(self) -> str:
+        """The first attention rank's problem: vLLM's coordinator may send a request to any DP rank."""
         if self._rendezvous is None:
             self._rendezvous = self.settings.open_rendezvous()
-        return self._rendezvous.health("attn", self.settings.rank)
+        problems = (self._rendezvous.health("attn", a) for a in range(self._rendezvous.layout.attention_ranks))
+        return next((f"attention rank {a}: {p}" for a, p in enumerate(problems) if p), "")
 
     async def problem(self) -> str:
         """The worker's last reported problem ("" when serving), read at most every ``poll`` s."""

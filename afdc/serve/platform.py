@@ -46,6 +46,13 @@ def _has_mixers() -> bool:
     return active() and bool(read_manifest(Path(WorkerSettings.from_env().artifact)).mixers)
 
 
+@functools.cache
+def _attention_ranks() -> int:
+    from afdc.artifact.manifest import read_manifest
+
+    return read_manifest(Path(WorkerSettings.from_env().artifact)).plan.attention_ranks
+
+
 def _architectures() -> list[str]:
     """The architectures the served artifact's model config names (what vLLM resolves)."""
     from afdc.artifact.load import model_dir
@@ -101,6 +108,19 @@ class AfdcPlatform(Platform):
         parallel = vllm_config.parallel_config
         parallel.worker_cls = WORKER
         parallel.distributed_executor_backend = "uni"
+        # `vllm serve` run without `afdc serve` (which checks it before vLLM starts, a DP size of 1
+        # included); an engine core's own config has a DP size of 1 once vLLM made it independent
+        if parallel.data_parallel_size not in (1, _attention_ranks()):
+            raise ValueError(
+                f"the artifact's plan has {_attention_ranks()} attention ranks but vLLM runs "
+                f"--data-parallel-size {parallel.data_parallel_size}: each attention rank is one DP rank"
+            )
+        # The served attention program has no experts: they are on the FFN ranks, which gather per
+        # layer whatever the attention ranks send and run no collective across them. So the DP
+        # ranks need none of vLLM's MoE lockstep (dummy steps on idle ranks, a DP all-reduce each
+        # step): with no experts vLLM runs each DP rank's engine on its own (the coordinator still
+        # balances requests), and an idle attention rank makes no step at all.
+        vllm_config.model_config.model_arch_config.num_experts = 0
         vllm_config.model_config.enforce_eager = True
         vllm_config.compilation_config.mode = CompilationMode.NONE
         vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE

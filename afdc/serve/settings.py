@@ -18,10 +18,8 @@ ENV = "AFDC_SERVE_SETTINGS"
 @dataclass(frozen=True)
 class WorkerSettings:
     artifact: str  # the compiled artifact directory
-    rank: int = 0  # attention rank
     connector: ConnectorKind = ConnectorKind.GLOO  # loopback: the FFN layers run in this process (monolithic)
-    rendezvous: str | None = None  # HOST:PORT of the deployment's store
-    host_rendezvous: bool = False  # this rank hosts the store (attention rank 0 when started by hand)
+    rendezvous: str | None = None  # HOST:PORT of the deployment's store (hosted by attention rank 0)
     token: str | None = None  # the deployment secret; None: $AFDC_TOKEN
     insecure_no_token: bool = False  # run without a token (afdc serve --insecure-no-token)
     timeout: float = 30.0  # seconds an FFN reply may take

@@ -2,9 +2,9 @@
 
 ``afdc serve --role attn`` becomes vLLM's own OpenAI server (``vllm serve``) on the artifact's
 ``model/`` directory, with afdc's platform plugin switched on by :class:`WorkerSettings` in the
-environment. ``afdc up`` starts the FFN ranks and the attention ranks of the plan as child
-processes, waits until each attention server answers ``/health``, and stops them all on
-SIGINT/SIGTERM.
+environment; the plan's attention ranks are its data-parallel ranks (:mod:`afdc.serve.data_parallel`).
+``afdc up`` starts the FFN ranks and that one attention server as child processes, waits until
+it answers ``/health``, and stops them all on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import NoReturn
 
 from afdc.artifact.manifest import VOCABULARY_FILES, Manifest, read_manifest
 from afdc.errors import AfdcError, UnsupportedModelError
+from afdc.serve.data_parallel import DataParallel
 from afdc.serve.health import MIDDLEWARE
 from afdc.serve.settings import WorkerSettings
 
@@ -73,14 +74,15 @@ def check_servable(manifest: Manifest) -> None:
 
 
 def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> list[str]:
-    """The ``vllm serve`` command line of one attention rank (its environment adds ``settings.to_env()``)."""
+    """The ``vllm serve`` command line of the plan's attention ranks (vLLM's DP ranks), or of those
+    that ``vllm_args`` place on this host (its environment adds ``settings.to_env()``)."""
     from afdc.artifact.load import model_dir
 
     directory = Path(settings.artifact)
     manifest = read_manifest(directory)
-    manifest.rank_files("attn", settings.rank)  # a clear error for a rank the plan does not have
     check_servable(manifest)
     check_tokenizer(manifest, vllm_args)
+    dp = DataParallel.of(vllm_args).checked(manifest.plan.attention_ranks)
     model = model_dir(directory)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
@@ -88,7 +90,7 @@ def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args:
         "--served-model-name", directory.resolve().name,
         "--dtype", _DTYPES.get(manifest.plan.dtype or "", "auto"),
         "--middleware", MIDDLEWARE,
-        *vllm_args,
+        *dp.args(vllm_args),
     ]
     return argv
 
@@ -105,10 +107,11 @@ def ffn_command(settings: WorkerSettings, rank: int, token_buckets: int = 0) -> 
 
 
 def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> NoReturn:
-    """Become attention rank ``settings.rank``'s OpenAI server (this process is replaced)."""
+    """Become the OpenAI server of the plan's attention ranks, or of those ``vllm_args`` place on
+    this host (this process is replaced)."""
     check_serving_environment()
     argv = attention_command(settings, host, port, vllm_args)
-    if not settings.connector.in_process and not settings.host_rendezvous:
+    if not settings.connector.in_process and not DataParallel.of(vllm_args).hosts_rank_zero:
         # reach the store here (TCPStore retries with backoff), rather than fail as a trace from vLLM's engine
         settings.open_rendezvous()
     os.execve(argv[0], argv, {**os.environ, **settings.to_env()})
@@ -137,9 +140,9 @@ class Deployment:
     """Every role of one artifact's plan as child processes of this one."""
 
     artifact: Path
-    settings: WorkerSettings  # the attention ranks' settings (rank filled in per rank)
+    settings: WorkerSettings  # the attention ranks' settings
     host: str = "127.0.0.1"
-    port: int = 8000  # the OpenAI API (with several attention ranks, rank i serves on port + 1 + i)
+    port: int = 8000  # the OpenAI API of every attention rank (vLLM balances requests over its DP ranks)
     vllm_args: Sequence[str] = ()
     log_dir: Path | None = None  # each role's output goes to a file there; None: this terminal
     token_buckets: int = 0  # the FFN ranks' (afdc serve --token-buckets)
@@ -161,36 +164,23 @@ class Deployment:
 
     def start(self, startup_timeout: float, say: Callable[[str], None]) -> str:
         """Start every role and wait until the OpenAI API answers; returns its URL."""
-        manifest = read_manifest(self.artifact)
-        check_servable(manifest)  # before any role starts
-        check_tokenizer(manifest, self.vllm_args)
-        plan = manifest.plan
+        plan = read_manifest(self.artifact).plan
         s = self.settings
         env = {**os.environ, "AFDC_TOKEN": s.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
+        settings = replace(s, token=None)
+        argv = attention_command(settings, self.host, self.port, self.vllm_args)  # refused before any role starts
         if not s.connector.in_process:
+            # the FFN ranks wait for the store that attention rank 0 hosts once its vLLM engine is up
+            ffn = replace(s, join_timeout=max(s.join_timeout, startup_timeout))
             for r in range(plan.ffn_ranks):
                 say(f"starting FFN rank {r} of {plan.ffn_ranks}")
-                self._spawn(f"ffn-{r}", ffn_command(s, r, self.token_buckets), env)
-        # one rank serves on --port itself; several serve beside it, behind a router on --port
-        ports = [self.port] if plan.attention_ranks == 1 else [self.port + 1 + a for a in range(plan.attention_ranks)]
-        for a, port in enumerate(ports):
-            say(f"starting attention rank {a} of {plan.attention_ranks} (vLLM engine) on port {port}")
-            settings = replace(s, rank=a, host_rendezvous=a == 0 and not s.connector.in_process, token=None)
-            argv = attention_command(settings, self.host, port, self.vllm_args)
-            self._spawn(f"attn-{a}", argv, {**env, **settings.to_env()})
-        deadline = time.monotonic() + startup_timeout
-        for a, port in enumerate(ports):
-            proc = self.processes[f"attn-{a}"]
-            wait_healthy(f"http://{self.host}:{port}", deadline, lambda proc=proc: proc.poll() is None)
-            say(f"attention rank {a} is ready")
+                self._spawn(f"ffn-{r}", ffn_command(ffn, r, self.token_buckets), env)
+        say(f"starting {plan.attention_ranks} attention ranks (vLLM data-parallel engines) on port {self.port}")
+        self._spawn("attn", argv, {**env, **settings.to_env()})
+        proc = self.processes["attn"]
         url = f"http://{self.host}:{self.port}"
-        if len(ports) > 1:
-            backends = [a for port in ports for a in ("--backend", f"http://{self.host}:{port}")]
-            self._spawn("router", [sys.executable, "-m", "afdc.serve.router", "--host", self.host,
-                                   "--port", str(self.port), *backends], env)
-            router = self.processes["router"]
-            wait_healthy(url, deadline, lambda: router.poll() is None)
-            say(f"router on port {self.port} sends each request to the attention rank with the fewest in flight")
+        wait_healthy(url, time.monotonic() + startup_timeout, lambda: proc.poll() is None)
+        say("the attention ranks are ready")
         return url
 
     def failed(self) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -98,15 +99,22 @@ class AfdcWorker(WorkerBase):
                  is_driver_worker: bool = False, **kwargs):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.settings = WorkerSettings.from_env()
+        # vLLM's global DP rank (data_parallel_rank itself is reset to 0 for an engine without experts)
+        self.rank = vllm_config.parallel_config.data_parallel_index
         self.requests: dict[str, Request] = {}
         self._pending: tuple | None = None  # (scheduler output, requests, last-token logits) awaiting sampling
         self._store_host: Rendezvous | None = None
         self._problem = ""  # what keeps this rank from serving, as last reported
+        self._step_lock = threading.Lock()  # a step and the idle rank's regrouping take turns at the endpoint
+        self._stepped_at = 0.0  # when the last step ended
+        self._stop = threading.Event()
 
     # -- start-up ----------------------------------------------------------------------------
 
     def init_device(self) -> None:
         self.device = torch.device(self.settings.device)
+        if self.device.type == "cuda" and self.device.index is None:  # a host's DP ranks: a GPU each
+            self.device = torch.device("cuda", self.vllm_config.parallel_config.data_parallel_rank_local or 0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.sampler = StepSampler(self.vllm_config, self.device)
@@ -117,12 +125,12 @@ class AfdcWorker(WorkerBase):
         manifest = mf.read_manifest(directory)
         check_servable(manifest)
         self.mixers = manifest.mixers
-        program = load(directory, "attn", s.rank, self.device, backend="eager")
+        program = load(directory, "attn", self.rank, self.device, backend="eager")
         dispatch = [manifest.segments[lay.segment].dispatch() for lay in manifest.layers]
         in_process = s.connector.in_process
         ffn = [load(directory, "ffn", r, self.device, s.backend) for r in range(manifest.plan.ffn_ranks)]
         ffn = ffn if in_process else []
-        self.attention = AttentionRank(s.rank, program, ffn, dispatch)
+        self.attention = AttentionRank(self.rank, program, ffn, dispatch)
         shards = program.shards if isinstance(program, TensorParallelAttention) else [program]
         self.tp_ranks = len(shards)
         if self.tp_ranks > 1:  # TP ranks 1.. wait while rank 0 waits for the FFN side
@@ -156,12 +164,14 @@ class AfdcWorker(WorkerBase):
                 connector=s.connector, rendezvous=s.rendezvous, token=s.token, timeout=s.timeout,
                 join_timeout=s.join_timeout, insecure_no_token=s.insecure_no_token,
             )
-            if s.host_rendezvous:
+            if self.rank == 0:  # attention rank 0 hosts the deployment's store
                 self._store_host = s.open_rendezvous(host=True)
-            self.attention.endpoint = AttentionEndpoint.connect(s.rank, layout, deployment, options, self.device)
+            self.attention.endpoint = AttentionEndpoint.connect(self.rank, layout, deployment, options, self.device)
+            threading.Thread(target=self._keep_membership, args=(options.poll_interval,), daemon=True,
+                             name="afdc-membership").start()
         logger.info(
             "afdc: attention rank %d of %s loaded (%d attention layers, %d TP ranks, %d micro-batches, backend %s, "
-            "FFN %s)", s.rank, directory, len(self.slots), self.tp_ranks, self.micro_batches,
+            "FFN %s)", self.rank, directory, len(self.slots), self.tp_ranks, self.micro_batches,
             self.backend,
             "in this process" if in_process else f"over {s.connector} at {s.rendezvous}",
         )
@@ -332,7 +342,9 @@ class AfdcWorker(WorkerBase):
         deadline = time.monotonic() + self.settings.recovery_timeout
         while True:
             try:
-                outputs, _ = self.attention.run(self.attention.begin_step(), batches)
+                with self._step_lock:
+                    outputs, _ = self.attention.run(self.attention.begin_step(), batches)
+                    self._stepped_at = time.monotonic()
                 for batch in batches:
                     batch.cache.commit_states()
             except (PeerLost, RendezvousError) as err:
@@ -344,13 +356,31 @@ class AfdcWorker(WorkerBase):
             self._report("")
             return outputs
 
+    def _keep_membership(self, interval: float) -> None:
+        """Join the deployment, and regroup with it whenever it regroups, while no step runs.
+
+        vLLM runs each attention rank's engine on its own (see :mod:`afdc.serve.platform`), so a
+        rank without requests makes no step; but a regrouping (an FFN rank restarted) waits for
+        every rank to join, and would wait for an idle one until it timed out. Regrouping is
+        :meth:`AttentionEndpoint.begin_step` without a step: it sends nothing to the FFN ranks."""
+        while not self._stop.wait(interval):
+            with self._step_lock:
+                if self._stop.is_set() or time.monotonic() - self._stepped_at < interval:
+                    continue  # serving: the steps regroup
+                try:
+                    self.attention.begin_step()
+                except (PeerLost, RendezvousError) as err:
+                    self._report(str(err))
+                    continue
+            self._report("")
+
     def _report(self, problem: str) -> None:
         if problem != self._problem:
             if problem:
-                logger.error("afdc: attention rank %d cannot serve: %s; retrying", self.settings.rank, problem)
+                logger.error("afdc: attention rank %d cannot serve: %s; retrying", self.rank, problem)
             else:
-                logger.info("afdc: attention rank %d reaches every FFN rank again", self.settings.rank)
-            self.attention.endpoint.rendezvous.report_health("attn", self.settings.rank, problem)
+                logger.info("afdc: attention rank %d reaches every FFN rank again", self.rank)
+            self.attention.endpoint.rendezvous.report_health("attn", self.rank, problem)
             self._problem = problem
 
     def _micro_batch(self, requests: list[Request]) -> MicroBatch:
@@ -412,10 +442,13 @@ class AfdcWorker(WorkerBase):
         """No encoder: text decoders only."""
 
     def execute_dummy_batch(self) -> None:
-        """Nothing to keep warm: every step runs the same programs."""
+        """vLLM's MoE lockstep step, which afdc's platform turns off (the served program has no
+        experts); were it called, it must cost no FFN work and enter no FFN batch, so it does nothing."""
 
     def shutdown(self) -> None:
-        self.attention.close()
+        self._stop.set()
+        with self._step_lock:
+            self.attention.close()
 
 
 @dataclass
