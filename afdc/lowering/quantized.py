@@ -112,7 +112,7 @@ def _data_split(split: Split, data: StoredTensor) -> Split:
 def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: QuantizedTensors, ranks: int) -> Segment:
     if not bindings:
         return seg
-    first = bindings[0].weights
+    first = list(bindings[0].weights)  # the bf16 parameter names (the bindings are renamed below)
     quantized = [i for i, name in enumerate(first) if name in quant.by_parameter]
     for b in bindings:
         mine = [i for i, name in enumerate(b.weights) if name in quant.by_parameter]
