@@ -88,7 +88,7 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
     The model is captured on the meta device; with weights, the checkpoint is streamed into one
     safetensors file per rank holding only that rank's weights.
     """
-    from afdc.compile import compile_model
+    from afdc.compile import compile_model, quant_note
 
     plan = afdc.Plan.parse(plan_text, ffn_parallel=ffn_parallel, dense_ffn=dense_ffn, attention_tp=attn_tp,
                            router=router, micro_batches=micro_batches, dtype=dtype, backend=backend)
@@ -103,6 +103,8 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
         + (f"; attention TP {plan.attention_tp}: {len(manifest.attention_splits)} attention weights split by heads, "
            "the rest whole" if plan.attention_tp > 1 else "")
     )
+    if manifest.quant:
+        click.echo(quant_note(manifest))
 
 
 _VLLM_ARGS = {"ignore_unknown_options": True}

@@ -265,12 +265,22 @@ def quant_scheme(config: PretrainedConfig, model: PreTrainedModel, checkpoint: P
     return recognise(config, Checkpoint.discover(checkpoint).tensors, model)
 
 
-def dtype_note(scheme: QuantScheme, dtype: str | None) -> str:
-    """What ``--dtype`` does to a quantized checkpoint: it converts only the unquantized tensors."""
-    kept = f"its {len(scheme.parameters)} quantized weights and their scales stay as stored"
-    if dtype is None:
-        return f"quantized checkpoint ({scheme.describe()}): {kept}"
-    return f"quantized checkpoint ({scheme.describe()}): --dtype {dtype} converts the unquantized tensors only; {kept}"
+def quant_note(manifest: mf.Manifest) -> str:
+    """What the compile did with a quantized checkpoint: the scheme, that ``--dtype`` converts only
+    the unquantized tensors, and the bytes each FFN rank holds (quantized weights with their scales)."""
+    quant = manifest.quant
+    if quant is None:
+        return ""
+    kept = f"{len({t.parameter for t in quant.tensors.values()})} quantized weights and their scales stay as stored"
+    dtype = manifest.plan.dtype
+    note = f"quantized checkpoint ({quant.summary}): " + (
+        f"--dtype {dtype} converts the unquantized tensors only; {kept}" if dtype else kept
+    )
+    sizes = {f.path: f.bytes for f in manifest.files}
+    ffn = [sum(sizes.get(rel, 0) for rel in r.weights) for r in manifest.ranks if r.role == "ffn"]
+    if manifest.weights_included:
+        note += "; FFN rank files " + ", ".join(f"{b / 1e6:,.2f} MB" for b in ffn)
+    return note
 
 
 def _copy_hf_files(checkpoint: Path, out: Path) -> list[str]:
