@@ -33,8 +33,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from afdc.api import Built, build
 from afdc.artifact import manifest as mf
-from afdc.artifact.program_source import write_program
 from afdc.artifact.checkpoint import Checkpoint
+from afdc.artifact.program_source import write_program
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
 from afdc.plan import TORCH_DTYPES, Plan

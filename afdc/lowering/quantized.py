@@ -83,7 +83,7 @@ def scale_split(parameter: str, shape: tuple[int, ...], block: tuple[int, ...], 
     if fmt is QuantFormat.MXFP4 and not split.experts:
         raise PlanError(
             f"{parameter} is MXFP4, whose 32-value blocks afdc keeps whole: the plan splits it by tensor parallelism "
-            "along dim {dim}; use expert parallelism for its experts (--ffn-parallel ep)"
+            f"along dim {dim}; use expert parallelism for its experts (--ffn-parallel ep)"
         )
     step = block[dim]
     if split.experts or step == 1:
@@ -131,7 +131,7 @@ def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: Quant
     added: dict[int, dict[Role, fx.Node]] = {}
     for i in quantized:
         p = quant.scheme.parameter(first[i])
-        data, scale, input_scale = _stored(quant, p.name)
+        data, _, input_scale = _stored(quant, p.name)
         splits[i] = _data_split(seg.splits[i], data)
         roles = {Role.SCALE: scale_split(p.name, p.shape, p.block, seg.splits[i], ranks, p.format)}
         if input_scale is not None:
