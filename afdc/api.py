@@ -233,6 +233,7 @@ def disaggregate(
             f"first (model.to({TORCH_DTYPES[plan.dtype]}) and leave dtype out), or give dtype to afdc compile, "
             "which converts the weights as it writes them"
         )
+    _refuse_stored_quantized(model)
     built = build(model, plan)
     attention = built.attention_program(mixer_table(model, built.mixers))
     splits = built.ffn_splits()
@@ -261,6 +262,21 @@ def disaggregate(
         deployment=deployment_id(str(built.plan), attention.module.code, *(s.code for s in ffn[0].segments)),
         connector=connector,
     )
+
+
+def _refuse_stored_quantized(model: PreTrainedModel) -> None:
+    """A model transformers loaded with its weights still quantized (compressed-tensors keeps fp8
+    weights and quantizes activations in its own forward hooks) cannot be captured as bf16 math;
+    say how to get one that can, or how to run the quantized weights as stored."""
+    stored = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    if stored:
+        name, dtype = stored[0]
+        raise UnsupportedModelError(
+            f"the model holds {len(stored)} weights still quantized ({name}: {dtype}), as transformers loads a "
+            "compressed-tensors checkpoint by default. Either load it dequantized, "
+            "from_pretrained(path, quantization_config=CompressedTensorsConfig(run_compressed=False)), "
+            "or compile the checkpoint with `afdc compile PATH --plan ...`, which runs its fp8 weights as stored"
+        )
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 from quant_checkpoints import deepseek_v3_fp8, gpt_oss_mxfp4, llama_compressed_fp8, qwen3_moe_fp8
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
 import afdc
 from afdc.artifact.manifest import read_manifest
@@ -134,3 +135,32 @@ def test_cli_says_what_dtype_does_to_a_quantized_checkpoint(tmp_path):
     assert held["model.layers.0.mlp.gate.weight"][0] == "F32"
     document = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert document["format_version"] == read_manifest(tmp_path / "a").format_version == 5
+
+
+def test_plan_only_compile_from_the_config_alone_names_the_same_tensors(tmp_path):
+    """--no-weights reads the scheme from the config's quantization_config: the same stored tensors
+    (names, shapes, blocks) as the compile that read the checkpoint's headers."""
+    ck = qwen3_moe_fp8(tmp_path / "qwen")
+    with_weights = afdc.compile_model(str(ck.directory), "1A2F", tmp_path / "a", progress=False)
+    plan_only = afdc.compile_model(str(ck.directory / "config.json"), "1A2F", tmp_path / "b", weights=False,
+                                   progress=False)
+    assert plan_only.quant.tensors == with_weights.quant.tensors
+    assert plan_only.quant.summary == "fp8: 12 quantized parameters (fp8-block 32x32)"
+    assert all(t.block[-2:] == [32, 32] for t in plan_only.quant.tensors.values())
+
+
+def test_disaggregate_a_model_transformers_loaded_from_quantized_checkpoints(tmp_path):
+    """fp8 blocks: transformers dequantizes on CPU, so the model splits as bf16 and matches its own
+    outputs. compressed-tensors: it keeps the fp8 weights, which afdc refuses saying what to do;
+    loaded with run_compressed=False it splits as bf16."""
+    ck = qwen3_moe_fp8(tmp_path / "qwen")
+    model = AutoModelForCausalLM.from_pretrained(ck.directory).eval()
+    _check_runs(afdc.disaggregate(model, "1A2F"), model)
+
+    ct = llama_compressed_fp8(tmp_path / "llama")
+    kept = AutoModelForCausalLM.from_pretrained(ct.directory)
+    with pytest.raises(afdc.UnsupportedModelError, match=r"run_compressed=False.*afdc compile"):
+        afdc.disaggregate(kept, "1A2F")
+    config = CompressedTensorsConfig(run_compressed=False)
+    dequantized = AutoModelForCausalLM.from_pretrained(ct.directory, quantization_config=config).eval()
+    _check_runs(afdc.disaggregate(dequantized, "1A2F"), dequantized)
