@@ -164,3 +164,12 @@ def test_disaggregate_a_model_transformers_loaded_from_quantized_checkpoints(tmp
     config = CompressedTensorsConfig(run_compressed=False)
     dequantized = AutoModelForCausalLM.from_pretrained(ct.directory, quantization_config=config).eval()
     _check_runs(afdc.disaggregate(dequantized, "1A2F"), dequantized)
+
+
+def test_plan_prices_weights_at_the_quantization_configs_dtype(tmp_path):
+    ck = qwen3_moe_fp8(tmp_path / "qwen")
+    for extra, dtype in (([], "fp8"), (["--weight-dtype", "bf16"], "bf16")):
+        result = CliRunner().invoke(main, ["plan", str(ck.directory / "config.json"), "--context", "256", "--json",
+                                           *extra])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["weight_dtype"] == dtype
