@@ -138,6 +138,20 @@ def test_completions_and_chat_equal_afdc_generate(models, tmp_path, kind, plan, 
             assert log.count("POST /v1/completions") > 0, f"attention rank {rank} got no request"
 
 
+def test_quantized_checkpoint_served_equals_afdc_generate(models, tmp_path):
+    """A Qwen3-MoE-shaped checkpoint in fp8 blocks, compiled as shipped: the vLLM worker runs the
+    fp8 ops (their torch references on CPU) and the FFN rank processes load fp8 rank files."""
+    from quant_checkpoints import qwen3_moe_fp8
+
+    ck = qwen3_moe_fp8(models / "qwen3-fp8", vocab_size=512)
+    demo_tokenizer(512).save_pretrained(ck.directory)
+    artifact = models / "qwen3-fp8-1A2F"
+    compile_model(str(ck.directory), "1A2F", artifact, progress=False)
+    assert read_manifest(artifact).quant.method == "fp8"
+    with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",)) as (client, _):
+        assert [_complete(client, p) for p in PROMPTS] == _reference(artifact, PROMPTS)
+
+
 def test_afdc_backend_and_expert_routing_under_vllm(models, tmp_path, monkeypatch):
     """The GPU default path on this CPU: every program lowered by the afdc backend (kernels in
     Triton's interpreter, Inductor for the rest) in the vLLM worker and the FFN servers, with the
