@@ -9,6 +9,7 @@ Skipped where vLLM is not installed (``pip install -e ".[serve]"``); CI installs
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -145,6 +146,9 @@ def test_quantized_checkpoint_served_equals_afdc_generate(models, tmp_path):
 
     ck = qwen3_moe_fp8(models / "qwen3-fp8", vocab_size=512)
     demo_tokenizer(512).save_pretrained(ck.directory)
+    config = json.loads((ck.directory / "config.json").read_text())  # the demo tokenizer's special tokens
+    (ck.directory / "config.json").write_text(json.dumps({**config, "pad_token_id": 0, "bos_token_id": 1,
+                                                          "eos_token_id": 2}))
     artifact = models / "qwen3-fp8-1A2F"
     compile_model(str(ck.directory), "1A2F", artifact, progress=False)
     assert read_manifest(artifact).quant.method == "fp8"

@@ -64,10 +64,6 @@ class QuantizedTensors:
         """Every stored tensor by its artifact name."""
         return {t.name: t for ts in self.by_parameter.values() for t in ts}
 
-    def streamed(self) -> dict[str, StoredTensor]:
-        """The stored tensors the bf16 model has no parameter of that name and shape for."""
-        return {n: t for n, t in self.tensors().items() if not (t.role is Role.DATA and n == t.parameter)}
-
 
 def _stored(scheme: QuantScheme, p: QuantizedParameter) -> tuple[StoredTensor, ...]:
     members = [w for w in (scheme.weight(s) for s in p.sources) if w is not None]
