@@ -115,10 +115,15 @@ def test_llama_compressed_tensors_per_channel_at_2a4f(tmp_path):
 
 
 def test_tp_split_that_cuts_a_block_is_refused(tmp_path):
+    """fp8 blocks: refused naming the weight, the block and the F that work; MXFP4: TP refused."""
     ck = deepseek_v3_fp8(tmp_path / "ds")  # 16x16 blocks: 96 intermediate features over 4 ranks is 24 each
     refusal = r"model\.layers\.0\.mlp\.(up|gate|down)_proj\.weight .*16x16 scale blocks.*: 1, 2, 3, 6 "
     with pytest.raises(afdc.PlanError, match=refusal):
         afdc.compile_model(str(ck.directory), "2A4F", tmp_path / "art", progress=False)
+    oss = gpt_oss_mxfp4(tmp_path / "oss")
+    with pytest.raises(afdc.PlanError, match=r"experts\.gate_up_proj is MXFP4.*--ffn-parallel ep"):
+        afdc.compile_model(str(oss.directory), afdc.Plan.parse("1A2F", ffn_parallel="tp"), tmp_path / "b",
+                           progress=False)
 
 
 def test_cli_says_what_dtype_does_to_a_quantized_checkpoint(tmp_path):
