@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from afdc import capture as capture_mod
 from afdc.capture import CapturedGraph
 from afdc.errors import PlanError, UnsupportedModelError
+from afdc.lowering.quantized import quantize_graphs
 from afdc.mixer_site import MixerSite
 from afdc.ops import AttentionCall
 from afdc.partition.attention_tp import shard_attention
@@ -27,6 +28,8 @@ from afdc.passes.cleanup import drop_sentinel_masks, strip_assertions
 from afdc.passes.matching import copy_graph
 from afdc.passes.portable import portable
 from afdc.plan import TORCH_DTYPES, Plan
+from afdc.quant.scheme import QuantScheme
+from afdc.quant.stored import QuantizedTensors
 from afdc.report import Report, kv_bytes_per_token
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.mixer_modules import Mixers
@@ -52,6 +55,7 @@ class Built:
     attention_splits: dict[str, Split]  # --attn-tp: how the TP ranks hold attention weights (absent: whole)
     max_positions: int | None  # the longest key length the captured graph is valid for (None: any)
     mixers: list[MixerSite]  # the attention graph's stateful-mixer call sites, with their state
+    quant: QuantizedTensors | None = None  # the checkpoint's quantized parameters as the programs take them
 
     def attention_names(self) -> list[str]:
         return sorted({n.target for n in self.attention_graph.nodes if n.op == "get_attr"})
@@ -100,8 +104,9 @@ def _classify(captured: CapturedGraph) -> Classification:
     return classification
 
 
-def build(model: PreTrainedModel, plan: Plan) -> Built:
-    """Capture, classify, cut, partition and shard ``model`` for ``plan``.
+def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None) -> Built:
+    """Capture, classify, cut, partition and shard ``model`` for ``plan``; with ``quant`` (the
+    checkpoint's scheme), then put each matmul by a weight it stores quantized on its quantized op.
 
     Raises :class:`afdc.UnsupportedModelError` when the model cannot be split and
     :class:`afdc.PlanError` when the plan does not fit it.
@@ -122,18 +127,27 @@ def build(model: PreTrainedModel, plan: Plan) -> Built:
         sharded = shard_attention(attention_graph, plan.attention_tp)
         attention_graph, attention_splits = sharded.graph, sharded.splits
     recompute = _recompute(captured, classification)
+    stored = QuantizedTensors.of(quant) if quant is not None else None
+    segments, layers, attrs = placed.segments, placed.partition.layers, captured.attrs
+    if stored is not None:
+        if plan.attention_tp > 1:
+            raise PlanError(f"--attn-tp {plan.attention_tp} on a quantized checkpoint ({quant.describe()}) is not "
+                            "supported yet: compile it with --attn-tp 1")
+        graphs = quantize_graphs(segments, layers, attention_graph, attrs, stored, plan.ffn_ranks)
+        segments, layers, attention_graph, attrs = graphs.segments, graphs.layers, graphs.attention_graph, graphs.attrs
     return Built(
         plan=plan,
         attention_graph=attention_graph,
         out_spec=captured.out_spec,
-        segments=placed.segments,
-        layers=placed.partition.layers,
-        attrs=captured.attrs,
+        segments=segments,
+        layers=layers,
+        attrs=attrs,
         recompute=recompute,
         report=_report(model, plan, captured, placed, attention_splits, recompute, mixers),
         attention_splits=attention_splits,
         max_positions=captured.max_positions,
         mixers=mixers,
+        quant=stored,
     )
 
 
@@ -219,6 +233,7 @@ def disaggregate(
             f"first (model.to({TORCH_DTYPES[plan.dtype]}) and leave dtype out), or give dtype to afdc compile, "
             "which converts the weights as it writes them"
         )
+    _refuse_stored_quantized(model)
     built = build(model, plan)
     attention = built.attention_program(mixer_table(model, built.mixers))
     splits = built.ffn_splits()
@@ -247,6 +262,21 @@ def disaggregate(
         deployment=deployment_id(str(built.plan), attention.module.code, *(s.code for s in ffn[0].segments)),
         connector=connector,
     )
+
+
+def _refuse_stored_quantized(model: PreTrainedModel) -> None:
+    """A model transformers loaded with its weights still quantized (compressed-tensors keeps fp8
+    weights and quantizes activations in its own forward hooks) cannot be captured as bf16 math;
+    say how to get one that can, or how to run the quantized weights as stored."""
+    stored = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    if stored:
+        name, dtype = stored[0]
+        raise UnsupportedModelError(
+            f"the model holds {len(stored)} weights still quantized ({name}: {dtype}), as transformers loads a "
+            "compressed-tensors checkpoint by default. Either load it dequantized, "
+            "from_pretrained(path, quantization_config=CompressedTensorsConfig(run_compressed=False)), "
+            "or compile the checkpoint with `afdc compile PATH --plan ...`, which runs its fp8 weights as stored"
+        )
 
 
 @torch.no_grad()

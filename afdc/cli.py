@@ -88,7 +88,7 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
     The model is captured on the meta device; with weights, the checkpoint is streamed into one
     safetensors file per rank holding only that rank's weights.
     """
-    from afdc.compile import compile_model
+    from afdc.compile import compile_model, quant_note
 
     plan = afdc.Plan.parse(plan_text, ffn_parallel=ffn_parallel, dense_ffn=dense_ffn, attention_tp=attn_tp,
                            router=router, micro_batches=micro_batches, dtype=dtype, backend=backend)
@@ -103,6 +103,8 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
         + (f"; attention TP {plan.attention_tp}: {len(manifest.attention_splits)} attention weights split by heads, "
            "the rest whole" if plan.attention_tp > 1 else "")
     )
+    if manifest.quant:
+        click.echo(quant_note(manifest))
 
 
 _VLLM_ARGS = {"ignore_unknown_options": True}
@@ -321,7 +323,8 @@ def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
 @click.option("--ffn-hw", default="H100", show_default=True, help="FFN-side hardware profile.")
 @click.option("--tpot-ms", type=float, default=50.0, show_default=True, help="Time-per-output-token target (ms).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "int8"]), default="bf16", show_default=True)
-@click.option("--weight-dtype", type=click.Choice(["bf16", "fp8", "int8"]), default="bf16", show_default=True)
+@click.option("--weight-dtype", type=click.Choice(["bf16", "fp8", "int8"]),
+              help="Weight dtype [default: the model's quantization_config's (fp8), else bf16].")
 @click.option("--dense-ffn", type=click.Choice(["tp", "replicate"]), default="tp", show_default=True,
               help="How the FFN GPUs hold dense FFN layers (as afdc compile --dense-ffn).")
 @click.option("--hw-file", type=click.Path(dir_okay=False), help="Extra hardware profiles (JSON, same schema).")
@@ -335,13 +338,16 @@ def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense
     """
     from afdc import planner
     from afdc.planner.hardware import get_profile, load_profiles
+    from afdc.quant.scheme import planned_weight_dtype
     from afdc.source import empty_model, load_config
 
     if plot_path:
         planner.require_matplotlib()  # before the capture, not after
     profiles = load_profiles(hw_file)
     hw_a, hw_f = get_profile(attn_hw, profiles), get_profile(ffn_hw, profiles)
-    built, layers = planner.split_for_planning(empty_model(load_config(model)))
+    config = load_config(model)
+    weight_dtype = weight_dtype or planned_weight_dtype(config) or "bf16"
+    built, layers = planner.split_for_planning(empty_model(config))
 
     def plan_at(ctx: int) -> planner.PlanResult:
         facts = planner.model_facts(built, ctx, weight_dtype, kv_dtype, name=model, layers=layers)

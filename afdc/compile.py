@@ -33,10 +33,12 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from afdc.api import Built, build
 from afdc.artifact import manifest as mf
+from afdc.artifact.checkpoint import Checkpoint
 from afdc.artifact.program_format import write_program
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
 from afdc.plan import TORCH_DTYPES, Plan
+from afdc.quant.scheme import QuantScheme, recognise, scheme_from_config
 from afdc.report import Crossing as ReportCrossing
 from afdc.segment import Split
 from afdc.source import empty_model, load_config
@@ -174,9 +176,10 @@ def compile_model(
     config = load_config(source)
     dtype = TORCH_DTYPES[plan.dtype] if plan.dtype else None
     model = empty_model(config, dtype)
-    built = build(model, plan)
     checkpoint = _checkpoint_dir(source, revision) if weights else None
-    checkpointed = set(model.state_dict())
+    scheme = quant_scheme(config, model, checkpoint)
+    built = build(model, plan, scheme)
+    checkpointed = set(model.state_dict()) | (set(built.quant.tensors()) if built.quant else set())
     targets = _rank_targets(built)
     state = _computed_state(model, {t.name for ts in targets.values() for t in ts} - checkpointed, built.attrs)
 
@@ -207,7 +210,8 @@ def compile_model(
                 to_stream.append(TargetFile(tmp / rel, streamed))
                 files[name].append(rel)
         # The resharder hashes as it writes; only the small files are hashed here.
-        digests = reshard(checkpoint, model, to_stream, dtype=dtype, progress=progress) if to_stream else {}
+        stored = built.quant.tensors() if built.quant else {}
+        digests = reshard(checkpoint, model, to_stream, dtype, progress, stored) if to_stream else {}
         written += [rel for rels in files.values() for rel in rels]
         model_files = _copy_hf_files(checkpoint, tmp) if checkpoint is not None else []
         written += model_files
@@ -247,9 +251,36 @@ def compile_model(
             mixers=built.mixers,
             unpageable=_unpageable(built),
             max_positions=built.max_positions,
+            quant=mf.QuantSpec.of(built.quant) if built.quant else None,
         )
         (tmp / mf.MANIFEST).write_text(manifest.to_json())
     return manifest
+
+
+def quant_scheme(config: PretrainedConfig, model: PreTrainedModel, checkpoint: Path | None) -> QuantScheme | None:
+    """The checkpoint's quantization, recognised from its safetensors headers (from the config
+    alone for a plan compiled without weights); None for an unquantized model."""
+    if checkpoint is None:
+        return scheme_from_config(config, model)
+    return recognise(config, Checkpoint.discover(checkpoint).tensors, model)
+
+
+def quant_note(manifest: mf.Manifest) -> str:
+    """What the compile did with a quantized checkpoint: the scheme, that ``--dtype`` converts only
+    the unquantized tensors, and the bytes each FFN rank holds (quantized weights with their scales)."""
+    quant = manifest.quant
+    if quant is None:
+        return ""
+    kept = f"{len({t.parameter for t in quant.tensors.values()})} quantized weights and their scales stay as stored"
+    dtype = manifest.plan.dtype
+    note = f"quantized checkpoint ({quant.summary}): " + (
+        f"--dtype {dtype} converts the unquantized tensors only; {kept}" if dtype else kept
+    )
+    sizes = {f.path: f.bytes for f in manifest.files}
+    ffn = [sum(sizes.get(rel, 0) for rel in r.weights) for r in manifest.ranks if r.role == "ffn"]
+    if manifest.weights_included:
+        note += "; FFN rank files " + ", ".join(f"{b / 1e6:,.2f} MB" for b in ffn)
+    return note
 
 
 def _copy_hf_files(checkpoint: Path, out: Path) -> list[str]:

@@ -187,12 +187,15 @@ def deepseek_v3_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: in
     return _write(directory, config, quantization, _fp8_block_quantizer(block, select), seed)
 
 
-def qwen3_moe_fp8(directory: Path, block: tuple[int, int] = (32, 32), seed: int = 0) -> QuantCheckpoint:
+def qwen3_moe_fp8(
+    directory: Path, block: tuple[int, int] = (32, 32), seed: int = 0, vocab_size: int = 128
+) -> QuantCheckpoint:
     """Qwen3-MoE-shaped, as the ``-FP8`` releases ship: attention and experts fp8 in blocks, the
-    router (``mlp.gate``) and LM head bf16 and listed, layer by layer, in modules_to_not_convert."""
+    router (``mlp.gate``) and LM head bf16 and listed, layer by layer, in modules_to_not_convert.
+    (``vocab_size`` 512 fits afdc's demo tokenizer, for serving.)"""
     layers = 2
     config = Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
         num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=256,
     )  # fmt: skip

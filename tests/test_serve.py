@@ -9,6 +9,7 @@ Skipped where vLLM is not installed (``pip install -e ".[serve]"``); CI installs
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -149,6 +150,23 @@ def _engine_counter(metrics: str, name: str) -> dict[str, float]:
     for e, v in re.findall(rf'^{name}{{[^}}]*engine="(\d+)"[^}}]*}} (\S+)$', metrics, re.M):
         counts[e] = counts.get(e, 0.0) + float(v)  # summed over the other labels (finish reasons)
     return counts
+
+
+def test_quantized_checkpoint_served_equals_afdc_generate(models, tmp_path):
+    """A Qwen3-MoE-shaped checkpoint in fp8 blocks, compiled as shipped: the vLLM worker runs the
+    fp8 ops (their torch references on CPU) and the FFN rank processes load fp8 rank files."""
+    from quant_checkpoints import qwen3_moe_fp8
+
+    ck = qwen3_moe_fp8(models / "qwen3-fp8", vocab_size=512)
+    demo_tokenizer(512).save_pretrained(ck.directory)
+    config = json.loads((ck.directory / "config.json").read_text())  # the demo tokenizer's special tokens
+    (ck.directory / "config.json").write_text(json.dumps({**config, "pad_token_id": 0, "bos_token_id": 1,
+                                                          "eos_token_id": 2}))
+    artifact = models / "qwen3-fp8-1A2F"
+    compile_model(str(ck.directory), "1A2F", artifact, progress=False)
+    assert read_manifest(artifact).quant.method == "fp8"
+    with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",)) as (client, _):
+        assert [_complete(client, p) for p in PROMPTS] == _reference(artifact, PROMPTS)
 
 
 def test_afdc_backend_and_expert_routing_under_vllm(models, tmp_path, monkeypatch):

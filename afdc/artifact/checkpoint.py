@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from transformers.core_model_loading import (
 )
 
 from afdc.errors import AfdcError
+from afdc.quant.stored import StoredTensor
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -476,19 +477,51 @@ def _tied_partners(model: PreTrainedModel) -> dict[str, list[str]]:
     return {name: sorted(group - {name}) for group in groups.values() for name in group}
 
 
-def resolve(checkpoint: Checkpoint, model: PreTrainedModel, names: Iterable[str]) -> dict[str, Layout]:
-    """The layout of each named model tensor (a state_dict name) in the checkpoint.
+def _stored_layouts(
+    checkpoint: Checkpoint, model: PreTrainedModel, stored: Iterable[StoredTensor]
+) -> dict[str, Layout | Unstreamable | Misfit]:
+    """The layouts of a quantized parameter's stored tensors (scales, MXFP4 blocks): each role's
+    checkpoint tensors seen under the keys the bf16 checkpoint has, so that the conversion which
+    composes the parameter (per-expert tensors stacked, gate and up concatenated) composes them too."""
+    by_role: defaultdict[str, list[StoredTensor]] = defaultdict(list)
+    for tensor in stored:
+        by_role[tensor.role.value].append(tensor)
+    layouts: dict[str, Layout | Unstreamable | Misfit] = {}
+    for tensors in by_role.values():
+        keys = {bf16: key for t in tensors for bf16, key in t.sources}
+        view = Checkpoint(checkpoint.directory, checkpoint.files, {b: checkpoint.tensors[k] for b, k in keys.items()})
+        found = _source_layouts(view, model, {t.parameter: t.shape for t in tensors})
+        for t in tensors:
+            layout = found.get(t.parameter)
+            if isinstance(layout, Layout):
+                layout = Layout(layout.shape, tuple(replace(p, key=keys[p.key]) for p in layout.pieces))
+            if layout is not None:
+                layouts[t.name] = layout
+    return layouts
+
+
+def resolve(
+    checkpoint: Checkpoint,
+    model: PreTrainedModel,
+    names: Iterable[str],
+    stored: Mapping[str, StoredTensor] | None = None,
+) -> dict[str, Layout]:
+    """The layout of each named model tensor (a state_dict name, or one of ``stored``: a quantized
+    parameter's scale or blocks) in the checkpoint.
 
     A name the checkpoint lacks is taken from a tied partner that it has. Raises one CheckpointError
     listing every tensor that is absent or comes out in another shape (e.g. experts missing), or one
     naming a tensor whose conversion cannot be streamed.
     """
     names = list(dict.fromkeys(names))
+    stored = {n: t for n, t in (stored or {}).items() if n in names}
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    unknown = [name for name in names if name not in shapes]
+    unknown = [name for name in names if name not in shapes and name not in stored]
     if unknown:
         raise ValueError(f"not tensors of {type(model).__name__}: {', '.join(unknown[:10])}")
     layouts = _source_layouts(checkpoint, model, shapes)
+    layouts.update(_stored_layouts(checkpoint, model, stored.values()))
+    shapes.update({n: t.shape for n, t in stored.items()})
     partners = _tied_partners(model)
     resolved: dict[str, Layout] = {}
     missing: list[str] = []

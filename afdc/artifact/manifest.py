@@ -17,9 +17,12 @@ import torch.fx as fx
 from afdc.errors import AfdcError
 from afdc.mixer_site import MixerSite, StateTensor
 from afdc.plan import Plan
+from afdc.quant.stored import QuantizedTensors
 from afdc.segment import Dispatch, ExpertRouting, Segment, Split
 
-FORMAT_VERSION = 5  # 5: programs as graph data (4 and before: Python source, executed on load)
+# 6: the quantization scheme per stored tensor (``quant``); 5: programs as graph data (4 and before:
+# Python source, executed on load)
+FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 MODEL_DIR = "model"  # the model's config and tokenizer files, as a serving engine reads them
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer has one of them
@@ -91,6 +94,43 @@ class SegmentSpec:
 
 
 @dataclass
+class QuantTensor:
+    """A stored tensor of a quantized parameter: which parameter, what part of it, in which format."""
+
+    parameter: str
+    role: str  # "data", "scale" or "input_scale"
+    format: str  # afdc.quant.scheme.QuantFormat's value: fp8-block, fp8-channel, fp8-tensor, mxfp4
+    block: list[int]  # elements of the parameter one scale covers, along each of its dims
+    shape: list[int]  # the stored tensor's full shape
+    dtype: str
+
+
+@dataclass
+class QuantSpec:
+    """The checkpoint's quantization as the artifact keeps it (the checkpoint's bytes, nothing widened)."""
+
+    method: str  # quant_method: fp8, compressed-tensors, mxfp4
+    activation_scheme: str
+    summary: str
+    tensors: dict[str, QuantTensor]  # by stored name
+
+    @classmethod
+    def of(cls, quant: QuantizedTensors) -> QuantSpec:
+        scheme = quant.scheme
+        tensors = {
+            t.name: QuantTensor(t.parameter, t.role.value, t.format.value, list(scheme.parameter(t.parameter).block),
+                                list(t.shape), str(t.dtype).removeprefix("torch."))
+            for t in quant.tensors().values()
+        }  # fmt: skip
+        return cls(scheme.method, scheme.activation_scheme, scheme.describe(), tensors)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantSpec:
+        return cls(d["method"], d["activation_scheme"], d["summary"],
+                   {n: QuantTensor(**t) for n, t in d["tensors"].items()})
+
+
+@dataclass
 class RankFiles:
     role: str  # "attn" or "ffn"
     rank: int
@@ -126,6 +166,7 @@ class Manifest:
     # and the state each keeps per sequence
     mixers: list[MixerSite] = field(default_factory=list)
     unpageable: str = ""  # why a paged KV cache (vLLM serving) cannot run the attention program ("": it can)
+    quant: QuantSpec | None = None  # a quantized checkpoint's stored tensors (None: not quantized)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -182,6 +223,7 @@ class Manifest:
             max_positions=d.get("max_positions"),
             mixers=[_mixer_site(m) for m in d.get("mixers", [])],
             unpageable=d.get("unpageable", ""),
+            quant=QuantSpec.from_dict(d["quant"]) if d.get("quant") else None,
         )
 
 

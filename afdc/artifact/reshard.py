@@ -17,7 +17,7 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from afdc.artifact.checkpoint import DTYPES, Checkpoint, Layout, Piece, SourceReader, resolve
+from afdc.quant.stored import StoredTensor
 from afdc.segment import ShardSlice
 
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
@@ -158,7 +159,8 @@ def _output_dtype(source: torch.dtype, requested: torch.dtype | None) -> torch.d
 
 
 def _plan_file(
-    file: TargetFile, layouts: dict[str, Layout], checkpoint: Checkpoint, dtype: torch.dtype | None
+    file: TargetFile, layouts: dict[str, Layout], checkpoint: Checkpoint, dtype: torch.dtype | None,
+    keep: Collection[str] = (),
 ) -> _FilePlan:
     names = [tensor.name for tensor in file.tensors]
     if len(set(names)) != len(names):
@@ -170,7 +172,9 @@ def _plan_file(
         rank = full if tensor.slice.dim is None else full.take(tensor.slice.dim, tensor.slice.index(full.shape))
         local[tensor.name] = rank
         source_dtype = checkpoint.tensors[full.pieces[0].key].dtype
-        specs.append((tensor.name, _output_dtype(source_dtype, dtype), rank.shape))
+        # a quantized parameter's tensors (scales included) mean something only as stored
+        specs.append((tensor.name, source_dtype if tensor.name in keep else _output_dtype(source_dtype, dtype),
+                      rank.shape))
     header, placements = encode_header(specs, file.metadata)
     entries = tuple(_Entry(placement, local[placement.name]) for placement in placements)
     size = placements[-1].offset + placements[-1].nbytes if placements else len(header)
@@ -253,12 +257,15 @@ def reshard(
     files: list[TargetFile],
     dtype: torch.dtype | None = None,
     progress: bool = True,
+    stored: Mapping[str, StoredTensor] | None = None,
 ) -> dict[Path, FileDigest]:
     """Stream the checkpoint into the target files; returns sha256 + byte size per written file.
 
     ``model`` (on the meta device) gives the target names' full shapes and transformers' conversion
     mapping from checkpoint names. Tensors keep the checkpoint's dtype unless ``dtype`` is given: it
     casts 16-bit and wider floats as they are written (float8 and integer tensors stay as they are).
+    ``stored`` are a quantized checkpoint's tensors (data, scales) by artifact name: read through
+    the parameter's own conversion and never cast.
     Raises CheckpointError (an AfdcError) when the checkpoint is absent or corrupt, lacks target
     tensors, or converts them in a way that cannot be streamed. Files are written at the given paths;
     on error, some may be left partly written.
@@ -267,8 +274,9 @@ def reshard(
     if len(set(paths)) != len(paths):
         raise ValueError("two target files share a path")
     source = Checkpoint.discover(checkpoint)
-    layouts = resolve(source, model, [tensor.name for file in files for tensor in file.tensors])
-    plans = [_plan_file(file, layouts, source, dtype) for file in files]
+    stored = stored or {}
+    layouts = resolve(source, model, [tensor.name for file in files for tensor in file.tensors], stored)
+    plans = [_plan_file(file, layouts, source, dtype, stored.keys()) for file in files]
     counter = _Progress(sum(plan.data_bytes for plan in plans), progress)
     stop = threading.Event()
     try:

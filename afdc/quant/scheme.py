@@ -184,6 +184,17 @@ def quantization_config(config: PretrainedConfig) -> dict[str, Any] | None:
     return found.to_dict() if hasattr(found, "to_dict") else dict(found)
 
 
+def planned_weight_dtype(config: PretrainedConfig) -> str | None:
+    """The weight dtype the planner prices a checkpoint of ``config`` at: ``fp8`` for the 8-bit float
+    schemes; None when the model is not quantized, or quantized in a format the planner has no
+    price for (MXFP4's 4.25 bits)."""
+    qc = quantization_config(config)
+    if qc is None:
+        return None
+    rules = _rules(qc)
+    return None if rules.method == "mxfp4" else "fp8"
+
+
 def _refuse(what: str) -> QuantizationError:
     supported = "; ".join(SUPPORTED)
     return QuantizationError(

@@ -1,0 +1,231 @@
+"""Matmuls by quantized weights become afdc's quantized ops, after the split is decided in bf16.
+
+The partition and sharding run on the bf16-shaped graph, so the split and the bytes that cross are
+those of the bf16 model. This rewrite then finds each weight the checkpoint stores quantized (from
+the scheme, by parameter name: no per-model code) and replaces the matmuls that read it:
+
+- ``aten.linear(x, w, b)`` by ``afdc::fp8_linear(x, w, w_scale, block_n, block_k, b)`` (dense
+  linears on either side: attention projections, dense MLPs, shared experts);
+- the routed experts, first recognised as one ``afdc::fused_moe`` (:func:`experts_as_op`), by
+  ``afdc::fused_moe_fp8`` or ``afdc::fused_moe_mxfp4`` with the scales appended.
+
+An FFN segment takes each scale as a weight placeholder of its own (its own :class:`Split` and name
+in every layer's binding); the attention graph reads it with ``get_attr``. A scale is split with
+its weight: whole experts under EP, whole blocks under TP (a split that would cut a block is a
+:class:`PlanError` naming the weight, the block and the rank counts that work), per-channel scales
+with their channels; MXFP4 experts are split by expert only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx as fx
+
+from afdc.codegen.fp8_linear import Fp8LinearCall
+from afdc.codegen.fused_moe import FusedMoeCall
+from afdc.codegen.fused_moe_quant import FusedMoeFp8Call, FusedMoeMxfp4Call
+from afdc.errors import PlanError, UnsupportedModelError
+from afdc.passes.graph_facts import op_name
+from afdc.passes.moe_experts import experts_as_op
+from afdc.quant.scheme import QuantFormat
+from afdc.quant.stored import QuantizedTensors, Role, StoredTensor
+from afdc.segment import Segment, SegmentBinding, ShardSlice, Split, add_weight, inputs, weights
+
+
+@dataclass(frozen=True)
+class QuantizedGraphs:
+    segments: list[Segment]
+    layers: list[SegmentBinding]
+    attention_graph: fx.Graph
+    attrs: dict[str, torch.Tensor]  # the stored tensors' meta values, beside the captured attrs
+
+
+def quantize_graphs(
+    segments: list[Segment],
+    layers: list[SegmentBinding],
+    attention_graph: fx.Graph,
+    attrs: dict[str, torch.Tensor],
+    quant: QuantizedTensors,
+    ffn_ranks: int,
+) -> QuantizedGraphs:
+    """The graphs with every matmul by a quantized weight on its quantized op (see the module)."""
+    layers = [SegmentBinding(b.segment, list(b.weights)) for b in layers]
+    new_segments = [
+        _quantize_segment(seg, [b for b in layers if b.segment == i], quant, ffn_ranks)
+        for i, seg in enumerate(segments)
+    ]
+    _quantize_attention(attention_graph, quant)
+    meta = {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta") for t in quant.tensors().values()}
+    return QuantizedGraphs(new_segments, layers, attention_graph, {**attrs, **meta})
+
+
+# -- which weights, how split ------------------------------------------------------------------------
+
+
+def _stored(quant: QuantizedTensors, parameter: str) -> tuple[StoredTensor, StoredTensor, StoredTensor | None]:
+    data, scale = quant.role(parameter, Role.DATA), quant.role(parameter, Role.SCALE)
+    assert data is not None and scale is not None  # every quantized parameter has both
+    return data, scale, quant.role(parameter, Role.INPUT_SCALE)
+
+
+def _workable(sizes: tuple[int, ...], block: int) -> list[int]:
+    return [f for f in range(1, 65) if all(n % (f * block) == 0 for n in sizes)]
+
+
+def scale_split(parameter: str, shape: tuple[int, ...], block: tuple[int, ...], split: Split, ranks: int,
+                fmt: QuantFormat) -> Split:
+    """How the FFN ranks hold the scale of a weight they hold by ``split``."""
+    if split.dim is None or ranks == 1:
+        return Split()
+    dim = split.dim
+    if fmt is QuantFormat.MXFP4 and not split.experts:
+        raise PlanError(
+            f"{parameter} is MXFP4, whose 32-value blocks afdc keeps whole: the plan splits it by tensor parallelism "
+            f"along dim {dim}; use expert parallelism for its experts (--ffn-parallel ep)"
+        )
+    step = block[dim]
+    if split.experts or step == 1:
+        return split
+    if step >= shape[dim]:
+        return Split()  # one scale along this dim (per channel along K, per tensor): every rank reads it whole
+    sizes = ShardSlice(0, split.blocks, 0, 1, split.sections).sizes(shape[dim])
+    if any(n % (ranks * step) for n in sizes):
+        raise PlanError(
+            f"the plan splits {parameter} {list(shape)} along dim {dim} over {ranks} FFN ranks, which cuts its "
+            f"{'x'.join(map(str, block[-2:]))} scale blocks ({step} rows of dim {dim} per scale); F that split it on "
+            f"block boundaries: {', '.join(map(str, _workable(sizes, step))) or 'none'} "
+            "(or a plan that holds this layer whole, or expert parallelism for experts)"
+        )
+    return replace(split, sections=tuple(n // step for n in split.sections))
+
+
+def _data_split(split: Split, data: StoredTensor) -> Split:
+    """The data's split: the parameter's (MXFP4 blocks: by expert only, checked by :func:`scale_split`)."""
+    return split if data.format is not QuantFormat.MXFP4 or split.dim is None else Split(0, experts=True)
+
+
+# -- the FFN segments ---------------------------------------------------------------------------------
+
+
+def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: QuantizedTensors, ranks: int) -> Segment:
+    if not bindings:
+        return seg
+    first = list(bindings[0].weights)  # the bf16 parameter names (the bindings are renamed below)
+    quantized = [i for i, name in enumerate(first) if name in quant.by_parameter]
+    for b in bindings:
+        mine = [i for i, name in enumerate(b.weights) if name in quant.by_parameter]
+        if mine != quantized:
+            raise UnsupportedModelError(
+                f"FFN layers sharing one segment store different weights quantized ({first} and {b.weights}); "
+                "afdc needs layers of one structure quantized alike"
+            )
+    if not quantized:
+        return seg
+    graph = seg.graph
+    places = weights(graph)
+    if any(len(quant.scheme.parameter(first[i]).shape) == 3 for i in quantized):
+        experts_as_op(graph)
+    splits = list(seg.splits)
+    added: dict[int, dict[Role, fx.Node]] = {}
+    for i in quantized:
+        p = quant.scheme.parameter(first[i])
+        data, _, input_scale = _stored(quant, p.name)
+        splits[i] = _data_split(seg.splits[i], data)
+        roles = {Role.SCALE: scale_split(p.name, p.shape, p.block, seg.splits[i], ranks, p.format)}
+        if input_scale is not None:
+            roles[Role.INPUT_SCALE] = Split()
+        added[i] = {}
+        for role, split in roles.items():
+            with graph.inserting_before(inputs(graph)[0]):
+                node = add_weight(graph, len(weights(graph)))
+            stored = quant.role(p.name, role)
+            node.meta["val"] = torch.empty(stored.shape, dtype=stored.dtype, device="meta")
+            added[i][role] = node
+            splits.append(split)
+            for b in bindings:
+                b.weights.append(quant.role(b.weights[i], role).name)
+        places[i].meta["val"] = torch.empty(data.shape, dtype=data.dtype, device="meta")
+    for b in bindings:
+        for i in quantized:
+            b.weights[i] = quant.role(b.weights[i], Role.DATA).name
+    scheme = quant.scheme
+    for i in quantized:
+        p = scheme.parameter(first[i])
+        if len(p.shape) == 2:
+            _linears(graph, places[i], added[i], p.block)
+    experts = [i for i in quantized if len(scheme.parameter(first[i]).shape) == 3]
+    _experts(graph, {places[i]: (scheme.parameter(first[i]), added[i]) for i in experts})
+    graph.eliminate_dead_code()
+    graph.lint()
+    return replace(seg, splits=tuple(splits))
+
+
+def _linears(graph: fx.Graph, weight: fx.Node, scales: dict[Role, fx.Node], block: tuple[int, ...]) -> None:
+    """Each ``linear(x, weight, bias)`` on ``weight`` as ``fp8_linear``; any other use is refused."""
+    for user in list(weight.users):
+        if op_name(user) != "linear" or user.args[1] is not weight:
+            raise UnsupportedModelError(
+                f"{user.name} ({op_name(user)}) reads a quantized weight other than as a linear's weight; "
+                "afdc rewrites only linears on quantized weights"
+            )
+        x, bias = user.args[0], (user.args[2] if len(user.args) > 2 else user.kwargs.get("bias"))
+        with graph.inserting_before(user):
+            new = Fp8LinearCall.emit(graph, x=x, weight=weight, weight_scale=scales[Role.SCALE], block_n=block[-2],
+                                     block_k=block[-1], bias=bias, w8a8=False, input_scale=scales.get(Role.INPUT_SCALE))
+        new.meta = dict(user.meta)
+        user.replace_all_uses_with(new)
+        graph.erase_node(user)
+
+
+def _experts(graph: fx.Graph, quantized: dict[fx.Node, tuple]) -> None:
+    """Each fused MoE on quantized experts as its quantized op."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not FusedMoeCall.OP:
+            continue
+        call = FusedMoeCall.of(node)
+        if call.w_gate_up not in quantized and call.w_down not in quantized:
+            continue
+        if call.w_gate_up not in quantized or call.w_down not in quantized or call.has_shared_expert:
+            raise UnsupportedModelError(
+                f"{node.name}: routed experts with only some weights quantized (or a shared expert fused in) "
+                "have no quantized kernel"
+            )
+        (p, gate_up), (_, down) = quantized[call.w_gate_up], quantized[call.w_down]
+        common = dict(x=call.x, topk_weights=call.topk_weights, topk_ids=call.topk_ids,
+                      first_expert=call.first_expert, activation=call.activation, b_gate_up=call.b_gate_up,
+                      b_down=call.b_down, alpha=call.alpha, limit=call.limit)
+        with graph.inserting_before(node):
+            if p.format is QuantFormat.MXFP4:
+                new = FusedMoeMxfp4Call.emit(graph, w_gate_up_blocks=call.w_gate_up, w_down_blocks=call.w_down,
+                                             w_gate_up_scales=gate_up[Role.SCALE], w_down_scales=down[Role.SCALE],
+                                             interleaved=call.interleaved, **common)
+            else:
+                if call.transposed:
+                    raise UnsupportedModelError(f"{node.name}: fp8 experts stored input-major have no kernel")
+                new = FusedMoeFp8Call.emit(graph, w_gate_up=call.w_gate_up, w_down=call.w_down,
+                                           w_gate_up_scale=gate_up[Role.SCALE], w_down_scale=down[Role.SCALE],
+                                           block_n=p.block[-2], block_k=p.block[-1], w8a8=False, **common)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+# -- the attention graph -------------------------------------------------------------------------------
+
+
+def _quantize_attention(graph: fx.Graph, quant: QuantizedTensors) -> None:
+    for node in list(graph.find_nodes(op="get_attr")):
+        p = quant.scheme.parameter(node.target)
+        if p is None:
+            continue
+        data, scale, input_scale = _stored(quant, p.name)
+        if data.name != node.target or len(p.shape) != 2:
+            raise UnsupportedModelError(f"{node.target} ({p.format.value}) on the attention side has no quantized op")
+        with graph.inserting_after(node):
+            scales = {Role.SCALE: graph.get_attr(scale.name)}
+            if input_scale is not None:
+                scales[Role.INPUT_SCALE] = graph.get_attr(input_scale.name)
+        _linears(graph, node, scales, p.block)
+    graph.lint()

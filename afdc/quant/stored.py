@@ -1,0 +1,104 @@
+"""The tensors an artifact holds for a quantized parameter, named and shaped as the programs take them.
+
+A quantized parameter of the bf16 model (``QuantizedParameter``) is stored as its quantized data
+and its scale(s), in the checkpoint's bytes:
+
+- fp8 (blocks, per channel, per tensor): the data keeps the parameter's name and shape in
+  float8_e4m3fn; the scale is ``<name>_scale`` (float32 blocks, or as the checkpoint stores it),
+  laid out like the data (fused experts' scales stacked and concatenated as their weights are);
+  a static input scale is ``<name>_input_scale``.
+- MXFP4 (gpt-oss experts): ``<name>_blocks`` uint8 ``[E, out, in / 32, 16]`` and
+  ``<name>_scales`` uint8 ``[E, out, in / 32]``, output-major as the checkpoint and the kernel
+  take them, whatever the bf16 parameter's orientation.
+
+Each stored tensor names the checkpoint tensors it is read from by the key the bf16 checkpoint
+would have used (``sources``), so the resharder composes it with the very conversion that
+composes the bf16 parameter (per-expert tensors stacked into the fused form).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from afdc.quant.scheme import MXFP4_GROUP, MXFP4_GROUP_BYTES, QuantFormat, QuantizedParameter, QuantScheme
+
+
+class Role(str, Enum):
+    DATA = "data"
+    SCALE = "scale"
+    INPUT_SCALE = "input_scale"
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of the artifact that stands for (part of) a quantized parameter."""
+
+    name: str
+    parameter: str
+    role: Role
+    format: QuantFormat
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    # (the key the bf16 checkpoint has for it, the checkpoint key holding this tensor's bytes)
+    sources: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class QuantizedTensors:
+    """A scheme's parameters as the artifact stores them: by parameter, its data, scale and input scale."""
+
+    scheme: QuantScheme
+    by_parameter: dict[str, tuple[StoredTensor, ...]]
+
+    @classmethod
+    def of(cls, scheme: QuantScheme) -> QuantizedTensors:
+        return cls(scheme, {p.name: _stored(scheme, p) for p in scheme.parameters})
+
+    def role(self, parameter: str, role: Role) -> StoredTensor | None:
+        return next((t for t in self.by_parameter.get(parameter, ()) if t.role is role), None)
+
+    def tensors(self) -> dict[str, StoredTensor]:
+        """Every stored tensor by its artifact name."""
+        return {t.name: t for ts in self.by_parameter.values() for t in ts}
+
+
+def _stored(scheme: QuantScheme, p: QuantizedParameter) -> tuple[StoredTensor, ...]:
+    members = [w for w in (scheme.weight(s) for s in p.sources) if w is not None]
+    if p.format is QuantFormat.MXFP4:
+        experts, out, inner = _output_major(p)
+        groups = inner // MXFP4_GROUP
+        data_sources = tuple((w.name.removesuffix("_blocks"), w.name) for w in members)
+        scale_sources = tuple((w.name.removesuffix("_blocks"), w.scale.name) for w in members)
+        return (
+            StoredTensor(f"{p.name}_blocks", p.name, Role.DATA, p.format, (*experts, out, groups, MXFP4_GROUP_BYTES),
+                         torch.uint8, data_sources),
+            StoredTensor(f"{p.name}_scales", p.name, Role.SCALE, p.format, (*experts, out, groups), torch.uint8,
+                         scale_sources),
+        )  # fmt: skip
+    direct = len(members) == 1 and members[0].shape == p.shape  # stored as the parameter is: shapes as stored
+    scale_shape = members[0].scale.shape if direct else p.scale_shape
+    scale_dtype = members[0].scale.dtype if members else torch.float32
+    stored = [
+        StoredTensor(p.name, p.name, Role.DATA, p.format, p.shape, torch.float8_e4m3fn,
+                     tuple((w.name, w.name) for w in members)),
+        StoredTensor(f"{p.name}_scale", p.name, Role.SCALE, p.format, scale_shape, scale_dtype,
+                     tuple((w.name, w.scale.name) for w in members)),
+    ]  # fmt: skip
+    if p.static_input_scale:
+        inputs = [w.input_scale for w in members if w.input_scale is not None]
+        shape, dtype = (inputs[0].shape, inputs[0].dtype) if inputs else ((1,), torch.float32)
+        stored.append(StoredTensor(f"{p.name}_input_scale", p.name, Role.INPUT_SCALE, p.format, shape, dtype,
+                                   tuple((w.name, i.name) for w, i in zip(members, inputs))))  # fmt: skip
+    return tuple(stored)
+
+
+def _output_major(p: QuantizedParameter) -> tuple[tuple[int, ...], int, int]:
+    """(leading dims, output features, input features) of a parameter; the input dim is the one
+    the MXFP4 groups run along (its block is the group)."""
+    *lead, a, b = p.shape
+    if p.block[-1] == MXFP4_GROUP:
+        return tuple(lead), a, b
+    return tuple(lead), b, a  # input-major ([E, in, out], gpt-oss): the group runs along dim -2

@@ -1,0 +1,180 @@
+"""Quantized checkpoints compiled, sharded with their scales, loaded and run (CPU: the ops' references).
+
+Each test builds a tiny model in a shipping format (tests/quant_checkpoints.py quantizes it as the
+format defines) and compares afdc's run with the same model whose weights are dequantized by that
+definition: logits within bf16 tolerance, greedy tokens equal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from quant_checkpoints import deepseek_v3_fp8, gpt_oss_mxfp4, llama_compressed_fp8, qwen3_moe_fp8
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+import afdc
+from afdc.artifact.manifest import FORMAT_VERSION, read_manifest
+from afdc.cli import main
+
+NEW_TOKENS = 5
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    return ids, mask
+
+
+def _check_runs(dm, reference) -> None:
+    ids, mask = _batch()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    real = mask.bool()
+    got = dm(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()[real]
+    want = reference(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()[real]
+    # bf16 activations against a float32 reference of the same dequantized weights
+    torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    assert torch.equal(dm.generate(ids, **kw), reference.generate(ids, **kw))
+
+
+def _ffn_bytes(artifact: Path) -> int:
+    return sum(p.stat().st_size for p in (artifact / "weights").glob("ffn-*.safetensors"))
+
+
+def _stored(artifact: Path, rank: int) -> dict[str, tuple[str, list[int]]]:
+    with safe_open(artifact / "weights" / f"ffn-{rank}.safetensors", "pt") as f:
+        return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open handles are not iterable)
+
+
+def test_deepseek_fp8_blocks_at_2a4f_ep_and_tp_half_the_bf16_bytes(tmp_path):
+    """DeepSeek-V3-shaped, fp8 in 8x8 blocks: the dense layer split by TP on block boundaries, the
+    routed experts by EP with their scales; the FFN rank files hold fp8 bytes and float32 scales."""
+    ck = deepseek_v3_fp8(tmp_path / "ds", block=(8, 8))
+    art = tmp_path / "art"
+    manifest = afdc.compile_model(str(ck.directory), "2A4F", art, progress=False)
+    assert {lay.ffn_split for lay in manifest.layers} == {"tp", "ep"}
+    assert manifest.quant.method == "fp8"
+    scale = manifest.quant.tensors["model.layers.1.mlp.experts.gate_up_proj_scale"]
+    assert (scale.role, scale.format, scale.block, scale.dtype) == ("scale", "fp8-block", [1, 8, 8], "float32")
+    held = _stored(art, 1)
+    assert held["model.layers.1.mlp.experts.gate_up_proj"] == ("F8_E4M3", [1, 64, 64])  # 1 of 4 experts
+    assert held["model.layers.1.mlp.experts.gate_up_proj_scale"] == ("F32", [1, 8, 8])
+    assert held["model.layers.0.mlp.down_proj.weight"] == ("F8_E4M3", [64, 24])  # 96 / 4 in-features, 3 blocks
+    assert held["model.layers.0.mlp.down_proj.weight_scale"] == ("F32", [8, 3])
+    _check_runs(afdc.load_deployment(art), ck.reference)
+
+    plain = afdc.compile_model(str(tmp_path / "ds-bf16"), "2A4F", tmp_path / "bf16", progress=False)
+    assert plain.quant is None
+    ratio = _ffn_bytes(art) / _ffn_bytes(tmp_path / "bf16")
+    print(f"FFN rank files, fp8 8x8 blocks / bf16: {ratio:.3f}")
+    assert 0.5 < ratio < 0.65  # fp8 halves the weights; 8x8 blocks add 1/16 in float32 scales
+
+
+def test_qwen3_moe_fp8_over_shm_processes(tmp_path):
+    """Qwen3-MoE-shaped with its router and LM head bf16 (modules_to_not_convert): 1A2F in-process,
+    then the FFN ranks as processes over shm, which load their fp8 rank files themselves."""
+    ck = qwen3_moe_fp8(tmp_path / "qwen")
+    afdc.compile_model(str(ck.directory), "1A2F", tmp_path / "art", progress=False)
+    assert _stored(tmp_path / "art", 0)["model.layers.0.mlp.gate.weight"][0] == "BF16"
+    dm = afdc.load_deployment(tmp_path / "art", connector="shm")
+    _check_runs(dm, ck.reference)
+    with dm.launch(timeout=60):
+        _check_runs(dm, ck.reference)
+
+
+@pytest.mark.parametrize("plan", ["1A2F", "2A4F"])
+def test_gpt_oss_mxfp4_experts(tmp_path, plan):
+    ck = gpt_oss_mxfp4(tmp_path / "oss")
+    art = tmp_path / "art"
+    afdc.compile_model(str(ck.directory), plan, art, progress=False)
+    held = _stored(art, 0)
+    experts = 4 // int(plan[-2])
+    assert held["model.layers.0.mlp.experts.gate_up_proj_blocks"] == ("U8", [experts, 128, 2, 16])
+    assert held["model.layers.0.mlp.experts.gate_up_proj_scales"] == ("U8", [experts, 128, 2])
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in held
+    _check_runs(afdc.load_deployment(art), ck.reference)
+
+
+def test_llama_compressed_tensors_per_channel_at_2a4f(tmp_path):
+    """Per-channel scales split with their channels (gate/up column-parallel), whole where the
+    split runs along K (down row-parallel)."""
+    ck = llama_compressed_fp8(tmp_path / "llama")
+    art = tmp_path / "art"
+    manifest = afdc.compile_model(str(ck.directory), "2A4F", art, progress=False)
+    assert {lay.ffn_split for lay in manifest.layers} == {"tp"}
+    held = _stored(art, 2)
+    assert held["model.layers.0.mlp.gate_proj.weight_scale"] == ("BF16", [24, 1])
+    assert held["model.layers.0.mlp.down_proj.weight_scale"] == ("BF16", [64, 1])
+    _check_runs(afdc.load_deployment(art), ck.reference)
+
+
+def test_tp_split_that_cuts_a_block_is_refused(tmp_path):
+    """fp8 blocks: refused naming the weight, the block and the F that work; MXFP4: TP refused."""
+    ck = deepseek_v3_fp8(tmp_path / "ds")  # 16x16 blocks: 96 intermediate features over 4 ranks is 24 each
+    refusal = r"model\.layers\.0\.mlp\.(up|gate|down)_proj\.weight .*16x16 scale blocks.*: 1, 2, 3, 6 "
+    with pytest.raises(afdc.PlanError, match=refusal):
+        afdc.compile_model(str(ck.directory), "2A4F", tmp_path / "art", progress=False)
+    oss = gpt_oss_mxfp4(tmp_path / "oss")
+    with pytest.raises(afdc.PlanError, match=r"experts\.gate_up_proj is MXFP4.*--ffn-parallel ep"):
+        afdc.compile_model(str(oss.directory), afdc.Plan.parse("1A2F", ffn_parallel="tp"), tmp_path / "b",
+                           progress=False)
+
+
+def test_cli_says_what_dtype_does_to_a_quantized_checkpoint(tmp_path):
+    ck = qwen3_moe_fp8(tmp_path / "qwen")
+    result = CliRunner().invoke(
+        main, ["compile", str(ck.directory), "--plan", "1A2F", "--dtype", "fp32", "-o", str(tmp_path / "a"), "--quiet"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "--dtype fp32 converts the unquantized tensors only" in result.output
+    assert "12 quantized weights and their scales stay as stored" in result.output
+    held = _stored(tmp_path / "a", 0)
+    assert held["model.layers.0.mlp.experts.down_proj"][0] == "F8_E4M3"
+    assert held["model.layers.0.mlp.experts.down_proj_scale"][0] == "F32"
+    assert held["model.layers.0.mlp.gate.weight"][0] == "F32"
+    document = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert document["format_version"] == read_manifest(tmp_path / "a").format_version == FORMAT_VERSION
+
+
+def test_plan_only_compile_from_the_config_alone_names_the_same_tensors(tmp_path):
+    """--no-weights reads the scheme from the config's quantization_config: the same stored tensors
+    (names, shapes, blocks) as the compile that read the checkpoint's headers."""
+    ck = qwen3_moe_fp8(tmp_path / "qwen")
+    with_weights = afdc.compile_model(str(ck.directory), "1A2F", tmp_path / "a", progress=False)
+    plan_only = afdc.compile_model(str(ck.directory / "config.json"), "1A2F", tmp_path / "b", weights=False,
+                                   progress=False)
+    assert plan_only.quant.tensors == with_weights.quant.tensors
+    assert plan_only.quant.summary == "fp8: 12 quantized parameters (fp8-block 32x32)"
+    assert all(t.block[-2:] == [32, 32] for t in plan_only.quant.tensors.values())
+
+
+def test_disaggregate_a_model_transformers_loaded_from_quantized_checkpoints(tmp_path):
+    """fp8 blocks: transformers dequantizes on CPU, so the model splits as bf16 and matches its own
+    outputs. compressed-tensors: it keeps the fp8 weights, which afdc refuses saying what to do;
+    loaded with run_compressed=False it splits as bf16."""
+    ck = qwen3_moe_fp8(tmp_path / "qwen")
+    model = AutoModelForCausalLM.from_pretrained(ck.directory).eval()
+    _check_runs(afdc.disaggregate(model, "1A2F"), model)
+
+    ct = llama_compressed_fp8(tmp_path / "llama")
+    kept = AutoModelForCausalLM.from_pretrained(ct.directory)
+    with pytest.raises(afdc.UnsupportedModelError, match=r"run_compressed=False.*afdc compile"):
+        afdc.disaggregate(kept, "1A2F")
+    config = CompressedTensorsConfig(run_compressed=False)
+    dequantized = AutoModelForCausalLM.from_pretrained(ct.directory, quantization_config=config).eval()
+    _check_runs(afdc.disaggregate(dequantized, "1A2F"), dequantized)
+
+
+def test_plan_prices_weights_at_the_quantization_configs_dtype(tmp_path):
+    ck = qwen3_moe_fp8(tmp_path / "qwen")
+    for extra, dtype in (([], "fp8"), (["--weight-dtype", "bf16"], "bf16")):
+        result = CliRunner().invoke(main, ["plan", str(ck.directory / "config.json"), "--context", "256", "--json",
+                                           *extra])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["weight_dtype"] == dtype
