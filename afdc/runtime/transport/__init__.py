@@ -24,8 +24,9 @@ REGISTRY: dict[ConnectorKind, type[Transport]] = {
 }
 
 
-def transport_class(kind: ConnectorKind) -> type[Transport]:
-    """The transport that carries ``kind`` between processes."""
+def transport_class(kind: ConnectorKind | str) -> type[Transport]:
+    """The transport that carries ``kind`` (or the connector so named) between processes."""
+    kind = ConnectorKind.parse(kind)
     if kind.in_process:
         raise AfdcError("the loopback connector runs the FFN ranks in this process; launch them with 'gloo' or 'shm'")
     return REGISTRY[kind]
