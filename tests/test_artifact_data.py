@@ -177,5 +177,6 @@ def test_an_artifact_of_the_previous_format_is_refused(artifact):
     data = json.loads((artifact / mf.MANIFEST).read_text())
     data["format_version"] = 4
     (artifact / mf.MANIFEST).write_text(json.dumps(data))
-    with pytest.raises(mf.ArtifactError, match=rf"artifact format 4 is not {mf.FORMAT_VERSION}.*recompile it with this afdc"):
+    refusal = rf"artifact format 4 is not {mf.FORMAT_VERSION}.*recompile it with this afdc"
+    with pytest.raises(mf.ArtifactError, match=refusal):
         afdc.load(artifact, "attn", 0)
