@@ -29,12 +29,11 @@ from transformers.core_model_loading import (
     MergeModulelist,
     Transpose,
     WeightConverter,
-    WeightRenaming,
     dot_natural_key,
-    rename_source_key,
 )
 
 from afdc.errors import AfdcError
+from afdc.quant.scheme import checkpoint_renamer
 from afdc.quant.stored import StoredTensor
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -445,17 +444,14 @@ def _source_layouts(
     then at most one converter per key, the base-model prefix added or dropped as the model needs.
     """
     mapping = get_model_conversion_mapping(model)  # what from_pretrained uses (legacy renames included)
-    renamings = [transform for transform in mapping if isinstance(transform, WeightRenaming)]
     converters = [transform for transform in mapping if isinstance(transform, WeightConverter)]
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
-    prefix = model.base_model_prefix
+    rename = checkpoint_renamer(mapping, model.base_model_prefix, shapes)
 
     layouts: dict[str, Layout | Unstreamable | Misfit] = {}
     groups: dict[str, tuple[WeightConverter, defaultdict[str, list[Layout]]]] = {}
     for key in sorted(checkpoint.tensors, key=dot_natural_key):
-        name, pattern = rename_source_key(key, renamings, converters, prefix, shapes)
-        if name not in shapes and key in shapes:  # already the model's name: only the prefix may need fixing
-            name, pattern = rename_source_key(key, [], [], prefix, shapes)
+        name, pattern = rename(key)
         if name not in shapes:
             continue  # a tensor this model does not have (from_pretrained reports it as unexpected)
         whole = Layout.whole(key, checkpoint.tensors[key].shape)

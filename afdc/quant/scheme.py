@@ -569,21 +569,28 @@ def _with_parameter(weight: QuantizedWeight, parameter: str) -> QuantizedWeight:
     )
 
 
-def _parameter_names(model: nn.Module) -> Callable[[str], str]:
-    """Checkpoint name to model parameter name, as from_pretrained renames keys."""
-    mapping = get_model_conversion_mapping(model)
+def checkpoint_renamer(mapping: list, prefix: str | None, shapes: Mapping) -> Callable[[str], tuple[str, str | None]]:
+    """Checkpoint key to ``(model tensor name, the converter source pattern it matched or None)``,
+    as ``from_pretrained`` renames keys (``mapping``: ``get_model_conversion_mapping``'s): renamings,
+    then at most one converter, the base-model ``prefix`` added or dropped as ``shapes`` (the
+    model's tensor names) need; a key that already is a model name only has its prefix fixed."""
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    shapes = model.state_dict()
-    prefix = getattr(model, "base_model_prefix", None)
 
-    def rename(key: str) -> str:
-        name, _ = rename_source_key(key, renamings, converters, prefix, shapes)
+    def rename(key: str) -> tuple[str, str | None]:
+        name, pattern = rename_source_key(key, renamings, converters, prefix, shapes)
         if name not in shapes and key in shapes:
-            name, _ = rename_source_key(key, [], [], prefix, shapes)
-        return name
+            name, pattern = rename_source_key(key, [], [], prefix, shapes)
+        return name, pattern
 
     return rename
+
+
+def _parameter_names(model: nn.Module) -> Callable[[str], str]:
+    """Checkpoint name to model parameter name, as from_pretrained renames keys."""
+    shapes = model.state_dict()
+    rename = checkpoint_renamer(get_model_conversion_mapping(model), getattr(model, "base_model_prefix", None), shapes)
+    return lambda key: rename(key)[0]
 
 
 def _parameters(weights: list[QuantizedWeight], model: nn.Module) -> tuple[QuantizedParameter, ...]:
