@@ -110,6 +110,27 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
 _VLLM_ARGS = {"ignore_unknown_options": True}
 
 
+def _serving_options(threads_default: str):
+    """The options of how a serving process spends its cores, shared by ``serve`` and ``up``."""
+
+    def add(command):
+        for option in reversed([
+            click.option("--spin", type=float, default=None,
+                         help="Seconds a wait for a peer's message polls before it blocks on a futex (shm, "
+                              "cuda-ipc). Default: 0.002 on a host of 8 cores or more, else 0 (on a small host "
+                              "a polling wait takes the core its peer computes on)."),
+            click.option("--threads", type=int, default=None, help=f"Torch threads per process ({threads_default})."),
+            click.option("--log-interval", type=float, default=30.0, show_default=True,
+                         help="Seconds between each rank's metrics log lines: where its time went, its CPU "
+                              "time (0: never)."),
+        ]):
+            command = option(command)
+        return command
+
+    return add
+
+
+
 @main.command(context_settings=_VLLM_ARGS)
 @click.argument("artifact", type=click.Path(file_okay=False))
 @click.option("--role", type=click.Choice(["ffn", "attn"]), required=True, help="Which role this process runs.")
@@ -128,8 +149,6 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="Seconds to reach the rendezvous store and for every rank to join.")
-@click.option("--log-interval", type=float, default=30.0, show_default=True,
-              help="FFN: seconds between metrics log lines (0: never).")
 @click.option("--device", default="cpu", show_default=True, help="Device the program runs on.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Attention: address the OpenAI server binds.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Attention: port of the OpenAI server.")
@@ -142,9 +161,11 @@ _VLLM_ARGS = {"ignore_unknown_options": True}
 @click.option("--token-buckets", type=int, default=0, show_default=True,
               help="FFN: pad each layer's batch to a power of two up to this many tokens, so the FFN runs at a few "
                    "shapes; on a GPU each is captured in a CUDA graph and replayed (0: off).")
+@_serving_options("default: torch's, a thread per core")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout, log_interval,
-          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, vllm_args) -> None:
+def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
+          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, spin, threads, log_interval,
+          vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -174,7 +195,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         settings = WorkerSettings(
             artifact, connector, rendezvous, token=token, insecure_no_token=insecure_no_token, timeout=timeout,
             join_timeout=join_timeout, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
-            backend=backend,
+            backend=backend, log_interval=log_interval, spin=spin, threads=threads,
         )
         serve_attention(settings, host, port, vllm_args)
     if connector.in_process:
@@ -188,7 +209,11 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
     deployment_token(token, insecure_no_token)  # refused before the artifact loads
     options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
                              join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets,
-                             insecure_no_token=insecure_no_token)
+                             insecure_no_token=insecure_no_token, spin=spin)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     serve_ffn_rank(artifact, rank, options, device, backend)
 
 
@@ -214,9 +239,10 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
               help="What runs the programs (default: the artifact's): afdc kernels + Inductor, Inductor, eager.")
 @click.option("--token-buckets", type=int, default=0, show_default=True,
               help="As `afdc serve --token-buckets`, for every FFN rank (on a GPU: its layers in CUDA graphs).")
+@_serving_options("default on a CPU: this host's cores less one, shared by the attention engines and FFN servers")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir,
-       backend, token_buckets, vllm_args) -> None:
+       backend, token_buckets, spin, threads, log_interval, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine and serve the OpenAI API until Ctrl-C.
 
     Arguments after `--` go to the attention ranks' `vllm serve --data-parallel-size A`.
@@ -241,6 +267,7 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
     settings = WorkerSettings(
         str(artifact), connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
         micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
+        log_interval=log_interval, spin=spin, threads=threads,
     )
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)

@@ -1,101 +1,263 @@
-"""Serving benchmark on this CPU, measured in one run: the demo model behind vLLM's OpenAI server.
+"""Served speed under vLLM's own benchmark client, and where a served step goes, measured in one run.
 
-The same afdc worker serves the demo model (random Qwen3-MoE, 4 layers of 8 experts) three
-ways: monolithic (``--connector loopback``: the FFN programs run in the attention process), and
-AFD 1A1F with its FFN rank in a server process over shared memory, with m = 1 and m = 2
-micro-batches. For each, ``--requests`` streamed completions of ``--tokens`` output tokens
-each, ``--concurrency`` in flight, give output tokens/s and the p50/p99 time per output token
-(TPOT: the gap between a request's first and last token over its tokens); the AFD rows are
-printed as ratios to the monolithic one.
+The same afdc worker serves one artifact several ways, behind vLLM's OpenAI server as
+``afdc up`` starts it: monolithic (``--connector loopback``: the FFN programs run in the
+attention engine's process), and AFD with its FFN ranks in server processes over shared memory,
+with m = 1 and m = 2 micro-batches (``--setups``; ``--plans 2A2F`` adds the same artifact's
+model compiled for two attention ranks: vLLM's data parallelism, one API port). The load is
+``vllm bench serve`` itself (random prompts of ``--input-len`` tokens, ``--output-len`` tokens
+out, ``--ignore-eos``, greedy), at each ``--concurrency``, so this script's figures are the
+ones a user gets from vLLM's client: output tokens/s, median and p99 time per output token
+(TPOT) and median time to first token, the AFD rows also as ratios to the monolithic one of the
+same round.
+
+Beside each run, from the same run:
+- the CPU seconds of every process (vLLM's API server, each engine core, each FFN server,
+  the client), per 1000 output tokens;
+- each rank's phases (``afdc.runtime.metrics.Phases``, logged by the ranks every
+  ``--log-interval``), per engine step: vLLM's own work between steps (scheduler, output
+  processing), the worker's preparation, the attention program (the step less its exchanges),
+  sends, waits for replies and the STEP plan, and sampling; and per FFN server its runs, its
+  replies and its CPU time against its compute.
 
 Both roles share this machine's cores, so this measures afdc's serving overhead, not the
-per-GPU gain a separate FFN pool gives. Every process (vLLM's API server and engine core, the FFN
-server) runs one torch thread by default (``--threads``): three processes whose thread pools
-each span both cores stalled each other (the monolithic row fell from about 1900 to 800 tok/s).
+per-GPU gain a separate FFN pool gives. Setups take turns within a round (``--rounds``), so a
+slow minute of the VM hits each alike; the tables give medians over rounds.
 
-``--model`` serves a tiny catalog architecture instead (``models_supported.catalog``, its vocabulary
-widened to the demo tokenizer's 512): e.g. ``qwen3_next`` (a hybrid, its mixers' state in vLLM's
-state blocks) against ``qwen3_moe`` of the same size, to see what the mixers cost per token.
-
-Each setup runs once per round (``--rounds``), the setups taking turns; the table gives medians.
-
-Run:  python benchmarks/bench_serve.py [--requests 64] [--concurrency 16] [--tokens 32] [--threads 1] [--model demo]
-      [--rounds 3] [--backend inductor]
+Run:  python benchmarks/bench_serve.py [--concurrency 1,16,64] [--rounds 3] [--model demo]
+      [--setups monolithic,afd-m1,afd-m2] [--plans 2A2F] [--spin S] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import openai
-import torch
+import psutil
 
 from afdc.compile import compile_model
 from afdc.demo import demo_tokenizer, save_demo
+from afdc.runtime.metrics import SNAPSHOT
 from afdc.runtime.rendezvous import free_port
 from afdc.serve.settings import WorkerSettings
 from afdc.serve.up import Deployment
 
-CONFIGS = [("monolithic", "loopback", 1), ("AFD 1A1F m=1", "shm", 1), ("AFD 1A1F m=2", "shm", 2)]
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    connector: str
+    micro_batches: int
+    plan: str = "1A1F"
 
 
-def _one(client, model: str, prompt: list[int], tokens: int) -> tuple[float, int]:
-    """(TPOT in seconds, output tokens) of one streamed completion."""
-    stamps = []
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].text is not None:
-            stamps.append(time.perf_counter())
-    return (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1), len(stamps)
+SETUPS = {
+    "monolithic": Setup("monolithic", "loopback", 1),
+    "afd-m1": Setup("AFD 1A1F m=1", "shm", 1),
+    "afd-m2": Setup("AFD 1A1F m=2", "shm", 2),
+}
+BASE = "monolithic"
 
 
-def measure(artifact: Path, connector: str, micro_batches: int, args) -> dict:
-    settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}",
-                              micro_batches=micro_batches, backend=args.backend)
-    logs = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
-    d = Deployment(artifact, settings, port=free_port(), log_dir=logs,
-                   vllm_args=("--max-model-len", "256", "--max-num-seqs", str(args.concurrency)))
-    try:
-        url = d.start(300, lambda _: None)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300)
-        model = client.models.list().data[0].id
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, 500, (args.prompt,), generator=g).tolist() for _ in range(args.requests)]
-        with ThreadPoolExecutor(args.concurrency) as pool:  # warm-up: one wave
-            list(pool.map(lambda p: _one(client, model, p, 4), prompts[: args.concurrency]))
-            start = time.perf_counter()
-            results = list(pool.map(lambda p: _one(client, model, p, args.tokens), prompts))
-            wall = time.perf_counter() - start
-    finally:
-        d.stop()
-    tpots = sorted(t for t, _ in results)
+# -- what one run measured --------------------------------------------------------------------
+
+
+def cpu_by_process(deployment: Deployment) -> dict[str, float]:
+    """CPU seconds so far of each process of ``deployment``, named by what it is."""
+    out: dict[str, float] = {}
+    for role, popen in deployment.processes.items():
+        try:
+            root = psutil.Process(popen.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in tree:
+            try:
+                name, times = proc.name(), proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            if role.startswith("ffn"):
+                label = f"FFN server {role.split('-')[1]}" if proc is root else "FFN other"
+            elif "EngineCore" in name:
+                label = "engine core" + (f" {name.rsplit('_DP', 1)[1]}" if "_DP" in name else "")
+            elif "DPCoordinator" in name:
+                label = "DP coordinator"
+            else:
+                label = "API server" if proc is root else "API other"
+            out[label] = out.get(label, 0.0) + times.user + times.system
+    return out
+
+
+def last_snapshots(log_dir: Path) -> dict[str, dict]:
+    """Each rank's last logged metrics snapshot, by ``role rank``."""
+    out = {}
+    for log in log_dir.glob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            at = line.find(": " + SNAPSHOT + "{")
+            if at >= 0:
+                snap = json.loads(line[at + 2 + len(SNAPSHOT):])
+                out[f"{snap['role']} {snap['rank']}"] = snap
+    return out
+
+
+def phase_delta(before: dict, after: dict) -> dict[str, tuple[int, float]]:
+    """(count, seconds) of each phase between two snapshots of one rank."""
+    b = before.get("phases", {})
     return {
-        "tokens_per_s": sum(n for _, n in results) / wall,
-        "tpot_p50_ms": statistics.median(tpots) * 1e3,
-        "tpot_p99_ms": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] * 1e3,
+        name: (p["count"] - b.get(name, {}).get("count", 0), p["seconds"] - b.get(name, {}).get("seconds", 0.0))
+        for name, p in after.get("phases", {}).items()
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of every process (via OMP_NUM_THREADS)")
-    ap.add_argument("--model", default="demo", help="'demo', or a model_type of models_supported.catalog")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds in which every setup runs once; medians reported")
-    ap.add_argument("--backend", default=None, help="what runs the programs (default: the artifact's, auto)")
-    args = ap.parse_args()
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the spawned processes' torch
-    torch.set_num_threads(args.threads)
+@dataclass
+class Run:
+    """One setup at one concurrency: vLLM's client's figures, CPU and phases over the run."""
+
+    figures: dict  # vllm bench serve's saved result
+    cpu: dict[str, float]  # CPU seconds per process over the run, the client's too
+    phases: dict[str, dict[str, tuple[int, float]]]  # rank -> phase -> (count, seconds)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # rank -> its process's CPU over the run
+
+    @property
+    def tokens(self) -> int:
+        return self.figures["total_output_tokens"]
+
+
+def bench_client(url: str, model: str, tokenizer: Path, concurrency: int, prompts: int, args, out: Path) -> tuple:
+    """``vllm bench serve`` against ``url``: its saved result and the client's CPU seconds."""
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+        "--base-url", url, "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
+        "--temperature", "0", "--seed", "0", "--disable-tqdm",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{err[-3000:]}")
+    return json.loads(out.read_text()), usage.ru_utime + usage.ru_stime
+
+
+def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
+    artifact = artifacts[setup.plan]
+    logs = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
+    settings = WorkerSettings(str(artifact), connector=setup.connector, rendezvous=f"127.0.0.1:{free_port()}",
+                              micro_batches=setup.micro_batches, backend=args.backend, log_interval=args.log_interval,
+                              spin=args.spin, threads=args.threads)
+    max_seqs = str(max(args.concurrency))
+    d = Deployment(artifact, settings, port=free_port(), log_dir=logs,
+                   vllm_args=("--max-model-len", "512", "--max-num-seqs", max_seqs))
+    runs = {}
+    try:
+        url = d.start(300, lambda _: None)
+        model = artifact.resolve().name
+        tokenizer = artifact / "model"
+        bench_client(url, model, tokenizer, 4, 8, args, logs / "warm-up.json")  # first requests, lazy set-ups
+        for c in args.concurrency:
+            prompts = max(args.min_prompts, args.waves * c)
+            time.sleep(args.log_interval + 0.5)  # a fresh snapshot from every rank
+            cpu0, snaps0 = cpu_by_process(d), last_snapshots(logs)
+            figures, client_cpu = bench_client(url, model, tokenizer, c, prompts, args, logs / f"c{c}.json")
+            time.sleep(args.log_interval + 0.5)
+            cpu1, snaps1 = cpu_by_process(d), last_snapshots(logs)
+            cpu = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
+            cpu["client (its start-up too)"] = client_cpu
+            runs[c] = Run(
+                figures, cpu, {rank: phase_delta(snaps0.get(rank, {}), s) for rank, s in snaps1.items()},
+                {rank: s["cpu_seconds"] - snaps0.get(rank, {}).get("cpu_seconds", 0.0) for rank, s in snaps1.items()},
+            )
+    finally:
+        d.stop()
+    return runs
+
+
+# -- the tables -------------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def per_step(run: Run, rank: str) -> dict[str, float]:
+    """An attention rank's phases in ms per engine step; its attention program is the step less
+    its exchanges (in-process, the FFN programs too)."""
+    p = run.phases.get(rank, {})
+    steps = p.get("step", (0, 0.0))[0]
+    if not steps:
+        return {}
+    ms = {name: seconds * 1e3 / steps for name, (_, seconds) in p.items()}
+    exchange = sum(ms.get(k, 0.0) for k in ("send", "wait", "plan"))
+    return {
+        "vLLM between steps": ms.get("engine", 0.0),
+        "prepare": ms.get("prepare", 0.0),
+        "attention program": ms["step"] - exchange,
+        "send": ms.get("send", 0.0),
+        "wait for replies": ms.get("wait", 0.0),
+        "STEP plan": ms.get("plan", 0.0),
+        "sample": ms.get("sample", 0.0),
+    }
+
+
+def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) -> None:
+    load = os.getloadavg()[0]
+    print(f"{args.model} model; vllm bench serve: random {args.input_len} tokens in, {args.output_len} out, "
+          f"ignore-eos, greedy; {args.rounds} round(s), medians; CPU, {os.cpu_count()} cores, load average "
+          f"{load:.2f}; spin {args.spin if args.spin is not None else 'default'}, threads "
+          f"{args.threads or 'default'}")
+    for c in args.concurrency:
+        print(f"\n== {c} in flight ({max(args.min_prompts, args.waves * c)} requests)")
+        print(f"{'':16} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p50':>9}   / monolithic: "
+              "tok/s, TPOT p50 (per round)")
+        base = results[BASE]
+        for s in setups:
+            rs = [r[c] for r in results[s.name]]
+            fig = {k: _median([r.figures[k] for r in rs]) for k in
+                   ("output_throughput", "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms")}
+            line = (f"{s.name:16} {fig['output_throughput']:8.0f} {fig['median_tpot_ms']:9.2f} "
+                    f"{fig['p99_tpot_ms']:9.2f} {fig['median_ttft_ms']:9.1f}")
+            if s.name != BASE:
+                pairs = [(r[c].figures, b[c].figures) for r, b in zip(results[s.name], base)]
+                tput = [r["output_throughput"] / b["output_throughput"] for r, b in pairs]
+                tpot = [r["median_tpot_ms"] / b["median_tpot_ms"] for r, b in pairs]
+                line += (f"   {_median(tput):.2f}, {_median(tpot):.2f} "
+                         f"({', '.join(f'{x:.2f}' for x in tpot)})")
+            print(line)
+        print("  CPU seconds per 1000 output tokens, by process:")
+        for s in setups:
+            rs = [r[c] for r in results[s.name]]
+            names = sorted({k for r in rs for k in r.cpu})
+            cells = [f"{k} {_median([r.cpu.get(k, 0.0) * 1e3 / r.tokens for r in rs]):.2f}" for k in names]
+            print(f"    {s.name:16} " + "; ".join(cells))
+        print("  per engine step, ms (attention rank 0):")
+        for s in setups:
+            rs = [r[c] for r in results[s.name]]
+            steps = [per_step(r, "attn 0") for r in rs]
+            keys = steps[0].keys() if steps and steps[0] else []
+            cells = [f"{k} {_median([st[k] for st in steps if st]):.2f}" for k in keys]
+            print(f"    {s.name:16} " + "; ".join(cells))
+        for s in setups:
+            rs = [r[c] for r in results[s.name]]
+            for rank in sorted({k for r in rs for k in r.phases if k.startswith("ffn")}):
+                run_ms = _median([r.phases[rank].get("run", (0, 0.0))[1] * 1e3 / r.tokens for r in rs])
+                cpu_ms = _median([r.cpu_seconds[rank] * 1e3 / r.tokens for r in rs])
+                reply_ms = _median([r.phases[rank].get("reply", (0, 0.0))[1] * 1e3 / r.tokens for r in rs])
+                print(f"  {s.name} {rank}: per output token, CPU {cpu_ms:.3f} ms, FFN runs {run_ms:.3f} ms, "
+                      f"replies {reply_ms:.3f} ms: CPU / FFN compute {cpu_ms / run_ms:.2f}")
+
+
+def build(args) -> dict[str, Path]:
     root = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
     if args.model == "demo":
         save_demo(root / "model")
@@ -103,34 +265,45 @@ def main() -> None:
         from models_supported import catalog
 
         vocab = 512
-        overrides = {"vocab_size": vocab, "max_position_embeddings": 512}  # the demo tokenizer; 256 positions served
+        overrides = {"vocab_size": vocab, "max_position_embeddings": 512}  # the demo tokenizer; 512 positions served
         model = catalog.build_type(args.model, {**catalog.entry(args.model).config_kwargs, **overrides})
         model.save_pretrained(root / "model")
         demo_tokenizer(vocab).save_pretrained(root / "model")
-    artifact = root / f"afdc-{args.model}"
-    compile_model(str(root / "model"), "1A1F", artifact, progress=False)
+    plans = sorted({"1A1F", *args.plans})
+    artifacts = {plan: root / f"afdc-{args.model}-{plan.lower()}" for plan in plans}
+    for plan, out in artifacts.items():
+        compile_model(str(root / "model"), plan, out, progress=False)
+    return artifacts
 
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in CONFIGS}
-    for _ in range(args.rounds):  # the setups take turns, so a slow minute of the VM hits each alike
-        for name, connector, m in CONFIGS:
-            runs[name].append(measure(artifact, connector, m, args))
-    rows = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
-    base = rows["monolithic"]
-    print(f"{args.model} model, {args.requests} requests x {args.tokens} tokens, {args.concurrency} in flight, "
-          f"prompt {args.prompt} tokens, backend {args.backend or 'auto'}, CPU ({args.threads} torch thread(s) per "
-          f"process, load average {os.getloadavg()[0]:.2f}), medians of {args.rounds} round(s)")
-    if args.rounds > 1:
-        for name, rs in runs.items():
-            p50 = ", ".join(f"{r['tpot_p50_ms']:.1f}" for r in rs)
-            ratio = ", ".join(f"{r['tpot_p50_ms'] / b['tpot_p50_ms']:.2f}" for r, b in zip(rs, runs["monolithic"]))
-            print(f"  {name}: p50 TPOT per round {p50} ms; / monolithic's of the same round {ratio}")
-    print(f"{'':14} {'tok/s':>8} {'p50 TPOT ms':>12} {'p99 TPOT ms':>12}   ratios to monolithic (tok/s, p50, p99)")
-    for name, r in rows.items():
-        ratios = "" if r is base else (
-            f"   {r['tokens_per_s'] / base['tokens_per_s']:.2f}  {r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}"
-            f"  {r['tpot_p99_ms'] / base['tpot_p99_ms']:.2f}"
-        )
-        print(f"{name:14} {r['tokens_per_s']:8.1f} {r['tpot_p50_ms']:12.1f} {r['tpot_p99_ms']:12.1f}{ratios}")
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,16,64", help="comma-separated: requests in flight")
+    ap.add_argument("--waves", type=int, default=6, help="requests per run: this many times the concurrency")
+    ap.add_argument("--min-prompts", type=int, default=32, help="... and at least this many")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--model", default="demo", help="'demo', or a model_type of models_supported.catalog")
+    ap.add_argument("--setups", default="monolithic,afd-m1,afd-m2", help=f"comma-separated, of {', '.join(SETUPS)}")
+    ap.add_argument("--plans", default="", help="comma-separated further plans, served with shm and m = 1 (e.g. 2A2F)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds in which every setup runs once; medians reported")
+    ap.add_argument("--backend", default=None, help="what runs the programs (default: the artifact's, auto)")
+    ap.add_argument("--spin", type=float, default=None, help="afdc up --spin (default: afdc's)")
+    ap.add_argument("--threads", type=int, default=None, help="afdc up --threads (default: afdc's)")
+    ap.add_argument("--log-interval", type=float, default=1.0, help="seconds between the ranks' metrics snapshots")
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.plans = [p.upper() for p in args.plans.split(",") if p]
+    setups = [SETUPS[name] for name in args.setups.split(",")]
+    if setups[0].name != BASE:
+        ap.error(f"the first setup must be {BASE}: the others are given as ratios to it")
+    setups += [Setup(f"AFD {plan} m=1", "shm", 1, plan) for plan in args.plans]
+    artifacts = build(args)
+    results: dict[str, list[dict[int, Run]]] = {s.name: [] for s in setups}
+    for _ in range(args.rounds):
+        for s in setups:
+            results[s.name].append(measure(artifacts, s, args))
+    report(setups, results, args)
 
 
 if __name__ == "__main__":

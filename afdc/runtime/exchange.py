@@ -107,7 +107,7 @@ class AttentionEndpoint:
         try:
             transport = cls(
                 self.rendezvous, group, self.slot, "attn", self.options.timeout, deliver=file, device=self.device,
-                pacing=Pacing(self.options.spin, self.options.max_sleep, self.options.idle_sleep),
+                pacing=Pacing.of(self.options),
             )
         except (RuntimeError, OSError) as err:
             self._broken = True
@@ -157,16 +157,18 @@ class AttentionEndpoint:
             tokens=sum(tokens),
             sender=self.slot,
         )
-        for peer in self.ffn_slots:
-            try:
-                self.transport.send(peer, header, counts)
-            except (RuntimeError, OSError) as err:
-                # the step is lost before its first FFN layer: reported there, as a send would be
-                self._fail(peer, 0, f"could not send the step plan: {err}")
+        with self.metrics.phases.timed("plan"):
+            for peer in self.ffn_slots:
+                try:
+                    self.transport.send(peer, header, counts)
+                except (RuntimeError, OSError) as err:
+                    # the step is lost before its first FFN layer: reported there, as a send would be
+                    self._fail(peer, 0, f"could not send the step plan: {err}")
 
     def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor], ffn_rank: int):
         """Send one message to FFN rank ``ffn_rank`` (a micro-batch's layer may go to several)."""
         assert self.transport is not None
+        started = time.perf_counter()
         header = wire.Header.carrying(
             wire.Kind.DATA,
             tensors,
@@ -187,6 +189,7 @@ class AttentionEndpoint:
         except (RuntimeError, OSError) as err:
             self._fail(peer, layer, f"send failed: {err}")
         self.metrics.sent(header.payload_bytes)
+        self.metrics.phases.add("send", time.perf_counter() - started)
 
     def wait(
         self, step: int, layer: int, micro_batch: int, ffn_ranks: list[int], spin: bool = True
@@ -196,11 +199,19 @@ class AttentionEndpoint:
         Over a polled transport the calling micro-batch thread reads its replies out of their
         slots itself (``spin=False`` where other threads of this process compute meanwhile, see
         :meth:`Waiter.pauses`); otherwise the transport's receiver threads file them and this waits."""
+        with self.metrics.phases.timed("wait"):
+            return self._wait(step, layer, micro_batch, ffn_ranks, spin)
+
+    def _wait(self, step: int, layer: int, micro_batch: int, ffn_ranks: list[int], spin: bool) -> list:
         key = (step, layer, micro_batch)
         peers = [self.ffn_slots[r] for r in ffn_ranks]
         deadline = time.monotonic() + self.options.timeout
         polled = self.transport.polled
-        pause = self._waiter.pauses(spin, functools.partial(self.transport.block, peers, micro_batch))
+        missing = peers
+        # a pause blocks on the first reply still missing (the others are taken as they land)
+        pause = self._waiter.pauses(
+            spin, lambda seconds: self.transport.block(missing, micro_batch, seconds), self.transport.wakes, deadline
+        )
         generation = self._generation
         while True:
             with self._cond:

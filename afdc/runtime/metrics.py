@@ -1,15 +1,20 @@
-"""Per-rank counters and histograms: exchange latency, FFN batch size, bytes, idle time."""
+"""Per-rank counters and histograms: exchange latency, FFN batch size, bytes, idle time, and
+where a rank's time goes (:class:`Phases`), beside the CPU time its process used."""
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 log = logging.getLogger("afdc.metrics")
+SNAPSHOT = "metrics "  # a logged snapshot's JSON follows this on its line
+IDLE = "idle"  # the phase of a server waiting for messages
 
 
 def _log_buckets(lo: float, hi: float, per_decade: int = 4) -> list[float]:
@@ -60,6 +65,43 @@ class Histogram:
         }
 
 
+@dataclass
+class Phase:
+    count: int = 0
+    seconds: float = 0.0
+
+
+class Phases:
+    """Wall time per named phase of a rank's work (an attention step's program, its sends, its
+    waits for replies; an FFN server's runs), summed since the rank started: a served step's
+    time, taken apart (``benchmarks/bench_serve.py`` prints it per step). Two clock reads a phase."""
+
+    def __init__(self) -> None:
+        self._phases: dict[str, Phase] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        phase = self._phases.get(name)
+        if phase is None:
+            phase = self._phases[name] = Phase()
+        phase.count += 1
+        phase.seconds += seconds
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def seconds(self, name: str) -> float:
+        phase = self._phases.get(name)
+        return phase.seconds if phase is not None else 0.0
+
+    def to_dict(self) -> dict:
+        return {name: {"count": p.count, "seconds": round(p.seconds, 6)} for name, p in self._phases.items()}
+
+
 class Metrics:
     """What one rank did since it started; ``snapshot()`` is a plain dict for logs and the store."""
 
@@ -69,9 +111,9 @@ class Metrics:
         self.messages_sent = self.messages_received = 0
         self.bytes_sent = self.bytes_received = 0
         self.errors = 0
-        self.idle_seconds = 0.0
         self.exchange_ms = Histogram(_log_buckets(0.01, 60_000))  # attention: send -> all results back
         self.batch_tokens = Histogram(_log_buckets(1, 1 << 20, per_decade=3))  # FFN: tokens per segment run
+        self.phases = Phases()
         self._lock = threading.Lock()
 
     def sent(self, nbytes: int) -> None:
@@ -96,19 +138,23 @@ class Metrics:
                 "bytes_sent": self.bytes_sent,
                 "bytes_received": self.bytes_received,
                 "errors": self.errors,
-                "idle_fraction": round(self.idle_seconds / elapsed, 4) if elapsed else 0.0,
+                "idle_fraction": round(self.phases.seconds(IDLE) / elapsed, 4) if elapsed else 0.0,
                 "exchange_ms": self.exchange_ms.to_dict(),
                 "batch_tokens": self.batch_tokens.to_dict(),
+                "phases": self.phases.to_dict(),
+                # this process's CPU time (all its threads): against its phases, what waiting costs
+                "cpu_seconds": round(time.process_time(), 3),
             }
 
-    def log_every(self, interval: float, publish=None) -> threading.Event:
-        """Log (and hand to ``publish``) a snapshot every ``interval`` s until the returned event is set."""
+    def log_every(self, interval: float, publish=None, logger: logging.Logger = log) -> threading.Event:
+        """Log on ``logger`` (and hand to ``publish``) a snapshot every ``interval`` s until the
+        returned event is set."""
         stop = threading.Event()
 
         def loop() -> None:
             while not stop.wait(interval):
                 snap = self.snapshot()
-                log.info("%s rank %d: %s", self.role, self.rank, json.dumps(snap))
+                logger.info("%s rank %d: %s%s", self.role, self.rank, SNAPSHOT, json.dumps(snap))
                 if publish is not None:
                     publish(snap)
 

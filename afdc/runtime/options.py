@@ -45,9 +45,9 @@ class RuntimeOptions:
     timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
     poll_interval: float = 0.2  # how often an idle FFN server or an attention rank looks for a regrouping
-    spin: float = 2e-3  # shm: seconds a waiting rank polls its slots before it sleeps between polls
-    max_sleep: float = 2e-4  # shm: the longest sleep between two polls of a busy rank
-    idle_sleep: float = 2e-3  # shm: ... of a rank idle for 50 ms (its wake-up rate)
+    spin: float | None = None  # shm: seconds a waiting rank polls before it blocks (None: by the host's cores)
+    max_sleep: float = 2e-4  # shm without futexes: the longest sleep between two polls of a busy rank
+    idle_sleep: float = 2e-3  # shm without futexes: ... of a rank idle for 50 ms (its wake-up rate)
     # FFN: pad each layer's batch to a power of two up to this many tokens, a CUDA graph each on a GPU (0: off)
     token_buckets: int = 0
     gather: float = 2e-3  # FFN: seconds a layer's message waits for the other attention ranks' (one FFN run)

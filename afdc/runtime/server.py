@@ -36,7 +36,7 @@ import torch.distributed as dist
 from afdc.errors import AfdcError
 from afdc.runtime import wire
 from afdc.runtime.gathering import Gathering
-from afdc.runtime.metrics import Metrics
+from afdc.runtime.metrics import IDLE, Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous, RendezvousError
@@ -135,7 +135,7 @@ class FFNServer:
             log.info("ffn rank %d: serving generation %d", self.rank, group.generation)
             transport = cls(
                 self.rdv, group, self.slot, "ffn", timeout=self.options.timeout, device=self.program.device,
-                pacing=Pacing(self.options.spin, self.options.max_sleep, self.options.idle_sleep),
+                pacing=Pacing.of(self.options),
             )
             try:
                 self._serve_generation(transport)
@@ -169,10 +169,8 @@ class FFNServer:
 
     def _arrived(self, transport: Transport, wait: float) -> list[Incoming | Failure]:
         """Everything that has arrived, waiting up to ``wait`` s for the first item."""
-        waited = time.monotonic()
-        items = transport.collect(wait)
-        self.metrics.idle_seconds += time.monotonic() - waited
-        return items
+        with self.metrics.phases.timed(IDLE):
+            return transport.collect(wait)
 
     def _handle(self, transport: Transport, gathering: Gathering, items: list[Incoming | Failure]) -> None:
         for item in items:
@@ -204,7 +202,8 @@ class FFNServer:
     def _run_batch(self, transport: Transport, layer: int, group: list[Incoming]) -> None:
         tokens = [m.header.tokens for m in group]
         try:
-            outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
+            with self.metrics.phases.timed("run"):
+                outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
         except Exception as err:  # the program rejected these inputs: tell the senders why
             if len(group) > 1:  # one message's fault must not fail the others' tokens: each runs alone
                 for m in group:
@@ -213,8 +212,9 @@ class FFNServer:
             self._refuse(transport, group[0].header, f"FFN layer {layer} failed: {type(err).__name__}: {err}")
             return
         self.metrics.batch_tokens.observe(sum(tokens))
-        for m, outs in zip(group, outputs):
-            self._reply(transport, m.header, wire.Kind.RESULT, outs)
+        with self.metrics.phases.timed("reply"):
+            for m, outs in zip(group, outputs):
+                self._reply(transport, m.header, wire.Kind.RESULT, outs)
 
     def _check(self, h: wire.Header, generation: int) -> str:
         if h.deployment != self.deployment:

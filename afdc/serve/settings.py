@@ -29,6 +29,9 @@ class WorkerSettings:
     kv_cache_bytes: int = 256 << 20  # KV pool on a CPU device (on a GPU: what vLLM's memory profile allows)
     device: str = "cpu"
     backend: str | None = None  # what runs the programs (afdc.lowering.backends); None: the artifact's plan
+    log_interval: float = 30.0  # seconds between metrics log lines (0: never)
+    spin: float | None = None  # seconds a wait for a peer polls before it blocks (None: by the host's cores)
+    threads: int | None = None  # torch threads of the process (None: torch's default)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))

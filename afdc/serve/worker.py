@@ -37,6 +37,7 @@ from afdc.lowering.sampled_rows import sample_rows_only
 from afdc.ops import SlotSpec
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.exchange import AttentionEndpoint
+from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.paged import (
     MixerStateStore,
@@ -107,11 +108,15 @@ class AfdcWorker(WorkerBase):
         self._problem = ""  # what keeps this rank from serving, as last reported
         self._step_lock = threading.Lock()  # a step and the idle rank's regrouping take turns at the endpoint
         self._stepped_at = 0.0  # when the last step ended
+        self._sampled: set[str] = set()  # the requests of the last step
+        self._sampled_at = 0.0  # when its sampling ended
         self._stop = threading.Event()
 
     # -- start-up ----------------------------------------------------------------------------
 
     def init_device(self) -> None:
+        if self.settings.threads:
+            torch.set_num_threads(self.settings.threads)
         self.device = torch.device(self.settings.device)
         if self.device.type == "cuda" and self.device.index is None:  # a host's DP ranks: a GPU each
             self.device = torch.device("cuda", self.vllm_config.parallel_config.data_parallel_rank_local or 0)
@@ -162,13 +167,16 @@ class AfdcWorker(WorkerBase):
             layout, deployment = deployment_of(directory)
             options = RuntimeOptions(
                 connector=s.connector, rendezvous=s.rendezvous, token=s.token, timeout=s.timeout,
-                join_timeout=s.join_timeout, insecure_no_token=s.insecure_no_token,
+                join_timeout=s.join_timeout, insecure_no_token=s.insecure_no_token, spin=s.spin,
             )
             if self.rank == 0:  # attention rank 0 hosts the deployment's store
                 self._store_host = s.open_rendezvous(host=True)
             self.attention.endpoint = AttentionEndpoint.connect(self.rank, layout, deployment, options, self.device)
             threading.Thread(target=self._keep_membership, args=(options.poll_interval,), daemon=True,
                              name="afdc-membership").start()
+        # the endpoint's sends and waits and the step's own phases in one record
+        self.metrics = self.attention.endpoint.metrics if not in_process else Metrics("attn", self.rank)
+        self._stop_logging = self.metrics.log_every(s.log_interval, logger=logger)
         logger.info(
             "afdc: attention rank %d of %s loaded (%d attention layers, %d TP ranks, %d micro-batches, backend %s, "
             "FFN %s)", self.rank, directory, len(self.slots), self.tp_ranks, self.micro_batches,
@@ -309,7 +317,12 @@ class AfdcWorker(WorkerBase):
             self.requests[rid].block_ids = [list(g) for g in groups]
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
+        started = time.perf_counter()
         so = scheduler_output
+        # vLLM's scheduler and output processing between two steps: where a request goes on from
+        # the last step, the engine had work all along (it blocks for input only without any)
+        if any(rid in self._sampled for rid in so.scheduled_cached_reqs.req_ids):
+            self.metrics.phases.add("engine", started - self._sampled_at)
         self._update(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -321,7 +334,10 @@ class AfdcWorker(WorkerBase):
             groups = [[scheduled[i] for i in g] for g in _row_groups(sizes, self.micro_batches)]
         else:
             groups = [scheduled[g] for g in _micro_batches(sizes, self.micro_batches)]
-        outputs = self._run([self._micro_batch(g) for g in groups])
+        batches = [self._micro_batch(g) for g in groups]
+        self.metrics.phases.add("prepare", time.perf_counter() - started)
+        with self.metrics.phases.timed("step"):
+            outputs = self._run(batches)
         last = torch.cat([self._last_logits(out.logits, g) for g, out in zip(groups, outputs)])
         self._pending = (so, [r for g in groups for r in g], last)
         return None
@@ -404,6 +420,12 @@ class AfdcWorker(WorkerBase):
         return MicroBatch(ids, torch.ones_like(ids), paged.positions, paged)
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        with self.metrics.phases.timed("sample"):
+            out = self._sample(grammar_output)
+        self._sampled, self._sampled_at = set(out.req_ids), time.perf_counter()
+        return out
+
+    def _sample(self, grammar_output) -> ModelRunnerOutput:
         so, scheduled, logits = self._pending
         self._pending = None
         if grammar_output is not None:
@@ -447,6 +469,7 @@ class AfdcWorker(WorkerBase):
 
     def shutdown(self) -> None:
         self._stop.set()
+        self._stop_logging.set()
         with self._step_lock:
             self.attention.close()
 

@@ -15,6 +15,7 @@ memory; NCCL moves GPU memory directly.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import time
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Group, Layout, Rendezvous
 from afdc.runtime.wire import Header, Kind, WireError, unpack
 
@@ -49,25 +51,45 @@ class Failure:
 Deliver = Callable[["Incoming | Failure"], None]
 
 
+SPIN_CORES = 8  # a host with fewer cores than this does not spin by default (see default_spin)
+
+
+def default_spin() -> float:
+    """How long a wait polls before it blocks, by default: 2 ms where this process may run on
+    :data:`SPIN_CORES` cores or more, else none. A deployment's roles, vLLM's API server and its
+    clients share a small host's cores, and a wait that polls takes the core its peer needs to
+    compute the awaited reply: on 2 cores, the demo served 1A1F under 16 streams ran at XXX
+    the monolith's time per token with 2 ms spins and XXX with none. A host of many cores
+    has one to spare, and a poll hears a reply some microseconds before a futex wake does."""
+    return 2e-3 if len(os.sched_getaffinity(0)) >= SPIN_CORES else 0.0
+
+
 @dataclass(frozen=True)
 class Pacing:
     """How a rank waits for a word that a peer writes into shared memory (see :class:`Waiter`)."""
 
-    spin: float = 2e-3  # the longest a wait polls without sleeping
-    max_sleep: float = 2e-4  # the longest sleep between two polls of a busy rank
+    spin: float = 2e-3  # the longest a wait polls before it blocks
+    max_sleep: float = 2e-4  # no wake-up to block on: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # ... of a rank that has waited ``idle_after`` seconds
     idle_after: float = 0.05
+    block: float = 0.05  # the longest one block on a wake-up lasts (a wait looks at its deadline then)
+
+    @classmethod
+    def of(cls, options: RuntimeOptions) -> Pacing:
+        return cls(default_spin() if options.spin is None else options.spin, options.max_sleep, options.idle_sleep)
 
 
 class Waiter:
     """One party's waits. A wait polls, yielding the core between polls, for up to ``spin``
-    seconds, then sleeps between polls, doubling the sleep from 20 us up to ``max_sleep``, and up
-    to ``idle_sleep`` once nothing has come for ``idle_after``: a busy exchange answers within
+    seconds, then blocks: on a word that wakes it when the awaited message is posted (a futex,
+    :meth:`Transport.block`), for up to ``block`` seconds at a time; where there is none, it
+    sleeps between polls, doubling the sleep from 20 us up to ``max_sleep``, and up to
+    ``idle_sleep`` once nothing has come for ``idle_after``: a busy exchange answers within
     microseconds, an idle deployment does not burn its cores. Idle is counted from the last wait
     that ended with something, across waits (a server's wait returns every ``poll_interval`` to
     look for a regrouping; a wait that started spinning afresh each time burned 5% of a core).
     The waiter learns how long its waits last: where they outlast the spin (the peer computes
-    for milliseconds, on the same cores of a CPU host), it sleeps from the first pause and leaves
+    for milliseconds, on the same cores of a CPU host), it blocks from the first pause and leaves
     the core to that computation."""
 
     def __init__(self, pacing: Pacing):
@@ -75,12 +97,20 @@ class Waiter:
         self.typical = 0.0  # seconds, a moving average of this party's recent waits
         self.last = time.monotonic()  # when a wait last ended with something
 
-    def pauses(self, spin: bool = True, block: Callable[[float], None] = time.sleep) -> Callable[[], None]:
-        """A pause to call between two polls of one wait. ``spin=False`` sleeps from the first
+    def pauses(
+        self,
+        spin: bool = True,
+        block: Callable[[float], None] = time.sleep,
+        wakes: bool = False,
+        until: float = math.inf,
+    ) -> Callable[[], None]:
+        """A pause to call between two polls of one wait. ``spin=False`` blocks from the first
         pause: a thread that polls takes Python's GIL back from a sched_yield before a thread
         waiting for it wakes, so where other threads of the process compute meanwhile (the other
-        micro-batches), polling would starve them. ``block(seconds)`` sleeps; one that wakes
-        when the awaited word changes (:meth:`Transport.block`) ends the sleep at the message."""
+        micro-batches), polling would starve them. ``block(seconds)`` sleeps; ``wakes``: it
+        wakes when the awaited word changes, or when the transport wakes it for a message that
+        came another way (:meth:`Transport.block`), so it sleeps ``block`` seconds at a time.
+        No pause sleeps past ``until`` (a monotonic time: the wait's own deadline)."""
         p = self.pacing
         start = time.monotonic()
         idle = start - self.last >= p.idle_after
@@ -93,7 +123,10 @@ class Waiter:
             if now - start < spin_for:
                 os.sched_yield()
                 return
-            block(sleep)
+            if wakes:
+                block(max(0.0, min(p.block, until - now)))
+                return
+            block(max(0.0, min(sleep, until - now)))
             sleep = min(2 * sleep, p.max_sleep if now - self.last < p.idle_after else p.idle_sleep)
 
         return pause
@@ -158,6 +191,8 @@ class Transport(ABC):
         """A polled transport: sleep up to ``seconds`` between two :meth:`receive` calls, less
         where it can wake when a message for ``micro_batch`` from ``peers`` is posted."""
         time.sleep(seconds)
+
+    wakes = False  # whether :meth:`block` ends when a message is posted, or when one comes another way
 
     def collect(self, wait: float) -> list[Incoming | Failure]:
         """Everything that has arrived for a rank without ``deliver`` (the FFN server), waiting up

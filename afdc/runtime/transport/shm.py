@@ -201,6 +201,12 @@ class Mailbox:
         else:
             self._seqs[k].wait(seq, seconds)
 
+    def wake_readers(self) -> None:
+        """Wake whoever sleeps on this mailbox's words without posting: the reader has something
+        to look at that came another way (a message over the socket, the link's end)."""
+        for word in [self._doorbell, *self._seqs] if self._doorbell is not None else []:
+            word.wake()
+
     def take(self, k: int) -> tuple[wire.Header, list[torch.Tensor]]:
         """Receiver: the message in slot ``k``, its tensors copied out (into torch's own aligned
         memory: the programs compute on it, and a matmul over a tensor backed by a mapping ran
@@ -289,6 +295,7 @@ class ShmTransport(Transport):
     slots = 8  # data slots per link and direction (micro-batch m uses slot m % slots), and one for step plans
     slot_bytes = 8 << 20  # a bigger message goes over the socket
     polled = True
+    wakes = futex.AVAILABLE
 
     def _open(self) -> None:
         self._links: dict[int, _Link] = {}
@@ -474,7 +481,9 @@ class ShmTransport(Transport):
     def collect(self, wait: float) -> list[Incoming | Failure]:
         start = time.monotonic()
         deadline = start + wait
-        pause = self._waiter.pauses(block=self._block_any)
+        pause = self._waiter.pauses(
+            block=self._block_any, wakes=futex.AVAILABLE and len(self._links) == 1, until=deadline
+        )
         while True:
             for peer, link in list(self._links.items()):
                 if link.backlog:
@@ -526,6 +535,7 @@ class ShmTransport(Transport):
                 del self._links[peer]
         if not self._closed:
             self.deliver(Failure(peer, reason))
+            link.inbound.wake_readers()
         link.close()
 
     def _receive(self, peer: int, link: _Link) -> None:
@@ -541,6 +551,7 @@ class ShmTransport(Transport):
                 while len(payload) < header.payload_bytes:
                     payload += _read_exact(link.sock, min(_CHUNK, header.payload_bytes - len(payload)))
                 self._arrived(header, torch.frombuffer(payload, dtype=torch.uint8) if payload else _EMPTY)
+                link.inbound.wake_readers()  # a reader blocked on the slots must look at what came here
         except (OSError, wire.WireError, RuntimeError, ValueError) as err:  # Runtime, Value: tensors torch refuses
             self._drop(peer, link, str(err))
 
