@@ -121,7 +121,7 @@ def phase_delta(before: dict, after: dict) -> dict[str, tuple[int, float]]:
 class Run:
     """One setup at one concurrency: vLLM's client's figures, CPU and phases over the run."""
 
-    figures: dict  # vllm bench serve's saved result
+    figures: dict  # vllm bench serve's saved result (an idle run: {})
     cpu: dict[str, float]  # CPU seconds per process over the run, the client's too
     phases: dict[str, dict[str, tuple[int, float]]]  # rank -> phase -> (count, seconds)
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # rank -> its process's CPU over the run
@@ -165,6 +165,11 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
         model = artifact.resolve().name
         tokenizer = artifact / "model"
         bench_client(url, model, tokenizer, 4, 8, args, logs / "warm-up.json")  # first requests, lazy set-ups
+        time.sleep(2.0)  # the ranks notice they are idle
+        cpu0 = cpu_by_process(d)
+        time.sleep(args.idle_seconds)
+        cpu1 = cpu_by_process(d)
+        runs[0] = Run({}, {k: (cpu1[k] - cpu0.get(k, 0.0)) / args.idle_seconds for k in cpu1}, {})
         for c in args.concurrency:
             prompts = max(args.min_prompts, args.waves * c)
             time.sleep(args.log_interval + 0.5)  # a fresh snapshot from every rank
@@ -216,6 +221,13 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
           f"ignore-eos, greedy; {args.rounds} round(s), medians; CPU, {os.cpu_count()} cores, load average "
           f"{load:.2f}; spin {args.spin if args.spin is not None else 'default'}, threads "
           f"{args.threads or 'default'}")
+    print(f"\n== idle, {args.idle_seconds:g} s without requests: % of a core, by process")
+    for s in setups:
+        idle = [r[0].cpu for r in results[s.name]]
+        names = sorted({k for r in idle for k in r})
+        total = _median([sum(r.values()) * 100 for r in idle])
+        cells = [f"{k} {_median([r.get(k, 0.0) * 100 for r in idle]):.2f}" for k in names]
+        print(f"    {s.name:16} all {total:.2f}: " + "; ".join(cells))
     for c in args.concurrency:
         print(f"\n== {c} in flight ({max(args.min_prompts, args.waves * c)} requests)")
         print(f"{'':16} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p50':>9}   / monolithic: "
@@ -291,6 +303,7 @@ def main() -> None:
     ap.add_argument("--spin", type=float, default=None, help="afdc up --spin (default: afdc's)")
     ap.add_argument("--threads", type=int, default=None, help="afdc up --threads (default: afdc's)")
     ap.add_argument("--log-interval", type=float, default=1.0, help="seconds between the ranks' metrics snapshots")
+    ap.add_argument("--idle-seconds", type=float, default=10.0, help="how long the idle deployment's CPU is measured")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.plans = [p.upper() for p in args.plans.split(",") if p]

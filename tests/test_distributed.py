@@ -93,12 +93,19 @@ def test_generation_across_processes_matches_monolith(reference, model_type, pla
             dm.micro_batches = m
             got = dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
             assert torch.equal(got, ref), f"m={m}"
-        # each attention rank exchanged with the FFN side and timed it
+        # each attention rank exchanged with the FFN side and timed it, phase by phase
         for snap in dm.metrics():
             assert snap["exchange_ms"]["count"] > 0 and snap["errors"] == 0
+            phases = snap["phases"]
+            assert phases["send"]["count"] == snap["messages_sent"] - phases["plan"]["count"] * dm.layout.ffn_ranks
+            assert phases["wait"]["count"] == snap["exchange_ms"]["count"]
+            assert 0 < phases["wait"]["seconds"] < snap["uptime_s"]
     served = cluster.metrics()  # published by each server as it stopped
     assert sorted(served) == list(range(dm.layout.ffn_ranks))
     assert all(s["batch_tokens"]["count"] > 0 and s["bytes_received"] > 0 for s in served.values())
+    for s in served.values():  # a server's runs are its batches; its CPU time covers at least them
+        assert s["phases"]["run"]["count"] == s["batch_tokens"]["count"] == s["phases"]["reply"]["count"]
+        assert 0 < s["phases"]["run"]["seconds"] <= s["cpu_seconds"]
     assert all(p.exitcode == 0 for p in cluster.processes)  # SIGTERM: drained and exited cleanly
 
 
@@ -586,6 +593,62 @@ def test_a_waiter_idle_across_waits_sleeps_at_once_and_one_expecting_a_reply_pol
     start = time.monotonic()
     waiter.pauses()()
     assert time.monotonic() - start < 0.3  # within the spin: a yield, no sleep
+
+
+def test_a_waiter_that_can_be_woken_blocks_once_past_its_spin_and_never_past_its_deadline():
+    """Past the spin, a pause blocks on the wake-up for up to ``block`` seconds at a time
+    (the message or the transport ends it), not in short sleeps; no pause outlasts ``until``."""
+    from afdc.runtime.transport.base import Pacing, Waiter
+
+    blocks: list[float] = []
+    waiter = Waiter(Pacing(spin=0.0, block=0.05))
+    waiter.pauses(block=blocks.append, wakes=True)()
+    assert blocks == [0.05]
+    waiter.pauses(block=blocks.append, wakes=True, until=time.monotonic() + 0.01)()
+    assert 0 < blocks[-1] <= 0.01
+    waiter.pauses(block=blocks.append)()  # nothing wakes it: a short sleep, doubled at the next pause
+    assert blocks[-1] == pytest.approx(2e-5)
+
+
+def test_spin_by_default_only_with_cores_to_spare():
+    from afdc.runtime.transport.base import SPIN_CORES, default_spin
+
+    assert default_spin(2) == 0.0 and default_spin(SPIN_CORES - 1) == 0.0
+    assert default_spin(SPIN_CORES) > 0
+
+
+def test_a_reader_woken_without_a_post_and_a_post_that_wakes_no_one(tmp_path):
+    """``wake_readers`` ends a reader's sleep at once (a message came over the socket); a post
+    with ``wake=False`` (a step plan) leaves it asleep, and the reader finds it at its next look."""
+    from afdc.runtime.transport import futex
+    from afdc.runtime.transport.shm import Mailbox
+
+    if not futex.AVAILABLE:
+        pytest.skip("no futex on this platform: readers sleep in steps")
+    writer = Mailbox(tmp_path / "box", slots=2, slot_bytes=64, create=True)
+    reader = Mailbox(tmp_path / "box", 2, 64)
+    header = wire.Header(wire.Kind.STEP, b"12345678", 1, 1, 0, 0, 1, 0).encode()
+
+    def later(action):
+        def run():
+            time.sleep(0.1)
+            action()
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    thread = later(reader.wake_readers)
+    start = time.monotonic()
+    reader.wait_posted(reader.posted, 30.0)
+    assert 0.1 <= time.monotonic() - start < 10.0
+    thread.join()
+    seen = reader.posted
+    thread = later(lambda: writer.put(1, header, [], Pacing(), 1.0, "reader", wake=False))
+    start = time.monotonic()
+    reader.wait_posted(seen, 0.5)
+    assert time.monotonic() - start >= 0.5  # posted meanwhile, but slept through: nothing woke it
+    thread.join()
+    assert reader.posted == seen + 1 and reader.pending() == [1]
 
 
 def test_a_mailbox_reader_sleeps_until_a_message_is_posted(tmp_path):

@@ -164,9 +164,11 @@ class Mailbox:
         words = self._controls.unpack_from(self._mm, 2 * _LINE)
         return [k for k in range(self.slots) if words[2 * k] != words[2 * k + 1]]
 
-    def put(self, k: int, header: bytes, tensors: list[torch.Tensor], pacing: Pacing, timeout: float, receiver: str):
+    def put(self, k: int, header: bytes, tensors: list[torch.Tensor], pacing: Pacing, timeout: float, receiver: str,
+            wake: bool = True):
         """Sender: post a message (``tensors`` contiguous, in host memory) into slot ``k`` once the
-        receiver has taken the last one."""
+        receiver has taken the last one; ``wake=False`` leaves a sleeping receiver asleep (it
+        finds the message with the next one that wakes it)."""
         seq = self._seq(k)
         if self._ack(k) != seq:
             pause, deadline = Waiter(pacing).pauses(), time.monotonic() + timeout
@@ -179,7 +181,7 @@ class Mailbox:
         self._write(k, tensors)
         _WORD.pack_into(self._mm, (2 + k) * _LINE, seq + 1)
         _WORD.pack_into(self._mm, _LINE, self.posted + 1)
-        if self._doorbell is not None:
+        if wake and self._doorbell is not None:
             self._seqs[k].wake()
             self._doorbell.wake()
 
@@ -427,7 +429,11 @@ class ShmTransport(Transport):
                     link.backlog.append((slot, head, staged, time.monotonic()))
                     self._flush(peer, link)
                 else:
-                    box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}")
+                    # a step plan wakes no one: the server reads it with the step's first data
+                    # message, and a wake-up per step that finds nothing to run cost a context
+                    # switch on each side
+                    box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}",
+                            wake=header.kind != wire.Kind.STEP)
                 return
             try:
                 link.sock.sendall(head)
@@ -496,7 +502,8 @@ class ShmTransport(Transport):
                 if posted == link.seen:
                     continue
                 link.seen = posted
-                for slot in box.pending():
+                # a step plan first: the data messages that came with it are gathered by it
+                for slot in sorted(box.pending(), key=lambda k: k != box.slots - 1):
                     taken = self._take(peer, link, slot)
                     if taken is None:
                         break
