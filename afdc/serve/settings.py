@@ -29,6 +29,9 @@ class WorkerSettings:
     kv_cache_bytes: int = 256 << 20  # KV pool on a CPU device (on a GPU: what vLLM's memory profile allows)
     device: str = "cpu"
     backend: str | None = None  # what runs the programs (afdc.lowering.backends); None: the artifact's plan
+    # the Ray resource vLLM's DP placement gives each attention rank (--data-parallel-backend ray,
+    # afdc up --ray); None: one GPU on a GPU device, else one CPU
+    ray_resource: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))

@@ -171,17 +171,26 @@ class Deployment:
         argv = attention_command(settings, self.host, self.port, self.vllm_args)  # refused before any role starts
         if not s.connector.in_process:
             # the FFN ranks wait for the store that attention rank 0 hosts once its vLLM engine is up
-            ffn = replace(s, join_timeout=max(s.join_timeout, startup_timeout))
-            for r in range(plan.ffn_ranks):
-                say(f"starting FFN rank {r} of {plan.ffn_ranks}")
-                self._spawn(f"ffn-{r}", ffn_command(ffn, r, self.token_buckets), env)
+            self._start_ffn_ranks(plan.ffn_ranks, replace(s, join_timeout=max(s.join_timeout, startup_timeout)),
+                                  env, say)
         say(f"starting {plan.attention_ranks} attention ranks (vLLM data-parallel engines) on port {self.port}")
-        self._spawn("attn", argv, {**env, **settings.to_env()})
+        self._spawn("attn", argv, {**env, **settings.to_env(), **self._attention_env()})
         proc = self.processes["attn"]
         url = f"http://{self.host}:{self.port}"
         wait_healthy(url, time.monotonic() + startup_timeout, lambda: proc.poll() is None)
         say("the attention ranks are ready")
         return url
+
+    def _start_ffn_ranks(self, ranks: int, settings: WorkerSettings, env: dict[str, str],
+                         say: Callable[[str], None]) -> None:
+        """Start FFN ranks ``0 .. ranks - 1`` (here: child processes)."""
+        for r in range(ranks):
+            say(f"starting FFN rank {r} of {ranks}")
+            self._spawn(f"ffn-{r}", ffn_command(settings, r, self.token_buckets), env)
+
+    def _attention_env(self) -> dict[str, str]:
+        """What the attention server's environment needs beyond the settings (here: nothing)."""
+        return {}
 
     def failed(self) -> str | None:
         """The first role whose process has exited, if any."""
