@@ -243,8 +243,8 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
         raise click.UsageError("give either ARTIFACT or --demo")
     connector = ConnectorKind(connector or ("gloo" if ray_address else "shm"))
     if ray_address and connector not in (ConnectorKind.GLOO, ConnectorKind.NCCL):
-        raise click.UsageError(f"--connector {connector.value} joins ranks on one host only; Ray places them on "
-                               "any node: --connector gloo (or nccl between GPUs)")
+        raise click.UsageError(f"--connector {connector.value} cannot join ranks on different nodes, and Ray "
+                               "places them on any node: --connector gloo (or nccl between GPUs)")
     check_serving_environment()
     if demo:
         from afdc.demo import demo_artifact

@@ -277,8 +277,8 @@ def test_two_attention_nodes_head_and_headless(models, tmp_path):
     try:
         for name, argv in zip(names, commands, strict=True):
             out = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-            procs[name] = subprocess.Popen(argv + test_args.get(name, []), env=env,
-                                           stdout=out, stderr=subprocess.STDOUT)
+            procs[name] = subprocess.Popen(argv + test_args.get(name, []), env=env, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{api}"
         wait_healthy(url, time.monotonic() + STARTUP, lambda: all(p.poll() is None for p in procs.values()))
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
@@ -295,6 +295,8 @@ def test_two_attention_nodes_head_and_headless(models, tmp_path):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            with contextlib.suppress(ProcessLookupError):  # an engine left behind by a start that failed
+                os.killpg(p.pid, signal.SIGKILL)
     assert served.keys() == {"0", "1"} and min(served.values()) > 0, served  # both engines served
     _check_data_parallel_ranks(tmp_path / "head.log", 1)
     headless = (tmp_path / "headless.log").read_text()
@@ -470,6 +472,9 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
     code, out = serve(two, "--role", "attn", "--rendezvous", f"127.0.0.1:{free_port()}", "--join-timeout", "2",
                       "--", "-dpl", "1", "-dpr", "1", "--headless")
     assert code == 2 and "cannot reach the rendezvous store" in out
+    # afdc up --ray places ranks on any node of a Ray cluster: a one-host transport is refused first
+    result = CliRunner().invoke(main, ["up", two, "--ray", "--connector", "shm"])
+    assert result.exit_code == 2 and "--connector shm cannot join ranks on different nodes" in result.output
     plan_only = tmp_path / "plan-only"
     compile_model(str(models / "dense" / "config.json"), "1A1F", plan_only, weights=False, progress=False)
     code, out = serve(str(plan_only), "--role", "attn", "--connector", "loopback")
