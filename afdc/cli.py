@@ -223,10 +223,17 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the OpenAI servers bind.")
 @click.option("--port", type=int, default=8000, show_default=True,
               help="Port of the OpenAI API (vLLM balances requests over the attention ranks, its DP ranks).")
-@click.option("--connector", type=_CONNECTORS, default="shm",
-              show_default=True,
-              help="Transport between the roles (cuda-ipc: with --device cuda; loopback: monolithic, no FFN "
-                   "processes).")
+@click.option("--connector", type=_CONNECTORS, default=None,
+              help="Transport between the roles [default: shm; gloo with --ray] (cuda-ipc: with --device cuda; "
+                   "loopback: monolithic, no FFN processes).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None, metavar="[ADDRESS]",
+              help="Deploy onto an existing Ray cluster (ADDRESS: ray.init's; default $RAY_ADDRESS or this node's): "
+                   "FFN ranks as Ray actors, attention ranks as vLLM's Ray DP engines. Run it on a node of the "
+                   "cluster: local attention ranks go on this node.")
+@click.option("--ray-attn-resource", default="afdc_attn", show_default=True,
+              help="With --ray: the Ray resource each attention rank takes one unit of (GPU, CPU or a custom one).")
+@click.option("--ray-ffn-resource", default="afdc_ffn", show_default=True,
+              help="With --ray: the Ray resource each FFN rank takes one unit of.")
 @click.option("--device", default="cpu", show_default=True, help="Device every role runs on.")
 @click.option("--micro-batches", type=int, default=None, help="Micro-batches per step (default: the plan's).")
 @click.option("--kv-cache-mb", type=int, default=256, show_default=True, help="KV cache per attention rank on CPU.")
@@ -241,9 +248,11 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
               help="As `afdc serve --token-buckets`, for every FFN rank (on a GPU: its layers in CUDA graphs).")
 @_serving_options("default on a CPU: this host's cores less one, shared by the attention engines and FFN servers")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir,
-       backend, token_buckets, spin, threads, log_interval, vllm_args) -> None:
-    """Start every role of ARTIFACT's plan on this machine and serve the OpenAI API until Ctrl-C.
+def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,
+       micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir, backend, token_buckets, spin, threads,
+       log_interval, vllm_args) -> None:
+    """Start every role of ARTIFACT's plan on this machine (or a Ray cluster) and serve the OpenAI
+    API until Ctrl-C.
 
     Arguments after `--` go to the attention ranks' `vllm serve --data-parallel-size A`.
     """
@@ -259,6 +268,10 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
         artifact, vllm_args = None, (artifact, *vllm_args)
     if demo == (artifact is not None):
         raise click.UsageError("give either ARTIFACT or --demo")
+    connector = ConnectorKind(connector or ("gloo" if ray_address else "shm"))
+    if ray_address and connector not in (ConnectorKind.GLOO, ConnectorKind.NCCL):
+        raise click.UsageError(f"--connector {connector.value} cannot join ranks on different nodes, and Ray "
+                               "places them on any node: --connector gloo (or nccl between GPUs)")
     check_serving_environment()
     if demo:
         from afdc.demo import demo_artifact
@@ -271,8 +284,13 @@ def up(artifact, demo, host, port, connector, device, micro_batches, kv_cache_mb
     )
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-    deployment = Deployment(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None,
-                            token_buckets)
+    kind, placement = Deployment, {}
+    if ray_address:
+        from afdc.serve.ray_cluster import RayDeployment, RayPools
+
+        kind, placement = RayDeployment, {"pools": RayPools(ray_address, ray_attn_resource, ray_ffn_resource)}
+    deployment = kind(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None,
+                      token_buckets, **placement)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))

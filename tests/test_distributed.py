@@ -97,7 +97,7 @@ def test_generation_across_processes_matches_monolith(reference, model_type, pla
         for snap in dm.metrics():
             assert snap["exchange_ms"]["count"] > 0 and snap["errors"] == 0
             phases = snap["phases"]
-            assert phases["send"]["count"] == snap["messages_sent"] - phases["plan"]["count"] * dm.layout.ffn_ranks
+            assert phases["send"]["count"] == snap["messages_sent"] and phases["plan"]["count"] > 0
             assert phases["wait"]["count"] == snap["exchange_ms"]["count"]
             assert 0 < phases["wait"]["seconds"] < snap["uptime_s"]
     served = cluster.metrics()  # published by each server as it stopped

@@ -240,6 +240,70 @@ def test_moe_2a2f_attention_ranks_are_vllm_dp_ranks(moe_server):
     assert sum(grown.values()) <= 4 * NEW_TOKENS, grown
 
 
+def _documented_commands(heading: str, replace: dict[str, str]) -> list[list[str]]:
+    """The ``afdc serve`` commands of the bash block after ``heading`` in docs/serving.md, with
+    each ``replace`` key (a whole word) replaced, as argument lists for this Python."""
+    import shlex
+
+    docs = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    block = docs[docs.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        if line.startswith("afdc serve "):
+            for old, new in replace.items():
+                line = re.sub(rf"(?<![\w.:/-]){re.escape(old)}(?![\w.:/-])", new, line)
+            commands.append([sys.executable, "-m", "afdc.cli", *shlex.split(line)[1:]])
+    return commands
+
+
+def test_two_attention_nodes_head_and_headless(models, tmp_path):
+    """docs/serving.md's commands for two attention hosts, run on this machine: a head (DP rank 0,
+    the API, the store) and a headless process (DP rank 1) joined by vLLM's DP handshake, and two
+    FFN ranks over gloo. Both engines serve as their attention ranks, and concurrent greedy
+    requests through the API equal afdc's own generation."""
+    artifact = _artifact(models, "moe", "2A2F")
+    api, store, rpc = free_port(), free_port(), free_port()
+    commands = _documented_commands("Two attention hosts", {
+        "out/m-2a2f": str(artifact), "10.0.0.1:29500": f"127.0.0.1:{store}", "10.0.0.1": "127.0.0.1",
+        "0.0.0.0": "127.0.0.1", "8000": str(api), "13345": str(rpc), "cuda": "cpu", "cuda:0": "cpu", "cuda:1": "cpu",
+    })
+    assert [c[c.index("--role") + 1] for c in commands] == ["attn", "attn", "ffn", "ffn"], commands
+    engine_args = ["--max-model-len", "128"]
+    test_args = {"head": [*engine_args, "--api-server-count", "1", "--return-tokens-as-token-ids"],
+                 "headless": engine_args}
+    env = {**os.environ, "AFDC_TOKEN": "two-nodes-test-token"}
+    names = ["head", "headless", "ffn-0", "ffn-1"]
+    procs = {}
+    try:
+        for name, argv in zip(names, commands, strict=True):
+            out = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+            procs[name] = subprocess.Popen(argv + test_args.get(name, []), env=env, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{api}"
+        wait_healthy(url, time.monotonic() + STARTUP, lambda: all(p.poll() is None for p in procs.values()))
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
+        prompts = PROMPTS * 4
+        with ThreadPoolExecutor(16) as pool:
+            assert list(pool.map(lambda p: _complete(client, p), prompts)) == _reference(artifact, prompts)
+        served = _engine_counter(urllib.request.urlopen(f"{url}/metrics").read().decode(), "vllm:request_success_total")
+    finally:
+        for p in procs.values():  # the API and its engines first: they finish their requests
+            p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            with contextlib.suppress(ProcessLookupError):  # an engine left behind by a start that failed
+                os.killpg(p.pid, signal.SIGKILL)
+    assert served.keys() == {"0", "1"} and min(served.values()) > 0, served  # both engines served
+    _check_data_parallel_ranks(tmp_path / "head.log", 1)
+    headless = (tmp_path / "headless.log").read_text()
+    assert re.search(r"EngineCore_DP1 .*afdc: attention rank 1 of .*FFN over gloo", headless), headless[-3000:]
+    assert "attention rank 0" not in headless
+
+
 def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
     """A KV pool of 10 blocks of 16 tokens for 8 concurrent requests sharing a 32-token prefix,
     each growing past 48 tokens while decoding: vLLM must reuse the cached prefix blocks and
@@ -408,6 +472,9 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
     code, out = serve(two, "--role", "attn", "--rendezvous", f"127.0.0.1:{free_port()}", "--join-timeout", "2",
                       "--", "-dpl", "1", "-dpr", "1", "--headless")
     assert code == 2 and "cannot reach the rendezvous store" in out
+    # afdc up --ray places ranks on any node of a Ray cluster: a one-host transport is refused first
+    result = CliRunner().invoke(main, ["up", two, "--ray", "--connector", "shm"])
+    assert result.exit_code == 2 and "--connector shm cannot join ranks on different nodes" in result.output
     plan_only = tmp_path / "plan-only"
     compile_model(str(models / "dense" / "config.json"), "1A1F", plan_only, weights=False, progress=False)
     code, out = serve(str(plan_only), "--role", "attn", "--connector", "loopback")

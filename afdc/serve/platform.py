@@ -38,6 +38,13 @@ def _device() -> torch.device:
     return torch.device(WorkerSettings.from_env().device if active() else "cpu")
 
 
+def _ray_resource() -> str:
+    """What each attention rank takes from a Ray node under ``--data-parallel-backend ray``
+    (vLLM places each DP engine on a node with one unit of it)."""
+    chosen = WorkerSettings.from_env().ray_resource if active() else None
+    return chosen or ("GPU" if _device().type == "cuda" else "CPU")
+
+
 @functools.cache
 def _has_mixers() -> bool:
     """Whether the served artifact has stateful mixers (their state goes in vLLM's hybrid groups)."""
@@ -89,6 +96,7 @@ class AfdcPlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name = device_type = _device().type
     dispatch_key = device_type.upper()
+    ray_device_key = _ray_resource()
     dist_backend = "gloo"
 
     @classmethod

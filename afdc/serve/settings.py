@@ -32,6 +32,9 @@ class WorkerSettings:
     log_interval: float = 30.0  # seconds between metrics log lines (0: never)
     spin: float | None = None  # seconds a wait for a peer polls before it blocks (None: by the host's cores)
     threads: int | None = None  # torch threads of the process (None: torch's default)
+    # the Ray resource vLLM's DP placement gives each attention rank (--data-parallel-backend ray,
+    # afdc up --ray); None: one GPU on a GPU device, else one CPU
+    ray_resource: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))

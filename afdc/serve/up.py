@@ -187,21 +187,35 @@ class Deployment:
         plan = read_manifest(self.artifact).plan
         s = self.settings
         env = {**os.environ, "AFDC_TOKEN": s.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
-        settings = replace(s, token=None, threads=s.threads or threads_per_role(plan, s))
+        settings = replace(s, token=None, threads=s.threads or self._default_threads(plan, s))
         argv = attention_command(settings, self.host, self.port, self.vllm_args)  # refused before any role starts
         if not s.connector.in_process:
             # the FFN ranks wait for the store that attention rank 0 hosts once its vLLM engine is up
-            ffn = replace(settings, join_timeout=max(s.join_timeout, startup_timeout))
-            for r in range(plan.ffn_ranks):
-                say(f"starting FFN rank {r} of {plan.ffn_ranks}")
-                self._spawn(f"ffn-{r}", ffn_command(ffn, r, self.token_buckets), env)
+            self._start_ffn_ranks(
+                plan.ffn_ranks, replace(settings, join_timeout=max(s.join_timeout, startup_timeout)), env, say
+            )
         say(f"starting {plan.attention_ranks} attention ranks (vLLM data-parallel engines) on port {self.port}")
-        self._spawn("attn", argv, {**env, **settings.to_env()})
+        self._spawn("attn", argv, {**env, **settings.to_env(), **self._attention_env()})
         proc = self.processes["attn"]
         url = f"http://{self.host}:{self.port}"
         wait_healthy(url, time.monotonic() + startup_timeout, lambda: proc.poll() is None)
         say("the attention ranks are ready")
         return url
+
+    def _start_ffn_ranks(self, ranks: int, settings: WorkerSettings, env: dict[str, str],
+                         say: Callable[[str], None]) -> None:
+        """Start FFN ranks ``0 .. ranks - 1`` (here: child processes)."""
+        for r in range(ranks):
+            say(f"starting FFN rank {r} of {ranks}")
+            self._spawn(f"ffn-{r}", ffn_command(settings, r, self.token_buckets), env)
+
+    def _attention_env(self) -> dict[str, str]:
+        """What the attention server's environment needs beyond the settings (here: nothing)."""
+        return {}
+
+    def _default_threads(self, plan: Plan, settings: WorkerSettings) -> int | None:
+        """Torch threads per process unless given (here: every role shares this host's cores)."""
+        return threads_per_role(plan, settings)
 
     def failed(self) -> str | None:
         """The first role whose process has exited, if any."""

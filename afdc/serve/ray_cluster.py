@@ -1,0 +1,138 @@
+"""Deploying a plan onto an existing Ray cluster (``afdc up --ray [ADDRESS]``).
+
+Each FFN rank is a Ray actor (:class:`FfnRank`) that takes one unit of the FFN pool's resource
+(``afdc_ffn`` unless told otherwise), so Ray places it on a node of that pool, and restarts it
+when its process dies; the restarted server rejoins the deployment as a restarted
+``afdc serve --role ffn`` does. The attention ranks are vLLM's DP engines under
+``--data-parallel-backend ray``: the ``vllm serve`` process runs here (this node must be in the
+cluster) and vLLM places one engine actor per DP rank on a node with one unit of the attention
+pool's resource (afdc's platform names it as vLLM's ``ray_device_key``), local DP ranks on this
+node. Attention rank 0 hosts the rendezvous store at this node's Ray address, which every FFN
+actor is given.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from afdc.errors import AfdcError
+from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.rendezvous import free_port
+from afdc.serve.settings import ENV, WorkerSettings
+from afdc.serve.up import Deployment
+
+NAMESPACE = "afdc"  # the Ray namespace of afdc's named actors
+
+
+@dataclass(frozen=True)
+class RayPools:
+    """Where a plan's roles go on a Ray cluster: each rank takes one unit of its pool's resource."""
+
+    address: str = "auto"  # the cluster (ray.init's address; auto: $RAY_ADDRESS or this node's cluster)
+    attention: str = "afdc_attn"  # each attention rank (vLLM DP engine); GPU or CPU are Ray's own
+    ffn: str = "afdc_ffn"  # each FFN rank
+    max_restarts: int = -1  # how often Ray restarts a lost FFN rank (-1: always)
+
+
+def resource_demand(resource: str) -> dict:
+    """Ray actor options taking one unit of ``resource`` (Ray's own GPU and CPU have their own options)."""
+    if resource == "GPU":
+        return {"num_gpus": 1}
+    if resource == "CPU":
+        return {"num_cpus": 1}
+    return {"num_cpus": 0, "resources": {resource: 1}}  # the pool's resource alone decides where it runs
+
+
+class FfnRank:
+    """One FFN rank as a Ray actor: its server runs in a thread of the actor's process, and the
+    process ends when the server does, so that Ray restarts it (a new server, which rejoins)."""
+
+    def __init__(self, artifact: str, rank: int, options: RuntimeOptions, device: str, backend: str | None) -> None:
+        from afdc.serve.ffn import serve_ffn_rank
+
+        self.rank = rank
+        # serve_ffn_rank ends this process when its server stops (os._exit), whatever stopped it
+        threading.Thread(target=serve_ffn_rank, args=(artifact, rank, options, device, backend), daemon=True,
+                         name=f"ffn-rank-{rank}").start()
+
+    def where(self) -> tuple[str, int]:
+        """The Ray node id and the pid of the process serving this rank."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as err:
+        raise AfdcError('afdc up --ray needs Ray: pip install -e ".[ray]" (on every node of the cluster)') from err
+    return ray
+
+
+@dataclass
+class RayDeployment(Deployment):
+    """A plan's roles on a Ray cluster: FFN ranks as actors, attention ranks as vLLM's Ray DP engines."""
+
+    pools: RayPools = RayPools()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.actors: dict[str, object] = {}  # the FFN ranks' actor handles, by role name
+
+    def start(self, startup_timeout: float, say: Callable[[str], None]) -> str:
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(address=self.pools.address, namespace=NAMESPACE, log_to_driver=self.log_dir is None)
+        self._gcs = ray.get_runtime_context().gcs_address
+        node_ip = ray.util.get_node_ip_address()  # the address every node reaches this one at
+        say(f"on the Ray cluster at {self._gcs}: attention ranks on '{self.pools.attention}', "
+            f"FFN ranks on '{self.pools.ffn}'")
+        self.settings = replace(self.settings, rendezvous=f"{node_ip}:{free_port()}",
+                                ray_resource=self.pools.attention)
+        self.vllm_args = ["--data-parallel-backend", "ray", "--data-parallel-address", node_ip, *self.vllm_args]
+        url = super().start(startup_timeout, say)
+        for name, actor in self.actors.items():
+            node, pid = ray.get(actor.where.remote(), timeout=startup_timeout)
+            say(f"{name}: Ray node {node}, pid {pid}")
+        return url
+
+    def _start_ffn_ranks(self, ranks: int, settings: WorkerSettings, env: dict[str, str],
+                         say: Callable[[str], None]) -> None:
+        ray = _ray()
+        s = settings
+        options = RuntimeOptions(connector=s.connector, rendezvous=s.rendezvous, timeout=s.timeout,
+                                 join_timeout=s.join_timeout, token_buckets=self.token_buckets,
+                                 insecure_no_token=s.insecure_no_token, spin=s.spin, log_interval=s.log_interval)
+        actor = ray.remote(FfnRank)
+        name = Path(self.settings.artifact).resolve().name
+        for r in range(ranks):
+            say(f"placing FFN rank {r} of {ranks} (a Ray actor, one '{self.pools.ffn}')")
+            self.actors[f"ffn-{r}"] = actor.options(
+                name=f"{name}-ffn-{r}", max_restarts=self.pools.max_restarts, max_task_retries=0,
+                runtime_env={"env_vars": {"AFDC_TOKEN": env["AFDC_TOKEN"]}},  # the token, not as an argument
+                **resource_demand(self.pools.ffn),
+            ).remote(s.artifact, r, options, s.device, s.backend)
+
+    def _default_threads(self, plan, settings: WorkerSettings) -> int | None:
+        return None  # the roles are on the cluster's nodes, not sharing this one: torch's default
+
+    def _attention_env(self) -> dict[str, str]:
+        # vLLM copies only its own variables into its engine actors: afdc's settings and token too
+        extra = os.environ.get("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "")
+        return {"RAY_ADDRESS": self._gcs,
+                "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": ",".join(filter(None, [extra, ENV, "AFDC_TOKEN"]))}
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """The attention server first (vLLM removes its engine actors), then the FFN actors."""
+        super().stop(timeout)
+        ray = _ray()
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        self.actors.clear()
+        if ray.is_initialized():
+            ray.shutdown()

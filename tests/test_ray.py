@@ -1,0 +1,109 @@
+"""`afdc up --ray` on a real local Ray cluster of two nodes started by the test: the attention
+node (resource ``afdc_attn``) and the FFN node (``afdc_ffn``, its own address and raylet).
+
+The demo compiled 2A2F: greedy text through the official ``openai`` client equals
+``dm.generate``; the FFN actors ran on the FFN node; killing an FFN actor's process ends the
+request it served with a 503 naming the rank, and Ray restarts it, after which the deployment
+serves equal tokens again. Skipped where Ray is not installed (``pip install -e ".[ray]"``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ray = pytest.importorskip("ray", reason='Ray is not installed: pip install -e ".[ray]"')
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+from test_serve import PROMPTS, STARTUP, _complete, _reference, _until_running  # noqa: E402
+
+from afdc.compile import compile_model  # noqa: E402
+from afdc.demo import save_demo  # noqa: E402
+from afdc.runtime.rendezvous import free_port  # noqa: E402
+from afdc.serve.ray_cluster import NAMESPACE  # noqa: E402
+from afdc.serve.up import wait_healthy  # noqa: E402
+
+
+@pytest.fixture
+def cluster():
+    """A head node with two attention ranks' worth of afdc_attn (and a CPU per DP engine actor),
+    and a second node at another address with two FFN ranks' worth of afdc_ffn."""
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"afdc_attn": 2}, "include_dashboard": False})
+    ffn_node = c.add_node(num_cpus=1, resources={"afdc_ffn": 2}, node_ip_address="127.0.0.1")
+    c.wait_for_nodes()
+    try:
+        yield c, ffn_node
+    finally:
+        c.shutdown()
+
+
+def test_up_on_a_ray_cluster_places_ffn_actors_and_restarts_them(cluster, tmp_path):
+    c, ffn_node = cluster
+    save_demo(tmp_path / "moe")
+    artifact = tmp_path / "moe-2a2f"
+    compile_model(str(tmp_path / "moe"), "2A2F", artifact, progress=False)
+    ref = _reference(artifact, PROMPTS * 2)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "afdc.cli", "up", str(artifact), "--ray", c.address, "--port", str(port),
+         "--startup-timeout", str(STARTUP), "--log-dir", str(tmp_path / "logs"), "--",
+         "--max-model-len", "128", "--api-server-count", "1", "--return-tokens-as-token-ids"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready:") or proc.poll() is not None:
+                break
+        out = "".join(lines)
+        assert f"ready: OpenAI API at http://127.0.0.1:{port}/v1" in out, out
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(lambda p: _complete(client, p), PROMPTS * 2)) == ref
+
+        # the FFN ranks are actors on the node with the afdc_ffn resource
+        ray.init(address=c.address, namespace=NAMESPACE)
+        ffn = [ray.get_actor(f"{artifact.name}-ffn-{r}") for r in range(2)]
+        where = [ray.get(a.where.remote(), timeout=60) for a in ffn]
+        assert {node for node, _ in where} == {ffn_node.node_id}, where
+        assert f"ffn-0: Ray node {ffn_node.node_id}, pid {where[0][1]}" in out
+        # the attention ranks are vLLM's Ray DP engines, each in a placement group holding one afdc_attn
+        free = ray.available_resources()
+        assert free.get("afdc_attn", 0) == 0 and free.get("afdc_ffn", 0) == 0, free
+
+        # a lost FFN actor: the request it served gets a 503 naming it; Ray restarts it and it rejoins
+        model = client.models.list().data[0].id
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(client.completions.create, model=model, prompt=PROMPTS[0], max_tokens=120,
+                               temperature=0, extra_body={"ignore_eos": True})
+            _until_running(url)
+            os.kill(where[0][1], signal.SIGKILL)
+            with pytest.raises(openai.APIStatusError) as lost:
+                long.result(timeout=60)
+        assert lost.value.status_code == 503 and "ffn rank 0" in str(lost.value), lost.value
+        wait_healthy(url, time.monotonic() + STARTUP, lambda: proc.poll() is None)
+        node, pid = ray.get(ffn[0].where.remote(), timeout=STARTUP)
+        assert node == ffn_node.node_id and pid != where[0][1]  # a new process, placed by resource again
+        assert _complete(client, PROMPTS[0]) == ref[0]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+        if ray.is_initialized():
+            ray.shutdown()
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert "stopping every role" in rest
+    log = (tmp_path / "logs" / "attn.log").read_text()  # complete once vllm serve exited (its output is buffered)
+    for a in range(2):
+        assert re.search(rf"EngineCoreActor pid=\d+\).*afdc: attention rank {a} of ", log), log[-3000:]
