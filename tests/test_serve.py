@@ -496,3 +496,23 @@ def test_settings_round_trip_through_the_environment(monkeypatch):
     for k, v in s.to_env().items():
         monkeypatch.setenv(k, v)
     assert WorkerSettings.from_env() == s
+
+
+def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
+    """Each attention engine and FFN server gets (cores - 1) // processes torch threads, at least
+    one (one core for vLLM's API server and the clients); on a GPU torch's default stands; the
+    FFN ranks' command line carries the threads, the wait policy and the metrics interval."""
+    from afdc.serve.up import ffn_command, threads_per_role
+
+    shm, mono = WorkerSettings("/a", connector="shm", rendezvous="h:1"), WorkerSettings("/a", connector="loopback")
+    assert threads_per_role(afdc.Plan.parse("1A1F"), shm, cores=2) == 1
+    assert threads_per_role(afdc.Plan.parse("1A1F"), mono, cores=2) == 1
+    assert threads_per_role(afdc.Plan.parse("1A1F"), mono, cores=16) == 15
+    assert threads_per_role(afdc.Plan.parse("1A1F"), shm, cores=16) == 7
+    assert threads_per_role(afdc.Plan.parse("2A2F"), shm, cores=16) == 3
+    assert threads_per_role(afdc.Plan.parse("4A4F"), shm, cores=4) == 1
+    assert threads_per_role(afdc.Plan.parse("1A1F"), WorkerSettings("/a", device="cuda:0"), cores=16) is None
+    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", spin=0.0, threads=3, log_interval=5), 0)
+    assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--spin") + 1] == "0.0"
+    assert argv[argv.index("--log-interval") + 1] == "5"
+    assert "--spin" not in ffn_command(shm, 0) and "--threads" not in ffn_command(shm, 0)

@@ -53,7 +53,7 @@ def _artifact(root: Path, model_type: str, plan: str, micro_batches: int = 1, at
     ("model_type", "plan", "micro_batches", "attention_tp", "backend"),
     [
         ("qwen3_next", "2A2F", 2, 1, None),
-        ("qwen3_next", "2A2F", 2, 1, "inductor"),
+        ("qwen3_next", "1A1F", 2, 1, "inductor"),  # 2A2F compiled once per engine: twice the time, no more covered
         ("qwen3_next", "1A1F", 1, 2, None),
         ("granitemoehybrid", "1A2F", 1, 1, None),
         ("minimax", "1A2F", 1, 1, None),

@@ -117,8 +117,9 @@ def threads_per_role(plan: Plan, settings: WorkerSettings, cores: int | None = N
     API server, its scheduler and the clients, shared among the processes that compute (the
     attention engines, and the FFN servers unless monolithic); None on a GPU (torch's default).
     Each process left to torch's default takes a thread per core, and the processes' thread pools
-    then stall each other: on 2 cores the demo served 1A1F under 16 streams took 2.7x the time
-    per token, the monolithic worker 1.3x."""
+    then stall each other: on 2 cores, under 16 streams of ``vllm bench serve``, the demo served
+    1A1F took 3.5x the monolith's time per token with 2 threads a process and 1.4x with one, and
+    the monolith itself 1.34x its time with one thread."""
     if settings.device.split(":")[0] != "cpu":
         return None
     cores = cores or len(os.sched_getaffinity(0))

@@ -58,10 +58,11 @@ def default_spin(cores: int | None = None) -> float:
     """How long a wait polls before it blocks, by default: 2 ms where this process may run on
     :data:`SPIN_CORES` cores or more (``cores``; default: those it may run on), else none.
     A deployment's roles, vLLM's API server and its clients share a small host's cores, and a
-    wait that polls takes the core its peer needs to compute the awaited reply: on 2 cores,
-    the demo served 1A1F under 16 streams ran at XXX the monolith's time per token with 2 ms
-    spins and XXX with none. A host of many cores has one to spare, and a poll hears a reply
-    some microseconds before a futex wake does."""
+    wait that polls takes the core its peer needs to compute the awaited reply: on 2 cores, the
+    demo served 1A1F under 64 streams of ``vllm bench serve`` took 1.55x the monolith's time per
+    token with 2 ms spins and 1.26x with none, and under 16 streams its FFN server burned 2.5x its
+    compute time in CPU, against 1.6x (``benchmarks/RESULTS.md``). A host of many cores has one to
+    spare, and a poll hears a reply some microseconds before a futex wake does."""
     cores = len(os.sched_getaffinity(0)) if cores is None else cores
     return 2e-3 if cores >= SPIN_CORES else 0.0
 
