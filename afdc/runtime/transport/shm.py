@@ -487,9 +487,11 @@ class ShmTransport(Transport):
     def collect(self, wait: float) -> list[Incoming | Failure]:
         start = time.monotonic()
         deadline = start + wait
-        pause = self._waiter.pauses(
-            block=self._block_any, wakes=futex.AVAILABLE and len(self._links) == 1, until=deadline
-        )
+        # a reply held back for its slot goes out when the peer frees the slot, which wakes no
+        # one: then the wait looks again within max_sleep rather than blocking
+        links = list(self._links.values())
+        wakes = futex.AVAILABLE and len(links) == 1 and not links[0].backlog
+        pause = self._waiter.pauses(block=self._block_any, wakes=wakes, until=deadline)
         while True:
             for peer, link in list(self._links.items()):
                 if link.backlog:
