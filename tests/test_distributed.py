@@ -605,7 +605,8 @@ def test_a_waiter_that_can_be_woken_blocks_once_past_its_spin_and_never_past_its
     waiter.pauses(block=blocks.append, wakes=True)()
     assert blocks == [0.05]
     waiter.pauses(block=blocks.append, wakes=True, until=time.monotonic() + 0.01)()
-    assert 0 < blocks[-1] <= 0.01
+    assert 0 <= blocks[-1] <= 0.01
+    waiter.busy()  # not idle (however long this test stalled): the first sleep is the shortest
     waiter.pauses(block=blocks.append)()  # nothing wakes it: a short sleep, doubled at the next pause
     assert blocks[-1] == pytest.approx(2e-5)
 
@@ -637,8 +638,8 @@ def test_a_reader_woken_without_a_post_and_a_post_that_wakes_no_one(tmp_path):
         thread.start()
         return thread
 
+    start = time.monotonic()  # before the thread's sleep starts: the wait lasts at least that sleep
     thread = later(reader.wake_readers)
-    start = time.monotonic()
     reader.wait_posted(reader.posted, 30.0)
     assert 0.1 <= time.monotonic() - start < 10.0
     thread.join()
@@ -646,7 +647,7 @@ def test_a_reader_woken_without_a_post_and_a_post_that_wakes_no_one(tmp_path):
     thread = later(lambda: writer.put(1, header, [], Pacing(), 1.0, "reader", wake=False))
     start = time.monotonic()
     reader.wait_posted(seen, 0.5)
-    assert time.monotonic() - start >= 0.5  # posted meanwhile, but slept through: nothing woke it
+    assert time.monotonic() - start >= 0.45  # posted meanwhile, but slept through: nothing woke it
     thread.join()
     assert reader.posted == seen + 1 and reader.pending() == [1]
 
