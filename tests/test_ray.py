@@ -24,7 +24,7 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from ray.cluster_utils import Cluster  # noqa: E402
-from test_serve import PROMPTS, STARTUP, _complete, _reference, _until_running  # noqa: E402
+from test_serve import PROMPTS, STARTUP, _complete, _reference, _until_ready, _until_running  # noqa: E402
 
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import save_demo  # noqa: E402
@@ -60,14 +60,9 @@ def test_up_on_a_ray_cluster_places_ffn_actors_and_restarts_them(cluster, tmp_pa
          "--max-model-len", "128", "--api-server-count", "1", "--return-tokens-as-token-ids"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    lines = []
+    out = ""
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ready:") or proc.poll() is not None:
-                break
-        out = "".join(lines)
-        assert f"ready: OpenAI API at http://127.0.0.1:{port}/v1" in out, out
+        out = _until_ready(proc, port)
         url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
         with ThreadPoolExecutor(8) as pool:
@@ -102,7 +97,7 @@ def test_up_on_a_ray_cluster_places_ffn_actors_and_restarts_them(cluster, tmp_pa
         rest, _ = proc.communicate(timeout=120)
         if ray.is_initialized():
             ray.shutdown()
-    assert proc.returncode == 0, "".join(lines) + rest
+    assert proc.returncode == 0, out + rest
     assert "stopping every role" in rest
     log = (tmp_path / "logs" / "attn.log").read_text()  # complete once vllm serve exited (its output is buffered)
     for a in range(2):

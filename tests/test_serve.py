@@ -385,6 +385,18 @@ def test_sampling_parameters_take_effect(moe_server):
     assert tokens(ignore_eos=True, bad_words=[first])[0][0] != greedy[0]
 
 
+def _until_ready(proc: subprocess.Popen, port: int) -> str:
+    """``afdc up``'s output up to its ready line (or its exit), which must name the API at ``port``."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("ready:") or proc.poll() is not None:
+            break
+    out = "".join(lines)
+    assert f"ready: OpenAI API at http://127.0.0.1:{port}/v1" in out, out
+    return out
+
+
 def _until_running(url: str, timeout: float = 60.0) -> None:
     """Wait until vLLM's metrics show a request running."""
     deadline = time.monotonic() + timeout
@@ -430,13 +442,9 @@ def test_up_demo_serves_the_demo_model(tmp_path):
          "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    lines = []
+    started = ""
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ready:") or proc.poll() is not None:
-                break
-        assert f"ready: OpenAI API at http://127.0.0.1:{port}/v1" in "".join(lines), "".join(lines)
+        started = _until_ready(proc, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
         artifact = tmp_path / "cache" / "demo" / "afdc-demo"
         assert client.models.list().data[0].id == "afdc-demo"
@@ -444,7 +452,7 @@ def test_up_demo_serves_the_demo_model(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, "".join(lines) + out
+    assert proc.returncode == 0, started + out
     assert "stopping every role" in out
 
 
