@@ -411,18 +411,23 @@ def shared_expert_routing(batch: int, new_tokens: int) -> None:
 
 
 def idle_cpu(seconds: float = 5.0) -> None:
+    """Each plan's deployment after one generate, doing nothing: with one attention rank an FFN
+    server sleeps on its one link's bell, with two on the bell both ring (issue 39: < 5% of a core)."""
     model = demo_moe_100m()
     ids = torch.randint(1, model.config.vocab_size, (2, 8))
-    dm = afdc.disaggregate(model, "1A1F", connector="shm")
-    with dm.launch(log_interval=0) as cluster:
-        dm.generate(ids, torch.ones_like(ids), max_new_tokens=2, eos_token_id=[], pad_token_id=0)
-        server = cluster.processes[0].pid
-        before, here, t = _cpu_seconds(server), time.process_time(), time.perf_counter()
-        time.sleep(seconds)
-        elapsed = time.perf_counter() - t
-        ffn, attn = _cpu_seconds(server) - before, time.process_time() - here
-    print(f"\n(e) idle deployment (1A1F shm) over {seconds:g} s: FFN server {100 * ffn / elapsed:.1f}% of a core, "
-          f"attention process {100 * attn / elapsed:.1f}%")
+    for plan in ("1A1F", "2A2F"):
+        dm = afdc.disaggregate(model, plan, connector="shm")
+        with dm.launch(log_interval=0) as cluster:
+            dm.generate(ids, torch.ones_like(ids), max_new_tokens=2, eos_token_id=[], pad_token_id=0)
+            servers = [p.pid for p in cluster.processes]
+            before, here, t = [_cpu_seconds(s) for s in servers], time.process_time(), time.perf_counter()
+            time.sleep(seconds)
+            elapsed = time.perf_counter() - t
+            ffn = [_cpu_seconds(s) - b for s, b in zip(servers, before)]
+            attn = time.process_time() - here
+        each = ", ".join(f"{100 * c / elapsed:.1f}%" for c in ffn)
+        print(f"\n(e) idle deployment ({plan} shm) over {seconds:g} s: FFN servers {each} of a core, attention "
+              f"process {100 * attn / elapsed:.1f}%, all {100 * (sum(ffn) + attn) / elapsed:.1f}%")
 
 
 def _cpu_seconds(pid: int) -> float:

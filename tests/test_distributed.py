@@ -618,9 +618,20 @@ def test_spin_by_default_only_with_cores_to_spare():
     assert default_spin(SPIN_CORES) > 0
 
 
-def test_a_reader_woken_without_a_post_and_a_post_that_wakes_no_one(tmp_path):
-    """``wake_readers`` ends a reader's sleep at once (a message came over the socket); a post
-    with ``wake=False`` (a step plan) leaves it asleep, and the reader finds it at its next look."""
+def _later(action, seconds: float = 0.1) -> threading.Thread:
+    """``action`` run by a thread after ``seconds``."""
+    def run():
+        time.sleep(seconds)
+        action()
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_slot_reader_woken_without_a_post_and_a_post_that_wakes_no_one(tmp_path):
+    """``wake_readers`` ends a reader's sleep on its slot at once (a message came over the
+    socket); a post with ``wake=False`` (a sender to a server, which rings the server's bell
+    instead) leaves it asleep, and the reader finds it at its next look."""
     from afdc.runtime.transport import futex
     from afdc.runtime.transport.shm import Mailbox
 
@@ -628,61 +639,103 @@ def test_a_reader_woken_without_a_post_and_a_post_that_wakes_no_one(tmp_path):
         pytest.skip("no futex on this platform: readers sleep in steps")
     writer = Mailbox(tmp_path / "box", slots=2, slot_bytes=64, create=True)
     reader = Mailbox(tmp_path / "box", 2, 64)
-    header = wire.Header(wire.Kind.STEP, b"12345678", 1, 1, 0, 0, 1, 0).encode()
-
-    def later(action):
-        def run():
-            time.sleep(0.1)
-            action()
-        thread = threading.Thread(target=run)
-        thread.start()
-        return thread
+    header = wire.Header(wire.Kind.DATA, b"12345678", 1, 1, 0, 0, 1, 0).encode()
 
     start = time.monotonic()  # before the thread's sleep starts: the wait lasts at least that sleep
-    thread = later(reader.wake_readers)
-    reader.wait_posted(reader.posted, 30.0)
+    thread = _later(reader.wake_readers)
+    reader.wait_ready(1, 30.0)
     assert 0.1 <= time.monotonic() - start < 10.0
     thread.join()
-    seen = reader.posted
-    thread = later(lambda: writer.put(1, header, [], Pacing(), 1.0, "reader", wake=False))
+    thread = _later(lambda: writer.put(1, header, [], Pacing(), 1.0, "reader", wake=False))
     start = time.monotonic()
-    reader.wait_posted(seen, 0.5)
+    reader.wait_ready(1, 0.5)
     assert time.monotonic() - start >= 0.45  # posted meanwhile, but slept through: nothing woke it
     thread.join()
-    assert reader.posted == seen + 1 and reader.pending() == [1]
+    assert reader.ready(1) and reader.pending() == [1]
 
 
-def test_a_mailbox_reader_sleeps_until_a_message_is_posted(tmp_path):
-    """The reader's sleep ends at the post (a futex on the doorbell, woken by the writer), not
-    at its timeout; with nothing posted it lasts the timeout; a post it has not seen yet ends
-    it at once."""
+def test_a_slot_reader_sleeps_until_its_message_is_posted(tmp_path):
+    """A micro-batch thread's sleep on its slot ends at the post (a futex on the slot's sequence
+    number, woken by the writer), not at its timeout; with nothing posted it lasts the timeout;
+    a message already there ends it at once."""
     from afdc.runtime.transport import futex
     from afdc.runtime.transport.shm import Mailbox
 
     writer = Mailbox(tmp_path / "box", slots=1, slot_bytes=64, create=True)
     reader = Mailbox(tmp_path / "box", 1, 64)  # the reader maps it with the geometry agreed
     start = time.monotonic()
-    reader.wait_posted(reader.posted, 0.2)
+    reader.wait_ready(0, 0.2)
     assert time.monotonic() - start >= 0.2
-    seen = reader.posted
     header = wire.Header(wire.Kind.DATA, b"12345678", 1, 1, 0, 0, 1, 0).encode()
-
-    def post():
-        time.sleep(0.2)
-        writer.put(0, header, memoryview(b""), lambda: None, time.monotonic() + 1, "reader")
-
     long = 30.0 if futex.AVAILABLE else 0.5  # without a futex the sleep lasts its timeout
-    poster = threading.Thread(target=post)
     start = time.monotonic()
-    poster.start()
-    reader.wait_posted(seen, long)
+    poster = _later(lambda: writer.put(0, header, [], Pacing(), 1.0, "reader"), 0.2)
+    reader.wait_ready(0, long)
     took = time.monotonic() - start
     poster.join()
     assert reader.ready(0)
     assert 0.2 <= took < (10.0 if futex.AVAILABLE else 1.0)
     start = time.monotonic()
-    reader.wait_posted(seen, long)  # posted since ``seen``: no sleep
+    reader.wait_ready(0, long)  # a message is there: no sleep
     assert time.monotonic() - start < (10.0 if futex.AVAILABLE else 1.0)
+
+
+def _ring(fd: int, times: int) -> None:
+    from afdc.runtime.transport.shm import Bell
+
+    bell = Bell.received(fd)
+    for _ in range(times):
+        bell.ring()
+
+
+def test_a_bell_counts_every_ring_of_several_processes_and_wakes_its_sleeper():
+    """An FFN server sleeps on one bell for all of its links: a ring from any process ends the
+    sleep, a ring since the value it last saw means no sleep at all, and two processes ringing
+    at once both count (the kernel's atomic add; a read-modify-write from Python loses some)."""
+    from afdc.runtime.transport import futex
+    from afdc.runtime.transport.shm import Bell
+
+    if not futex.AVAILABLE:
+        pytest.skip("no futex on this platform: a server sleeps in steps")
+    bell = Bell.create()
+    ctx = mp.get_context("fork")  # the children inherit the bell's descriptor
+    ringers = [ctx.Process(target=_ring, args=(bell.fd, 20000)) for _ in range(2)]
+    for p in ringers:
+        p.start()
+    for p in ringers:
+        p.join(60)
+    assert [p.exitcode for p in ringers] == [0, 0]
+    assert bell.value == 40000
+
+    seen = bell.value
+    start = time.monotonic()
+    ringer = ctx.Process(target=_ring, args=(bell.fd, 1))
+    thread = _later(ringer.start)
+    bell.wait(seen, 30.0)
+    assert 0.1 <= time.monotonic() - start < 10.0 and bell.value == seen + 1
+    thread.join()
+    ringer.join(10)
+    start = time.monotonic()
+    bell.wait(seen, 30.0)  # rung since ``seen``: no sleep
+    assert time.monotonic() - start < 10.0
+    bell.close()
+
+
+def test_a_bell_that_is_not_a_sealed_word_is_refused(tmp_path):
+    """An attention rank maps the bell its FFN rank passes: a descriptor that could shrink under
+    it (SIGBUS) or is not one word's line is refused with a clear error, and closed."""
+    from afdc.runtime.transport.shm import Bell
+
+    loose = os.memfd_create("loose")  # unsealed: its owner could truncate it under the mapping
+    os.ftruncate(loose, 64)
+    with pytest.raises(ConnectionError, match="not a sealed shared word"):
+        Bell.received(loose)
+    with pytest.raises(OSError):
+        os.fstat(loose)  # closed with the refusal
+    path = tmp_path / "file"
+    path.write_bytes(bytes(64))
+    with pytest.raises(ConnectionError, match="not a sealed shared word"):
+        Bell.received(os.open(path, os.O_RDWR))
 
 
 def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrites_an_untaken_one(tmp_path):

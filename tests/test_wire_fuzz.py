@@ -257,9 +257,8 @@ class HostileRank:
         box._view[start + shm._PAYLOAD : start + shm._PAYLOAD + len(m.payload)] = m.payload
         box._mm[(2 + k) * shm._LINE : (2 + k) * shm._LINE + 8] = (box._seq(k) + 1).to_bytes(8, "little")
         box._mm[shm._LINE : shm._LINE + 8] = (box.posted + 1).to_bytes(8, "little")
-        if box._doorbell is not None:
-            box._seqs[k].wake()
-            box._doorbell.wake()
+        if link.bell is not None:  # as a sender's post rings the server
+            link.bell.ring()
 
     def _claimed(self, m: Message) -> int | None:
         """The payload bytes a reader of ``m``'s header expects (None: the header does not parse)."""

@@ -3,7 +3,7 @@
 A rank that waits for a peer's message without spinning used to sleep in ``time.sleep`` steps,
 and each sleep ends up to ~100 us after it was due (timer slack plus a VM's timer): a micro-batch
 thread, which must not spin (it would keep the GIL from the thread computing the other
-micro-batch), heard its reply a sleep late. ``FUTEX_WAIT`` on the mailbox's doorbell sleeps
+micro-batch), heard its reply a sleep late. ``FUTEX_WAIT`` on the awaited word sleeps
 until the writer's ``FUTEX_WAKE``, and ctypes releases the GIL for the call. The kernel compares
 the word with the value the waiter last saw before it sleeps, so a message posted between the
 waiter's look and its sleep is never slept through. The futexes are shared ones (no
@@ -20,8 +20,11 @@ import platform
 import sys
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
-_WAIT, _WAKE = 0, 1
+_WAIT, _WAKE, _WAKE_OP = 0, 1, 5
 _ALL = 0x7FFFFFFF  # wake every waiter
+# FUTEX_OP(FUTEX_OP_ADD, 1, FUTEX_OP_CMP_EQ, 0): add 1 to the second word; its conditional wake
+# wakes nobody here (the second word is the first, woken already, and nr_wake2 is 0)
+_ADD_ONE = (1 << 28) | (1 << 12)
 
 
 class _Timespec(ctypes.Structure):
@@ -57,3 +60,13 @@ class Word:
 
     def wake(self) -> None:
         _CALL(ctypes.c_long(_SYS_FUTEX), self._address, _WAKE, _ALL, None, None, 0)
+
+    def ring(self) -> None:
+        """Add 1 to the word and wake every waiter, in one call (``FUTEX_WAKE_OP``). The kernel's
+        add is atomic: processes ringing one word at once all count, where a read-modify-write
+        from Python could lose one and leave its waiter asleep with a message posted."""
+        _CALL(ctypes.c_long(_SYS_FUTEX), self._address, _WAKE_OP, _ALL, None, self._address, _ADD_ONE)
+
+    @property
+    def value(self) -> int:
+        return self._word.value

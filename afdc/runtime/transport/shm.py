@@ -5,8 +5,8 @@ left on disk) and proves the deployment token for the current generation. Each d
 link then gets a :class:`Mailbox` in ``/dev/shm``, created by its sender: a slot per micro-batch,
 each completed by a sequence number written after the message. No socket, thread or wake-up
 sits on the data path: the attention rank's micro-batch thread polls its own reply slot
-(:meth:`ShmTransport.receive`), the FFN server polls every slot (:meth:`ShmTransport.collect`),
-both paced by :class:`~afdc.runtime.transport.base.Waiter`. The socket stays for the handshake,
+(:meth:`ShmTransport.receive`), the FFN server polls every slot (:meth:`ShmTransport.collect`)
+and sleeps on one :class:`Bell` for all of its links, both paced by :class:`~afdc.runtime.transport.base.Waiter`. The socket stays for the handshake,
 ERROR and BYE messages, the rare message too big for a slot, and for hearing at once that a peer
 died (end of stream). Mailbox files are unlinked as soon as both ends have mapped them.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import fcntl
 import json
 import logging
 import mmap
@@ -55,18 +56,85 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _send_line(sock: socket.socket, obj: dict) -> None:
-    sock.sendall(json.dumps(obj).encode() + b"\n")
+def _send_line(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(obj).encode() + b"\n"
+    sent = socket.send_fds(sock, [data], fds) if fds else 0
+    sock.sendall(data[sent:])
 
 
-def _read_line(sock: socket.socket, limit: int = 4096) -> dict:
+def _read_line(sock: socket.socket, limit: int = 4096, fds: list[int] | None = None) -> dict:
+    """One JSON line of a handshake; with ``fds``, the file descriptors that came with it are
+    appended there (at most one: the peer's bell)."""
     data = b""
     while not data.endswith(b"\n"):
-        chunk = sock.recv(1)
-        if not chunk or len(data) > limit:
-            raise ConnectionError("handshake ended early or is too long")
+        if fds is None:
+            chunk = sock.recv(1)
+        else:
+            chunk, got, _, _ = socket.recv_fds(sock, 1, 1)
+            fds.extend(got)
+        if not chunk or len(data) > limit or (fds is not None and len(fds) > 1):
+            raise ConnectionError("handshake ended early, is too long or passed more than one descriptor")
         data += chunk
     return json.loads(data)
+
+
+class Bell:
+    """What an FFN server sleeps on for all of its links at once: one futex word that every
+    attention rank's post rings (:meth:`futex.Word.ring`, an atomic add and a wake). A futex
+    sleeps on one word, and a server with a word per link could only sleep in steps: 2.4% of a
+    core per idle FFN server at 2A2F. The word is in a memfd sealed against resizing, passed to
+    each attention rank with the handshake (``SCM_RIGHTS``): nothing in the file system to leave
+    behind, and a peer cannot shrink the mapping under the other end (SIGBUS)."""
+
+    _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+    def __init__(self, fd: int):
+        self.fd = fd  # the server's, to pass on; a ringer's is closed once mapped
+        self._mm = mmap.mmap(fd, _LINE)
+        self._word = futex.Word(self._mm, 0)
+
+    @classmethod
+    def create(cls) -> Bell | None:
+        """The server's bell; None where there are no futexes (the server sleeps in steps)."""
+        if not futex.AVAILABLE:
+            return None
+        fd = os.memfd_create("afdc-bell", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, _LINE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, cls._SEALS | fcntl.F_SEAL_SEAL)
+        return cls(fd)
+
+    @classmethod
+    def received(cls, fd: int) -> Bell:
+        """The server's bell from its handshake, refused unless it is a sealed word."""
+        try:
+            info = os.fstat(fd)
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:  # a file that cannot be sealed
+                seals = 0
+            if not stat.S_ISREG(info.st_mode) or info.st_size != _LINE or seals & cls._SEALS != cls._SEALS:
+                raise ConnectionError("the FFN rank's bell is not a sealed shared word")
+            bell = cls(fd)
+        finally:
+            os.close(fd)
+        bell.fd = -1
+        return bell
+
+    @property
+    def value(self) -> int:
+        return self._word.value
+
+    def ring(self) -> None:
+        self._word.ring()
+
+    def wait(self, seen: int, seconds: float) -> None:
+        """Sleep up to ``seconds``, less once rung past ``seen`` (at once if it already is)."""
+        self._word.wait(seen, seconds)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class Mailbox:
@@ -74,10 +142,10 @@ class Mailbox:
 
     Line 0 holds the slot count, the slot size and how many of a slot's payload bytes the file
     holds (all of them here; none where they live in device memory, :mod:`.cuda_ipc`), line 1 the
-    doorbell (messages posted so far), line 2 + k slot k's ``seq`` (messages the sender has posted
+    count of messages posted so far, line 2 + k slot k's ``seq`` (messages the sender has posted
     into it) and ``ack`` (messages the receiver has taken out). A message is its
     :class:`~afdc.runtime.wire.Header` then its tensors' bytes, written into a free slot
-    (``ack == seq``) before ``seq`` and the doorbell are bumped, so a reader that sees
+    (``ack == seq``) before ``seq`` and that count are bumped, so a reader that sees
     ``seq != ack`` sees the whole message (stores are not reordered with stores on x86-64); a
     subclass may keep the bytes elsewhere (:meth:`_write`, :meth:`_read`). Payloads move by one
     ``memmove`` per tensor between torch's memory and the slot, control words through ``struct``:
@@ -114,10 +182,9 @@ class Mailbox:
         self._view = memoryview(self._mm)
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._controls = struct.Struct("<" + f"QQ{_LINE - 16}x" * self.slots)  # every seq and ack in one read
-        # what readers sleep on: the doorbell (a server, for any slot) and each slot's seq (a
-        # micro-batch thread, for its own: a sibling's reply must not wake it to contend for the GIL)
-        words = [futex.Word(self._mm, line * _LINE) for line in range(1, 2 + self.slots)] if futex.AVAILABLE else []
-        self._doorbell, self._seqs = (words[0], words[1:]) if words else (None, [])
+        # a micro-batch thread sleeps on its own slot's seq: a sibling's reply must not wake it to
+        # contend for the GIL (a server sleeps on its Bell, for every slot of every link)
+        self._seqs = [futex.Word(self._mm, (2 + k) * _LINE) for k in range(self.slots)] if futex.AVAILABLE else []
 
     @classmethod
     def create(cls, path: Path, slots: int, slot_bytes: int, device: torch.device) -> Mailbox:
@@ -167,8 +234,8 @@ class Mailbox:
     def put(self, k: int, header: bytes, tensors: list[torch.Tensor], pacing: Pacing, timeout: float, receiver: str,
             wake: bool = True):
         """Sender: post a message (``tensors`` contiguous, in host memory) into slot ``k`` once the
-        receiver has taken the last one; ``wake=False`` leaves a sleeping receiver asleep (it
-        finds the message with the next one that wakes it)."""
+        receiver has taken the last one; ``wake``: wake a reader asleep on the slot (a sender to
+        a server rings the server's :class:`Bell` instead)."""
         seq = self._seq(k)
         if self._ack(k) != seq:
             pause, deadline = Waiter(pacing).pauses(), time.monotonic() + timeout
@@ -181,32 +248,23 @@ class Mailbox:
         self._write(k, tensors)
         _WORD.pack_into(self._mm, (2 + k) * _LINE, seq + 1)
         _WORD.pack_into(self._mm, _LINE, self.posted + 1)
-        if wake and self._doorbell is not None:
+        if wake and self._seqs:
             self._seqs[k].wake()
-            self._doorbell.wake()
-
-    def wait_posted(self, seen: int, seconds: float) -> None:
-        """Receiver: sleep up to ``seconds``, less once the doorbell is past ``seen`` (at once if
-        it already is)."""
-        if self._doorbell is None:
-            time.sleep(seconds)
-        elif self.posted == seen:
-            self._doorbell.wait(seen, seconds)
 
     def wait_ready(self, k: int, seconds: float) -> None:
         """Receiver: sleep up to ``seconds``, less once slot ``k`` holds a message (at once if it does)."""
         seq = self._seq(k)
         if seq != self._ack(k):
             return
-        if self._doorbell is None:
+        if not self._seqs:
             time.sleep(seconds)
         else:
             self._seqs[k].wait(seq, seconds)
 
     def wake_readers(self) -> None:
-        """Wake whoever sleeps on this mailbox's words without posting: the reader has something
+        """Wake whoever sleeps on this mailbox's slots without posting: the reader has something
         to look at that came another way (a message over the socket, the link's end)."""
-        for word in [self._doorbell, *self._seqs] if self._doorbell is not None else []:
+        for word in self._seqs:
             word.wake()
 
     def take(self, k: int) -> tuple[wire.Header, list[torch.Tensor]]:
@@ -277,11 +335,12 @@ class _Link:
     """A connected peer: the socket (handshake, control messages, messages too big for a slot, and
     the peer's death as end of stream), the mailbox this end writes and the one it reads."""
 
-    def __init__(self, sock: socket.socket, outbound: Mailbox, inbound: Mailbox):
+    def __init__(self, sock: socket.socket, outbound: Mailbox, inbound: Mailbox, bell: Bell | None = None):
         self.sock, self.outbound, self.inbound = sock, outbound, inbound
+        self.bell = bell  # an attention rank's: the FFN rank's, rung after each data message
         self.lock = threading.Lock()  # one writer at a time, on the socket and per slot
         self.reading = threading.Lock()  # one reader per inbound slot (micro-batches may share one)
-        self.seen = 0  # the inbound doorbell when its slots were last scanned
+        self.seen = 0  # the inbound count of posts when its slots were last scanned
         # a server's replies whose slot the peer has not freed yet: (slot, header, tensors, since)
         self.backlog: collections.deque[tuple[int, bytes, list[torch.Tensor], float]] = collections.deque()
         self.dropped = False  # this end ended the link (its failure is said once)
@@ -304,6 +363,8 @@ class ShmTransport(Transport):
         self._waiter = Waiter(self.pacing)  # the FFN server's, for collect
         self._closed = False
         self._lock = threading.Lock()
+        self._bell = Bell.create() if self.role == "ffn" else None  # what the server sleeps on
+        self._bell_seen = 0  # its value when the server last scanned its links
         if self.role == "ffn":
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener.bind(self.address(self.rendezvous, self.slot))
@@ -343,7 +404,9 @@ class ShmTransport(Transport):
             proof = self.rendezvous.proof(gen, self.slot)
             sock.settimeout(self.timeout)
             _send_line(sock, {"slot": self.slot, "generation": gen, "proof": proof, "mailbox": outbound.describe()})
-            reply = _read_line(sock)
+            fds: list[int] = []
+            reply = _read_line(sock, fds=fds)
+            bell = Bell.received(fds.pop()) if fds else None
             if "error" in reply:
                 raise ConnectionError(f"refused by the FFN rank: {reply['error']}")
             inbound = self._peer_mailbox(reply["mailbox"])
@@ -351,7 +414,7 @@ class ShmTransport(Transport):
         finally:
             outbound.path.unlink(missing_ok=True)
         sock.settimeout(None)
-        self._start(peer, _Link(sock, outbound, inbound))
+        self._start(peer, _Link(sock, outbound, inbound, bell))
 
     def _accept(self) -> None:
         while not self._closed:
@@ -382,7 +445,7 @@ class ShmTransport(Transport):
                 return
             inbound = self._peer_mailbox(hello["mailbox"])
             outbound = self._new_mailbox()
-            _send_line(sock, {"mailbox": outbound.describe()})
+            _send_line(sock, {"mailbox": outbound.describe()}, [self._bell.fd] if self._bell is not None else [])
             _read_line(sock)  # the peer mapped our mailbox: it can go from the file system
             sock.settimeout(None)
             self._start(slot, _Link(sock, outbound, inbound))
@@ -429,11 +492,12 @@ class ShmTransport(Transport):
                     link.backlog.append((slot, head, staged, time.monotonic()))
                     self._flush(peer, link)
                 else:
+                    box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}", wake=False)
                     # a step plan wakes no one: the server reads it with the step's first data
                     # message, and a wake-up per step that finds nothing to run cost a context
                     # switch on each side
-                    box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}",
-                            wake=header.kind != wire.Kind.STEP)
+                    if link.bell is not None and header.kind != wire.Kind.STEP:
+                        link.bell.ring()
                 return
             try:
                 link.sock.sendall(head)
@@ -476,23 +540,31 @@ class ShmTransport(Transport):
         link.inbound.wait_ready(_slot(link.inbound, micro_batch), seconds)
 
     def _block_any(self, seconds: float) -> None:
-        """The server's sleep between two scans: on the doorbell of its one link (several links
-        have several doorbells, and a futex sleeps on one word: then a plain sleep)."""
-        links = list(self._links.values())
-        if len(links) == 1:
-            links[0].inbound.wait_posted(links[0].seen, seconds)
-        else:
+        """The server's sleep between two scans: on its bell, as rung when it last scanned (a
+        post since then has rung it past that: no sleep)."""
+        if self._bell is None:
             time.sleep(seconds)
+        else:
+            self._bell.wait(self._bell_seen, seconds)
+
+    def _wake_reader(self, link: _Link) -> None:
+        """Wake this end's reader of ``link`` for what came another way (a socket message, the
+        link's end): the server on its bell, a micro-batch thread on its slot."""
+        if self._bell is not None:
+            self._bell.ring()
+        else:
+            link.inbound.wake_readers()
 
     def collect(self, wait: float) -> list[Incoming | Failure]:
         start = time.monotonic()
         deadline = start + wait
         # a reply held back for its slot goes out when the peer frees the slot, which wakes no
         # one: then the wait looks again within max_sleep rather than blocking
-        links = list(self._links.values())
-        wakes = futex.AVAILABLE and len(links) == 1 and not links[0].backlog
+        wakes = self._bell is not None and not any(link.backlog for link in self._links.values())
         pause = self._waiter.pauses(block=self._block_any, wakes=wakes, until=deadline)
         while True:
+            if self._bell is not None:  # read before the scan: a post after it has rung it past this
+                self._bell_seen = self._bell.value
             for peer, link in list(self._links.items()):
                 if link.backlog:
                     with link.lock:
@@ -544,7 +616,7 @@ class ShmTransport(Transport):
                 del self._links[peer]
         if not self._closed:
             self.deliver(Failure(peer, reason))
-            link.inbound.wake_readers()
+            self._wake_reader(link)
         link.close()
 
     def _receive(self, peer: int, link: _Link) -> None:
@@ -560,7 +632,7 @@ class ShmTransport(Transport):
                 while len(payload) < header.payload_bytes:
                     payload += _read_exact(link.sock, min(_CHUNK, header.payload_bytes - len(payload)))
                 self._arrived(header, torch.frombuffer(payload, dtype=torch.uint8) if payload else _EMPTY)
-                link.inbound.wake_readers()  # a reader blocked on the slots must look at what came here
+                self._wake_reader(link)  # a reader blocked on the slots must look at what came here
         except (OSError, wire.WireError, RuntimeError, ValueError) as err:  # Runtime, Value: tensors torch refuses
             self._drop(peer, link, str(err))
 
@@ -574,3 +646,5 @@ class ShmTransport(Transport):
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
+        if self._bell is not None:
+            self._bell.close()
