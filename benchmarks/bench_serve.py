@@ -108,11 +108,11 @@ def last_snapshots(log_dir: Path) -> dict[str, dict]:
     return out
 
 
-def phase_delta(before: dict, after: dict) -> dict[str, tuple[int, float]]:
-    """(count, seconds) of each phase between two snapshots of one rank."""
+def phase_delta(before: dict, after: dict) -> dict[str, tuple[int, float, float]]:
+    """(count, wall seconds, CPU seconds) of each phase between two snapshots of one rank."""
     b = before.get("phases", {})
     return {
-        name: (p["count"] - b.get(name, {}).get("count", 0), p["seconds"] - b.get(name, {}).get("seconds", 0.0))
+        name: tuple(p.get(k, 0) - b.get(name, {}).get(k, 0) for k in ("count", "seconds", "cpu"))
         for name, p in after.get("phases", {}).items()
     }
 
@@ -123,7 +123,7 @@ class Run:
 
     figures: dict  # vllm bench serve's saved result (an idle run: {})
     cpu: dict[str, float]  # CPU seconds per process over the run, the client's too
-    phases: dict[str, dict[str, tuple[int, float]]]  # rank -> phase -> (count, seconds)
+    phases: dict[str, dict[str, tuple[int, float, float]]]  # rank -> phase -> (count, wall s, CPU s)
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # rank -> its process's CPU over the run
 
     @property
@@ -199,10 +199,10 @@ def per_step(run: Run, rank: str) -> dict[str, float]:
     """An attention rank's phases in ms per engine step; its attention program is the step less
     its exchanges (in-process, the FFN programs too)."""
     p = run.phases.get(rank, {})
-    steps = p.get("step", (0, 0.0))[0]
+    steps = p.get("step", (0, 0.0, 0.0))[0]
     if not steps:
         return {}
-    ms = {name: seconds * 1e3 / steps for name, (_, seconds) in p.items()}
+    ms = {name: seconds * 1e3 / steps for name, (_, seconds, _) in p.items()}
     exchange = sum(ms.get(k, 0.0) for k in ("send", "wait", "plan"))
     return {
         "vLLM between steps": ms.get("engine", 0.0),
@@ -262,11 +262,15 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
         for s in setups:
             rs = [r[c] for r in results[s.name]]
             for rank in sorted({k for r in rs for k in r.phases if k.startswith("ffn")}):
-                run_ms = _median([r.phases[rank].get("run", (0, 0.0))[1] * 1e3 / r.tokens for r in rs])
+                def per_token(phase: str, index: int, rank: str = rank, rs: list[Run] = rs) -> float:
+                    return _median([r.phases[rank].get(phase, (0, 0.0, 0.0))[index] * 1e3 / r.tokens for r in rs])
+
                 cpu_ms = _median([r.cpu_seconds[rank] * 1e3 / r.tokens for r in rs])
-                reply_ms = _median([r.phases[rank].get("reply", (0, 0.0))[1] * 1e3 / r.tokens for r in rs])
-                print(f"  {s.name} {rank}: per output token, CPU {cpu_ms:.3f} ms, FFN runs {run_ms:.3f} ms, "
-                      f"replies {reply_ms:.3f} ms: CPU / FFN compute {cpu_ms / run_ms:.2f}")
+                run_cpu = per_token("run", 2)
+                print(f"  {s.name} {rank}: per output token, CPU {cpu_ms:.3f} ms; FFN runs {per_token('run', 1):.3f} "
+                      f"ms wall, {run_cpu:.3f} ms CPU; replies {per_token('reply', 1):.3f} ms wall, "
+                      f"{per_token('reply', 2):.3f} CPU; waits {per_token('idle', 2):.3f} ms CPU: "
+                      f"CPU / FFN compute (runs' CPU) {cpu_ms / run_cpu:.2f}")
 
 
 def build(args) -> dict[str, Path]:

@@ -103,9 +103,11 @@ def test_generation_across_processes_matches_monolith(reference, model_type, pla
     served = cluster.metrics()  # published by each server as it stopped
     assert sorted(served) == list(range(dm.layout.ffn_ranks))
     assert all(s["batch_tokens"]["count"] > 0 and s["bytes_received"] > 0 for s in served.values())
-    for s in served.values():  # a server's runs are its batches; its CPU time covers at least them
-        assert s["phases"]["run"]["count"] == s["batch_tokens"]["count"] == s["phases"]["reply"]["count"]
-        assert 0 < s["phases"]["run"]["seconds"] <= s["cpu_seconds"]
+    for s in served.values():  # a server's runs are its batches; its CPU time covers at least theirs
+        run = s["phases"]["run"]
+        assert run["count"] == s["batch_tokens"]["count"] == s["phases"]["reply"]["count"]
+        # wall time includes waits for a core (a busy CI host): only the runs' CPU is bounded by the process's
+        assert 0 < run["cpu"] <= s["cpu_seconds"] and 0 < run["seconds"] < s["uptime_s"]
     assert all(p.exitcode == 0 for p in cluster.processes)  # SIGTERM: drained and exited cleanly
 
 

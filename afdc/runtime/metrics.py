@@ -69,37 +69,45 @@ class Histogram:
 class Phase:
     count: int = 0
     seconds: float = 0.0
+    cpu: float = 0.0  # the timing thread's CPU seconds (a timed phase): wall less preemption and sleep
 
 
 class Phases:
     """Wall time per named phase of a rank's work (an attention step's program, its sends, its
     waits for replies; an FFN server's runs), summed since the rank started: a served step's
-    time, taken apart (``benchmarks/bench_serve.py`` prints it per step). Two clock reads a phase."""
+    time, taken apart (``benchmarks/bench_serve.py`` prints it per step). A timed phase reads the
+    wall clock and the thread's CPU clock twice each."""
 
     def __init__(self) -> None:
         self._phases: dict[str, Phase] = {}
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, seconds: float, cpu: float = 0.0) -> None:
         phase = self._phases.get(name)
         if phase is None:
             phase = self._phases[name] = Phase()
         phase.count += 1
         phase.seconds += seconds
+        phase.cpu += cpu
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        """Wall and CPU time of the block: on cores shared with busier processes a phase's wall
+        time includes the time it waited for a core, its CPU time does not."""
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - start)
+            self.add(name, time.perf_counter() - start, time.thread_time() - cpu)
 
     def seconds(self, name: str) -> float:
         phase = self._phases.get(name)
         return phase.seconds if phase is not None else 0.0
 
     def to_dict(self) -> dict:
-        return {name: {"count": p.count, "seconds": round(p.seconds, 6)} for name, p in self._phases.items()}
+        return {
+            name: {"count": p.count, "seconds": round(p.seconds, 6), "cpu": round(p.cpu, 6)}
+            for name, p in self._phases.items()
+        }
 
 
 class Metrics:

@@ -3,11 +3,12 @@
 Each attention rank connects to each FFN rank's Unix socket (abstract namespace, so nothing is
 left on disk) and proves the deployment token for the current generation. Each direction of a
 link then gets a :class:`Mailbox` in ``/dev/shm``, created by its sender: a slot per micro-batch,
-each completed by a sequence number written after the message. No socket, thread or wake-up
+each completed by a sequence number written after the message. No socket or thread
 sits on the data path: the attention rank's micro-batch thread polls its own reply slot
 (:meth:`ShmTransport.receive`), the FFN server polls every slot (:meth:`ShmTransport.collect`)
-and sleeps on one :class:`Bell` for all of its links, both paced by :class:`~afdc.runtime.transport.base.Waiter`. The socket stays for the handshake,
-ERROR and BYE messages, the rare message too big for a slot, and for hearing at once that a peer
+and sleeps on one :class:`Bell` for all of its links, both paced by
+:class:`~afdc.runtime.transport.base.Waiter`. The socket stays for the handshake, ERROR and BYE
+messages, the rare message too big for a slot, and for hearing at once that a peer
 died (end of stream). Mailbox files are unlinked as soon as both ends have mapped them.
 """
 
