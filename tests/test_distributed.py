@@ -387,22 +387,36 @@ def test_gpu_connectors_refuse_a_rank_without_a_gpu(connector, instead):
         transport_class(connector)(rdv, group, 0, "attn", timeout=5.0, device="cpu")
 
 
-def test_a_mailbox_of_another_connector_is_refused_by_name(tmp_path):
+def test_a_mailbox_of_another_connector_or_geometry_or_unsealed_is_refused_by_name():
     """Payloads in the file (shm) or in device memory (cuda-ipc): a rank that maps a mailbox of
-    the other kind is told the peer runs another connector, instead of reading bytes that are not there."""
+    the other kind is told the peer runs another connector, instead of reading bytes that are not
+    there. A mailbox of other sizes, or one its creator could shrink under the reader (a SIGBUS
+    would kill the reader for the peer's fault), is refused before it is mapped; the descriptor is
+    closed either way. Sealed, it cannot be shrunk."""
     from afdc.runtime.transport.cuda_ipc import DeviceMailbox
     from afdc.runtime.transport.shm import Mailbox
 
-    Mailbox(tmp_path / "host", slots=2, slot_bytes=64, create=True)
-    DeviceMailbox(tmp_path / "device", slots=2, slot_bytes=64, create=True)  # the file; its GPU buffer comes apart
-    for kind, path in ((DeviceMailbox, "host"), (Mailbox, "device")):
+    cpu = torch.device("cpu")
+    host = Mailbox.create(2, 64, cpu)
+    device = DeviceMailbox.create(2, 64, cpu)  # on the CPU: its control file is what is checked here
+    for kind, box in ((DeviceMailbox, host), (Mailbox, device)):
         with pytest.raises(ConnectionError, match="the peer runs another connector"):
-            kind(tmp_path / path, 2, 64)
-    assert Mailbox(tmp_path / "host", 2, 64).slot_bytes == DeviceMailbox(tmp_path / "device", 2, 64).slot_bytes == 64
+            kind.open({}, os.dup(box.fd), cpu, 2, 64)
+    assert Mailbox.open({}, os.dup(host.fd), cpu, 2, 64).slot_bytes == 64
     with pytest.raises(ConnectionError, match="no device buffer: it runs another connector"):
-        DeviceMailbox.open({"path": str(tmp_path / "device")}, torch.device("cpu"), 2, 64)
-    with pytest.raises(ConnectionError, match=r"not the 3 of 64 \(\d+ bytes\) agreed"):  # refused before it is mapped
-        Mailbox(tmp_path / "host", 3, 64)
+        DeviceMailbox.open({}, os.dup(device.fd), cpu, 2, 64)
+    with pytest.raises(ConnectionError, match=r"not the 3 of 64 \(\d+ bytes\) agreed"):
+        Mailbox.open({}, os.dup(host.fd), cpu, 3, 64)
+    loose = os.memfd_create("loose")
+    os.ftruncate(loose, Mailbox.file_size(2, 64))
+    with pytest.raises(ConnectionError, match="not a shared file sealed against resizing"):
+        Mailbox.open({}, loose, cpu, 2, 64)
+    with pytest.raises(OSError):
+        os.fstat(loose)  # closed with the refusal
+    with pytest.raises(PermissionError):
+        os.ftruncate(host.fd, 64)  # what a hostile creator would do to its readers
+    host.close_fd()
+    device.close_fd()
 
 
 def test_wrong_token_is_refused_at_rendezvous(caplog):
@@ -630,7 +644,7 @@ def _later(action, seconds: float = 0.1) -> threading.Thread:
     return thread
 
 
-def test_a_slot_reader_woken_without_a_post_and_a_post_that_wakes_no_one(tmp_path):
+def test_a_slot_reader_woken_without_a_post_and_a_post_that_wakes_no_one():
     """``wake_readers`` ends a reader's sleep on its slot at once (a message came over the
     socket); a post with ``wake=False`` (a sender to a server, which rings the server's bell
     instead) leaves it asleep, and the reader finds it at its next look."""
@@ -639,8 +653,8 @@ def test_a_slot_reader_woken_without_a_post_and_a_post_that_wakes_no_one(tmp_pat
 
     if not futex.AVAILABLE:
         pytest.skip("no futex on this platform: readers sleep in steps")
-    writer = Mailbox(tmp_path / "box", slots=2, slot_bytes=64, create=True)
-    reader = Mailbox(tmp_path / "box", 2, 64)
+    writer = Mailbox.create(2, 64, torch.device("cpu"))
+    reader = Mailbox.open({}, os.dup(writer.fd), torch.device("cpu"), 2, 64)
     header = wire.Header(wire.Kind.DATA, b"12345678", 1, 1, 0, 0, 1, 0).encode()
 
     start = time.monotonic()  # before the thread's sleep starts: the wait lasts at least that sleep
@@ -656,15 +670,15 @@ def test_a_slot_reader_woken_without_a_post_and_a_post_that_wakes_no_one(tmp_pat
     assert reader.ready(1) and reader.pending() == [1]
 
 
-def test_a_slot_reader_sleeps_until_its_message_is_posted(tmp_path):
+def test_a_slot_reader_sleeps_until_its_message_is_posted():
     """A micro-batch thread's sleep on its slot ends at the post (a futex on the slot's sequence
     number, woken by the writer), not at its timeout; with nothing posted it lasts the timeout;
     a message already there ends it at once."""
     from afdc.runtime.transport import futex
     from afdc.runtime.transport.shm import Mailbox
 
-    writer = Mailbox(tmp_path / "box", slots=1, slot_bytes=64, create=True)
-    reader = Mailbox(tmp_path / "box", 1, 64)  # the reader maps it with the geometry agreed
+    writer = Mailbox.create(1, 64, torch.device("cpu"))
+    reader = Mailbox.open({}, os.dup(writer.fd), torch.device("cpu"), 1, 64)  # with the geometry agreed
     start = time.monotonic()
     reader.wait_ready(0, 0.2)
     assert time.monotonic() - start >= 0.2
@@ -726,28 +740,30 @@ def test_a_bell_counts_every_ring_of_several_processes_and_wakes_its_sleeper():
 def test_a_bell_that_is_not_a_sealed_word_is_refused(tmp_path):
     """An attention rank maps the bell its FFN rank passes: a descriptor that could shrink under
     it (SIGBUS) or is not one word's line is refused with a clear error, and closed."""
-    from afdc.runtime.transport.shm import Bell
+    from afdc.runtime.transport.shm import Bell, Mailbox
 
     loose = os.memfd_create("loose")  # unsealed: its owner could truncate it under the mapping
     os.ftruncate(loose, 64)
-    with pytest.raises(ConnectionError, match="not a sealed shared word"):
+    with pytest.raises(ConnectionError, match="not a shared file sealed against resizing"):
         Bell.received(loose)
     with pytest.raises(OSError):
         os.fstat(loose)  # closed with the refusal
     path = tmp_path / "file"
     path.write_bytes(bytes(64))
-    with pytest.raises(ConnectionError, match="not a sealed shared word"):
+    with pytest.raises(ConnectionError, match="not a shared file sealed against resizing"):
         Bell.received(os.open(path, os.O_RDWR))
+    with pytest.raises(ConnectionError, match="not one shared word"):
+        Bell.received(os.dup(Mailbox.create(1, 64, torch.device("cpu")).fd))  # sealed, but a mailbox's size
 
 
-def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrites_an_untaken_one(tmp_path):
+def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrites_an_untaken_one():
     """A slot holds one message: the reader sees it only once its sequence number is written, the
     writer waits (up to its deadline) until the reader has taken the last one, and slots are
     independent (micro-batches do not wait for each other)."""
     from afdc.runtime.transport.shm import Mailbox
 
-    writer = Mailbox(tmp_path / "box", slots=2, slot_bytes=64, create=True)
-    reader = Mailbox(tmp_path / "box", 2, 64)
+    writer = Mailbox.create(2, 64, torch.device("cpu"))
+    reader = Mailbox.open({}, os.dup(writer.fd), torch.device("cpu"), 2, 64)
     assert (reader.slots, reader.slot_bytes) == (2, 64) and not reader.ready(0) and reader.posted == 0
 
     def header(micro_batch, tensors):

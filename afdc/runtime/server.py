@@ -153,7 +153,7 @@ class FFNServer:
 
     def _serve_generation(self, transport: Transport) -> None:
         gen = transport.group.generation
-        gathering = Gathering(self.program, self.layout.ffn_ranks, self.options.gather)
+        gathering = Gathering(self.program, self.layout.ffn_ranks, self.options.gather, self.layout.attention_ranks)
         self._refused.clear()
         while True:
             deadline = gathering.deadline()

@@ -2,7 +2,7 @@
 
 Everything but where a slot's payload lives is :mod:`afdc.runtime.transport.shm`: the Unix-socket
 handshake and its token proof, a :class:`~afdc.runtime.transport.shm.Mailbox` per direction of a
-link whose control words and headers sit in ``/dev/shm``, the sequence numbers, the futex waits,
+link whose control words and headers sit in a sealed memfd, the sequence numbers, the futex waits,
 the peer's death heard as the socket's end. Here each mailbox also owns one buffer in the sending
 rank's GPU memory, a slot per micro-batch, which the receiving rank maps through CUDA IPC (the
 handle travels in the handshake, as hex: nothing is pickled). A payload goes device to device,
@@ -17,8 +17,6 @@ where a round trip costs about what two processes taking turns on one GPU cost b
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -50,14 +48,14 @@ class DeviceMailbox(Mailbox):
 
     payloads_in_file = False
 
-    def __init__(self, path: Path, slots: int, slot_bytes: int, create: bool = False):
-        super().__init__(path, slots, slot_bytes, create)
+    def __init__(self, fd: int, slots: int, slot_bytes: int, create: bool = False):
+        super().__init__(fd, slots, slot_bytes, create)
         self._region: torch.Tensor | None = None  # set by create() or open()
         self._device = torch.device("cpu")  # where taken tensors go
 
     @classmethod
-    def create(cls, path: Path, slots: int, slot_bytes: int, device: torch.device) -> DeviceMailbox:
-        box = cls(path, slots, slot_bytes, create=True)
+    def create(cls, slots: int, slot_bytes: int, device: torch.device) -> DeviceMailbox:
+        box = super().create(slots, slot_bytes, device)
         box._region = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
         box._device = device
         return box
@@ -66,8 +64,8 @@ class DeviceMailbox(Mailbox):
         return {**super().describe(), "cuda_ipc": _share(self._region)}
 
     @classmethod
-    def open(cls, description: dict, device: torch.device, slots: int, slot_bytes: int) -> DeviceMailbox:
-        box = cls(Path(description["path"]), slots, slot_bytes)
+    def open(cls, description: dict, fd: int, device: torch.device, slots: int, slot_bytes: int) -> DeviceMailbox:
+        box = super().open(description, fd, device, slots, slot_bytes)
         if "cuda_ipc" not in description:
             raise ConnectionError("the peer's mailbox has no device buffer: it runs another connector")
         box._region, box._device = _mapped(description["cuda_ipc"]), device

@@ -2,14 +2,16 @@
 
 Each attention rank connects to each FFN rank's Unix socket (abstract namespace, so nothing is
 left on disk) and proves the deployment token for the current generation. Each direction of a
-link then gets a :class:`Mailbox` in ``/dev/shm``, created by its sender: a slot per micro-batch,
+link then gets a :class:`Mailbox`, created by its sender: a slot per micro-batch,
 each completed by a sequence number written after the message. No socket or thread
 sits on the data path: the attention rank's micro-batch thread polls its own reply slot
 (:meth:`ShmTransport.receive`), the FFN server polls every slot (:meth:`ShmTransport.collect`)
 and sleeps on one :class:`Bell` for all of its links, both paced by
 :class:`~afdc.runtime.transport.base.Waiter`. The socket stays for the handshake, ERROR and BYE
 messages, the rare message too big for a slot, and for hearing at once that a peer
-died (end of stream). Mailbox files are unlinked as soon as both ends have mapped them.
+died (end of stream). Mailboxes and the bell are memfds sealed against resizing, passed over
+the socket (``SCM_RIGHTS``): nothing in the file system to leave behind, and no peer can shrink
+a mapping under the other end (a SIGBUS there would kill its process for the peer's fault).
 """
 
 from __future__ import annotations
@@ -22,14 +24,11 @@ import json
 import logging
 import mmap
 import os
-import re
 import socket
 import stat
 import struct
 import threading
 import time
-import uuid
-from pathlib import Path
 
 import torch
 
@@ -42,7 +41,7 @@ log = logging.getLogger("afdc.shm")
 
 _LINE = 64  # control words sit on their own cache lines
 _WORD = struct.Struct("<Q")
-_SHM_DIR = Path("/dev/shm")
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _PAYLOAD = -(-wire.HEADER_BYTES // _LINE) * _LINE  # a slot's payload starts on a cache line after its header
 
 
@@ -63,20 +62,47 @@ def _send_line(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> 
     sock.sendall(data[sent:])
 
 
-def _read_line(sock: socket.socket, limit: int = 4096, fds: list[int] | None = None) -> dict:
-    """One JSON line of a handshake; with ``fds``, the file descriptors that came with it are
-    appended there (at most one: the peer's bell)."""
+def _read_line(sock: socket.socket, fds: list[int], limit: int = 4096, max_fds: int = 2) -> dict:
+    """One JSON line of a handshake; the file descriptors that came with it are appended to
+    ``fds`` (the caller closes them), at most ``max_fds``."""
     data = b""
     while not data.endswith(b"\n"):
-        if fds is None:
-            chunk = sock.recv(1)
-        else:
-            chunk, got, _, _ = socket.recv_fds(sock, 1, 1)
-            fds.extend(got)
-        if not chunk or len(data) > limit or (fds is not None and len(fds) > 1):
-            raise ConnectionError("handshake ended early, is too long or passed more than one descriptor")
+        chunk, got, _, _ = socket.recv_fds(sock, 1, max_fds)
+        fds.extend(got)
+        if not chunk or len(data) > limit or len(fds) > max_fds:
+            raise ConnectionError("handshake ended early, is too long or passed too many descriptors")
         data += chunk
     return json.loads(data)
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+def _memfd(name: str, size: int) -> int:
+    """A new shared file of ``size`` bytes, sealed against resizing, in no directory."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_sealed(fd: int, what: str) -> os.stat_result:
+    """Refuse a peer's file that is not a regular file sealed against resizing, before it is mapped."""
+    info = os.fstat(fd)
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # a file that cannot be sealed
+        seals = 0
+    if not stat.S_ISREG(info.st_mode) or seals & _SEALS != _SEALS:
+        raise ConnectionError(f"{what} is not a shared file sealed against resizing (its owner could shrink it "
+                              "under this end); the peer runs another afdc")
+    return info
 
 
 class Bell:
@@ -87,8 +113,6 @@ class Bell:
     each attention rank with the handshake (``SCM_RIGHTS``): nothing in the file system to leave
     behind, and a peer cannot shrink the mapping under the other end (SIGBUS)."""
 
-    _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-
     def __init__(self, fd: int):
         self.fd = fd  # the server's, to pass on; a ringer's is closed once mapped
         self._mm = mmap.mmap(fd, _LINE)
@@ -97,24 +121,14 @@ class Bell:
     @classmethod
     def create(cls) -> Bell | None:
         """The server's bell; None where there are no futexes (the server sleeps in steps)."""
-        if not futex.AVAILABLE:
-            return None
-        fd = os.memfd_create("afdc-bell", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(fd, _LINE)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, cls._SEALS | fcntl.F_SEAL_SEAL)
-        return cls(fd)
+        return cls(_memfd("afdc-bell", _LINE)) if futex.AVAILABLE else None
 
     @classmethod
     def received(cls, fd: int) -> Bell:
         """The server's bell from its handshake, refused unless it is a sealed word."""
         try:
-            info = os.fstat(fd)
-            try:
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            except OSError:  # a file that cannot be sealed
-                seals = 0
-            if not stat.S_ISREG(info.st_mode) or info.st_size != _LINE or seals & cls._SEALS != cls._SEALS:
-                raise ConnectionError("the FFN rank's bell is not a sealed shared word")
+            if _check_sealed(fd, "the FFN rank's bell").st_size != _LINE:
+                raise ConnectionError("the FFN rank's bell is not one shared word; the peer runs another afdc")
             bell = cls(fd)
         finally:
             os.close(fd)
@@ -139,7 +153,7 @@ class Bell:
 
 
 class Mailbox:
-    """One direction of a link: a fixed number of message slots in ``/dev/shm``, mapped by both ends.
+    """One direction of a link: a fixed number of message slots in a sealed memfd, mapped by both ends.
 
     Line 0 holds the slot count, the slot size and how many of a slot's payload bytes the file
     holds (all of them here; none where they live in device memory, :mod:`.cuda_ipc`), line 1 the
@@ -159,25 +173,21 @@ class Mailbox:
 
     payloads_in_file = True
 
-    def __init__(self, path: Path, slots: int, slot_bytes: int, create: bool = False):
-        """``create``: a new mailbox of ``slots`` slots of ``slot_bytes``; else the peer's, which
-        must have that geometry (both ends run the same constants), checked before it is mapped:
-        what a reader takes out of a slot is bounded by it."""
+    def __init__(self, fd: int, slots: int, slot_bytes: int, create: bool = False):
+        """The mailbox in ``fd`` (kept open: the creator passes it on; see :meth:`close_fd`).
+        ``create``: a new one of ``slots`` slots of ``slot_bytes`` (``fd`` from
+        :meth:`file_size`); else the peer's, which must be sealed and of that geometry (both ends
+        run the same constants), checked before it is mapped: what a reader takes out of a slot
+        is bounded by it."""
         in_file = slot_bytes if self.payloads_in_file else 0
-        size = (2 + slots) * _LINE + slots * (_PAYLOAD + in_file)
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else os.O_NOFOLLOW), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            else:
-                _check_geometry(path, fd, (slots, slot_bytes, in_file), size)
-            self._mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        size = self.file_size(slots, slot_bytes)
+        if not create:
+            _check_geometry(fd, (slots, slot_bytes, in_file), size)
+        self.fd = fd
+        self._mm = mmap.mmap(fd, size)
         if create:
             for i, word in enumerate((slots, slot_bytes, in_file)):
                 _WORD.pack_into(self._mm, 8 * i, word)
-        self.path = path
         self.slots, self.slot_bytes, self._in_file = slots, slot_bytes, in_file
         self._body = (2 + self.slots) * _LINE
         self._view = memoryview(self._mm)
@@ -188,20 +198,35 @@ class Mailbox:
         self._seqs = [futex.Word(self._mm, (2 + k) * _LINE) for k in range(self.slots)] if futex.AVAILABLE else []
 
     @classmethod
-    def create(cls, path: Path, slots: int, slot_bytes: int, device: torch.device) -> Mailbox:
-        """A new mailbox at ``path`` for its sender on ``device`` (host memory here: the device is
-        what a subclass keeps payloads on)."""
-        return cls(path, slots, slot_bytes, create=True)
-
-    def describe(self) -> dict:
-        """What the peer needs to open this mailbox (sent in the handshake)."""
-        return {"path": str(self.path)}
+    def file_size(cls, slots: int, slot_bytes: int) -> int:
+        return (2 + slots) * _LINE + slots * (_PAYLOAD + (slot_bytes if cls.payloads_in_file else 0))
 
     @classmethod
-    def open(cls, description: dict, device: torch.device, slots: int, slot_bytes: int) -> Mailbox:
-        """The peer's mailbox from its :meth:`describe`, of the geometry agreed; ``device`` is
-        where taken tensors go."""
-        return cls(Path(description["path"]), slots, slot_bytes)
+    def create(cls, slots: int, slot_bytes: int, device: torch.device) -> Mailbox:
+        """A new mailbox for its sender on ``device`` (host memory here: the device is what a
+        subclass keeps payloads on)."""
+        return cls(_memfd("afdc-mailbox", cls.file_size(slots, slot_bytes)), slots, slot_bytes, create=True)
+
+    def describe(self) -> dict:
+        """What the peer needs besides :attr:`fd` to open this mailbox (sent in the handshake)."""
+        return {}
+
+    @classmethod
+    def open(cls, description: dict, fd: int, device: torch.device, slots: int, slot_bytes: int) -> Mailbox:
+        """The peer's mailbox from its :meth:`describe` and descriptor (closed here, whatever
+        happens), of the geometry agreed; ``device`` is where taken tensors go."""
+        try:
+            box = cls(fd, slots, slot_bytes)
+        finally:
+            os.close(fd)
+        box.fd = -1
+        return box
+
+    def close_fd(self) -> None:
+        """Close the descriptor once passed on (the mapping stays)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     @property
     def posted(self) -> int:
@@ -303,26 +328,25 @@ class Mailbox:
         return tensors
 
 
-def _check_geometry(path: Path, fd: int, words: tuple[int, int, int], size: int) -> None:
-    """Refuse a peer's mailbox file that is not of the agreed geometry (``words``: slot count, slot
-    bytes, payload bytes per slot in the file), before it is mapped."""
-    info = os.fstat(fd)
+def _check_geometry(fd: int, words: tuple[int, int, int], size: int) -> None:
+    """Refuse a peer's mailbox that is not sealed or not of the agreed geometry (``words``: slot
+    count, slot bytes, payload bytes per slot in the file), before it is mapped."""
+    info = _check_sealed(fd, "the peer's mailbox")
     head = os.pread(fd, 3 * _WORD.size, 0)
-    if not stat.S_ISREG(info.st_mode) or len(head) < 3 * _WORD.size:
-        raise ConnectionError(f"{path} is not a mailbox")
+    if len(head) < 3 * _WORD.size:
+        raise ConnectionError("the peer's mailbox is not a mailbox")
     got = struct.unpack("<QQQ", head)
     if bool(got[2]) != bool(words[2]):
-        raise ConnectionError(f"{path} holds payloads {'in' if got[2] else 'out of'} the file; the peer "
-                              "runs another connector (every rank of a deployment must use the same one)")
+        raise ConnectionError(f"the peer's mailbox holds payloads {'in' if got[2] else 'out of'} the file; the "
+                              "peer runs another connector (every rank of a deployment must use the same one)")
     if got != words or info.st_size != size:
         raise ConnectionError(
-            f"{path} holds {got[0]} slots of {got[1]} bytes in {info.st_size} bytes, not the {words[0]} of "
-            f"{words[1]} ({size} bytes) agreed: the peer runs another afdc (run the same on every rank)"
+            f"the peer's mailbox holds {got[0]} slots of {got[1]} bytes in {info.st_size} bytes, not the "
+            f"{words[0]} of {words[1]} ({size} bytes) agreed: the peer runs another afdc (run the same on every rank)"
         )
 
 
 _SLOTTED = (wire.Kind.DATA, wire.Kind.RESULT, wire.Kind.STEP)
-_MAILBOX_NAME = re.compile(r"afdc-[0-9a-f]{32}")
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 _CHUNK = 1 << 20  # a payload over the socket is read in pieces: memory grows with what arrived, not what was claimed
 
@@ -380,8 +404,7 @@ class ShmTransport(Transport):
         return f"\0afdc-{rendezvous.deployment.hex()}-{slot}-{os.getpid()}"
 
     def _new_mailbox(self) -> Mailbox:
-        path = _SHM_DIR / f"afdc-{uuid.uuid4().hex}"
-        return self.mailbox.create(path, self.slots + 1, self.slot_bytes, self.device)
+        return self.mailbox.create(self.slots + 1, self.slot_bytes, self.device)
 
     def _staged(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as its mailbox copies it: contiguous, in host memory."""
@@ -400,20 +423,23 @@ class ShmTransport(Transport):
                     raise
                 time.sleep(0.01)
         outbound = self._new_mailbox()
+        fds: list[int] = []
         try:
             gen = self.group.generation
             proof = self.rendezvous.proof(gen, self.slot)
             sock.settimeout(self.timeout)
-            _send_line(sock, {"slot": self.slot, "generation": gen, "proof": proof, "mailbox": outbound.describe()})
-            fds: list[int] = []
-            reply = _read_line(sock, fds=fds)
-            bell = Bell.received(fds.pop()) if fds else None
+            hello = {"slot": self.slot, "generation": gen, "proof": proof, "mailbox": outbound.describe()}
+            _send_line(sock, hello, [outbound.fd])
+            reply = _read_line(sock, fds)
             if "error" in reply:
                 raise ConnectionError(f"refused by the FFN rank: {reply['error']}")
-            inbound = self._peer_mailbox(reply["mailbox"])
-            _send_line(sock, {"mapped": True})
+            if len(fds) != 1 + bool(reply.get("bell")):
+                raise ConnectionError(f"the FFN rank passed {len(fds)} descriptors for its mailbox and bell")
+            bell = Bell.received(fds.pop()) if reply.get("bell") else None
+            inbound = self._peer_mailbox(reply["mailbox"], fds)
         finally:
-            outbound.path.unlink(missing_ok=True)
+            outbound.close_fd()
+            _close_all(fds)
         sock.settimeout(None)
         self._start(peer, _Link(sock, outbound, inbound, bell))
 
@@ -428,9 +454,10 @@ class ShmTransport(Transport):
     def _handshake(self, sock: socket.socket) -> None:
         """Verify a connecting attention rank; a stranger is refused and logged, nothing else changes."""
         outbound = None
+        fds: list[int] = []
         try:
             sock.settimeout(self.timeout)
-            hello = _read_line(sock)
+            hello = _read_line(sock, fds, max_fds=1)
             slot, gen = int(hello["slot"]), int(hello["generation"])
             reason = ""
             if slot not in self.layout.peers(self.role):
@@ -444,10 +471,10 @@ class ShmTransport(Transport):
                 _send_line(sock, {"error": reason})
                 sock.close()
                 return
-            inbound = self._peer_mailbox(hello["mailbox"])
+            inbound = self._peer_mailbox(hello["mailbox"], fds)
             outbound = self._new_mailbox()
-            _send_line(sock, {"mailbox": outbound.describe()}, [self._bell.fd] if self._bell is not None else [])
-            _read_line(sock)  # the peer mapped our mailbox: it can go from the file system
+            bell = [self._bell.fd] if self._bell is not None else []
+            _send_line(sock, {"mailbox": outbound.describe(), "bell": bool(bell)}, [outbound.fd, *bell])
             sock.settimeout(None)
             self._start(slot, _Link(sock, outbound, inbound))
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:  # Runtime: a device buffer not mapped
@@ -455,15 +482,15 @@ class ShmTransport(Transport):
             sock.close()
         finally:
             if outbound is not None:
-                outbound.path.unlink(missing_ok=True)
+                outbound.close_fd()
+            _close_all(fds)
 
-    def _peer_mailbox(self, description: dict) -> Mailbox:
-        """The peer's mailbox of a handshake: a file this transport's peers create (in /dev/shm,
-        named as :meth:`_new_mailbox` names them, not a link), of the agreed geometry."""
-        path = Path(str(description["path"]))
-        if path.parent != _SHM_DIR or not _MAILBOX_NAME.fullmatch(path.name):
-            raise ValueError(f"{path} is not a mailbox path")
-        return self.mailbox.open(description, self.device, self.slots + 1, self.slot_bytes)
+    def _peer_mailbox(self, description: dict, fds: list[int]) -> Mailbox:
+        """The peer's mailbox of a handshake: the one descriptor it passed (taken from ``fds``), a
+        sealed file of the agreed geometry."""
+        if len(fds) != 1:
+            raise ConnectionError(f"the peer passed {len(fds)} descriptors for its mailbox, not 1")
+        return self.mailbox.open(description, fds.pop(), self.device, self.slots + 1, self.slot_bytes)
 
     def _start(self, peer: int, link: _Link) -> None:
         # a peer that stops reading its socket stalls a send for at most the timeout, then loses its link
@@ -490,8 +517,11 @@ class ShmTransport(Transport):
                 slot = _slot(box, header.micro_batch) if header.kind != wire.Kind.STEP else box.slots - 1
                 staged = [self._staged(t) for t in tensors]
                 if self.role == "ffn":  # a server never waits for one peer to free a slot: its others wait on it
-                    link.backlog.append((slot, head, staged, time.monotonic()))
-                    self._flush(peer, link)
+                    if not link.backlog and box.free(slot):
+                        box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}")
+                    else:
+                        link.backlog.append((slot, head, staged, time.monotonic()))
+                        self._flush(peer, link)
                 else:
                     box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}", wake=False)
                     # a step plan wakes no one: the server reads it with the step's first data
@@ -559,38 +589,47 @@ class ShmTransport(Transport):
     def collect(self, wait: float) -> list[Incoming | Failure]:
         start = time.monotonic()
         deadline = start + wait
-        # a reply held back for its slot goes out when the peer frees the slot, which wakes no
-        # one: then the wait looks again within max_sleep rather than blocking
-        wakes = self._bell is not None and not any(link.backlog for link in self._links.values())
-        pause = self._waiter.pauses(block=self._block_any, wakes=wakes, until=deadline)
+        pause = None
         while True:
             if self._bell is not None:  # read before the scan: a post after it has rung it past this
                 self._bell_seen = self._bell.value
-            for peer, link in list(self._links.items()):
-                if link.backlog:
-                    with link.lock:
-                        self._flush(peer, link)
-            items: list[Incoming | Failure] = []
-            for peer, link in list(self._links.items()):
-                box = link.inbound
-                posted = box.posted  # read before the scan: a message posted after it rings again
-                if posted == link.seen:
-                    continue
-                link.seen = posted
-                # a step plan first: the data messages that came with it are gathered by it
-                for slot in sorted(box.pending(), key=lambda k: k != box.slots - 1):
-                    taken = self._take(peer, link, slot)
-                    if taken is None:
-                        break
-                    items.append(taken)
-            if not self.inbox.empty():  # the sockets' messages, and the failures of links (dropped ones too)
-                items.extend(self._drain())
+            items = self._scan()
             if items:
                 self._waiter.waited(time.monotonic() - start)
                 return items
             if time.monotonic() >= deadline:
                 return items
+            if pause is None:  # made once a scan found nothing: a busy server's scan mostly finds something
+                # a reply held back for its slot goes out when the peer frees the slot, which wakes
+                # no one: then the wait looks again within max_sleep rather than blocking
+                wakes = self._bell is not None and not any(link.backlog for link in self._links.values())
+                pause = self._waiter.pauses(block=self._block_any, wakes=wakes, until=deadline)
             pause()
+
+    def _scan(self) -> list[Incoming | Failure]:
+        """What came on every link since the last scan; each link's held-back replies are posted
+        first, as far as the peer freed their slots."""
+        items: list[Incoming | Failure] = []
+        for peer, link in list(self._links.items()):
+            if link.backlog:
+                with link.lock:
+                    self._flush(peer, link)
+            box = link.inbound
+            posted = box.posted  # read before the scan: a message posted after it rings again
+            if posted == link.seen:
+                continue
+            link.seen = posted
+            pending = box.pending()
+            if len(pending) > 1:  # a step plan first: the data messages that came with it are gathered by it
+                pending.sort(key=lambda k: k != box.slots - 1)
+            for slot in pending:
+                taken = self._take(peer, link, slot)
+                if taken is None:
+                    break
+                items.append(taken)
+        if not self.inbox.empty():  # the sockets' messages, and the failures of links (dropped ones too)
+            items.extend(self._drain())
+        return items
 
     def _take(self, peer: int, link: _Link, slot: int) -> Incoming | None:
         """The message in ``slot`` of ``peer``'s link, on this rank's device; None where it cannot be
