@@ -92,7 +92,8 @@ def test_script_without_the_main_guard_is_told_at_once(tmp_path):
                           timeout=2 * JOIN_TIMEOUT)
     assert done.returncode == 1, done.stderr
     elapsed = float(re.search(r"elapsed ([\d.]+)", done.stderr).group(1))
-    assert elapsed < 20, done.stderr
+    assert elapsed < JOIN_TIMEOUT / 2, done.stderr  # heard when it died, not at the join timeout (a loaded
+    # host takes 20 s and more to start the server that dies)
     error = done.stderr[done.stderr.index("JoinError: "):]
     assert re.match(r"JoinError: ffn rank 0 cannot join: its server process \(pid \d+\) exited with code 1", error)
     assert 'the script must launch under `if __name__ == "__main__":`' in error
