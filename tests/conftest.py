@@ -17,3 +17,10 @@ def triton_interpret():
     pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]')")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does it)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` run first, each module's in its order (its fixtures stay shared):
+    under ``-n 2 --dist worksteal`` the workers then end the run on short tests, not one idle
+    while the other finishes a server test it took last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the dry run, a minute of subprocesses: run first (tests/conftest.py)
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 SECTIONS = ["model", "interleave", "kernels", "transports"]  # most valuable first (issue 40)

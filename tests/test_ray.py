@@ -22,6 +22,7 @@ import pytest
 ray = pytest.importorskip("ray", reason='Ray is not installed: pip install -e ".[ray]"')
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow  # a Ray cluster and vLLM: run first (tests/conftest.py)
 
 from ray.cluster_utils import Cluster  # noqa: E402
 from test_serve import PROMPTS, STARTUP, _complete, _reference, _until_ready, _until_running  # noqa: E402

@@ -3,6 +3,7 @@
 Greedy completions and chat completions (streamed too) equal ``dm.generate`` of the same
 artifact, for a dense and a MoE model under 1A1F and 2A2F; a small KV pool exercises prefix
 caching and preemption; 200 requests with 32 in flight all complete; bad requests get a 400.
+Each vLLM start costs 30-60 s of CI, so a deployment serves every check that can share it.
 Skipped where vLLM is not installed (``pip install -e ".[serve]"``); CI installs it.
 """
 
@@ -27,6 +28,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow  # vLLM servers: run first (tests/conftest.py)
 
 import afdc  # noqa: E402
 from afdc.artifact.manifest import read_manifest  # noqa: E402
@@ -128,13 +130,6 @@ def _check_completions_and_chat(client, artifact: Path) -> None:
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         stream=True, **kwargs) if c.choices)
     assert text == streamed == chat_ref
-
-
-def test_dense_2a2f_completions_and_chat_equal_afdc_generate(models, tmp_path):
-    artifact = _artifact(models, "dense", "2A2F")
-    with _serving(artifact, "gloo", tmp_path, ("--return-tokens-as-token-ids",)) as (client, _):
-        _check_completions_and_chat(client, artifact)
-    _check_data_parallel_ranks(tmp_path / "attn.log", 2)
 
 
 def _check_data_parallel_ranks(log: Path, ranks: int) -> None:
@@ -257,11 +252,12 @@ def _documented_commands(heading: str, replace: dict[str, str]) -> list[list[str
 
 
 def test_two_attention_nodes_head_and_headless(models, tmp_path):
-    """docs/serving.md's commands for two attention hosts, run on this machine: a head (DP rank 0,
-    the API, the store) and a headless process (DP rank 1) joined by vLLM's DP handshake, and two
-    FFN ranks over gloo. Both engines serve as their attention ranks, and concurrent greedy
-    requests through the API equal afdc's own generation."""
-    artifact = _artifact(models, "moe", "2A2F")
+    """docs/serving.md's commands for two attention hosts, run on this machine with the dense model
+    at 2A2F: a head (DP rank 0, the API, the store) and a headless process (DP rank 1) joined by
+    vLLM's DP handshake, and two FFN ranks over gloo. Both engines serve as their attention ranks;
+    concurrent greedy completions, and chat completions (streamed too), through the API equal
+    afdc's own generation. (The MoE model at 2A2F over gloo: test_ray.py.)"""
+    artifact = _artifact(models, "dense", "2A2F")
     api, store, rpc = free_port(), free_port(), free_port()
     commands = _documented_commands("Two attention hosts", {
         "out/m-2a2f": str(artifact), "10.0.0.1:29500": f"127.0.0.1:{store}", "10.0.0.1": "127.0.0.1",
@@ -285,6 +281,7 @@ def test_two_attention_nodes_head_and_headless(models, tmp_path):
         prompts = PROMPTS * 4
         with ThreadPoolExecutor(16) as pool:
             assert list(pool.map(lambda p: _complete(client, p), prompts)) == _reference(artifact, prompts)
+        _check_completions_and_chat(client, artifact)
         served = _engine_counter(urllib.request.urlopen(f"{url}/metrics").read().decode(), "vllm:request_success_total")
     finally:
         for p in procs.values():  # the API and its engines first: they finish their requests
@@ -304,24 +301,27 @@ def test_two_attention_nodes_head_and_headless(models, tmp_path):
     assert "attention rank 0" not in headless
 
 
-def test_prefix_caching_and_preemption_keep_outputs(models, tmp_path):
-    """A KV pool of 10 blocks of 16 tokens for 8 concurrent requests sharing a 32-token prefix,
-    each growing past 48 tokens while decoding: vLLM must reuse the cached prefix blocks and
-    preempt requests to free blocks, and the outputs stay the same."""
-    _check_prefix_caching_and_preemption(_artifact(models, "moe", "1A1F"), tmp_path)
+# a KV pool of 10 blocks of 16 tokens, for at most 8 requests at once
+PREFIX_CACHING = ("--enable-prefix-caching", "--block-size", "16", "--num-gpu-blocks-override", "10",
+                  "--max-num-seqs", "8")
 
 
 def _check_prefix_caching_and_preemption(artifact: Path, tmp_path: Path) -> None:
+    with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids", *PREFIX_CACHING)) as (client, _):
+        _assert_prefix_caching_and_preemption(client, artifact)
+
+
+def _assert_prefix_caching_and_preemption(client, artifact: Path) -> None:
+    """8 concurrent requests sharing a 32-token prefix, each growing past 48 tokens while decoding,
+    on a server given PREFIX_CACHING: vLLM must reuse the cached prefix blocks and preempt requests
+    to free blocks, and the outputs stay the same."""
     prefix = list(range(100, 132))
     prompts = [prefix + [200 + i] * (1 + i % 4) for i in range(8)]
     ref = _reference(artifact, prompts, 24)
-    args = ("--return-tokens-as-token-ids", "--enable-prefix-caching", "--block-size", "16",
-            "--num-gpu-blocks-override", "10", "--max-num-seqs", "8")
-    with _serving(artifact, "shm", tmp_path, args) as (client, _):
-        _complete(client, prompts[0], 24)  # fills the prefix blocks
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda p: _complete(client, p, 24), prompts))
-        metrics = urllib.request.urlopen(str(client.base_url).removesuffix("/v1/") + "/metrics").read().decode()
+    _complete(client, prompts[0], 24)  # fills the prefix blocks
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: _complete(client, p, 24), prompts))
+    metrics = urllib.request.urlopen(str(client.base_url).removesuffix("/v1/") + "/metrics").read().decode()
     assert got == ref
     assert _counter(metrics, "vllm:prefix_cache_hits_total") > 0
     assert _counter(metrics, "vllm:num_preemptions_total") > 0
@@ -433,13 +433,14 @@ def test_ffn_rank_lost_mid_request(moe_server):
 
 
 def test_up_demo_serves_the_demo_model(tmp_path):
-    """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model (here
-    with its FFN rank's batches padded to token buckets, which must not change a token)."""
+    """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model (MoE,
+    1A1F, over shared memory), here with its FFN rank's batches padded to token buckets, which must
+    not change a token, and a small KV pool: prefix caching and preemption keep the outputs too."""
     port = free_port()
     env = {**os.environ, "AFDC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "afdc.cli", "up", "--demo", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-         "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids"],
+         "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids", *PREFIX_CACHING],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     started = ""
@@ -449,6 +450,7 @@ def test_up_demo_serves_the_demo_model(tmp_path):
         artifact = tmp_path / "cache" / "demo" / "afdc-demo"
         assert client.models.list().data[0].id == "afdc-demo"
         assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
+        _assert_prefix_caching_and_preemption(client, artifact)
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
