@@ -175,7 +175,7 @@ class Mailbox:
 
     def __init__(self, fd: int, slots: int, slot_bytes: int, create: bool = False):
         """The mailbox in ``fd`` (kept open: the creator passes it on; see :meth:`close_fd`).
-        ``create``: a new one of ``slots`` slots of ``slot_bytes`` (``fd`` from
+        ``create``: a new one of ``slots`` slots of ``slot_bytes`` (``fd`` sized by
         :meth:`file_size`); else the peer's, which must be sealed and of that geometry (both ends
         run the same constants), checked before it is mapped: what a reader takes out of a slot
         is bounded by it."""
