@@ -313,6 +313,28 @@ def test_killed_ffn_rank_is_reported_then_rejoins(reference, connector, micro_ba
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("connector", ["gloo", "shm"])
+def test_an_idle_attention_side_rejoins_a_restarted_ffn_rank_in_a_new_generation(reference, connector):
+    """An FFN rank dies between steps and is restarted at once: the attention side's next step does
+    not rejoin the generation the dead rank's hello is still up in (it would dial the dead address
+    until the connect timeout); it starts a new one and waits there for the restarted rank."""
+    model, ids, mask, ref = reference("qwen3_moe")
+    dm = afdc.disaggregate(model, "1A2F", connector=connector)
+    with dm.launch(timeout=5.0, join_timeout=60) as cluster:
+        assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+        endpoint = dm.endpoints[0]
+        first = endpoint.transport.group.generation
+        cluster.kill(1)
+        deadline = time.monotonic() + 10
+        while dm.layout.slot("ffn", 1) not in endpoint._lost:
+            assert time.monotonic() < deadline, "the attention side never heard that its link ended"
+            time.sleep(0.01)
+        cluster.start(1)  # its process takes seconds to start: the step below comes first
+        got = dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+        assert torch.equal(got, ref)
+        assert endpoint.transport.group.generation > first
+
+
 def test_ffn_server_from_the_cli(reference, tmp_path):
     """``afdc serve ART --role ffn`` as a real subprocess; this process is attention rank 0 and hosts the store."""
     model, ids, mask, ref = reference("qwen3_moe")

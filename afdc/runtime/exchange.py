@@ -96,7 +96,10 @@ class AttentionEndpoint:
 
     def _regroup(self) -> None:
         self.close()
-        if self._broken:
+        # A lost peer's hello stays up in its generation: rejoining that generation would dial the
+        # dead address until the connect timeout, so a new one is started unless a peer already did
+        # (a restarted FFN rank bumps when it comes back).
+        if self._broken or (self._lost and self.rendezvous.generation() == self._generation):
             self.rendezvous.bump()
         cls = transport_class(self.options.connector)
         group = self.rendezvous.join(self.slot, cls.address(self.rendezvous, self.slot), self.options.join_timeout)
