@@ -9,6 +9,7 @@ import click
 
 import afdc
 from afdc.errors import AfdcError
+from afdc.plan import BACKENDS
 from afdc.runtime.options import ConnectorKind
 
 
@@ -74,7 +75,7 @@ def inspect(model: str | None, demo: bool, plan: str, router: str, as_json: bool
               help="Micro-batches the attention side ping-pongs per step (recorded for the runtime).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Weights and activations dtype (default: the model's own).")
-@click.option("--backend", type=click.Choice(afdc.plan.BACKENDS), default="auto", show_default=True,
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
               help="What runs the programs: afdc's Triton kernels + Inductor, Inductor, or eager "
                    "(auto: afdc on a GPU, eager on a CPU). afdc serve --backend overrides it.")
 @click.option("--no-weights", is_flag=True, help="Compile the plan only: programs and manifest, no weight files.")
@@ -156,7 +157,7 @@ def _serving_options(threads_default: str):
               help="Attention: micro-batches per step (default: the plan's).")
 @click.option("--kv-cache-mb", type=int, default=256, show_default=True,
               help="Attention on a CPU device: size of the paged KV cache.")
-@click.option("--backend", type=click.Choice(afdc.plan.BACKENDS), default=None,
+@click.option("--backend", type=click.Choice(BACKENDS), default=None,
               help="What runs the programs (default: the artifact's): afdc kernels + Inductor, Inductor, eager.")
 @click.option("--token-buckets", type=int, default=0, show_default=True,
               help="FFN: pad each layer's batch to a power of two up to this many tokens, so the FFN runs at a few "
@@ -242,7 +243,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
               help="Seconds for every role to become ready.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Write each role's output to a file there instead of this terminal.")
-@click.option("--backend", type=click.Choice(afdc.plan.BACKENDS), default=None,
+@click.option("--backend", type=click.Choice(BACKENDS), default=None,
               help="What runs the programs (default: the artifact's): afdc kernels + Inductor, Inductor, eager.")
 @click.option("--token-buckets", type=int, default=0, show_default=True,
               help="As `afdc serve --token-buckets`, for every FFN rank (on a GPU: its layers in CUDA graphs).")

@@ -147,10 +147,14 @@ def _engine_counter(metrics: str, name: str) -> dict[str, float]:
     return counts
 
 
-def test_quantized_checkpoint_served_equals_afdc_generate(models, tmp_path):
-    """A Qwen3-MoE-shaped checkpoint in fp8 blocks, compiled as shipped: the vLLM worker runs the
-    fp8 ops (their torch references on CPU) and the FFN rank processes load fp8 rank files."""
+def test_quantized_checkpoint_served_equals_afdc_generate(models, tmp_path, monkeypatch):
+    """A Qwen3-MoE-shaped checkpoint in fp8 blocks, compiled as shipped: the vLLM worker and the FFN
+    rank processes, which load fp8 rank files, run the fp8 ops' torch references, as on a CPU host
+    without the interpreter (the kernels in it are tests/test_kernels_quant.py's: here they took a
+    third of the test's time)."""
     from quant_checkpoints import qwen3_moe_fp8
+
+    monkeypatch.delenv("TRITON_INTERPRET")
 
     ck = qwen3_moe_fp8(models / "qwen3-fp8", vocab_size=512)
     demo_tokenizer(512).save_pretrained(ck.directory)

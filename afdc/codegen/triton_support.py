@@ -20,7 +20,6 @@ import threading
 from collections.abc import Callable
 
 import torch
-import torch._dynamo.convert_frame
 
 try:
     import triton
@@ -55,8 +54,17 @@ def launches(*tensors: torch.Tensor) -> bool:
 # code that compiles source in such threads takes this lock too (re-entrant: it may launch).
 # It is the lock Dynamo holds while it compiles a frame (Inductor's code generation included):
 # a launch in one micro-batch's thread while Dynamo compiled the FFN program in another's failed
-# that way too, in a CI-like run of the suite.
-SOURCE_LOCK = getattr(torch._dynamo.convert_frame, "compile_lock", None) or threading.RLock()
+# that way too, in a CI-like run of the suite. Dynamo is imported at the first use, not here:
+# it is a second of CPU in every process that imports afdc's ops (an eager FFN server never
+# compiles).
+_FALLBACK_LOCK = threading.RLock()
+
+
+@functools.cache
+def source_lock() -> threading.RLock:
+    import torch._dynamo.convert_frame
+
+    return getattr(torch._dynamo.convert_frame, "compile_lock", None) or _FALLBACK_LOCK
 
 
 class _Kernel:
@@ -69,7 +77,7 @@ class _Kernel:
             return launch
 
         def one_at_a_time(*args, **kwargs):
-            with SOURCE_LOCK:
+            with source_lock():
                 return launch(*args, **kwargs)
 
         return one_at_a_time

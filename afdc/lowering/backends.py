@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch._prims_common import make_contiguous_strides_for
 
 from afdc import segment
-from afdc.codegen.triton_support import SOURCE_LOCK
+from afdc.codegen.triton_support import source_lock
 from afdc.lowering.fuse_activation import fuse_activations
 from afdc.lowering.fuse_moe import fuse_moe, fuse_shared_experts
 from afdc.lowering.fuse_norms import fuse_norms
@@ -117,7 +117,7 @@ def with_kernels(module: fx.GraphModule, backend: str, name: str = "program", ar
     ``args``: under ``afdc``, a copy of it with afdc's kernels substituted; else ``module``."""
     if backend != "afdc":
         return module
-    with SOURCE_LOCK:  # FX compiles the graph's code, maybe in a TP rank's thread (see SOURCE_LOCK)
+    with source_lock():  # FX compiles the graph's code, maybe in a TP rank's thread (see source_lock)
         module = copy_module(module)
         if any("val" not in n.meta for n in module.graph.find_nodes(op="placeholder")):
             annotate(module, args)

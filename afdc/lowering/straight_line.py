@@ -35,7 +35,7 @@ from itertools import count
 import torch
 import torch.fx as fx
 
-from afdc.codegen.triton_support import SOURCE_LOCK
+from afdc.codegen.triton_support import source_lock
 from afdc.ops import SendCall, body_of
 from afdc.ops.call import bound
 from afdc.passes.matching import copy_graph
@@ -236,6 +236,6 @@ class _Writer:
         filename = f"<afdc straight line {next(_SOURCES)}>"
         # tracebacks through the generated code show its lines
         linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
-        with SOURCE_LOCK:
+        with source_lock():
             exec(compile(code, filename, "exec"), self.globals)
         return StraightLine(self.globals["forward"], code, self.module, dtypes, self.globals.get("forward_steps"))
