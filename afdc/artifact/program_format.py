@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
 
-import afdc.ops  # noqa: F401  (registers the afdc ops the programs call)
+import afdc.ops  # noqa: F401  (registers the afdc ops the programs call, and transformers' that they keep)
 from afdc.artifact.manifest import ArtifactError
 from afdc.errors import AfdcError
 

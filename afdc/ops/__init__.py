@@ -9,11 +9,16 @@ through it, by name. What the ops hand their work to at run time is in :mod:`afd
 Each op's body is a plain function that runs on every device; :func:`body_of` finds it, so that
 eager execution (:mod:`afdc.lowering.straight_line`) calls the body without the dispatcher's round
 trip.
+
+Importing this package also registers the one op of another library that captured graphs keep,
+``transformers::grouped_mm_fallback`` (an unsharded MoE segment's grouped matmul): every process
+that runs a program imports the afdc ops, a spawned FFN server unpickling its program included.
 """
 
 from collections.abc import Callable
 
 import torch
+import transformers.integrations.moe  # noqa: F401
 from torch._library import custom_ops
 
 from afdc.ops.attention import (
