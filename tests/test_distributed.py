@@ -756,7 +756,7 @@ def test_a_bell_counts_every_ring_of_several_processes_and_wakes_its_sleeper():
     start = time.monotonic()
     bell.wait(seen, 30.0)  # rung since ``seen``: no sleep
     assert time.monotonic() - start < 10.0
-    bell.close()
+    bell.close_fd()
 
 
 def test_a_bell_that_is_not_a_sealed_word_is_refused(tmp_path):

@@ -29,6 +29,8 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -105,7 +107,34 @@ def _check_sealed(fd: int, what: str) -> os.stat_result:
     return info
 
 
-class Bell:
+class _SharedFile:
+    """A sealed memfd mapped by both ends: its creator keeps the descriptor until it is passed on
+    (:meth:`close_fd`); the end that maps a peer's closes its copy at once (:meth:`_from_peer`)."""
+
+    fd: int
+
+    @staticmethod
+    def _from_peer(fd: int, make: Callable[[], _Mapped]) -> _Mapped:
+        """``make()``, which maps the peer's ``fd`` after checking it; the descriptor is closed
+        whatever happens."""
+        try:
+            mapped = make()
+        finally:
+            os.close(fd)
+        mapped.fd = -1
+        return mapped
+
+    def close_fd(self) -> None:
+        """Close the descriptor once passed on (the mapping stays)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+_Mapped = TypeVar("_Mapped", bound=_SharedFile)
+
+
+class Bell(_SharedFile):
     """What an FFN server sleeps on for all of its links at once: one futex word that every
     attention rank's post rings (:meth:`futex.Word.ring`, an atomic add and a wake). A futex
     sleeps on one word, and a server with a word per link could only sleep in steps: 2.4% of a
@@ -126,14 +155,13 @@ class Bell:
     @classmethod
     def received(cls, fd: int) -> Bell:
         """The server's bell from its handshake, refused unless it is a sealed word."""
-        try:
+
+        def make() -> Bell:
             if _check_sealed(fd, "the FFN rank's bell").st_size != _LINE:
                 raise ConnectionError("the FFN rank's bell is not one shared word; the peer runs another afdc")
-            bell = cls(fd)
-        finally:
-            os.close(fd)
-        bell.fd = -1
-        return bell
+            return cls(fd)
+
+        return cls._from_peer(fd, make)
 
     @property
     def value(self) -> int:
@@ -146,13 +174,8 @@ class Bell:
         """Sleep up to ``seconds``, less once rung past ``seen`` (at once if it already is)."""
         self._word.wait(seen, seconds)
 
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
-
-class Mailbox:
+class Mailbox(_SharedFile):
     """One direction of a link: a fixed number of message slots in a sealed memfd, mapped by both ends.
 
     Line 0 holds the slot count, the slot size and how many of a slot's payload bytes the file
@@ -179,7 +202,7 @@ class Mailbox:
         :meth:`file_size`); else the peer's, which must be sealed and of that geometry (both ends
         run the same constants), checked before it is mapped: what a reader takes out of a slot
         is bounded by it."""
-        in_file = slot_bytes if self.payloads_in_file else 0
+        in_file = self._payload_bytes_in_file(slot_bytes)
         size = self.file_size(slots, slot_bytes)
         if not create:
             _check_geometry(fd, (slots, slot_bytes, in_file), size)
@@ -198,8 +221,12 @@ class Mailbox:
         self._seqs = [futex.Word(self._mm, (2 + k) * _LINE) for k in range(self.slots)] if futex.AVAILABLE else []
 
     @classmethod
+    def _payload_bytes_in_file(cls, slot_bytes: int) -> int:
+        return slot_bytes if cls.payloads_in_file else 0
+
+    @classmethod
     def file_size(cls, slots: int, slot_bytes: int) -> int:
-        return (2 + slots) * _LINE + slots * (_PAYLOAD + (slot_bytes if cls.payloads_in_file else 0))
+        return (2 + slots) * _LINE + slots * (_PAYLOAD + cls._payload_bytes_in_file(slot_bytes))
 
     @classmethod
     def create(cls, slots: int, slot_bytes: int, device: torch.device) -> Mailbox:
@@ -215,18 +242,7 @@ class Mailbox:
     def open(cls, description: dict, fd: int, device: torch.device, slots: int, slot_bytes: int) -> Mailbox:
         """The peer's mailbox from its :meth:`describe` and descriptor (closed here, whatever
         happens), of the geometry agreed; ``device`` is where taken tensors go."""
-        try:
-            box = cls(fd, slots, slot_bytes)
-        finally:
-            os.close(fd)
-        box.fd = -1
-        return box
-
-    def close_fd(self) -> None:
-        """Close the descriptor once passed on (the mapping stays)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        return cls._from_peer(fd, lambda: cls(fd, slots, slot_bytes))
 
     @property
     def posted(self) -> int:
@@ -687,4 +703,4 @@ class ShmTransport(Transport):
         for link in links:
             link.close()
         if self._bell is not None:
-            self._bell.close()
+            self._bell.close_fd()
