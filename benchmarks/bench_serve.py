@@ -195,14 +195,16 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def per_step(run: Run, rank: str) -> dict[str, float]:
-    """An attention rank's phases in ms per engine step; its attention program is the step less
-    its exchanges (in-process, the FFN programs too)."""
+def per_step(run: Run, rank: str, cpu: bool = False) -> dict[str, float]:
+    """An attention rank's phases in ms per engine step, of wall time or (``cpu``) of the step
+    thread's CPU time; its attention program is the step less its exchanges (in-process, the FFN
+    programs too). Where a phase's wall time exceeds its CPU time, the thread waited: for a
+    reply, or for a core that another process held."""
     p = run.phases.get(rank, {})
     steps = p.get("step", (0, 0.0, 0.0))[0]
     if not steps:
         return {}
-    ms = {name: seconds * 1e3 / steps for name, (_, seconds, _) in p.items()}
+    ms = {name: (cpu_s if cpu else wall) * 1e3 / steps for name, (_, wall, cpu_s) in p.items()}
     exchange = sum(ms.get(k, 0.0) for k in ("send", "wait", "plan"))
     return {
         "vLLM between steps": ms.get("engine", 0.0),
@@ -252,13 +254,14 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
             names = sorted({k for r in rs for k in r.cpu})
             cells = [f"{k} {_median([r.cpu.get(k, 0.0) * 1e3 / r.tokens for r in rs]):.2f}" for k in names]
             print(f"    {s.name:16} " + "; ".join(cells))
-        print("  per engine step, ms (attention rank 0):")
-        for s in setups:
-            rs = [r[c] for r in results[s.name]]
-            steps = [per_step(r, "attn 0") for r in rs]
-            keys = steps[0].keys() if steps and steps[0] else []
-            cells = [f"{k} {_median([st[k] for st in steps if st]):.2f}" for k in keys]
-            print(f"    {s.name:16} " + "; ".join(cells))
+        for clock, cpu in (("wall", False), ("CPU of the step's thread", True)):
+            print(f"  per engine step, ms of {clock} (attention rank 0):")
+            for s in setups:
+                rs = [r[c] for r in results[s.name]]
+                steps = [per_step(r, "attn 0", cpu) for r in rs]
+                keys = steps[0].keys() if steps and steps[0] else []
+                cells = [f"{k} {_median([st[k] for st in steps if st]):.2f}" for k in keys]
+                print(f"    {s.name:16} " + "; ".join(cells))
         for s in setups:
             rs = [r[c] for r in results[s.name]]
             for rank in sorted({k for r in rs for k in r.phases if k.startswith("ffn")}):

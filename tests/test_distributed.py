@@ -100,6 +100,7 @@ def test_generation_across_processes_matches_monolith(reference, model_type, pla
             assert phases["send"]["count"] == snap["messages_sent"] and phases["plan"]["count"] > 0
             assert phases["wait"]["count"] == snap["exchange_ms"]["count"]
             assert 0 < phases["wait"]["seconds"] < snap["uptime_s"]
+            assert 0 < phases["send"]["cpu"] < snap["uptime_s"]  # a send's own CPU, beside its wall time
     served = cluster.metrics()  # published by each server as it stopped
     assert sorted(served) == list(range(dm.layout.ffn_ranks))
     assert all(s["batch_tokens"]["count"] > 0 and s["bytes_received"] > 0 for s in served.values())

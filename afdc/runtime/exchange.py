@@ -171,7 +171,7 @@ class AttentionEndpoint:
     def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor], ffn_rank: int):
         """Send one message to FFN rank ``ffn_rank`` (a micro-batch's layer may go to several)."""
         assert self.transport is not None
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         header = wire.Header.carrying(
             wire.Kind.DATA,
             tensors,
@@ -192,7 +192,7 @@ class AttentionEndpoint:
         except (RuntimeError, OSError) as err:
             self._fail(peer, layer, f"send failed: {err}")
         self.metrics.sent(header.payload_bytes)
-        self.metrics.phases.add("send", time.perf_counter() - started)
+        self.metrics.phases.add("send", time.perf_counter() - started, time.thread_time() - cpu)
 
     def wait(
         self, step: int, layer: int, micro_batch: int, ffn_ranks: list[int], spin: bool = True

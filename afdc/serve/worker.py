@@ -317,7 +317,7 @@ class AfdcWorker(WorkerBase):
             self.requests[rid].block_ids = [list(g) for g in groups]
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         so = scheduler_output
         # vLLM's scheduler and output processing between two steps: where a request goes on from
         # the last step, the engine had work all along (it blocks for input only without any)
@@ -335,7 +335,7 @@ class AfdcWorker(WorkerBase):
         else:
             groups = [scheduled[g] for g in _micro_batches(sizes, self.micro_batches)]
         batches = [self._micro_batch(g) for g in groups]
-        self.metrics.phases.add("prepare", time.perf_counter() - started)
+        self.metrics.phases.add("prepare", time.perf_counter() - started, time.thread_time() - cpu)
         with self.metrics.phases.timed("step"):
             outputs = self._run(batches)
         last = torch.cat([self._last_logits(out.logits, g) for g, out in zip(groups, outputs)])
