@@ -54,9 +54,9 @@ def launches(*tensors: torch.Tensor) -> bool:
 # code that compiles source in such threads takes this lock too (re-entrant: it may launch).
 # It is the lock Dynamo holds while it compiles a frame (Inductor's code generation included):
 # a launch in one micro-batch's thread while Dynamo compiled the FFN program in another's failed
-# that way too, in a CI-like run of the suite. Dynamo is imported at the first use, not here:
-# it is a second of CPU in every process that imports afdc's ops (an eager FFN server never
-# compiles).
+# that way too, in a CI-like run of the suite. Dynamo is imported at the lock's first use, not
+# here: it costs a second of CPU, which a process that imports afdc's ops but builds no program
+# (the CLI, `afdc plan`) need not pay; one that builds a straight-line program still does.
 _FALLBACK_LOCK = threading.RLock()
 
 
