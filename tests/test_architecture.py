@@ -8,6 +8,7 @@ well. ``from afdc.x import y`` counts as importing ``afdc.x.y`` when that is a m
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -175,3 +176,15 @@ def test_the_checker_sees_a_wrong_way_import(tmp_path, monkeypatch):
     graph = _planted(tmp_path, monkeypatch, "afdc.codegen.bad", "from afdc.runtime import programs\n")
     assert "afdc.runtime.programs" in graph["afdc.codegen.bad"]
     assert _layer("afdc.runtime.programs") > _layer("afdc.codegen.bad")
+
+
+def test_every_public_name_resolves_and_import_afdc_stays_light():
+    """``afdc``'s public names load at first use: each one listed resolves (a name in ``__all__``
+    that its lazy table lacks would fail only when a user reached for it), and importing the
+    package alone loads neither the compiler nor the runtime."""
+    code = ("import sys, afdc; assert not any(m.startswith(('afdc.compile', 'afdc.runtime', 'afdc.api')) "
+            "for m in sys.modules), sorted(m for m in sys.modules if m.startswith('afdc'))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    for name in afdc.__all__:
+        assert getattr(afdc, name) is not None, name
+    assert sorted(afdc.__all__) == sorted(set(afdc.__all__)) and set(afdc.__all__) <= set(dir(afdc))
