@@ -30,7 +30,7 @@ from test_serve import PROMPTS, STARTUP, _complete, _reference, _until_ready, _u
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import save_demo  # noqa: E402
 from afdc.runtime.rendezvous import free_port  # noqa: E402
-from afdc.serve.ray_cluster import NAMESPACE  # noqa: E402
+from afdc.serve.ray_cluster import NAMESPACE, FfnRank, actor_name, resource_demand  # noqa: E402
 from afdc.serve.up import wait_healthy  # noqa: E402
 
 
@@ -71,13 +71,21 @@ def test_up_on_a_ray_cluster_places_ffn_actors_and_restarts_them(cluster, tmp_pa
 
         # the FFN ranks are actors on the node with the afdc_ffn resource
         ray.init(address=c.address, namespace=NAMESPACE)
-        ffn = [ray.get_actor(f"{artifact.name}-ffn-{r}") for r in range(2)]
+        names = re.findall(r"placing FFN rank \d of 2 \(Ray actor '([^']+)'", out)
+        store = re.search(r"-ffn-0@(\S+)$", names[0]).group(1)
+        assert names == [actor_name(artifact, store, r) for r in range(2)], out
+        ffn = [ray.get_actor(name) for name in names]
         where = [ray.get(a.where.remote(), timeout=60) for a in ffn]
         assert {node for node, _ in where} == {ffn_node.node_id}, where
         assert f"ffn-0: Ray node {ffn_node.node_id}, pid {where[0][1]}" in out
         # the attention ranks are vLLM's Ray DP engines, each in a placement group holding one afdc_attn
         free = ray.available_resources()
         assert free.get("afdc_attn", 0) == 0 and free.get("afdc_ffn", 0) == 0, free
+        # a second deployment of this artifact on the cluster (its own store) names its FFN actors
+        # apart: Ray takes them beside these (they wait for an afdc_ffn unit here)
+        second = ray.remote(FfnRank).options(name=actor_name(artifact, f"127.0.0.1:{free_port()}", 0),
+                                             **resource_demand("afdc_ffn")).remote(str(artifact), 0, None, "cpu", None)
+        ray.kill(second, no_restart=True)
 
         # a lost FFN actor: the request it served gets a 503 naming it; Ray restarts it and it rejoins
         model = client.models.list().data[0].id

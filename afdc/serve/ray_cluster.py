@@ -66,6 +66,13 @@ class FfnRank:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
 
+def actor_name(artifact: str | Path, rendezvous: str, rank: int) -> str:
+    """FFN rank ``rank``'s actor name: its artifact and its deployment's store address, which no
+    other live deployment on the cluster holds (two deployments of one artifact must not collide
+    in Ray's namespace)."""
+    return f"{Path(artifact).resolve().name}-ffn-{rank}@{rendezvous}"
+
+
 def _ray():
     try:
         import ray
@@ -109,11 +116,11 @@ class RayDeployment(Deployment):
                                  join_timeout=s.join_timeout, token_buckets=self.token_buckets,
                                  insecure_no_token=s.insecure_no_token, spin=s.spin, log_interval=s.log_interval)
         actor = ray.remote(FfnRank)
-        name = Path(self.settings.artifact).resolve().name
         for r in range(ranks):
-            say(f"placing FFN rank {r} of {ranks} (a Ray actor, one '{self.pools.ffn}')")
+            name = actor_name(s.artifact, s.rendezvous, r)
+            say(f"placing FFN rank {r} of {ranks} (Ray actor '{name}', one '{self.pools.ffn}')")
             self.actors[f"ffn-{r}"] = actor.options(
-                name=f"{name}-ffn-{r}", max_restarts=self.pools.max_restarts, max_task_retries=0,
+                name=name, max_restarts=self.pools.max_restarts, max_task_retries=0,
                 runtime_env={"env_vars": {"AFDC_TOKEN": env["AFDC_TOKEN"]}},  # the token, not as an argument
                 **resource_demand(self.pools.ffn),
             ).remote(s.artifact, r, options, s.device, s.backend)
