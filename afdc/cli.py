@@ -118,8 +118,10 @@ def _serving_options(threads_default: str):
         for option in reversed([
             click.option("--spin", type=float, default=None,
                          help="Seconds a wait for a peer's message polls before it blocks on a futex (shm, "
-                              "cuda-ipc). Default: 0.002 on a host of 8 cores or more, else 0 (on a small host "
-                              "a polling wait takes the core its peer computes on)."),
+                              "cuda-ipc), for every role. Default: an attention rank 0.002 (it waits for a reply "
+                              "it asked for, yielding the core between polls); an FFN server 0.002 on a host of "
+                              "8 cores or more, else 0 (its polls would take the core the attention side "
+                              "computes on)."),
             click.option("--threads", type=int, default=None, help=f"Torch threads per process ({threads_default})."),
             click.option("--log-interval", type=float, default=30.0, show_default=True,
                          help="Seconds between each rank's metrics log lines: where its time went, its CPU "

@@ -110,7 +110,7 @@ class AttentionEndpoint:
         try:
             transport = cls(
                 self.rendezvous, group, self.slot, "attn", self.options.timeout, deliver=file, device=self.device,
-                pacing=Pacing.of(self.options),
+                pacing=Pacing.of(self.options, "attn"),
             )
         except (RuntimeError, OSError) as err:
             self._broken = True

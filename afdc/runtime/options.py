@@ -45,7 +45,7 @@ class RuntimeOptions:
     timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
     poll_interval: float = 0.2  # how often an idle FFN server or an attention rank looks for a regrouping
-    spin: float | None = None  # shm: seconds a waiting rank polls before it blocks (None: by the host's cores)
+    spin: float | None = None  # shm: seconds a waiting rank polls before blocking (None: default_spin)
     max_sleep: float = 2e-4  # shm without futexes: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # shm without futexes: ... of a rank idle for 50 ms (its wake-up rate)
     # FFN: pad each layer's batch to a power of two up to this many tokens, a CUDA graph each on a GPU (0: off)

@@ -135,7 +135,7 @@ class FFNServer:
             log.info("ffn rank %d: serving generation %d", self.rank, group.generation)
             transport = cls(
                 self.rdv, group, self.slot, "ffn", timeout=self.options.timeout, device=self.program.device,
-                pacing=Pacing.of(self.options),
+                pacing=Pacing.of(self.options, "ffn"),
             )
             try:
                 self._serve_generation(transport)

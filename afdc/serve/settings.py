@@ -30,7 +30,7 @@ class WorkerSettings:
     device: str = "cpu"
     backend: str | None = None  # what runs the programs (afdc.lowering.backends); None: the artifact's plan
     log_interval: float = 30.0  # seconds between metrics log lines (0: never)
-    spin: float | None = None  # seconds a wait for a peer polls before it blocks (None: by the host's cores)
+    spin: float | None = None  # seconds a wait for a peer polls before blocking (None: default_spin)
     threads: int | None = None  # torch threads of the process (None: torch's default)
     # the Ray resource vLLM's DP placement gives each attention rank (--data-parallel-backend ray,
     # afdc up --ray); None: one GPU on a GPU device, else one CPU

@@ -51,18 +51,27 @@ class Failure:
 Deliver = Callable[["Incoming | Failure"], None]
 
 
-SPIN_CORES = 8  # a host with fewer cores than this does not spin by default (see default_spin)
+SPIN_CORES = 8  # a host with fewer cores than this has no core to spare for an FFN server's polls (see default_spin)
 
 
-def default_spin(cores: int | None = None) -> float:
-    """How long a wait polls before it blocks, by default: 2 ms where this process may run on
-    :data:`SPIN_CORES` cores or more (``cores``; default: those it may run on), else none.
-    A deployment's roles, vLLM's API server and its clients share a small host's cores, and a
-    wait that polls takes the core its peer needs to compute the awaited reply: on 2 cores, the
-    demo served 1A1F under 64 streams of ``vllm bench serve`` took 1.55x the monolith's time per
-    token with 2 ms spins and 1.26x with none, and under 16 streams its FFN server burned 2.5x its
-    compute time in CPU, against 1.6x (``benchmarks/RESULTS.md``). A host of many cores has one to
-    spare, and a poll hears a reply some microseconds before a futex wake does."""
+def default_spin(role: str, cores: int | None = None) -> float:
+    """How long a wait of a ``role`` rank polls before it blocks, by default.
+
+    An attention rank polls for up to 2 ms wherever it runs: it waits for a reply it has just
+    asked for, and each poll yields the core to whatever else is ready to run there (the FFN
+    server it woke, vLLM's API server, the clients). It keeps its core and catches the reply
+    without a futex wake-up. On 2 cores serving the demo to one stream, that took the time per
+    token from 1.83x the monolith's to 1.38x (medians of five rounds; under 16 and 64 streams
+    it was within the spread: ``benchmarks/RESULTS.md``).
+
+    An FFN server polls (2 ms) only where this process may run on :data:`SPIN_CORES` cores or
+    more (``cores``; default: those it may run on). It waits for the attention side's next
+    layer, which computes meanwhile, on the same cores of a small host: there its polls took the
+    attention rank's core (the demo under 64 streams on 2 cores: 1.55x the monolith's time per
+    token with both roles polling, 1.26x with neither) and burned 2.5x its compute time in CPU,
+    against 1.6x."""
+    if role == "attn":
+        return 2e-3
     cores = len(os.sched_getaffinity(0)) if cores is None else cores
     return 2e-3 if cores >= SPIN_CORES else 0.0
 
@@ -78,8 +87,10 @@ class Pacing:
     block: float = 0.05  # the longest one block on a wake-up lasts (a wait looks at its deadline then)
 
     @classmethod
-    def of(cls, options: RuntimeOptions) -> Pacing:
-        return cls(default_spin() if options.spin is None else options.spin, options.max_sleep, options.idle_sleep)
+    def of(cls, options: RuntimeOptions, role: str) -> Pacing:
+        """A ``role`` rank's pacing (``options.spin``, or :func:`default_spin` for the role)."""
+        spin = default_spin(role) if options.spin is None else options.spin
+        return cls(spin, options.max_sleep, options.idle_sleep)
 
 
 class Waiter:
