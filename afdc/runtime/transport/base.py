@@ -60,9 +60,9 @@ def default_spin(role: str, cores: int | None = None) -> float:
     An attention rank polls for up to 2 ms wherever it runs: it waits for a reply it has just
     asked for, and each poll yields the core to whatever else is ready to run there (the FFN
     server it woke, vLLM's API server, the clients). It keeps its core and catches the reply
-    without a futex wake-up. On 2 cores serving the demo to one stream, that took the time per
-    token from 1.83x the monolith's to 1.38x (medians of five rounds; under 16 and 64 streams
-    it was within the spread: ``benchmarks/RESULTS.md``).
+    without a futex wake-up. On 2 cores serving the demo to one stream it was faster in 6 of 8
+    paired rounds (1.38x the monolith's time per token against 1.83x, medians of the first five);
+    under 16 and 64 streams it was within the spread (``benchmarks/RESULTS.md``).
 
     An FFN server polls (2 ms) only where this process may run on :data:`SPIN_CORES` cores or
     more (``cores``; default: those it may run on). It waits for the attention side's next
