@@ -4,7 +4,8 @@
     4096-wide bf16 hidden state) to a real FFN server process and waits for the reply; the server
     runs an identity segment, so the time is the transport's (headers, copies, wake-ups, the
     server loop). For T = 1, 16, 256 and each connector: median round-trip latency, throughput
-    (bytes both ways / round trip), and the ratio to the floor: a plain copy of the same bytes
+    (bytes both ways / round trip), each side's CPU per round trip (the attention thread's, all of
+    the server's threads'), and the ratio to the floor: a plain copy of the same bytes
     into and out of a shared-memory buffer, both ways, in this process. Beside it the bare
     two-process ping-pong: the same copies between two processes polling a sequence number each,
     no protocol (what crossing between cores and processes costs on this host by itself). With a
@@ -43,6 +44,7 @@ Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import mmap
 import multiprocessing as mp
@@ -265,26 +267,42 @@ def bare_cuda_ping_pong(repeats: int) -> dict[int, float]:
     return _ping_pong(path, mm, echo, make, put, take, repeats)
 
 
-def round_trips(connector: str, repeats: int) -> list[tuple[int, float]]:
+def _thread_cpu_seconds(pid: int) -> float:
+    """CPU seconds of all of process ``pid``'s threads, at the scheduler's nanosecond resolution
+    (``/proc``'s schedstat: a few hundred round trips take less CPU than one clock tick)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def round_trips(connector: str, repeats: int) -> list[tuple[int, float, float, float]]:
+    """Per token count: the median round trip, and the CPU seconds a round trip took on each
+    side (this process's thread, all of the FFN server's threads), averaged over ``repeats``."""
     device = _device(connector)
     dep = _EchoDeployment(device)
     cluster = LocalCluster(dep, RuntimeOptions(connector=connector, timeout=60, log_interval=0))
     try:
         rdv = Rendezvous(cluster.options.rendezvous, dep.layout, dep.deployment, cluster.options.token)
         endpoint = AttentionEndpoint(0, rdv, cluster.options, device)
+        server = cluster.processes[0].pid
         results = []
         for tokens in TOKENS:
             x = torch.randn(tokens, HIDDEN, device=device).to(torch.bfloat16)
             times = []
             for i in range(repeats + 10):
+                if i == 10:  # warm-up done
+                    cpu, server_cpu = time.thread_time(), _thread_cpu_seconds(server)
                 step = endpoint.begin_step()
                 t = time.perf_counter()
                 endpoint.send(step, 0, 0, tokens, [x], 0)
                 (reply,) = endpoint.wait(step, 0, 0, [0])
-                if i >= 10:  # warm-up
+                if i >= 10:
                     times.append(time.perf_counter() - t)
                 assert torch.equal(reply[0].reshape(x.shape), x)
-            results.append((tokens, statistics.median(times)))
+            cpu, server_cpu = time.thread_time() - cpu, _thread_cpu_seconds(server) - server_cpu
+            results.append((tokens, statistics.median(times), cpu / repeats, server_cpu / repeats))
         endpoint.close()
         return results
     finally:
@@ -475,15 +493,16 @@ def round_trip_table(repeats: int) -> None:
         device_floors = {t: cuda_copy_floor(t * HIDDEN * 2, repeats) for t in TOKENS}
         bare["cuda"] = bare_cuda_ping_pong(repeats)
     print(f"{'connector':<10}{'T':>5}{'bytes':>10}{'rtt us':>10}{'GB/s':>8}{'floor us':>10}{'rtt/floor':>11}"
-          f"{'bare us':>9}{'rtt/bare':>10}")
+          f"{'bare us':>9}{'rtt/bare':>10}{'attn CPU us':>13}{'FFN CPU us':>12}")
     for connector in CONNECTORS:
-        for tokens, rtt in round_trips(connector, repeats):
+        for tokens, rtt, attn_cpu, ffn_cpu in round_trips(connector, repeats):
             nbytes = tokens * HIDDEN * 2
             floor = (device_floors if connector == "cuda-ipc" else floors)[tokens]
             least = bare["cuda" if connector == "cuda-ipc" else "host"][tokens]
             print(
                 f"{connector:<10}{tokens:>5}{nbytes:>10}{rtt * 1e6:>10.0f}{2 * nbytes / rtt / 1e9:>8.2f}"
                 f"{floor * 1e6:>10.1f}{rtt / floor:>11.1f}{least * 1e6:>9.1f}{rtt / least:>10.1f}"
+                f"{attn_cpu * 1e6:>13.0f}{ffn_cpu * 1e6:>12.0f}"
             )
 
 
