@@ -164,10 +164,13 @@ def _serving_options(threads_default: str):
 @click.option("--token-buckets", type=int, default=0, show_default=True,
               help="FFN: pad each layer's batch to a power of two up to this many tokens, so the FFN runs at a few "
                    "shapes; on a GPU each is captured in a CUDA graph and replayed (0: off).")
+@click.option("--cpus", default=None, metavar="LIST",
+              help="Cores this rank computes on, as taskset lists them (1, 0-3,6): an FFN rank's whole server, an "
+                   "attention rank's step thread (each of this host's DP ranks'). Default: any.")
 @_serving_options("default: torch's, a thread per core")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
-          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, spin, threads, log_interval,
+          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus, spin, threads, log_interval,
           vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
@@ -182,6 +185,11 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
     --data-parallel-address HEAD --data-parallel-rpc-port PORT).
     """
     connector = ConnectorKind(connector)
+    if cpus is not None:
+        from afdc.serve.cores import check_usable, parse_cpus
+
+        cpus = parse_cpus(cpus)
+        check_usable(cpus)
     if not connector.in_process and not rendezvous:
         raise click.UsageError(
             "--rendezvous HOST:PORT is required (or --connector loopback for a monolithic attention rank)"
@@ -198,7 +206,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         settings = WorkerSettings(
             artifact, connector, rendezvous, token=token, insecure_no_token=insecure_no_token, timeout=timeout,
             join_timeout=join_timeout, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
-            backend=backend, log_interval=log_interval, spin=spin, threads=threads,
+            backend=backend, log_interval=log_interval, spin=spin, threads=threads, cpus=cpus,
         )
         serve_attention(settings, host, port, vllm_args)
     if connector.in_process:
@@ -217,7 +225,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         import torch
 
         torch.set_num_threads(threads)
-    serve_ffn_rank(artifact, rank, options, device, backend)
+    serve_ffn_rank(artifact, rank, options, device, backend, cpus)
 
 
 @main.command(context_settings=_VLLM_ARGS)
@@ -249,10 +257,14 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
               help="What runs the programs (default: the artifact's): afdc kernels + Inductor, Inductor, eager.")
 @click.option("--token-buckets", type=int, default=0, show_default=True,
               help="As `afdc serve --token-buckets`, for every FFN rank (on a GPU: its layers in CUDA graphs).")
+@click.option("--pin/--no-pin", default=None,
+              help="Put 1A1F's attention engine (its step thread) and FFN server on one core: they take turns, and "
+                   "a host of few cores then keeps its other cores for vLLM's API server and the clients. Default: "
+                   "on a CPU host of fewer than 4 cores with one micro-batch.")
 @_serving_options("default on a CPU: this host's cores less one, shared by the attention engines and FFN servers")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,
-       micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir, backend, token_buckets, spin, threads,
+       micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir, backend, token_buckets, pin, spin, threads,
        log_interval, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine (or a Ray cluster) and serve the OpenAI
     API until Ctrl-C.
@@ -275,6 +287,8 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
     if ray_address and connector not in (ConnectorKind.GLOO, ConnectorKind.NCCL):
         raise click.UsageError(f"--connector {connector.value} cannot join ranks on different nodes, and Ray "
                                "places them on any node: --connector gloo (or nccl between GPUs)")
+    if ray_address and pin:
+        raise click.UsageError("--pin shares a core of this host; with --ray the ranks are on any node")
     check_serving_environment()
     if demo:
         from afdc.demo import demo_artifact
@@ -293,7 +307,7 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
 
         kind, placement = RayDeployment, {"pools": RayPools(ray_address, ray_attn_resource, ray_ffn_resource)}
     deployment = kind(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None,
-                      token_buckets, **placement)
+                      token_buckets, pin, **placement)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))

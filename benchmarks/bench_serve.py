@@ -3,7 +3,8 @@
 The same afdc worker serves one artifact several ways, behind vLLM's OpenAI server as
 ``afdc up`` starts it: monolithic (``--connector loopback``: the FFN programs run in the
 attention engine's process), and AFD with its FFN ranks in server processes over shared memory,
-with m = 1 and m = 2 micro-batches (``--setups``; ``--plans 2A2F`` adds the same artifact's
+with m = 1 and m = 2 micro-batches, m = 1 also with its two processes left to float over the
+cores where ``afdc up`` would pin them to one (``--setups``; ``--plans 2A2F`` adds the same artifact's
 model compiled for two attention ranks: vLLM's data parallelism, one API port). The load is
 ``vllm bench serve`` itself (random prompts of ``--input-len`` tokens, ``--output-len`` tokens
 out, ``--ignore-eos``, greedy), at each ``--concurrency``, so this script's figures are the
@@ -25,7 +26,7 @@ per-GPU gain a separate FFN pool gives. Setups take turns within a round (``--ro
 slow minute of the VM hits each alike; the tables give medians over rounds.
 
 Run:  python benchmarks/bench_serve.py [--concurrency 1,16,64] [--rounds 3] [--model demo]
-      [--setups monolithic,afd-m1,afd-m2] [--plans 2A2F] [--spin S] [--threads N]
+      [--setups monolithic,afd-m1,afd-m1-float,afd-m2] [--plans 2A2F] [--spin S] [--threads N]
 """
 
 from __future__ import annotations
@@ -57,11 +58,13 @@ class Setup:
     connector: str
     micro_batches: int
     plan: str = "1A1F"
+    pin: bool | None = None  # afdc up --pin/--no-pin (None: afdc's default)
 
 
 SETUPS = {
     "monolithic": Setup("monolithic", "loopback", 1),
     "afd-m1": Setup("AFD 1A1F m=1", "shm", 1),
+    "afd-m1-float": Setup("AFD 1A1F m=1 --no-pin", "shm", 1, pin=False),
     "afd-m2": Setup("AFD 1A1F m=2", "shm", 2),
 }
 BASE = "monolithic"
@@ -158,7 +161,7 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
                               spin=args.spin, threads=args.threads)
     max_seqs = str(max(args.concurrency))
     d = Deployment(artifact, settings, port=free_port(), log_dir=logs,
-                   vllm_args=("--max-model-len", "512", "--max-num-seqs", max_seqs))
+                   vllm_args=("--max-model-len", "512", "--max-num-seqs", max_seqs), pin=setup.pin)
     runs = {}
     try:
         url = d.start(300, lambda _: None)
@@ -229,17 +232,17 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
         names = sorted({k for r in idle for k in r})
         total = _median([sum(r.values()) * 100 for r in idle])
         cells = [f"{k} {_median([r.get(k, 0.0) * 100 for r in idle]):.2f}" for k in names]
-        print(f"    {s.name:16} all {total:.2f}: " + "; ".join(cells))
+        print(f"    {s.name:22} all {total:.2f}: " + "; ".join(cells))
     for c in args.concurrency:
         print(f"\n== {c} in flight ({max(args.min_prompts, args.waves * c)} requests)")
-        print(f"{'':16} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p50':>9}   / monolithic: "
+        print(f"{'':22} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p50':>9}   / monolithic: "
               "tok/s, TPOT p50 (per round)")
         base = results[BASE]
         for s in setups:
             rs = [r[c] for r in results[s.name]]
             fig = {k: _median([r.figures[k] for r in rs]) for k in
                    ("output_throughput", "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms")}
-            line = (f"{s.name:16} {fig['output_throughput']:8.0f} {fig['median_tpot_ms']:9.2f} "
+            line = (f"{s.name:22} {fig['output_throughput']:8.0f} {fig['median_tpot_ms']:9.2f} "
                     f"{fig['p99_tpot_ms']:9.2f} {fig['median_ttft_ms']:9.1f}")
             if s.name != BASE:
                 pairs = [(r[c].figures, b[c].figures) for r, b in zip(results[s.name], base)]
@@ -253,7 +256,7 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
             rs = [r[c] for r in results[s.name]]
             names = sorted({k for r in rs for k in r.cpu})
             cells = [f"{k} {_median([r.cpu.get(k, 0.0) * 1e3 / r.tokens for r in rs]):.2f}" for k in names]
-            print(f"    {s.name:16} " + "; ".join(cells))
+            print(f"    {s.name:22} " + "; ".join(cells))
         for clock, cpu in (("wall", False), ("CPU of the step's thread", True)):
             print(f"  per engine step, ms of {clock} (attention rank 0):")
             for s in setups:
@@ -261,7 +264,7 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
                 steps = [per_step(r, "attn 0", cpu) for r in rs]
                 keys = steps[0].keys() if steps and steps[0] else []
                 cells = [f"{k} {_median([st[k] for st in steps if st]):.2f}" for k in keys]
-                print(f"    {s.name:16} " + "; ".join(cells))
+                print(f"    {s.name:22} " + "; ".join(cells))
         for s in setups:
             rs = [r[c] for r in results[s.name]]
             for rank in sorted({k for r in rs for k in r.phases if k.startswith("ffn")}):
@@ -303,7 +306,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--model", default="demo", help="'demo', or a model_type of models_supported.catalog")
-    ap.add_argument("--setups", default="monolithic,afd-m1,afd-m2", help=f"comma-separated, of {', '.join(SETUPS)}")
+    ap.add_argument("--setups", default="monolithic,afd-m1,afd-m1-float,afd-m2", help=f"comma-separated, of {', '.join(SETUPS)}")
     ap.add_argument("--plans", default="", help="comma-separated further plans, served with shm and m = 1 (e.g. 2A2F)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds in which every setup runs once; medians reported")
     ap.add_argument("--backend", default=None, help="what runs the programs (default: the artifact's, auto)")

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +37,7 @@ from afdc.cli import main  # noqa: E402
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
 from afdc.runtime.rendezvous import free_port  # noqa: E402
+from afdc.serve.cores import parse_cpus, pin_thread, shared_core  # noqa: E402
 from afdc.serve.settings import WorkerSettings  # noqa: E402
 from afdc.serve.up import Deployment, wait_healthy  # noqa: E402
 from models_supported.catalog import build, entry  # noqa: E402
@@ -455,11 +457,33 @@ def test_up_demo_serves_the_demo_model(tmp_path):
         assert client.models.list().data[0].id == "afdc-demo"
         assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
         _assert_prefix_caching_and_preemption(client, artifact)
+        _assert_placement(proc.pid, started)
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, started + out
     assert "stopping every role" in out
+
+
+def _assert_placement(pid: int, started: str) -> None:
+    """``afdc up`` of 1A1F on a host of few cores puts the engine's step thread (vLLM runs steps on
+    its engine core's main thread) and the FFN server on one core, and nothing else; on a larger
+    host nothing is pinned."""
+    import psutil
+
+    core = shared_core(afdc.Plan.parse("1A1F"), 1, "cpu", disaggregated=True)
+    tree = psutil.Process(pid).children(recursive=True)
+    ffn = next(p for p in tree if "ffn" in p.cmdline() and "--role" in p.cmdline())
+    engine = next(p for p in tree if "EngineCor" in p.name())
+    api = next(p for p in tree if "serve" in p.cmdline() and "vllm.entrypoints.cli.main" in p.cmdline())
+    every = os.sched_getaffinity(0)
+    assert os.sched_getaffinity(api.pid) == every
+    if core is None:
+        assert "share core" not in started
+        assert os.sched_getaffinity(ffn.pid) == os.sched_getaffinity(engine.pid) == every
+    else:
+        assert f"share core {core}" in started, started
+        assert os.sched_getaffinity(ffn.pid) == os.sched_getaffinity(engine.pid) == {core}
 
 
 def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
@@ -474,6 +498,10 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
     assert code == 2 and "attention ranks are vLLM's data-parallel ranks" in out
     code, out = serve(str(artifact), "--role", "attn")
     assert code == 2 and "--rendezvous" in out
+    for cpus, said in [("1-0", "is not a range of cores"), ("x", "is not a core or a range"),
+                       (str(max(os.sched_getaffinity(0)) + 1), "are not available to this process")]:
+        code, out = serve(str(artifact), "--role", "ffn", "--rendezvous", "127.0.0.1:1", "--cpus", cpus)
+        assert code == 2 and said in out, out
     # attention ranks are vLLM's DP ranks: the plan's A and the DP arguments must agree
     two = str(_artifact(models, "dense", "2A2F"))
     code, out = serve(two, "--role", "attn", "--connector", "loopback", "--", "-dp", "3")
@@ -489,6 +517,8 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
     # afdc up --ray places ranks on any node of a Ray cluster: a one-host transport is refused first
     result = CliRunner().invoke(main, ["up", two, "--ray", "--connector", "shm"])
     assert result.exit_code == 2 and "--connector shm cannot join ranks on different nodes" in result.output
+    result = CliRunner().invoke(main, ["up", two, "--ray", "--pin"])
+    assert result.exit_code == 2 and "--pin shares a core of this host" in result.output
     plan_only = tmp_path / "plan-only"
     compile_model(str(models / "dense" / "config.json"), "1A1F", plan_only, weights=False, progress=False)
     code, out = serve(str(plan_only), "--role", "attn", "--connector", "loopback")
@@ -530,3 +560,37 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--spin") + 1] == "0.0"
     assert argv[argv.index("--log-interval") + 1] == "5"
     assert "--spin" not in ffn_command(shm, 0) and "--threads" not in ffn_command(shm, 0)
+    assert "--cpus" not in ffn_command(shm, 0)
+    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", cpus=(1, 3)), 0)
+    assert argv[argv.index("--cpus") + 1] == "1,3"
+
+
+def test_afdc_up_puts_a_1a1f_pair_that_takes_turns_on_one_core_of_a_small_host():
+    """1A1F with one micro-batch on a CPU host of under 4 cores shares the last core; more cores, more
+    micro-batches, more ranks, a GPU or a monolith float; --pin asks for it anywhere a pair exists,
+    --no-pin never."""
+    one, two = afdc.Plan.parse("1A1F"), afdc.Plan.parse("2A2F")
+    assert shared_core(one, 1, "cpu", True, cores=[0, 1]) == 1
+    assert shared_core(one, 1, "cpu", True, cores=[2, 5, 7]) == 7
+    for plan, micro_batches, device, disaggregated, cores in [
+        (one, 1, "cpu", True, range(4)), (one, 2, "cpu", True, [0, 1]), (two, 1, "cpu", True, [0, 1]),
+        (one, 1, "cuda:0", True, [0, 1]), (one, 1, "cpu", False, [0, 1]),
+    ]:
+        assert shared_core(plan, micro_batches, device, disaggregated, cores=cores) is None
+    assert shared_core(one, 2, "cuda", True, pin=True, cores=range(16)) == 15
+    assert shared_core(one, 1, "cpu", True, pin=False, cores=[0, 1]) is None
+    with pytest.raises(afdc.AfdcError, match="this deployment is 2A2F"):
+        shared_core(two, 1, "cpu", True, pin=True)
+    with pytest.raises(afdc.AfdcError, match="this deployment is monolithic"):
+        shared_core(one, 1, "cpu", False, pin=True)
+    assert parse_cpus("3,0-1, 1") == (0, 1, 3)
+    every, seen = os.sched_getaffinity(0), []
+
+    def pinned() -> None:  # in a thread of its own: pinning applies to the calling thread
+        pin_thread([min(every)])
+        seen.append(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=pinned)
+    thread.start()
+    thread.join()
+    assert seen == [{min(every)}] and os.sched_getaffinity(0) == every

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import NoReturn
 
 from afdc.artifact.load import deployment_of, load
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.server import serve_program
+from afdc.serve.cores import pin_thread
 
 
 def serve_ffn_rank(
-    directory: str | Path, rank: int, options: RuntimeOptions, device: str = "cpu", backend: str | None = None
+    directory: str | Path, rank: int, options: RuntimeOptions, device: str = "cpu", backend: str | None = None,
+    cpus: Collection[int] | None = None,
 ) -> NoReturn:
-    """Run FFN rank ``rank`` of a compiled artifact until stopped."""
+    """Run FFN rank ``rank`` of a compiled artifact until stopped, on ``cpus`` if given (every
+    thread of the server: they start after this)."""
+    if cpus:
+        pin_thread(cpus)
     layout, deployment = deployment_of(directory)
     serve_program(load(directory, "ffn", rank, device, backend), layout, deployment, options)

@@ -128,6 +128,9 @@ class RayDeployment(Deployment):
     def _default_threads(self, plan, settings: WorkerSettings) -> int | None:
         return None  # the roles are on the cluster's nodes, not sharing this one: torch's default
 
+    def _shared_core(self, plan, settings: WorkerSettings) -> int | None:
+        return None  # Ray places each rank on any node: no two share a host's core by design
+
     def _attention_env(self) -> dict[str, str]:
         # vLLM copies only its own variables into its engine actors: afdc's settings and token too
         extra = os.environ.get("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "")

@@ -32,12 +32,15 @@ class WorkerSettings:
     log_interval: float = 30.0  # seconds between metrics log lines (0: never)
     spin: float | None = None  # seconds a wait for a peer polls before blocking (None: default_spin)
     threads: int | None = None  # torch threads of the process (None: torch's default)
+    cpus: tuple[int, ...] | None = None  # the cores each attention rank's step thread runs on (None: any)
     # the Ray resource vLLM's DP placement gives each attention rank (--data-parallel-backend ray,
     # afdc up --ray); None: one GPU on a GPU device, else one CPU
     ray_resource: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
+        if self.cpus is not None:  # a list after a trip through JSON
+            object.__setattr__(self, "cpus", tuple(self.cpus))
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps({**asdict(self), "connector": self.connector.value})}

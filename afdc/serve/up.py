@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from afdc.artifact.manifest import VOCABULARY_FILES, Manifest, read_manifest
 from afdc.errors import AfdcError, UnsupportedModelError
+from afdc.serve.cores import shared_core
 from afdc.serve.data_parallel import DataParallel
 from afdc.serve.health import MIDDLEWARE
 from afdc.serve.settings import WorkerSettings
@@ -108,6 +109,7 @@ def ffn_command(settings: WorkerSettings, rank: int, token_buckets: int = 0) -> 
         "--token-buckets", str(token_buckets), *(["--backend", s.backend] if s.backend else []),
         *(["--spin", str(s.spin)] if s.spin is not None else []),
         *(["--threads", str(s.threads)] if s.threads else []),
+        *(["--cpus", ",".join(map(str, s.cpus))] if s.cpus else []),
     ]
 
 
@@ -167,6 +169,7 @@ class Deployment:
     vllm_args: Sequence[str] = ()
     log_dir: Path | None = None  # each role's output goes to a file there; None: this terminal
     token_buckets: int = 0  # the FFN ranks' (afdc serve --token-buckets)
+    pin: bool | None = None  # 1A1F's engine and FFN server on one core (None: on a small CPU host; see cores)
 
     def __post_init__(self) -> None:
         self.processes: dict[str, subprocess.Popen] = {}
@@ -189,6 +192,11 @@ class Deployment:
         s = self.settings
         env = {**os.environ, "AFDC_TOKEN": s.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
         settings = replace(s, token=None, threads=s.threads or self._default_threads(plan, s))
+        core = self._shared_core(plan, settings)
+        if core is not None:
+            settings = replace(settings, cpus=(core,))
+            say(f"the attention engine's step thread and the FFN rank share core {core}; they take turns"
+                + (" (a host of few cores; --no-pin lets them float)" if self.pin is None else ""))
         argv = attention_command(settings, self.host, self.port, self.vllm_args)  # refused before any role starts
         if not s.connector.in_process:
             # the FFN ranks wait for the store that attention rank 0 hosts once its vLLM engine is up
@@ -217,6 +225,11 @@ class Deployment:
     def _default_threads(self, plan: Plan, settings: WorkerSettings) -> int | None:
         """Torch threads per process unless given (here: every role shares this host's cores)."""
         return threads_per_role(plan, settings)
+
+    def _shared_core(self, plan: Plan, settings: WorkerSettings) -> int | None:
+        """The core 1A1F's pair shares, if any (here: every role is on this host)."""
+        micro_batches = settings.micro_batches or plan.micro_batches
+        return shared_core(plan, micro_batches, settings.device, not settings.connector.in_process, self.pin)
 
     def failed(self) -> str | None:
         """The first role whose process has exited, if any."""

@@ -49,6 +49,7 @@ from afdc.runtime.paged import (
 )
 from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.tensor_parallel import TensorParallelAttention
+from afdc.serve.cores import pin_thread
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
 from afdc.serve.up import check_servable
@@ -111,6 +112,7 @@ class AfdcWorker(WorkerBase):
         self._sampled: set[str] = set()  # the requests of the last step
         self._sampled_at = 0.0  # when its sampling ended
         self._stop = threading.Event()
+        self._pinned = False  # the step thread is on settings.cpus (set at the first step: vLLM's thread)
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -318,6 +320,10 @@ class AfdcWorker(WorkerBase):
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         started, cpu = time.perf_counter(), time.thread_time()
+        if self.settings.cpus and not self._pinned:
+            pin_thread(self.settings.cpus)
+            self._pinned = True
+            logger.info("afdc: attention rank %d steps on cores %s", self.rank, list(self.settings.cpus))
         so = scheduler_output
         # vLLM's scheduler and output processing between two steps: where a request goes on from
         # the last step, the engine had work all along (it blocks for input only without any)

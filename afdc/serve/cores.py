@@ -1,0 +1,73 @@
+"""Which cores a serving process computes on.
+
+An attention rank and an FFN rank of 1A1F with one micro-batch take turns: the attention engine
+waits while the FFN server runs a layer, and the server waits while attention runs the next.
+On a host with fewer cores than the processes that want one (the engine, the FFN server, vLLM's
+API server, the clients), letting the pair float puts each hand-off on whichever core is free
+just then: the woken process often lands on the core the API server or a client is using, and
+resumes cold. Putting the pair on one core makes each hand-off a switch on that core and leaves
+the other cores to the front end. On this project's 2-core VM, under ``vllm bench serve``, the
+demo's TPOT fell by 10-20% at 16 and 64 in flight and rose by about 10% at one
+(``benchmarks/RESULTS.md``); the monolith's engine gained nothing from being pinned, having no
+partner to take turns with. A pair that does not take turns (more micro-batches, or an FFN rank
+serving several attention ranks) is not placed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+from afdc.errors import AfdcError
+
+if TYPE_CHECKING:
+    from afdc.plan import Plan
+
+SMALL_HOST = 4  # fewer cores than this: the engine, the FFN server, the API server and a client cannot each have one
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """Cores in taskset's list syntax (``1``, ``0-3,6``), sorted, each once."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            lo, hi = int(first), int(last or first)
+        except ValueError:
+            raise AfdcError(f"--cpus {text!r}: {part!r} is not a core or a range of cores (e.g. 1 or 0-3,6)") from None
+        if lo < 0 or hi < lo:
+            raise AfdcError(f"--cpus {text!r}: {part!r} is not a range of cores (low-high, low <= high)")
+        cores.update(range(lo, hi + 1))
+    return tuple(sorted(cores))
+
+
+def check_usable(cpus: Collection[int]) -> None:
+    """Refuse cores this process may not run on (said before a server starts, not in its engine)."""
+    allowed = os.sched_getaffinity(0)
+    outside = sorted(set(cpus) - allowed)
+    if outside:
+        raise AfdcError(f"cores {outside} are not available to this process (it may run on {sorted(allowed)}); "
+                        "give --cpus from those")
+
+
+def pin_thread(cpus: Collection[int]) -> None:
+    """Run the calling thread, and the threads it starts from now on, on ``cpus`` only."""
+    check_usable(cpus)
+    os.sched_setaffinity(0, cpus)
+
+
+def shared_core(plan: Plan, micro_batches: int, device: str, disaggregated: bool, pin: bool | None = None,
+                cores: Collection[int] | None = None) -> int | None:
+    """The core that 1A1F's attention engine (its step thread) and FFN server share when every role
+    runs on this host, or None to let them float. ``pin`` None decides by itself: shared with one
+    micro-batch on a CPU host of fewer than :data:`SMALL_HOST` cores; True asks for it on any host;
+    False never. The last core is taken (the front end starts on the first ones)."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    pair = disaggregated and plan.attention_ranks == 1 and plan.ffn_ranks == 1
+    if pin is None:
+        pin = pair and micro_batches == 1 and device.split(":")[0] == "cpu" and len(cores) < SMALL_HOST
+    elif pin and not pair:
+        what = "is monolithic" if not disaggregated else f"is {plan}"
+        raise AfdcError(f"--pin puts one attention rank and one FFN rank (1A1F) on one core; this deployment {what}")
+    return cores[-1] if pin else None
