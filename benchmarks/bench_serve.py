@@ -306,7 +306,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--model", default="demo", help="'demo', or a model_type of models_supported.catalog")
-    ap.add_argument("--setups", default="monolithic,afd-m1,afd-m1-float,afd-m2", help=f"comma-separated, of {', '.join(SETUPS)}")
+    ap.add_argument("--setups", default="monolithic,afd-m1,afd-m1-float,afd-m2",
+                    help=f"comma-separated, of {', '.join(SETUPS)}")
     ap.add_argument("--plans", default="", help="comma-separated further plans, served with shm and m = 1 (e.g. 2A2F)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds in which every setup runs once; medians reported")
     ap.add_argument("--backend", default=None, help="what runs the programs (default: the artifact's, auto)")
