@@ -7,10 +7,13 @@ API server, the clients), letting the pair float puts each hand-off on whichever
 just then: the woken process often lands on the core the API server or a client is using, and
 resumes cold. Putting the pair on one core makes each hand-off a switch on that core and leaves
 the other cores to the front end. On this project's 2-core VM, under ``vllm bench serve``, the
-demo's TPOT fell by 10-20% at 16 and 64 in flight and rose by about 10% at one
-(``benchmarks/RESULTS.md``); the monolith's engine gained nothing from being pinned, having no
-partner to take turns with. A pair that does not take turns (more micro-batches, or an FFN rank
-serving several attention ranks) is not placed.
+pinned pair beat the floating one in 7 of 9 paired rounds at 16 in flight and 8 of 9 at 64 (TPOT
+against the monolith's, medians 1.22x against 1.34x and 1.24x against 1.40x), and lost every
+round at one in flight (1.59x against 1.39x): a lone stream leaves a core idle, and floating the
+attention side polls for its reply there instead of switching (``benchmarks/RESULTS.md``). The
+monolith's engine gained nothing from being pinned, having no partner to take turns with. A pair
+that does not take turns (more micro-batches, or an FFN rank serving several attention ranks) is
+not placed.
 """
 
 from __future__ import annotations
