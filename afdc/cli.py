@@ -167,11 +167,15 @@ def _serving_options(threads_default: str):
 @click.option("--cpus", default=None, metavar="LIST",
               help="Cores this rank computes on, as taskset lists them (1, 0-3,6): an FFN rank's whole server, an "
                    "attention rank's step thread (each of this host's DP ranks'). Default: any.")
+@click.option("--pin-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --cpus: compute there only while steps hold this many tokens or more, and on this "
+                   "process's other cores while they hold fewer (1A1F's pair on a small host, see `afdc up --pin`); "
+                   "0: always there.")
 @_serving_options("default: torch's, a thread per core")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
-          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus, spin, threads, log_interval,
-          vllm_args) -> None:
+          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus, pin_tokens, spin, threads,
+          log_interval, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -190,6 +194,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 
         cpus = parse_cpus(cpus)
         check_usable(cpus)
+    elif pin_tokens:
+        raise click.UsageError("--pin-tokens says when a rank computes on --cpus: give --cpus too")
     if not connector.in_process and not rendezvous:
         raise click.UsageError(
             "--rendezvous HOST:PORT is required (or --connector loopback for a monolithic attention rank)"
@@ -206,7 +212,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         settings = WorkerSettings(
             artifact, connector, rendezvous, token=token, insecure_no_token=insecure_no_token, timeout=timeout,
             join_timeout=join_timeout, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
-            backend=backend, log_interval=log_interval, spin=spin, threads=threads, cpus=cpus,
+            backend=backend, log_interval=log_interval, spin=spin, threads=threads, cpus=cpus, pin_tokens=pin_tokens,
         )
         serve_attention(settings, host, port, vllm_args)
     if connector.in_process:
@@ -225,7 +231,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         import torch
 
         torch.set_num_threads(threads)
-    serve_ffn_rank(artifact, rank, options, device, backend, cpus)
+    serve_ffn_rank(artifact, rank, options, device, backend, cpus, pin_tokens)
 
 
 @main.command(context_settings=_VLLM_ARGS)
@@ -260,7 +266,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @click.option("--pin/--no-pin", default=None,
               help="Put 1A1F's attention engine (its step thread) and FFN server on one core: they take turns, and "
                    "a host of few cores then keeps its other cores for vLLM's API server and the clients. Default: "
-                   "on a CPU host of fewer than 4 cores with one micro-batch.")
+                   "on a CPU host of fewer than 4 cores with one micro-batch, while steps hold 8 tokens or more "
+                   "(smaller ones float); --pin: always, --no-pin: never.")
 @_serving_options("default on a CPU: this host's cores less one, shared by the attention engines and FFN servers")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,

@@ -3,8 +3,9 @@
 The same afdc worker serves one artifact several ways, behind vLLM's OpenAI server as
 ``afdc up`` starts it: monolithic (``--connector loopback``: the FFN programs run in the
 attention engine's process), and AFD with its FFN ranks in server processes over shared memory,
-with m = 1 and m = 2 micro-batches, m = 1 also with its two processes left to float over the
-cores where ``afdc up`` would pin them to one (``--setups``; ``--plans 2A2F`` adds the same artifact's
+with m = 1 and m = 2 micro-batches, m = 1 also with its two processes always on one core
+(``--pin``) and always floating (``--no-pin``) where ``afdc up`` would place them by the
+steps' size (``--setups``; ``--plans 2A2F`` adds the same artifact's
 model compiled for two attention ranks: vLLM's data parallelism, one API port). The load is
 ``vllm bench serve`` itself (random prompts of ``--input-len`` tokens, ``--output-len`` tokens
 out, ``--ignore-eos``, greedy), at each ``--concurrency``, so this script's figures are the
@@ -64,6 +65,7 @@ class Setup:
 SETUPS = {
     "monolithic": Setup("monolithic", "loopback", 1),
     "afd-m1": Setup("AFD 1A1F m=1", "shm", 1),
+    "afd-m1-pin": Setup("AFD 1A1F m=1 --pin", "shm", 1, pin=True),
     "afd-m1-float": Setup("AFD 1A1F m=1 --no-pin", "shm", 1, pin=False),
     "afd-m2": Setup("AFD 1A1F m=2", "shm", 2),
 }

@@ -37,7 +37,7 @@ from afdc.cli import main  # noqa: E402
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
 from afdc.runtime.rendezvous import free_port  # noqa: E402
-from afdc.serve.cores import parse_cpus, pin_thread, shared_core  # noqa: E402
+from afdc.serve.cores import PAIR_TOKENS, SETTLE_STEPS, Placement, parse_cpus, pin_thread, shared_core  # noqa: E402
 from afdc.serve.settings import WorkerSettings  # noqa: E402
 from afdc.serve.up import Deployment, wait_healthy  # noqa: E402
 from models_supported.catalog import build, entry  # noqa: E402
@@ -457,7 +457,7 @@ def test_up_demo_serves_the_demo_model(tmp_path):
         assert client.models.list().data[0].id == "afdc-demo"
         assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
         _assert_prefix_caching_and_preemption(client, artifact)
-        _assert_placement(proc.pid, started)
+        _assert_placement(client, proc.pid, started)
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
@@ -465,10 +465,11 @@ def test_up_demo_serves_the_demo_model(tmp_path):
     assert "stopping every role" in out
 
 
-def _assert_placement(pid: int, started: str) -> None:
+def _assert_placement(client, pid: int, started: str) -> None:
     """``afdc up`` of 1A1F on a host of few cores puts the engine's step thread (vLLM runs steps on
-    its engine core's main thread) and the FFN server on one core, and nothing else; on a larger
-    host nothing is pinned."""
+    its engine core's main thread) and the FFN server's serving thread on one core while steps hold
+    PAIR_TOKENS tokens or more, and lets them float again once steps are smaller; the API server is
+    never placed. On a larger host nothing is."""
     import psutil
 
     core = shared_core(afdc.Plan.parse("1A1F"), 1, "cpu", disaggregated=True)
@@ -477,13 +478,25 @@ def _assert_placement(pid: int, started: str) -> None:
     engine = next(p for p in tree if "EngineCor" in p.name())
     api = next(p for p in tree if "serve" in p.cmdline() and "vllm.entrypoints.cli.main" in p.cmdline())
     every = os.sched_getaffinity(0)
+    model = client.models.list().data[0].id
+
+    def steps(streams: int, tokens: int) -> tuple[set[int], set[int]]:
+        """Where both threads are after ``streams`` requests ran side by side (one prefill step,
+        then ``tokens`` - 1 decode steps of ``streams`` tokens), each within one 16-token block."""
+        r = client.completions.create(model=model, prompt=[[300 + i] for i in range(streams)], max_tokens=tokens,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert [c.finish_reason for c in r.choices] == ["length"] * streams
+        return os.sched_getaffinity(ffn.pid), os.sched_getaffinity(engine.pid)
+
+    assert PAIR_TOKENS <= 8 <= SETTLE_STEPS + 6  # 8 streams (PREFIX_CACHING's most), 14 tokens each
+    big, small = steps(8, 14), steps(1, SETTLE_STEPS + 4)
     assert os.sched_getaffinity(api.pid) == every
     if core is None:
         assert "share core" not in started
-        assert os.sched_getaffinity(ffn.pid) == os.sched_getaffinity(engine.pid) == every
+        assert big == small == (every, every)
     else:
-        assert f"share core {core}" in started, started
-        assert os.sched_getaffinity(ffn.pid) == os.sched_getaffinity(engine.pid) == {core}
+        assert f"share core {core} while steps hold {PAIR_TOKENS} tokens or more" in started, started
+        assert big == ({core}, {core}) and small == (every, every), (big, small)
 
 
 def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
@@ -502,6 +515,8 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
                        (str(max(os.sched_getaffinity(0)) + 1), "are not available to this process")]:
         code, out = serve(str(artifact), "--role", "ffn", "--rendezvous", "127.0.0.1:1", "--cpus", cpus)
         assert code == 2 and said in out, out
+    code, out = serve(str(artifact), "--role", "ffn", "--rendezvous", "127.0.0.1:1", "--pin-tokens", "8")
+    assert code == 2 and "give --cpus too" in out, out
     # attention ranks are vLLM's DP ranks: the plan's A and the DP arguments must agree
     two = str(_artifact(models, "dense", "2A2F"))
     code, out = serve(two, "--role", "attn", "--connector", "loopback", "--", "-dp", "3")
@@ -562,7 +577,9 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     assert "--spin" not in ffn_command(shm, 0) and "--threads" not in ffn_command(shm, 0)
     assert "--cpus" not in ffn_command(shm, 0)
     argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", cpus=(1, 3)), 0)
-    assert argv[argv.index("--cpus") + 1] == "1,3"
+    assert argv[argv.index("--cpus") + 1] == "1,3" and "--pin-tokens" not in argv
+    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", cpus=(1,), pin_tokens=8), 0)
+    assert argv[argv.index("--cpus") + 1] == "1" and argv[argv.index("--pin-tokens") + 1] == "8"
 
 
 def test_afdc_up_puts_a_1a1f_pair_that_takes_turns_on_one_core_of_a_small_host():
@@ -594,3 +611,36 @@ def test_afdc_up_puts_a_1a1f_pair_that_takes_turns_on_one_core_of_a_small_host()
     thread.start()
     thread.join()
     assert seen == [{min(every)}] and os.sched_getaffinity(0) == every
+
+
+def test_a_pair_shares_its_core_while_steps_are_big_and_floats_while_they_are_small():
+    """A thread placed by step size moves to the shared core after SETTLE_STEPS steps in a row of
+    PAIR_TOKENS tokens or more, and back to its own cores after as many smaller ones; a lone big
+    step (a prefill) or small one (a batch's tail) moves nothing. ``from_tokens`` 0 moves it at
+    its first step for good. Real affinities, each placement in a thread of its own."""
+    every = os.sched_getaffinity(0)
+    if len(every) < 2:
+        pytest.skip("needs a process that may run on two cores")
+    shared = {max(every)}
+
+    def placed(from_tokens: int, sizes: list[int]) -> list[set[int]]:
+        where: list[set[int]] = []
+
+        def run() -> None:
+            placement = Placement(shared, from_tokens)
+            for tokens in sizes:
+                placement.step(tokens)
+                where.append(os.sched_getaffinity(0))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        return where
+
+    big, small, n = PAIR_TOKENS, PAIR_TOKENS - 1, SETTLE_STEPS
+    where = placed(PAIR_TOKENS, [1, 32, 1] + [big] * n + [small] + [big] * 3 + [small] * n + [64])
+    assert where[: 2 + n] == [every] * (2 + n)  # a prefill between small steps moves nothing
+    assert where[2 + n : 2 * n + 6] == [shared] * (n + 4)  # the n-th big step in a row moves it
+    assert where[2 * n + 6 :] == [every] * 2  # then n small ones move it back; one big step does not
+    assert placed(0, [1, 1, 500]) == [shared] * 3
+    assert os.sched_getaffinity(0) == every

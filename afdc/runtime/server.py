@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -50,7 +51,10 @@ MAX_MICRO_BATCHES = 64  # the most micro-batches a step plan may name
 
 
 class FFNServer:
-    def __init__(self, program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions):
+    def __init__(self, program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions,
+                 on_step: Callable[[int], None] | None = None):
+        """``on_step(tokens)`` is called, in the serving thread, with the size of each step an
+        attention rank announces (where the host places that thread by its load)."""
         if options.rendezvous is None:
             raise ValueError("an FFN server needs the rendezvous address (HOST:PORT)")
         self.program = program
@@ -61,6 +65,7 @@ class FFNServer:
         self.slot = layout.slot("ffn", program.rank)
         self.deployment = deployment
         self.options = options
+        self.on_step = on_step
         self.metrics = Metrics("ffn", program.rank)
         self.stopping = threading.Event()
         self.rdv: Rendezvous | None = None  # the deployment's store, while the server runs
@@ -186,6 +191,8 @@ class FFNServer:
                 self._refuse(transport, item.header, reason)
             elif item.header.kind == wire.Kind.STEP:
                 gathering.plan(item.header.sender, item.header.step, tuple(item.tensors[0].tolist()))
+                if self.on_step is not None:
+                    self.on_step(item.header.tokens)
             else:
                 gathering.add(item)
         self._run(transport, gathering.ready())
@@ -289,13 +296,14 @@ class FFNServer:
             log.log(level, "ffn rank %d: could not reply to slot %d: %s", self.rank, h.sender, err)
 
 
-def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions) -> NoReturn:
+def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions,
+                  on_step: Callable[[int], None] | None = None) -> NoReturn:
     """Entry point of an FFN server process (``afdc serve`` and ``dm.launch()``); exits the process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
     code = 0
     try:
-        FFNServer(program, layout, deployment, options).serve()
+        FFNServer(program, layout, deployment, options, on_step).serve()
     except AfdcError as err:
         print(f"error: {err}", file=sys.stderr)
         code = 2

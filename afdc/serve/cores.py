@@ -14,10 +14,18 @@ attention side polls for its reply there instead of switching (``benchmarks/RESU
 monolith's engine gained nothing from being pinned, having no partner to take turns with. A pair
 that does not take turns (more micro-batches, or an FFN rank serving several attention ranks) is
 not placed.
+
+Pinned for good, the pair lost every paired round to the floating one at one stream, by about 15%,
+and at 2 and 4 (a small step leaves a core idle: floating, the attention side polls for its reply
+there while the FFN server runs on the other). The cross-over was near 8 streams. So by default
+the pair shares its core only while steps are big (:class:`Placement`): both ends see each step's
+size, the attention rank from its scheduler, the FFN server from the step's plan, and both move
+by the same rule.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Collection
 from typing import TYPE_CHECKING
@@ -27,7 +35,11 @@ from afdc.errors import AfdcError
 if TYPE_CHECKING:
     from afdc.plan import Plan
 
+log = logging.getLogger("afdc.cores")
+
 SMALL_HOST = 4  # fewer cores than this: the engine, the FFN server, the API server and a client cannot each have one
+PAIR_TOKENS = 8  # steps of this many tokens or more: the pair takes turns on its core (fewer: it floats)
+SETTLE_STEPS = 8  # steps in a row on the other side of the threshold before a thread moves
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -74,3 +86,45 @@ def shared_core(plan: Plan, micro_batches: int, device: str, disaggregated: bool
         what = "is monolithic" if not disaggregated else f"is {plan}"
         raise AfdcError(f"--pin puts one attention rank and one FFN rank (1A1F) on one core; this deployment {what}")
     return cores[-1] if pin else None
+
+
+class Placement:
+    """Where one thread of a pair computes, step by step: on ``cpus`` while its steps hold
+    ``from_tokens`` tokens or more, on the cores it started with while they hold fewer
+    (``from_tokens`` 0: on ``cpus`` from the first step on). A thread moves after
+    :data:`SETTLE_STEPS` steps in a row on the other side of the threshold, so a lone stream's
+    prefill, or a batch's last steps, do not move it; both ends of a pair see the same steps and
+    move together. Call :meth:`step` from the thread that computes, before each step."""
+
+    def __init__(self, cpus: Collection[int], from_tokens: int = 0, who: str = "this rank",
+                 logger: logging.Logger = log):
+        check_usable(cpus)
+        self.cpus = tuple(sorted(cpus))
+        self.from_tokens = from_tokens
+        self.who, self.log = who, logger
+        self.home: tuple[int, ...] | None = None  # the thread's cores before its first step
+        self.shared = False  # on ``cpus`` now
+        self._against = 0  # steps in a row that asked for the other placement
+        self._moves = 0
+
+    def step(self, tokens: int) -> None:
+        """Place the calling thread for a step of ``tokens`` tokens."""
+        if self.home is None:
+            self.home = tuple(sorted(os.sched_getaffinity(0)))
+            if self.from_tokens == 0:
+                self._move(True)
+                return
+        if (tokens >= self.from_tokens) == self.shared:
+            self._against = 0
+            return
+        self._against += 1
+        if self._against >= SETTLE_STEPS:
+            self._against = 0
+            self._move(not self.shared)
+
+    def _move(self, shared: bool) -> None:
+        os.sched_setaffinity(0, self.cpus if shared else self.home)
+        self.shared = shared
+        self._moves += 1  # said once; a load near the threshold may move it back and forth
+        where = f"on cores {list(self.cpus)}" if shared else f"on its own cores {list(self.home)}"
+        self.log.log(logging.INFO if self._moves == 1 else logging.DEBUG, "afdc: %s steps %s", self.who, where)

@@ -9,16 +9,20 @@ from typing import NoReturn
 from afdc.artifact.load import deployment_of, load
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.server import serve_program
-from afdc.serve.cores import pin_thread
+from afdc.serve.cores import Placement, pin_thread
 
 
 def serve_ffn_rank(
     directory: str | Path, rank: int, options: RuntimeOptions, device: str = "cpu", backend: str | None = None,
-    cpus: Collection[int] | None = None,
+    cpus: Collection[int] | None = None, pin_tokens: int = 0,
 ) -> NoReturn:
-    """Run FFN rank ``rank`` of a compiled artifact until stopped, on ``cpus`` if given (every
-    thread of the server: they start after this)."""
-    if cpus:
+    """Run FFN rank ``rank`` of a compiled artifact until stopped, on ``cpus`` if given: every
+    thread of the server (they start after this), or with ``pin_tokens`` the serving thread
+    while the attention ranks' steps hold that many tokens or more (:class:`Placement`)."""
+    on_step = None
+    if cpus and pin_tokens:
+        on_step = Placement(cpus, pin_tokens, f"ffn rank {rank}").step
+    elif cpus:
         pin_thread(cpus)
     layout, deployment = deployment_of(directory)
-    serve_program(load(directory, "ffn", rank, device, backend), layout, deployment, options)
+    serve_program(load(directory, "ffn", rank, device, backend), layout, deployment, options, on_step)

@@ -33,6 +33,7 @@ class WorkerSettings:
     spin: float | None = None  # seconds a wait for a peer polls before blocking (None: default_spin)
     threads: int | None = None  # torch threads of the process (None: torch's default)
     cpus: tuple[int, ...] | None = None  # the cores each attention rank's step thread runs on (None: any)
+    pin_tokens: int = 0  # with cpus: on them only for steps of this many tokens or more (0: every step; see cores)
     # the Ray resource vLLM's DP placement gives each attention rank (--data-parallel-backend ray,
     # afdc up --ray); None: one GPU on a GPU device, else one CPU
     ray_resource: str | None = None

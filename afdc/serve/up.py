@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from afdc.artifact.manifest import VOCABULARY_FILES, Manifest, read_manifest
 from afdc.errors import AfdcError, UnsupportedModelError
-from afdc.serve.cores import shared_core
+from afdc.serve.cores import PAIR_TOKENS, shared_core
 from afdc.serve.data_parallel import DataParallel
 from afdc.serve.health import MIDDLEWARE
 from afdc.serve.settings import WorkerSettings
@@ -110,6 +110,7 @@ def ffn_command(settings: WorkerSettings, rank: int, token_buckets: int = 0) -> 
         *(["--spin", str(s.spin)] if s.spin is not None else []),
         *(["--threads", str(s.threads)] if s.threads else []),
         *(["--cpus", ",".join(map(str, s.cpus))] if s.cpus else []),
+        *(["--pin-tokens", str(s.pin_tokens)] if s.cpus and s.pin_tokens else []),
     ]
 
 
@@ -194,9 +195,12 @@ class Deployment:
         settings = replace(s, token=None, threads=s.threads or self._default_threads(plan, s))
         core = self._shared_core(plan, settings)
         if core is not None:
-            settings = replace(settings, cpus=(core,))
-            say(f"the attention engine's step thread and the FFN rank share core {core}; they take turns"
-                + (" (a host of few cores; --no-pin lets them float)" if self.pin is None else ""))
+            by_load = self.pin is None  # a host of few cores: shared while steps are big (see cores.Placement)
+            settings = replace(settings, cpus=(core,), pin_tokens=PAIR_TOKENS if by_load else 0)
+            say(f"the attention engine's step thread and the FFN rank share core {core}"
+                + (f" while steps hold {PAIR_TOKENS} tokens or more (a host of few cores; --pin: always, "
+                   "--no-pin: never)" if by_load else "")
+                + "; they take turns")
         argv = attention_command(settings, self.host, self.port, self.vllm_args)  # refused before any role starts
         if not s.connector.in_process:
             # the FFN ranks wait for the store that attention rank 0 hosts once its vLLM engine is up

@@ -49,7 +49,7 @@ from afdc.runtime.paged import (
 )
 from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.tensor_parallel import TensorParallelAttention
-from afdc.serve.cores import pin_thread
+from afdc.serve.cores import Placement
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
 from afdc.serve.up import check_servable
@@ -112,7 +112,8 @@ class AfdcWorker(WorkerBase):
         self._sampled: set[str] = set()  # the requests of the last step
         self._sampled_at = 0.0  # when its sampling ended
         self._stop = threading.Event()
-        self._pinned = False  # the step thread is on settings.cpus (set at the first step: vLLM's thread)
+        s = self.settings  # the step thread's cores: vLLM runs steps on its engine core's main thread
+        self._placement = Placement(s.cpus, s.pin_tokens, f"attention rank {self.rank}", logger) if s.cpus else None
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -320,10 +321,6 @@ class AfdcWorker(WorkerBase):
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         started, cpu = time.perf_counter(), time.thread_time()
-        if self.settings.cpus and not self._pinned:
-            pin_thread(self.settings.cpus)
-            self._pinned = True
-            logger.info("afdc: attention rank %d steps on cores %s", self.rank, list(self.settings.cpus))
         so = scheduler_output
         # vLLM's scheduler and output processing between two steps: where a request goes on from
         # the last step, the engine had work all along (it blocks for input only without any)
@@ -341,6 +338,8 @@ class AfdcWorker(WorkerBase):
         else:
             groups = [scheduled[g] for g in _micro_batches(sizes, self.micro_batches)]
         batches = [self._micro_batch(g) for g in groups]
+        if self._placement is not None:  # by the size the FFN ranks hear in the step's plan
+            self._placement.step(sum(b.input_ids.numel() for b in batches))
         self.metrics.phases.add("prepare", time.perf_counter() - started, time.thread_time() - cpu)
         with self.metrics.phases.timed("step"):
             outputs = self._run(batches)
