@@ -4,12 +4,10 @@ where a rank's time goes (:class:`Phases`), beside the CPU time its process used
 from __future__ import annotations
 
 import bisect
-import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 log = logging.getLogger("afdc.metrics")
@@ -89,15 +87,10 @@ class Phases:
         phase.seconds += seconds
         phase.cpu += cpu
 
-    @contextlib.contextmanager
-    def timed(self, name: str) -> Iterator[None]:
+    def timed(self, name: str) -> _Timed:
         """Wall and CPU time of the block: on cores shared with busier processes a phase's wall
         time includes the time it waited for a core, its CPU time does not."""
-        start, cpu = time.perf_counter(), time.thread_time()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - start, time.thread_time() - cpu)
+        return _Timed(self, name)
 
     def seconds(self, name: str) -> float:
         phase = self._phases.get(name)
@@ -108,6 +101,22 @@ class Phases:
             name: {"count": p.count, "seconds": round(p.seconds, 6), "cpu": round(p.cpu, 6)}
             for name, p in self._phases.items()
         }
+
+
+class _Timed:
+    """One use of :meth:`Phases.timed`. A class, not a generator-based context manager: an FFN
+    server times three phases a message, and the generator's machinery cost about 2 us a use."""
+
+    __slots__ = ("_cpu", "_name", "_phases", "_start")
+
+    def __init__(self, phases: Phases, name: str):
+        self._phases, self._name = phases, name
+
+    def __enter__(self) -> None:
+        self._start, self._cpu = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *exc: object) -> None:
+        self._phases.add(self._name, time.perf_counter() - self._start, time.thread_time() - self._cpu)
 
 
 class Metrics:
