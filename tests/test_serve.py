@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -644,3 +645,24 @@ def test_a_pair_shares_its_core_while_steps_are_big_and_floats_while_they_are_sm
     assert where[2 * n + 6 :] == [every] * 2  # then n small ones move it back; one big step does not
     assert placed(0, [1, 1, 500]) == [shared] * 3
     assert os.sched_getaffinity(0) == every
+
+
+def test_a_placement_the_host_refuses_leaves_the_thread_where_it_is(caplog):
+    """A move the kernel refuses (here: a core that is not online, as after a cpuset shrank under
+    the process) is said once as a warning; the thread stays where it was and serving goes on."""
+    every, where = os.sched_getaffinity(0), []
+
+    def run() -> None:
+        placement = Placement([min(every)], 0, "attention rank 0")
+        placement.cpus = (os.cpu_count() + 64,)  # what a shrunken cpuset leaves: no core it may use
+        for tokens in (16, 16):
+            placement.step(tokens)
+            where.append(os.sched_getaffinity(0))
+
+    with caplog.at_level(logging.INFO, logger="afdc.cores"):
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    assert where == [every, every]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "attention rank 0 cannot move to cores" in warned[0].getMessage()

@@ -106,9 +106,12 @@ class Placement:
         self.shared = False  # on ``cpus`` now
         self._against = 0  # steps in a row that asked for the other placement
         self._moves = 0
+        self._broken = False  # a move failed (the host took cores away): the thread stays where it is
 
     def step(self, tokens: int) -> None:
         """Place the calling thread for a step of ``tokens`` tokens."""
+        if self._broken:
+            return
         if self.home is None:
             self.home = tuple(sorted(os.sched_getaffinity(0)))
             if self.from_tokens == 0:
@@ -123,7 +126,13 @@ class Placement:
             self._move(not self.shared)
 
     def _move(self, shared: bool) -> None:
-        os.sched_setaffinity(0, self.cpus if shared else self.home)
+        try:
+            os.sched_setaffinity(0, self.cpus if shared else self.home)
+        except OSError as err:  # a cpuset changed under the process: serving goes on unplaced
+            self._broken = True
+            self.log.warning("afdc: %s cannot move to cores %s (%s); it stays where it is", self.who,
+                             list(self.cpus if shared else self.home), err)
+            return
         self.shared = shared
         self._moves += 1  # said once; a load near the threshold may move it back and forth
         where = f"on cores {list(self.cpus)}" if shared else f"on its own cores {list(self.home)}"
