@@ -9,18 +9,14 @@ resumes cold. Putting the pair on one core makes each hand-off a switch on that 
 the other cores to the front end. On this project's 2-core VM, under ``vllm bench serve``, the
 pinned pair beat the floating one in 7 of 9 paired rounds at 16 in flight and 8 of 9 at 64 (TPOT
 against the monolith's, medians 1.22x against 1.34x and 1.24x against 1.40x), and lost every
-round at one in flight (1.59x against 1.39x): a lone stream leaves a core idle, and floating the
-attention side polls for its reply there instead of switching (``benchmarks/RESULTS.md``). The
+round at 1, 2 and 4 in flight (1.59x against 1.39x at one): a small step leaves a core idle, and
+floating the attention side polls for its reply there while the FFN server runs on the other
+(``benchmarks/RESULTS.md``). The cross-over was near 8 streams, so by default the pair shares its
+core only while steps are big (:class:`Placement`): both ends see each step's size, the attention
+rank from its scheduler, the FFN server from the step's plan, and both move by the same rule. The
 monolith's engine gained nothing from being pinned, having no partner to take turns with. A pair
 that does not take turns (more micro-batches, or an FFN rank serving several attention ranks) is
 not placed.
-
-Pinned for good, the pair lost every paired round to the floating one at one stream, by about 15%,
-and at 2 and 4 (a small step leaves a core idle: floating, the attention side polls for its reply
-there while the FFN server runs on the other). The cross-over was near 8 streams. So by default
-the pair shares its core only while steps are big (:class:`Placement`): both ends see each step's
-size, the attention rank from its scheduler, the FFN server from the step's plan, and both move
-by the same rule.
 """
 
 from __future__ import annotations
