@@ -27,7 +27,7 @@ from afdc.runtime import wire
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import JoinError, Layout, PeerLost, Rendezvous, free_port
 from afdc.runtime.server import FFNServer, serve_program
-from afdc.runtime.transport.base import Pacing
+from afdc.runtime.transport.base import Incoming, Pacing
 from afdc.segment import Dispatch, ExpertRouting
 from models_supported import catalog
 
@@ -519,6 +519,37 @@ def test_server_checks_every_message():
     assert "generation 2" in server._check(header(generation=2), 3)
     assert "does not exist" in server._check(header(layer=99), 3)
     assert "DATA" in server._check(header(kind=wire.Kind.RESULT), 3)
+
+    # a DATA message's tensors against its layer; the answer is remembered per layer, token count
+    # and tensor layout, and a remembered answer is the one a fresh check gives
+    (layout,) = program.dispatch(0).inputs
+    width = math.prod(abs(d) for d in layout)
+
+    def data(tokens, *tensors):
+        return Incoming(wire.Header.carrying(wire.Kind.DATA, list(tensors), deployment=b"\x07" * 8, generation=3,
+                                             step=1, layer=0, micro_batch=0, tokens=tokens, sender=0), list(tensors))
+
+    good, short = data(3, torch.randn(3, width)), data(3, torch.randn(2, width))
+    wrong_dtype, two = data(3, torch.randn(3, width).double()), data(3, torch.randn(3, width), torch.randn(3, width))
+    for _ in range(2):
+        assert server._check_tensors(good) == ""
+        assert "3 tokens are" in server._check_tensors(short)
+        assert "torch.float64" in server._check_tensors(wrong_dtype)
+        assert "takes 1 inputs, the message carries 2" in server._check_tensors(two)
+    assert len(server._fits) == 4
+
+    # a step plan: each micro-batch's token count, adding up to its header's
+    def plan(counts, micro_batches=None, tokens=None, dtype=torch.int64):
+        t = torch.tensor(counts, dtype=dtype)
+        h = header(kind=wire.Kind.STEP, micro_batch=len(counts) if micro_batches is None else micro_batches,
+                   tokens=sum(counts) if tokens is None else tokens)
+        return Incoming(h, [t])
+
+    assert server._check_tensors(plan([3, 5])) == ""
+    assert "do not add up" in server._check_tensors(plan([3, 5], tokens=9))
+    assert "do not add up" in server._check_tensors(plan([-1, 9]))
+    assert "names 2 micro-batches (its header 3)" in server._check_tensors(plan([3, 5], micro_batches=3))
+    assert "1-D int64" in server._check_tensors(plan([3, 5], dtype=torch.int32))
 
 
 def test_wire_header_round_trip_and_malformed_input():

@@ -39,10 +39,9 @@ class _Waiting:
 
 
 class Gathering:
-    def __init__(self, program: FFNProgram, ffn_ranks: int, window: float, attention_ranks: int):
+    def __init__(self, program: FFNProgram, ffn_ranks: int, window: float):
         self.program = program
         self.ffn_ranks = ffn_ranks
-        self.attention_ranks = attention_ranks
         self.window = window
         self.plans: dict[int, StepPlan] = {}  # by sender slot
         self.waiting: list[_Waiting] = []
@@ -70,9 +69,6 @@ class Gathering:
     def ready(self) -> list[Incoming]:
         """Take out the messages whose (layer, micro-batch) has heard from every attention rank
         expected to send it, or has waited the window; they are marked served."""
-        if self.attention_ranks == 1:  # nothing to gather: every message is all its layer gets
-            out, self.waiting = [w.message for w in self.waiting], []
-            return out
         now = time.monotonic()
         arrived: dict[tuple[int, int], set[int]] = {}
         for w in self.waiting:

@@ -48,6 +48,7 @@ from afdc.segment import inputs as segment_inputs
 log = logging.getLogger("afdc.server")
 _RECONNECT_SLICE = 1.0  # s: how often a server waiting for a lost store checks whether it was stopped
 MAX_MICRO_BATCHES = 64  # the most micro-batches a step plan may name
+_FITS_CACHE = 1 << 12  # remembered answers of whether a message's tensors fit its layer
 
 
 class FFNServer:
@@ -70,6 +71,7 @@ class FFNServer:
         self.stopping = threading.Event()
         self.rdv: Rendezvous | None = None  # the deployment's store, while the server runs
         self._refused: set[int] = set()  # the slots whose refusals this generation were logged (once each)
+        self._fits: dict[tuple, str] = {}  # (layer, tokens, tensor specs) -> _check_tensors' answer
         # per segment, each input's dtype where the graph records it (a loaded artifact's may not)
         self._dtypes = [
             tuple(n.meta["val"].dtype if "val" in n.meta else None for n in segment_inputs(seg.graph))
@@ -158,18 +160,23 @@ class FFNServer:
 
     def _serve_generation(self, transport: Transport) -> None:
         gen = transport.group.generation
-        gathering = Gathering(self.program, self.layout.ffn_ranks, self.options.gather, self.layout.attention_ranks)
+        # one attention rank: each message is all its layer gets, and runs as it comes
+        gathering = (
+            Gathering(self.program, self.layout.ffn_ranks, self.options.gather)
+            if self.layout.attention_ranks > 1 else None
+        )
         self._refused.clear()
         while True:
-            deadline = gathering.deadline()
+            deadline = gathering.deadline() if gathering is not None else None
             wait = self.options.poll_interval if deadline is None else max(0.0, deadline - time.monotonic())
             items = self._arrived(transport, wait)
             self._handle(transport, gathering, items)
             if self.stopping.is_set():  # drain what has arrived, then go
                 self._handle(transport, gathering, self._arrived(transport, 0))
-                self._run(transport, [w.message for w in gathering.waiting])
+                if gathering is not None:
+                    self._run(transport, [w.message for w in gathering.waiting])
                 return
-            if not items and not gathering.waiting and self.rdv.generation() != gen:
+            if not items and not (gathering is not None and gathering.waiting) and self.rdv.generation() != gen:
                 return
 
     def _arrived(self, transport: Transport, wait: float) -> list[Incoming | Failure]:
@@ -177,29 +184,43 @@ class FFNServer:
         with self.metrics.phases.timed(IDLE):
             return transport.collect(wait)
 
-    def _handle(self, transport: Transport, gathering: Gathering, items: list[Incoming | Failure]) -> None:
+    # A served step's messages pass here one or two at a time, each after a wake-up that finds the
+    # caches cold, where each step of this path costs several times what it does in a tight loop:
+    # so every check is done once (a message's tensors against its layer remembered), and nothing
+    # is gathered or grouped where there is nothing to gather or group.
+    def _handle(self, transport: Transport, gathering: Gathering | None, items: list[Incoming | Failure]) -> None:
+        generation = transport.group.generation
+        ready = []
         for item in items:
             if isinstance(item, Failure):  # the link ended (left, died, or dropped for what came on it)
                 role, rank = self.layout.role_rank(item.peer)
                 level = logging.INFO if item.reason == LEFT else logging.WARNING
                 log.log(level, "ffn rank %d: %s rank %d: %s", self.rank, role, rank, item.reason)
-                gathering.forget(item.peer)
+                if gathering is not None:
+                    gathering.forget(item.peer)
                 continue
-            self.metrics.received(item.header.payload_bytes)
-            reason = self._check(item.header, transport.group.generation) or self._check_tensors(item)
+            h = item.header
+            self.metrics.received(h.payload_bytes)
+            reason = self._check(h, generation) or self._check_tensors(item)
             if reason:
-                self._refuse(transport, item.header, reason)
-            elif item.header.kind == wire.Kind.STEP:
-                gathering.plan(item.header.sender, item.header.step, tuple(item.tensors[0].tolist()))
+                self._refuse(transport, h, reason)
+            elif h.kind == wire.Kind.STEP:
+                if gathering is not None:
+                    gathering.plan(h.sender, h.step, tuple(item.tensors[0].tolist()))
                 if self.on_step is not None:
-                    self.on_step(item.header.tokens)
-            else:
+                    self.on_step(h.tokens)
+            elif gathering is not None:
                 gathering.add(item)
-        self._run(transport, gathering.ready())
+            else:
+                ready.append(item)
+        self._run(transport, gathering.ready() if gathering is not None else ready)
 
     def _run(self, transport: Transport, messages: list[Incoming]) -> None:
         """Run each FFN layer once over all of its messages (of one dtype: a batch must not cast
         one sender's tokens to another's) and reply to each sender."""
+        if len(messages) == 1:  # the common case: nothing to group
+            self._run_batch(transport, messages[0].header.layer, messages)
+            return
         by_batch: dict[tuple, list[Incoming]] = defaultdict(list)
         for m in messages:
             by_batch[m.header.layer, tuple(t.dtype for t in m.tensors)].append(m)
@@ -207,10 +228,11 @@ class FFNServer:
             self._run_batch(transport, layer, group)
 
     def _run_batch(self, transport: Transport, layer: int, group: list[Incoming]) -> None:
+        phases = self.metrics.phases
+        started, cpu = time.perf_counter(), time.thread_time()
         tokens = [m.header.tokens for m in group]
         try:
-            with self.metrics.phases.timed("run"):
-                outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
+            outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
         except Exception as err:  # the program rejected these inputs: tell the senders why
             if len(group) > 1:  # one message's fault must not fail the others' tokens: each runs alone
                 for m in group:
@@ -218,10 +240,12 @@ class FFNServer:
                 return
             self._refuse(transport, group[0].header, f"FFN layer {layer} failed: {type(err).__name__}: {err}")
             return
+        ran, ran_cpu = time.perf_counter(), time.thread_time()
+        phases.add("run", ran - started, ran_cpu - cpu)
         self.metrics.batch_tokens.observe(sum(tokens))
-        with self.metrics.phases.timed("reply"):
-            for m, outs in zip(group, outputs):
-                self._reply(transport, m.header, wire.Kind.RESULT, outs)
+        for m, outs in zip(group, outputs):
+            self._reply(transport, m.header, wire.Kind.RESULT, outs)
+        phases.add("reply", time.perf_counter() - ran, time.thread_time() - ran_cpu)
 
     def _check(self, h: wire.Header, generation: int) -> str:
         if h.deployment != self.deployment:
@@ -239,29 +263,32 @@ class FFNServer:
     def _check_tensors(self, m: Incoming) -> str:
         """Why ``m``'s tensors cannot be taken ("" when they can): a step plan is each micro-batch's
         token count, adding up to its header's; a DATA message carries its layer's inputs, each of
-        the dtype the layer takes (where known) and of ``tokens`` tokens' elements."""
-        h, tensors = m.header, m.tensors
+        the dtype the layer takes (where known) and of ``tokens`` tokens' elements (the answer
+        depends on nothing else, and a deployment sends few distinct ones: remembered)."""
+        h = m.header
         if h.kind == wire.Kind.STEP:
-            counts = tensors[0] if len(tensors) == 1 else None
-            if counts is None or counts.dtype != torch.int64 or counts.dim() != 1:
-                return "a STEP message carries one 1-D int64 tensor: each micro-batch's token count"
-            if not 0 < counts.numel() <= MAX_MICRO_BATCHES or counts.numel() != h.micro_batch:
-                return (f"a STEP message names {counts.numel()} micro-batches (its header {h.micro_batch}); "
-                        f"a step has 1 to {MAX_MICRO_BATCHES}")
-            if bool((counts < 0).any()) or int(counts.sum()) != h.tokens:
-                return f"a STEP message's counts {counts.tolist()} do not add up to its header's {h.tokens} tokens"
-            return ""
+            return _check_plan(h, m.tensors)
+        key = (h.layer, h.tokens, h.tensors)
+        reason = self._fits.get(key)
+        if reason is None:
+            reason = self._check_layer_inputs(h)
+            if len(self._fits) >= _FITS_CACHE:
+                self._fits.clear()
+            self._fits[key] = reason
+        return reason
+
+    def _check_layer_inputs(self, h: wire.Header) -> str:
         segment = self.program.layers[h.layer].segment
         layouts, dtypes = self.program.dispatch(h.layer).inputs, self._dtypes[segment]
-        if len(tensors) != len(layouts):
-            return f"FFN layer {h.layer} takes {len(layouts)} inputs, the message carries {len(tensors)}"
-        for i, (t, layout, dtype) in enumerate(zip(tensors, layouts, dtypes)):
+        if len(h.tensors) != len(layouts):
+            return f"FFN layer {h.layer} takes {len(layouts)} inputs, the message carries {len(h.tensors)}"
+        for i, (t, layout, dtype) in enumerate(zip(h.tensors, layouts, dtypes)):
             if dtype is not None and t.dtype != dtype:
                 return f"input {i} of FFN layer {h.layer} is {dtype}, the message's is {t.dtype}"
             per_token = math.prod(abs(d) for d in layout) if layout is not None else None
-            if per_token is not None and t.numel() != h.tokens * per_token:
+            if per_token is not None and math.prod(t.shape) != h.tokens * per_token:
                 return (f"input {i} of FFN layer {h.layer} is {per_token} elements per token: {h.tokens} tokens "
-                        f"are {h.tokens * per_token}, the message's tensor holds {t.numel()}")
+                        f"are {h.tokens * per_token}, the message's tensor holds {math.prod(t.shape)}")
         return ""
 
     def _refuse(self, transport: Transport, h: wire.Header, reason: str) -> None:
@@ -294,6 +321,21 @@ class FFNServer:
             # a link that ended was said once, as its Failure; anything else is said here
             level = logging.DEBUG if isinstance(err, OSError) else logging.WARNING
             log.log(level, "ffn rank %d: could not reply to slot %d: %s", self.rank, h.sender, err)
+
+
+def _check_plan(h: wire.Header, tensors: list[torch.Tensor]) -> str:
+    """Why a STEP message cannot be taken ("" when it can): it carries each micro-batch's token
+    count, adding up to its header's."""
+    counts = tensors[0] if len(tensors) == 1 else None
+    if counts is None or counts.dtype != torch.int64 or counts.dim() != 1:
+        return "a STEP message carries one 1-D int64 tensor: each micro-batch's token count"
+    if not 0 < counts.numel() <= MAX_MICRO_BATCHES or counts.numel() != h.micro_batch:
+        return (f"a STEP message names {counts.numel()} micro-batches (its header {h.micro_batch}); "
+                f"a step has 1 to {MAX_MICRO_BATCHES}")
+    values = counts.tolist()  # a plan is a few numbers: Python reads them faster than torch ops would
+    if min(values) < 0 or sum(values) != h.tokens:
+        return f"a STEP message's counts {values} do not add up to its header's {h.tokens} tokens"
+    return ""
 
 
 def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions,
