@@ -8,7 +8,8 @@ FFN batch AFD is for) instead of over whichever arrived first. A rank late by mo
 waited for while it was heard from within the window, since its next plan may still be on the way
 (it sampled later than the others); one idle for longer is not. A layer whose tokens go only to
 their experts' ranks (router on the attention side) is not waited on: whether a rank gets any of
-them is known only once they are sent.
+them is known only once they are sent. A server of one attention rank gathers nothing (each
+message is all its layer gets) and makes no :class:`Gathering`.
 """
 
 from __future__ import annotations
