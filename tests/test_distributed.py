@@ -536,7 +536,7 @@ def test_server_checks_every_message():
         assert "3 tokens are" in server._check_tensors(short)
         assert "torch.float64" in server._check_tensors(wrong_dtype)
         assert "takes 1 inputs, the message carries 2" in server._check_tensors(two)
-    assert len(server._fits) == 4
+    assert server._fits.cache_info().currsize == 4
 
     # a step plan: each micro-batch's token count, adding up to its header's
     def plan(counts, micro_batches=None, tokens=None, dtype=torch.int64):

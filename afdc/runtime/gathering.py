@@ -8,8 +8,7 @@ FFN batch AFD is for) instead of over whichever arrived first. A rank late by mo
 waited for while it was heard from within the window, since its next plan may still be on the way
 (it sampled later than the others); one idle for longer is not. A layer whose tokens go only to
 their experts' ranks (router on the attention side) is not waited on: whether a rank gets any of
-them is known only once they are sent. A server of one attention rank gathers nothing (each
-message is all its layer gets) and makes no :class:`Gathering`.
+them is known only once they are sent.
 """
 
 from __future__ import annotations
@@ -40,9 +39,10 @@ class _Waiting:
 
 
 class Gathering:
-    def __init__(self, program: FFNProgram, ffn_ranks: int, window: float):
+    def __init__(self, program: FFNProgram, ffn_ranks: int, window: float, attention_ranks: int):
         self.program = program
         self.ffn_ranks = ffn_ranks
+        self.attention_ranks = attention_ranks
         self.window = window
         self.plans: dict[int, StepPlan] = {}  # by sender slot
         self.waiting: list[_Waiting] = []
@@ -70,6 +70,9 @@ class Gathering:
     def ready(self) -> list[Incoming]:
         """Take out the messages whose (layer, micro-batch) has heard from every attention rank
         expected to send it, or has waited the window; they are marked served."""
+        if self.attention_ranks == 1:  # nothing to gather: every message is all its layer gets
+            out, self.waiting = [w.message for w in self.waiting], []
+            return out
         now = time.monotonic()
         arrived: dict[tuple[int, int], set[int]] = {}
         for w in self.waiting:

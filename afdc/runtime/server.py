@@ -18,6 +18,7 @@ received, then exits.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -71,7 +72,8 @@ class FFNServer:
         self.stopping = threading.Event()
         self.rdv: Rendezvous | None = None  # the deployment's store, while the server runs
         self._refused: set[int] = set()  # the slots whose refusals this generation were logged (once each)
-        self._fits: dict[tuple, str] = {}  # (layer, tokens, tensor specs) -> _check_tensors' answer
+        # (layer, tokens, tensor specs) -> _check_tensors' answer for a DATA message
+        self._fits = functools.lru_cache(maxsize=_FITS_CACHE)(self._check_layer_inputs)
         # per segment, each input's dtype where the graph records it (a loaded artifact's may not)
         self._dtypes = [
             tuple(n.meta["val"].dtype if "val" in n.meta else None for n in segment_inputs(seg.graph))
@@ -160,23 +162,18 @@ class FFNServer:
 
     def _serve_generation(self, transport: Transport) -> None:
         gen = transport.group.generation
-        # one attention rank: each message is all its layer gets, and runs as it comes
-        gathering = (
-            Gathering(self.program, self.layout.ffn_ranks, self.options.gather)
-            if self.layout.attention_ranks > 1 else None
-        )
+        gathering = Gathering(self.program, self.layout.ffn_ranks, self.options.gather, self.layout.attention_ranks)
         self._refused.clear()
         while True:
-            deadline = gathering.deadline() if gathering is not None else None
+            deadline = gathering.deadline()
             wait = self.options.poll_interval if deadline is None else max(0.0, deadline - time.monotonic())
             items = self._arrived(transport, wait)
             self._handle(transport, gathering, items)
             if self.stopping.is_set():  # drain what has arrived, then go
                 self._handle(transport, gathering, self._arrived(transport, 0))
-                if gathering is not None:
-                    self._run(transport, [w.message for w in gathering.waiting])
+                self._run(transport, [w.message for w in gathering.waiting])
                 return
-            if not items and not (gathering is not None and gathering.waiting) and self.rdv.generation() != gen:
+            if not items and not gathering.waiting and self.rdv.generation() != gen:
                 return
 
     def _arrived(self, transport: Transport, wait: float) -> list[Incoming | Failure]:
@@ -186,18 +183,16 @@ class FFNServer:
 
     # A served step's messages pass here one or two at a time, each after a wake-up that finds the
     # caches cold, where each step of this path costs several times what it does in a tight loop:
-    # so every check is done once (a message's tensors against its layer remembered), and nothing
-    # is gathered or grouped where there is nothing to gather or group.
-    def _handle(self, transport: Transport, gathering: Gathering | None, items: list[Incoming | Failure]) -> None:
+    # so every check is done once (a message's tensors against its layer remembered), and one
+    # message is not grouped.
+    def _handle(self, transport: Transport, gathering: Gathering, items: list[Incoming | Failure]) -> None:
         generation = transport.group.generation
-        ready = []
         for item in items:
             if isinstance(item, Failure):  # the link ended (left, died, or dropped for what came on it)
                 role, rank = self.layout.role_rank(item.peer)
                 level = logging.INFO if item.reason == LEFT else logging.WARNING
                 log.log(level, "ffn rank %d: %s rank %d: %s", self.rank, role, rank, item.reason)
-                if gathering is not None:
-                    gathering.forget(item.peer)
+                gathering.forget(item.peer)
                 continue
             h = item.header
             self.metrics.received(h.payload_bytes)
@@ -205,15 +200,12 @@ class FFNServer:
             if reason:
                 self._refuse(transport, h, reason)
             elif h.kind == wire.Kind.STEP:
-                if gathering is not None:
-                    gathering.plan(h.sender, h.step, tuple(item.tensors[0].tolist()))
+                gathering.plan(h.sender, h.step, tuple(item.tensors[0].tolist()))
                 if self.on_step is not None:
                     self.on_step(h.tokens)
-            elif gathering is not None:
-                gathering.add(item)
             else:
-                ready.append(item)
-        self._run(transport, gathering.ready() if gathering is not None else ready)
+                gathering.add(item)
+        self._run(transport, gathering.ready())
 
     def _run(self, transport: Transport, messages: list[Incoming]) -> None:
         """Run each FFN layer once over all of its messages (of one dtype: a batch must not cast
@@ -268,27 +260,20 @@ class FFNServer:
         h = m.header
         if h.kind == wire.Kind.STEP:
             return _check_plan(h, m.tensors)
-        key = (h.layer, h.tokens, h.tensors)
-        reason = self._fits.get(key)
-        if reason is None:
-            reason = self._check_layer_inputs(h)
-            if len(self._fits) >= _FITS_CACHE:
-                self._fits.clear()
-            self._fits[key] = reason
-        return reason
+        return self._fits(h.layer, h.tokens, h.tensors)
 
-    def _check_layer_inputs(self, h: wire.Header) -> str:
-        segment = self.program.layers[h.layer].segment
-        layouts, dtypes = self.program.dispatch(h.layer).inputs, self._dtypes[segment]
-        if len(h.tensors) != len(layouts):
-            return f"FFN layer {h.layer} takes {len(layouts)} inputs, the message carries {len(h.tensors)}"
-        for i, (t, layout, dtype) in enumerate(zip(h.tensors, layouts, dtypes)):
+    def _check_layer_inputs(self, layer: int, tokens: int, specs: tuple[wire.TensorSpec, ...]) -> str:
+        segment = self.program.layers[layer].segment
+        layouts, dtypes = self.program.dispatch(layer).inputs, self._dtypes[segment]
+        if len(specs) != len(layouts):
+            return f"FFN layer {layer} takes {len(layouts)} inputs, the message carries {len(specs)}"
+        for i, (t, layout, dtype) in enumerate(zip(specs, layouts, dtypes)):
             if dtype is not None and t.dtype != dtype:
-                return f"input {i} of FFN layer {h.layer} is {dtype}, the message's is {t.dtype}"
+                return f"input {i} of FFN layer {layer} is {dtype}, the message's is {t.dtype}"
             per_token = math.prod(abs(d) for d in layout) if layout is not None else None
-            if per_token is not None and math.prod(t.shape) != h.tokens * per_token:
-                return (f"input {i} of FFN layer {h.layer} is {per_token} elements per token: {h.tokens} tokens "
-                        f"are {h.tokens * per_token}, the message's tensor holds {math.prod(t.shape)}")
+            if per_token is not None and math.prod(t.shape) != tokens * per_token:
+                return (f"input {i} of FFN layer {layer} is {per_token} elements per token: {tokens} tokens "
+                        f"are {tokens * per_token}, the message's tensor holds {math.prod(t.shape)}")
         return ""
 
     def _refuse(self, transport: Transport, h: wire.Header, reason: str) -> None:
