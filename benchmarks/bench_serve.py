@@ -18,9 +18,11 @@ Beside each run, from the same run:
   the client), per 1000 output tokens;
 - each rank's phases (``afdc.runtime.metrics.Phases``, logged by the ranks every
   ``--log-interval``), per engine step: vLLM's own work between steps (scheduler, output
-  processing), the worker's preparation, the attention program (the step less its exchanges),
-  sends, waits for replies and the STEP plan, and sampling; and per FFN server its runs, its
-  replies and its CPU time against its compute.
+  processing), the worker's preparation, the attention program (the step less its exchanges,
+  or less its FFN runs in process), sends, waits for replies and the STEP plan, and sampling; and
+  per FFN server its runs, its replies and its CPU time against its compute;
+- the model's own work per step in CPU time, the attention program and the FFN runs, side by
+  side for each setup: what the same layers cost in one process and split over two.
 
 Both roles share this machine's cores, so this measures afdc's serving overhead, not the
 per-GPU gain a separate FFN pool gives. Setups take turns within a round (``--rounds``), so a
@@ -202,24 +204,38 @@ def _median(values: list[float]) -> float:
 
 def per_step(run: Run, rank: str, cpu: bool = False) -> dict[str, float]:
     """An attention rank's phases in ms per engine step, of wall time or (``cpu``) of the step
-    thread's CPU time; its attention program is the step less its exchanges (in-process, the FFN
-    programs too). Where a phase's wall time exceeds its CPU time, the thread waited: for a
-    reply, or for a core that another process held."""
+    thread's CPU time; its attention program is the step less its exchanges, or less its FFN runs
+    where they run in process. Where a phase's wall time exceeds its CPU time, the thread waited:
+    for a reply, or for a core that another process held."""
     p = run.phases.get(rank, {})
     steps = p.get("step", (0, 0.0, 0.0))[0]
     if not steps:
         return {}
     ms = {name: (cpu_s if cpu else wall) * 1e3 / steps for name, (_, wall, cpu_s) in p.items()}
-    exchange = sum(ms.get(k, 0.0) for k in ("send", "wait", "plan"))
+    exchange = sum(ms.get(k, 0.0) for k in ("send", "wait", "plan", "ffn"))
     return {
         "vLLM between steps": ms.get("engine", 0.0),
         "prepare": ms.get("prepare", 0.0),
         "attention program": ms["step"] - exchange,
+        "FFN in process": ms.get("ffn", 0.0),
         "send": ms.get("send", 0.0),
         "wait for replies": ms.get("wait", 0.0),
         "STEP plan": ms.get("plan", 0.0),
         "sample": ms.get("sample", 0.0),
     }
+
+
+def ffn_runs_per_step(run: Run, rank: str = "attn 0") -> float:
+    """CPU ms of the FFN's runs per engine step of attention rank ``rank``: its own, in process,
+    or every FFN server's (which serve every attention rank's steps)."""
+    phases = run.phases.get(rank, {})
+    steps = phases.get("step", (0, 0.0, 0.0))[0]
+    if not steps:
+        return float("nan")
+    if "ffn" in phases:
+        return phases["ffn"][2] * 1e3 / steps
+    servers = [p.get("run", (0, 0.0, 0.0))[2] for name, p in run.phases.items() if name.startswith("ffn")]
+    return sum(servers) * 1e3 / steps
 
 
 def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) -> None:
@@ -267,6 +283,13 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
                 keys = steps[0].keys() if steps and steps[0] else []
                 cells = [f"{k} {_median([st[k] for st in steps if st]):.2f}" for k in keys]
                 print(f"    {s.name:22} " + "; ".join(cells))
+        print("  the model's own work per engine step, ms of CPU: the attention program (its step thread's), "
+              "the FFN runs (in process or in the FFN servers)")
+        for s in setups:
+            rs = [r[c] for r in results[s.name]]
+            attn = _median([st["attention program"] for st in (per_step(r, "attn 0", True) for r in rs) if st])
+            ffn = _median([ffn_runs_per_step(r) for r in rs])
+            print(f"    {s.name:22} attention program {attn:.2f}; FFN runs {ffn:.2f}")
         for s in setups:
             rs = [r[c] for r in results[s.name]]
             for rank in sorted({k for r in rs for k in r.phases if k.startswith("ffn")}):

@@ -24,6 +24,7 @@ from afdc.ops.attention import attention_body
 from afdc.partition.mincut import FlowGraph
 from afdc.passes.graph_facts import op_name
 from afdc.runtime import link as connectors
+from afdc.runtime.metrics import Phases
 from afdc.runtime.model import positions_from_mask
 from afdc.runtime.programs import combine
 from afdc.segment import Dispatch, Share
@@ -72,6 +73,23 @@ def test_traffic_matches_report(moe):
     assert dm.last_traffic.to_ffn_bytes == per_token * ids.numel()
     assert dm.last_traffic.to_attn_bytes == dm.report().bytes_to_attn * ids.numel()
 
+
+def test_in_process_ffn_runs_are_timed_where_asked(moe):
+    """A served monolith's step is taken apart like a disaggregated one's: each FFN layer run in
+    process is one use of phase ``ffn``, and timing it changes no output."""
+    model, dm = moe
+    ids, mask = demo_batch(model.config.vocab_size)
+    untimed = dm(ids, attention_mask=mask).logits
+    rank, phases = dm.ranks[0], Phases()
+    rank.phases = phases
+    try:
+        timed = dm(ids, attention_mask=mask).logits
+    finally:
+        rank.phases = None
+    assert torch.equal(timed, untimed)
+    ffn = phases.to_dict()["ffn"]
+    assert ffn["count"] == len(dm.ffn.layers) == model.config.num_hidden_layers
+    assert ffn["seconds"] > 0 and ffn["cpu"] > 0
 
 def test_router_on_attention_side_sends_topk():
     model = demo_model()

@@ -23,6 +23,7 @@ import torch
 from afdc.runtime import kv_cache
 from afdc.runtime import link as connectors
 from afdc.runtime.exchange import AttentionEndpoint, RemoteConnector
+from afdc.runtime.metrics import Phases
 from afdc.runtime.programs import AttentionProgram, FFNProgram, combine
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.segment import Dispatch
@@ -85,7 +86,9 @@ def _resume(run: Generator) -> tuple[bool, object]:
 
 
 class AttentionRank:
-    """``ffn``: the FFN ranks' programs, run in-process until :attr:`endpoint` is set."""
+    """``ffn``: the FFN ranks' programs, run in-process until :attr:`endpoint` is set; those runs
+    are timed as phase ``ffn`` of :attr:`phases` where it is set (a served monolith's step taken
+    apart like a disaggregated one's)."""
 
     def __init__(
         self,
@@ -101,6 +104,7 @@ class AttentionRank:
         self.ffn = ffn
         self.dispatch = dispatch  # per FFN layer
         self.endpoint: AttentionEndpoint | None = None
+        self.phases: Phases | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._streams: list[torch.cuda.Stream] = []
 
@@ -152,8 +156,13 @@ class AttentionRank:
 
     def _link(self, step: int, mb: int, batch: MicroBatch, spin: bool) -> connectors.Connector:
         if self.endpoint is None:
-            return connectors.LoopbackConnector(functools.partial(combine, self.ffn))
+            run = self._ffn if self.phases is not None else functools.partial(combine, self.ffn)
+            return connectors.LoopbackConnector(run)
         return RemoteConnector(self.endpoint, step, mb, batch.input_ids.numel(), self.dispatch, spin=spin)
+
+    def _ffn(self, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        with self.phases.timed("ffn"):
+            return combine(self.ffn, layer, inputs)
 
     def _stepwise(self, batches: list[MicroBatch]) -> list[Generator] | None:
         """Each micro-batch's body as a generator (see :meth:`run`), or None: threads run them."""

@@ -177,8 +177,10 @@ class AfdcWorker(WorkerBase):
             self.attention.endpoint = AttentionEndpoint.connect(self.rank, layout, deployment, options, self.device)
             threading.Thread(target=self._keep_membership, args=(options.poll_interval,), daemon=True,
                              name="afdc-membership").start()
-        # the endpoint's sends and waits and the step's own phases in one record
+        # the endpoint's sends and waits (in process, the FFN runs) and the step's own phases in one record
         self.metrics = self.attention.endpoint.metrics if not in_process else Metrics("attn", self.rank)
+        if in_process:
+            self.attention.phases = self.metrics.phases
         self._stop_logging = self.metrics.log_every(s.log_interval, logger=logger)
         logger.info(
             "afdc: attention rank %d of %s loaded (%d attention layers, %d TP ranks, %d micro-batches, backend %s, "
