@@ -225,17 +225,31 @@ def per_step(run: Run, rank: str, cpu: bool = False) -> dict[str, float]:
     }
 
 
-def ffn_runs_per_step(run: Run, rank: str = "attn 0") -> float:
-    """CPU ms of the FFN's runs per engine step of attention rank ``rank``: its own, in process,
-    or every FFN server's (which serve every attention rank's steps)."""
+def ffn_per_step(run: Run, rank: str = "attn 0") -> tuple[float, float]:
+    """CPU ms per engine step of attention rank ``rank``: the FFN's runs (its own, in process, or
+    every FFN server's, which serve every attention rank's steps), and the FFN servers' CPU
+    outside their runs (their side of the exchange: waits, takes, checks, replies)."""
     phases = run.phases.get(rank, {})
     steps = phases.get("step", (0, 0.0, 0.0))[0]
     if not steps:
-        return float("nan")
+        return float("nan"), float("nan")
     if "ffn" in phases:
-        return phases["ffn"][2] * 1e3 / steps
-    servers = [p.get("run", (0, 0.0, 0.0))[2] for name, p in run.phases.items() if name.startswith("ffn")]
-    return sum(servers) * 1e3 / steps
+        return phases["ffn"][2] * 1e3 / steps, 0.0
+    servers = [name for name in run.phases if name.startswith("ffn")]
+    runs = sum(run.phases[name].get("run", (0, 0.0, 0.0))[2] for name in servers)
+    total = sum(run.cpu_seconds.get(name, 0.0) for name in servers)
+    return runs * 1e3 / steps, (total - runs) * 1e3 / steps
+
+
+def model_work(runs: list[Run]) -> tuple[float, float, float, float]:
+    """Medians over ``runs`` of CPU ms per engine step (attention rank 0): its attention program,
+    the FFN runs, its side of the exchange (sends, waits, the STEP plan), the FFN servers' CPU
+    outside their runs."""
+    steps = [st for st in (per_step(r, "attn 0", True) for r in runs) if st]
+    ffn = [ffn_per_step(r) for r in runs]
+    exchange = [st["send"] + st["wait for replies"] + st["STEP plan"] for st in steps]
+    return (_median([st["attention program"] for st in steps]), _median([f[0] for f in ffn]),
+            _median(exchange), _median([f[1] for f in ffn]))
 
 
 def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) -> None:
@@ -284,12 +298,15 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
                 cells = [f"{k} {_median([st[k] for st in steps if st]):.2f}" for k in keys]
                 print(f"    {s.name:22} " + "; ".join(cells))
         print("  the model's own work per engine step, ms of CPU: the attention program (its step thread's), "
-              "the FFN runs (in process or in the FFN servers)")
+              "the FFN runs (in process or in the FFN servers); and what AFD adds to the monolith's CPU a step")
+        base_attn, base_ffn, _, _ = model_work([r[c] for r in results[BASE]])
         for s in setups:
-            rs = [r[c] for r in results[s.name]]
-            attn = _median([st["attention program"] for st in (per_step(r, "attn 0", True) for r in rs) if st])
-            ffn = _median([ffn_runs_per_step(r) for r in rs])
-            print(f"    {s.name:22} attention program {attn:.2f}; FFN runs {ffn:.2f}")
+            attn, ffn, exchange, server = model_work([r[c] for r in results[s.name]])
+            line = f"    {s.name:22} attention program {attn:.2f}; FFN runs {ffn:.2f}"
+            if s.name != BASE:
+                line += (f"; adds: the same layers {attn + ffn - base_attn - base_ffn:+.2f}, the attention side's "
+                         f"exchange {exchange:.2f}, the FFN servers' CPU outside their runs {server:.2f}")
+            print(line)
         for s in setups:
             rs = [r[c] for r in results[s.name]]
             for rank in sorted({k for r in rs for k in r.phases if k.startswith("ffn")}):
