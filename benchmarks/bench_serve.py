@@ -212,11 +212,11 @@ def per_step(run: Run, rank: str, cpu: bool = False) -> dict[str, float]:
     if not steps:
         return {}
     ms = {name: (cpu_s if cpu else wall) * 1e3 / steps for name, (_, wall, cpu_s) in p.items()}
-    exchange = sum(ms.get(k, 0.0) for k in ("send", "wait", "plan", "ffn"))
+    not_attention = sum(ms.get(k, 0.0) for k in ("send", "wait", "plan", "ffn"))
     return {
         "vLLM between steps": ms.get("engine", 0.0),
         "prepare": ms.get("prepare", 0.0),
-        "attention program": ms["step"] - exchange,
+        "attention program": ms["step"] - not_attention,
         "FFN in process": ms.get("ffn", 0.0),
         "send": ms.get("send", 0.0),
         "wait for replies": ms.get("wait", 0.0),
