@@ -91,6 +91,7 @@ def test_in_process_ffn_runs_are_timed_where_asked(moe):
     assert ffn["count"] == len(dm.ffn.layers) == model.config.num_hidden_layers
     assert ffn["seconds"] > 0 and ffn["cpu"] > 0
 
+
 def test_router_on_attention_side_sends_topk():
     model = demo_model()
     dm = afdc.disaggregate(model, router="attn")
