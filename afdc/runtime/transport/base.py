@@ -80,6 +80,8 @@ class Pacing:
     idle_after: float = 0.05
     block: float = 0.05  # the longest one block on a wake-up lasts (a wait looks at its deadline then)
     budget: BudgetSettings = field(default_factory=BudgetSettings)  # how a learned spin is learned (``spin`` None)
+    # a poll that comes back this late from its yield ends the spin: another task wanted the core
+    yield_late: float = 2e-4
 
     @classmethod
     def of(cls, options: RuntimeOptions, role: str) -> Pacing:
@@ -105,7 +107,10 @@ class Waiter:
     unless its waits have lately outlasted it (the peer computes for milliseconds, on the same
     cores of a CPU host): then it blocks from the first pause and leaves the core to that
     computation. With ``spin`` None, what the caller's key (its link and phase) has left of its
-    learned budget (:meth:`spin_left`, :mod:`.spin_budget`), counted from the message it answers."""
+    learned budget (:meth:`spin_left`, :mod:`.spin_budget`), counted from the message it answers;
+    such a spin also ends where a poll comes back late from its yield (``yield_late``): the core
+    was wanted by another task (or by the peer itself, sharing it), and spinning on would only
+    delay that task."""
 
     def __init__(self, pacing: Pacing):
         self.pacing = pacing
@@ -147,12 +152,17 @@ class Waiter:
         elif p.spin is not None:
             spin_for = p.spin if self.typical < p.spin else 0.0
         sleep = p.idle_sleep if idle else 2e-5
+        late = p.yield_late if p.spin is None else math.inf
 
         def pause() -> None:
-            nonlocal sleep
+            nonlocal sleep, spin_for
             now = time.monotonic()
             if now - start < spin_for:
                 os.sched_yield()
+                if time.monotonic() - now > late:
+                    # the yield gave the core away: another task wants it, and spinning on would
+                    # take it from that task (or from the peer itself, where both share the core)
+                    spin_for = 0.0
                 return
             if wakes:
                 block(max(0.0, min(p.block, until - now)))

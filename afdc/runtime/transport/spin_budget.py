@@ -8,8 +8,8 @@ layer under ``dm.launch()`` and milliseconds for a served step under load. So ea
 from its own round trips: per *key* (a link and a phase: which layer it just answered or asked
 for), how long the peer took to answer, as a smoothed time and a smoothed deviation (the
 estimator TCP uses for its retransmission timeout). A wait then spins for ``mean + margin *
-deviation`` (when the answer is likely by then) and sleeps from the start when that exceeds
-``cap`` (the answer is likely late: a spin would burn the core the peer may need). Old answers
+deviation`` (the answer is likely by then), at most ``cap``, and sleeps from the start where the
+typical answer comes later than ``cap`` (a spin would burn the core the peer may need). Old answers
 weigh less with each new one, and a key unanswered for ``forget`` seconds is forgotten: an idle
 link's first wait sleeps, so an idle deployment spins not at all.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BudgetSettings:
-    cap: float = 1e-3  # s: the longest a wait spins, and the longest typical answer worth spinning for
+    cap: float = 2e-3  # s: the longest a wait spins, and the longest typical answer worth spinning for
     margin: float = 2.0  # deviations beyond the typical answer a spin lasts
     weight: float = 0.25  # of the newest answer in a key's moving averages (older ones decay by 1 - weight each)
     forget: float = 1.0  # s: a key unanswered this long is forgotten (its next wait sleeps from the start)
@@ -75,14 +75,14 @@ class SpinBudget:
             self._estimates.popitem(last=False)
 
     def budget(self, key: Hashable) -> float:
-        """Seconds a wait for ``key``'s answer spins, counted from the post, before it sleeps: 0
-        where the answer is likely to come later than ``cap`` or nothing recent is known."""
+        """Seconds a wait for ``key``'s answer spins, counted from the post, before it sleeps: up
+        to ``margin`` deviations past the typical answer, at most ``cap``; 0 where the typical
+        answer comes later than ``cap`` or nothing recent is known."""
         s = self.settings
         e = self._estimates.get(key)
         if e is None or self.clock() - e.at > s.forget:
             return 0.0
-        spin = e.budget(s.margin)
-        return spin if spin <= s.cap else 0.0
+        return min(e.budget(s.margin), s.cap) if e.mean <= s.cap else 0.0
 
     def estimate(self, key: Hashable) -> Estimate | None:
         """What is known of ``key`` (None: nothing, or forgotten)."""
