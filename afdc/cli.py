@@ -10,7 +10,7 @@ import click
 import afdc
 from afdc.errors import AfdcError
 from afdc.plan import BACKENDS
-from afdc.runtime.options import ConnectorKind
+from afdc.runtime.options import ConnectorKind, WaitPolicy
 
 
 class _Commands(click.Group):
@@ -118,10 +118,14 @@ def _serving_options(threads_default: str):
         for option in reversed([
             click.option("--spin", type=float, default=None,
                          help="Seconds a wait for a peer's message polls before it blocks on a futex (shm, "
-                              "cuda-ipc), for every role. Default: an attention rank 0.002 (it waits for a reply "
-                              "it asked for, yielding the core between polls); an FFN server 0.002 on a host of "
-                              "8 cores or more, else 0 (its polls would take the core the attention side "
-                              "computes on)."),
+                              "cuda-ipc), for every role; overrides --wait."),
+            click.option("--wait", type=click.Choice([w.value for w in WaitPolicy]), default="adaptive",
+                         show_default=True,
+                         help="How a wait for a peer's message (shm, cuda-ipc) chooses between polling and "
+                              "sleeping on a futex: adaptive polls, yielding the core, only while the peer's "
+                              "answer is likely soon (learned per link and layer from its recent answers, at "
+                              "most 2 ms); cores is the earlier fixed policy (an attention rank polls 2 ms, an "
+                              "FFN server only on a host of 8 cores or more)."),
             click.option("--threads", type=int, default=None, help=f"Torch threads per process ({threads_default})."),
             click.option("--log-interval", type=float, default=30.0, show_default=True,
                          help="Seconds between each rank's metrics log lines: where its time went, its CPU "
@@ -174,8 +178,8 @@ def _serving_options(threads_default: str):
 @_serving_options("default: torch's, a thread per core")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
-          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus, pin_tokens, spin, threads,
-          log_interval, vllm_args) -> None:
+          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus, pin_tokens, spin, wait,
+          threads, log_interval, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -212,7 +216,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         settings = WorkerSettings(
             artifact, connector, rendezvous, token=token, insecure_no_token=insecure_no_token, timeout=timeout,
             join_timeout=join_timeout, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
-            backend=backend, log_interval=log_interval, spin=spin, threads=threads, cpus=cpus, pin_tokens=pin_tokens,
+            backend=backend, log_interval=log_interval, spin=spin, wait=wait, threads=threads, cpus=cpus,
+            pin_tokens=pin_tokens,
         )
         serve_attention(settings, host, port, vllm_args)
     if connector.in_process:
@@ -226,7 +231,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
     deployment_token(token, insecure_no_token)  # refused before the artifact loads
     options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
                              join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets,
-                             insecure_no_token=insecure_no_token, spin=spin)
+                             insecure_no_token=insecure_no_token, spin=spin, wait=wait)
     if threads:
         import torch
 
@@ -271,7 +276,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @_serving_options("default on a CPU: this host's cores less one, shared by the attention engines and FFN servers")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,
-       micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir, backend, token_buckets, pin, spin, threads,
+       micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir, backend, token_buckets, pin, spin, wait, threads,
        log_interval, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine (or a Ray cluster) and serve the OpenAI
     API until Ctrl-C.
@@ -304,7 +309,7 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
     settings = WorkerSettings(
         str(artifact), connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
         micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
-        log_interval=log_interval, spin=spin, threads=threads,
+        log_interval=log_interval, spin=spin, wait=wait, threads=threads,
     )
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)

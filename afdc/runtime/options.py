@@ -36,6 +36,24 @@ class ConnectorKind(str, Enum):
         return self.value
 
 
+class WaitPolicy(str, Enum):
+    """How a rank's wait for its peer over shm chooses between polling and sleeping, unless
+    ``spin`` fixes it (see :class:`afdc.runtime.transport.base.Waiter`)."""
+
+    ADAPTIVE = "adaptive"  # poll only while the peer's answer is likely soon, learned per link and phase
+    CORES = "cores"  # the earlier fixed policy: attention ranks poll 2 ms, FFN servers only on 8 cores or more
+
+    @classmethod
+    def parse(cls, value: str | WaitPolicy) -> WaitPolicy:
+        try:
+            return cls(value)
+        except ValueError:
+            raise AfdcError(f"unknown wait policy {value!r}; choose one of {', '.join(k.value for k in cls)}") from None
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     connector: ConnectorKind = ConnectorKind.GLOO  # what carries the activations (a name is parsed)
@@ -45,7 +63,8 @@ class RuntimeOptions:
     timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
     poll_interval: float = 0.2  # how often an idle FFN server or an attention rank looks for a regrouping
-    spin: float | None = None  # shm: seconds a waiting rank polls before blocking (None: default_spin)
+    spin: float | None = None  # shm: seconds a waiting rank polls before blocking, every role (None: as ``wait`` says)
+    wait: WaitPolicy = WaitPolicy.ADAPTIVE  # shm: how a wait chooses between polling and sleeping (a name is parsed)
     max_sleep: float = 2e-4  # shm without futexes: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # shm without futexes: ... of a rank idle for 50 ms (its wake-up rate)
     # FFN: pad each layer's batch to a power of two up to this many tokens, a CUDA graph each on a GPU (0: off)
@@ -55,3 +74,4 @@ class RuntimeOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
+        object.__setattr__(self, "wait", WaitPolicy.parse(self.wait))

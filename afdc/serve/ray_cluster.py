@@ -114,7 +114,8 @@ class RayDeployment(Deployment):
         s = settings
         options = RuntimeOptions(connector=s.connector, rendezvous=s.rendezvous, timeout=s.timeout,
                                  join_timeout=s.join_timeout, token_buckets=self.token_buckets,
-                                 insecure_no_token=s.insecure_no_token, spin=s.spin, log_interval=s.log_interval)
+                                 insecure_no_token=s.insecure_no_token, spin=s.spin, wait=s.wait,
+                                 log_interval=s.log_interval)
         actor = ray.remote(FfnRank)
         for r in range(ranks):
             name = actor_name(s.artifact, s.rendezvous, r)

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from afdc.runtime.options import ConnectorKind
+from afdc.runtime.options import ConnectorKind, WaitPolicy
 
 ENV = "AFDC_SERVE_SETTINGS"
 
@@ -30,7 +30,8 @@ class WorkerSettings:
     device: str = "cpu"
     backend: str | None = None  # what runs the programs (afdc.lowering.backends); None: the artifact's plan
     log_interval: float = 30.0  # seconds between metrics log lines (0: never)
-    spin: float | None = None  # seconds a wait for a peer polls before blocking (None: default_spin)
+    spin: float | None = None  # seconds a wait for a peer polls before blocking, every role (None: as ``wait`` says)
+    wait: WaitPolicy = WaitPolicy.ADAPTIVE  # how a wait chooses between polling and sleeping (RuntimeOptions.wait)
     threads: int | None = None  # torch threads of the process (None: torch's default)
     cpus: tuple[int, ...] | None = None  # the cores each attention rank's step thread runs on (None: any)
     pin_tokens: int = 0  # with cpus: on them only for steps of this many tokens or more (0: every step; see cores)
@@ -40,11 +41,12 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
+        object.__setattr__(self, "wait", WaitPolicy.parse(self.wait))
         if self.cpus is not None:  # a list after a trip through JSON
             object.__setattr__(self, "cpus", tuple(self.cpus))
 
     def to_env(self) -> dict[str, str]:
-        return {ENV: json.dumps({**asdict(self), "connector": self.connector.value})}
+        return {ENV: json.dumps({**asdict(self), "connector": self.connector.value, "wait": self.wait.value})}
 
     def open_rendezvous(self, host: bool = False):
         """This deployment's rendezvous store, reached (or hosted) within ``join_timeout``."""

@@ -107,7 +107,7 @@ def ffn_command(settings: WorkerSettings, rank: int, token_buckets: int = 0) -> 
         "--rendezvous", s.rendezvous, "--connector", s.connector.value, "--timeout", str(s.timeout),
         "--join-timeout", str(s.join_timeout), "--device", s.device, "--log-interval", str(s.log_interval),
         "--token-buckets", str(token_buckets), *(["--backend", s.backend] if s.backend else []),
-        *(["--spin", str(s.spin)] if s.spin is not None else []),
+        *(["--spin", str(s.spin)] if s.spin is not None else []), "--wait", s.wait.value,
         *(["--threads", str(s.threads)] if s.threads else []),
         *(["--cpus", ",".join(map(str, s.cpus))] if s.cpus else []),
         *(["--pin-tokens", str(s.pin_tokens)] if s.cpus and s.pin_tokens else []),

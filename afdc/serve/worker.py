@@ -170,7 +170,7 @@ class AfdcWorker(WorkerBase):
             layout, deployment = deployment_of(directory)
             options = RuntimeOptions(
                 connector=s.connector, rendezvous=s.rendezvous, token=s.token, timeout=s.timeout,
-                join_timeout=s.join_timeout, insecure_no_token=s.insecure_no_token, spin=s.spin,
+                join_timeout=s.join_timeout, insecure_no_token=s.insecure_no_token, spin=s.spin, wait=s.wait,
             )
             if self.rank == 0:  # attention rank 0 hosts the deployment's store
                 self._store_host = s.open_rendezvous(host=True)
