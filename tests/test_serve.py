@@ -366,8 +366,28 @@ def test_load_and_bad_requests(moe_server):
         client.completions.create(model=model, prompt=[5] * 200, max_tokens=4)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt=[5, 6], max_tokens=4, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
-        client.completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body={"prompt_logprobs": 1})
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        client.completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body={"thinking_token_budget": 4})
+
+
+def test_prompt_logprobs_of_every_prompt_token_under_2a2f(moe_server, models):
+    """Prompt logprobs from both attention ranks, their steps split into micro-batches, while
+    other requests decode beside them."""
+    _, client, _ = moe_server
+    _assert_prompt_logprobs(client, models / "moe", [PROMPTS[1], list(range(40, 90))])
+
+
+def test_a_request_that_would_read_its_prompt_logprobs_from_the_prefix_cache_is_refused():
+    """vLLM skips the prefix cache for a request with prompt logprobs; one that overrides it
+    would get no logprobs for the cached positions, and is refused with the reason."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from afdc.serve.sampling import refuse_unsupported
+
+    refuse_unsupported(SamplingParams(prompt_logprobs=3))
+    with pytest.raises(VLLMValidationError, match="skip_reading_prefix_cache"):
+        refuse_unsupported(SamplingParams(prompt_logprobs=3, skip_reading_prefix_cache=False))
 
 
 def test_sampling_parameters_take_effect(moe_server):
@@ -390,6 +410,54 @@ def test_sampling_parameters_take_effect(moe_server):
     assert reason == "stop" and 77 not in out[:5] and len(out) <= 6
     first = demo_tokenizer().decode([greedy[0]])
     assert tokens(ignore_eos=True, bad_words=[first])[0][0] != greedy[0]
+
+
+def _hf_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """The Hugging Face model's log-softmax at each position of ``prompt``, ``[len(prompt), vocab]``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+
+
+def _assert_prompt_logprobs(client, model_dir: Path, prompts: list[list[int]]) -> None:
+    """``echo=True, logprobs=1`` (what lm-evaluation-harness's loglikelihood tasks send) returns
+    every prompt token's logprob as the Hugging Face model of ``model_dir`` computes it, and its
+    top token; ``prompt_logprobs=5`` (vLLM's parameter) the top 5 and the prompt token's own.
+    The requests run concurrently with greedy decodes, so that steps mix both."""
+    model = client.models.list().data[0].id
+
+    def echoed(prompt: list[int]) -> tuple[list, list]:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+        lp = r.choices[0].logprobs
+        assert _token_ids(client, lp.tokens[:len(prompt)]) == prompt
+        return lp.token_logprobs[:len(prompt)], lp.top_logprobs[:len(prompt)]
+
+    def top5(prompt: list[int]) -> list:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 5})
+        return r.choices[0].model_extra["prompt_logprobs"]
+
+    with ThreadPoolExecutor(8) as pool:
+        decodes = [pool.submit(_complete, client, p) for p in PROMPTS]
+        echoes = list(pool.map(echoed, prompts))
+        tops = list(pool.map(top5, prompts))
+        for d in decodes:
+            d.result()
+    for prompt, (logprobs, top), ranked in zip(prompts, echoes, tops):
+        ref = _hf_logprobs(model_dir, prompt)[:-1]  # position i predicts token i + 1
+        targets = torch.tensor(prompt[1:])
+        assert logprobs[0] is None and top[0] is None and ranked[0] is None
+        want = ref.gather(1, targets[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(logprobs[1:]), want, atol=2e-3), (logprobs[1:], want)
+        best = [max(t, key=t.get) for t in top[1:]]
+        assert _token_ids(client, best) == ref.argmax(-1).tolist()
+        for i, position in enumerate(ranked[1:]):
+            values, ids = ref[i].topk(5)
+            got = {int(t): v["logprob"] for t, v in position.items() if v["rank"] <= 5}
+            assert sorted(got) == sorted(ids.tolist())
+            assert torch.allclose(torch.tensor([got[t] for t in ids.tolist()]), values, atol=2e-3)
+            assert abs(position[str(prompt[i + 1])]["logprob"] - want[i].item()) < 2e-3
 
 
 def _until_ready(proc: subprocess.Popen, port: int) -> str:
@@ -442,12 +510,15 @@ def test_ffn_rank_lost_mid_request(moe_server):
 def test_up_demo_serves_the_demo_model(tmp_path):
     """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model (MoE,
     1A1F, over shared memory), here with its FFN rank's batches padded to token buckets, which must
-    not change a token, and a small KV pool: prefix caching and preemption keep the outputs too."""
+    not change a token, a small KV pool: prefix caching and preemption keep the outputs too, and a
+    step budget of 32 tokens: prompt logprobs over a chunked prefill and after a cached prefix
+    equal the Hugging Face model's."""
     port = free_port()
     env = {**os.environ, "AFDC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "afdc.cli", "up", "--demo", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-         "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids", *PREFIX_CACHING],
+         "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids", *PREFIX_CACHING,
+         "--max-num-batched-tokens", "32"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     started = ""
@@ -458,6 +529,9 @@ def test_up_demo_serves_the_demo_model(tmp_path):
         assert client.models.list().data[0].id == "afdc-demo"
         assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
         _assert_prefix_caching_and_preemption(client, artifact)
+        prefix = list(range(300, 340))
+        _complete(client, prefix)  # its blocks cached
+        _assert_prompt_logprobs(client, tmp_path / "cache" / "demo" / "model", [list(range(3, 73)), [*prefix, 11, 12]])
         _assert_placement(client, proc.pid, started)
     finally:
         proc.send_signal(signal.SIGINT)

@@ -50,6 +50,7 @@ from afdc.runtime.paged import (
 from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.serve.cores import Placement
+from afdc.serve.prompt_logprobs import PromptLogprobs
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
 from afdc.serve.up import check_servable
@@ -75,6 +76,8 @@ class Request:
     block_ids: list[list[int]]  # per KV-cache group (attention; each stateful mixer's state blocks)
     computed: int  # tokens whose keys and values are in the cache
     scheduled: int = 0  # tokens run in the current step
+    prompt_logprobs: PromptLogprobs | None = None  # asked for, until the prefill returns them
+    logits: int = 1  # logit rows it takes from the current step: its last token's, or all (prompt logprobs)
 
 
 def _row_groups(sizes: list[int], parts: int) -> list[list[int]]:
@@ -83,6 +86,18 @@ def _row_groups(sizes: list[int], parts: int) -> list[list[int]]:
     single = [i for i, n in enumerate(sizes) if n == 1]
     groups = [single[g] for g in _micro_batches([1] * len(single), parts)] if single else []
     return groups + [[i] for i, n in enumerate(sizes) if n != 1]
+
+
+def _logit_rows(requests: list[Request], rows: bool) -> torch.Tensor | None:
+    """The token rows of a micro-batch whose logits its requests take (``Request.logits`` each);
+    None for the default, each request's last. ``rows``: a :class:`PagedRows` step, whose requests
+    with more than one token run alone."""
+    if all(r.logits == 1 for r in requests):
+        return None
+    if rows:
+        return torch.arange(requests[0].scheduled)
+    ends = itertools.accumulate(r.scheduled for r in requests)
+    return torch.tensor([i for r, end in zip(requests, ends) for i in range(end - r.logits, end)])
 
 
 def _micro_batches(sizes: list[int], parts: int) -> list[slice]:
@@ -104,7 +119,8 @@ class AfdcWorker(WorkerBase):
         # vLLM's global DP rank (data_parallel_rank itself is reset to 0 for an engine without experts)
         self.rank = vllm_config.parallel_config.data_parallel_index
         self.requests: dict[str, Request] = {}
-        self._pending: tuple | None = None  # (scheduler output, requests, last-token logits) awaiting sampling
+        # (scheduler output, requests, their sampling logits, prompt logprobs to return) awaiting sampling
+        self._pending: tuple | None = None
         self._store_host: Rendezvous | None = None
         self._problem = ""  # what keeps this rank from serving, as last reported
         self._step_lock = threading.Lock()  # a step and the idle rank's regrouping take turns at the endpoint
@@ -303,7 +319,9 @@ class AfdcWorker(WorkerBase):
             prompt = list(new.prompt_token_ids)
             sampling = SamplingRequest(params, prompt, [], new_generator(params, self.device))
             self.requests[new.req_id] = Request(
-                new.req_id, list(prompt), sampling, [list(g) for g in new.block_ids], new.num_computed_tokens
+                new.req_id, list(prompt), sampling, [list(g) for g in new.block_ids], new.num_computed_tokens,
+                prompt_logprobs=PromptLogprobs.of(params, prompt, self.model_config.get_vocab_size(),
+                                                  self.model_config.logprobs_mode, self.device),
             )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -334,6 +352,8 @@ class AfdcWorker(WorkerBase):
         scheduled = [self.requests[rid] for rid in so.num_scheduled_tokens]
         for r in scheduled:
             r.scheduled = so.num_scheduled_tokens[r.id]
+            wanted = r.prompt_logprobs is not None and r.prompt_logprobs.rows(r.computed, r.scheduled) > 0
+            r.logits = r.scheduled if wanted else 1
         sizes = [r.scheduled for r in scheduled]
         if self.rows:
             groups = [[scheduled[i] for i in g] for g in _row_groups(sizes, self.micro_batches)]
@@ -345,17 +365,34 @@ class AfdcWorker(WorkerBase):
         self.metrics.phases.add("prepare", time.perf_counter() - started, time.thread_time() - cpu)
         with self.metrics.phases.timed("step"):
             outputs = self._run(batches)
-        last = torch.cat([self._last_logits(out.logits, g) for g, out in zip(groups, outputs)])
-        self._pending = (so, [r for g in groups for r in g], last)
+        logits = torch.cat([self._taken(out.logits, batch) for batch, out in zip(batches, outputs)])
+        requests = [r for g in groups for r in g]
+        prompt_logprobs = {}
+        if any(r.logits > 1 for r in requests):
+            taken = logits.split([r.logits for r in requests])
+            logits = torch.stack([rows[-1] for rows in taken])  # where each request samples
+            prompt_logprobs = self._prompt_logprobs(requests, taken)
+        self._pending = (so, requests, logits, prompt_logprobs)
         return None
 
-    def _last_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Each request's logits at its last scheduled token."""
-        if self.rows:
-            return logits[:, -1]  # a row per request
-        if self.rows_only:
-            return logits[0]  # the program computed those rows only
-        return logits[0, torch.tensor([r.scheduled for r in requests]).cumsum(0) - 1]
+    def _taken(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        """The logit rows a micro-batch's requests take (``Request.logits`` each, in order), ``[rows, vocab]``."""
+        if not self.rows_only:  # the program computed every token's
+            logits = logits.index_select(1, batch.cache.logit_rows)
+        return logits.flatten(0, 1)  # flat: one row; PagedRows: a row per request
+
+    def _prompt_logprobs(self, requests: list[Request], taken: list[torch.Tensor]) -> dict:
+        """Each request's prompt logprobs from the step's logits; those of the requests whose prefill
+        the step ends, to return (vLLM's ``prompt_logprobs_dict``)."""
+        done = {}
+        for r, rows in zip(requests, taken):
+            asked = r.prompt_logprobs
+            if asked is None:
+                continue
+            asked.add(rows[:asked.rows(r.computed, r.scheduled)], r.computed)
+            if asked.completes(r.computed, r.scheduled):
+                done[r.id], r.prompt_logprobs = asked.tensors, None
+        return done
 
     def _run(self, batches: list[MicroBatch]) -> list:
         """Run the step; while an FFN rank is lost, report it and run the step again once the rank
@@ -412,8 +449,9 @@ class AfdcWorker(WorkerBase):
         width = max(len(b) for b in attention)
         table = torch.tensor([b + [0] * (width - len(b)) for b in attention])
         computed = torch.tensor([r.computed for r in requests])
+        logit_rows = _logit_rows(requests, self.rows)
         if self.rows:
-            rows = PagedRows(self.store, table, computed, requests[0].scheduled, self.keys)
+            rows = PagedRows(self.store, table, computed, requests[0].scheduled, self.keys, logit_rows)
             ids = torch.tensor(tokens, device=self.device)
             return MicroBatch(ids, rows.attention_mask, rows.positions, rows)
         ids = torch.tensor([t for row in tokens for t in row])[None]
@@ -421,7 +459,8 @@ class AfdcWorker(WorkerBase):
             slot: torch.tensor([r.block_ids[group][0] for r in requests]) for slot, group in self.state_groups.items()
         }
         paged = PagedBatch(
-            self.store, table, computed, torch.tensor([r.scheduled for r in requests]), self.states, state_blocks
+            self.store, table, computed, torch.tensor([r.scheduled for r in requests]), self.states, state_blocks,
+            logit_rows,
         )
         ids = ids.to(self.device)
         return MicroBatch(ids, torch.ones_like(ids), paged.positions, paged)
@@ -433,7 +472,7 @@ class AfdcWorker(WorkerBase):
         return out
 
     def _sample(self, grammar_output) -> ModelRunnerOutput:
-        so, scheduled, logits = self._pending
+        so, scheduled, logits, prompt_logprobs = self._pending
         self._pending = None
         if grammar_output is not None:
             apply_grammar_bitmask(so, grammar_output, _Batch([r.id for r in scheduled]), logits)
@@ -457,6 +496,7 @@ class AfdcWorker(WorkerBase):
             req_id_to_index={r.id: i for i, r in enumerate(scheduled)},
             sampled_token_ids=sampled,
             logprobs=out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None,
+            prompt_logprobs_dict=prompt_logprobs,
         )
 
     # -- the rest of vLLM's worker interface -------------------------------------------------
