@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ from afdc.artifact.manifest import read_manifest  # noqa: E402
 from afdc.cli import main  # noqa: E402
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
+from afdc.runtime.options import RuntimeOptions  # noqa: E402
 from afdc.runtime.rendezvous import free_port  # noqa: E402
 from afdc.serve.cores import PAIR_TOKENS, SETTLE_STEPS, Placement, parse_cpus, pin_thread, shared_core  # noqa: E402
 from afdc.serve.settings import WorkerSettings  # noqa: E402
@@ -87,8 +89,8 @@ def _reference(artifact: Path, prompts: list[list[int]], new_tokens: int = NEW_T
 
 @contextlib.contextmanager
 def _serving(artifact: Path, connector: str, tmp: Path, vllm_args: tuple[str, ...] = (), backend: str | None = None):
-    settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}", timeout=60,
-                              backend=backend)
+    options = RuntimeOptions(connector=connector, rendezvous=f"127.0.0.1:{free_port()}", timeout=60)
+    settings = WorkerSettings(str(artifact), options, backend=backend)
     # one API server in front of the DP engines (vLLM's default is one per DP rank): a cheaper start
     args = ("--max-model-len", "128", "--api-server-count", "1", *vllm_args)
     d = Deployment(artifact, settings, port=free_port(), vllm_args=args,
@@ -627,10 +629,13 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
 
 
 def test_settings_round_trip_through_the_environment(monkeypatch):
-    s = WorkerSettings("/a", connector="shm", rendezvous="h:1", micro_batches=2)
+    s = WorkerSettings("/a", RuntimeOptions(connector="shm", rendezvous="h:1", spin=0.0), micro_batches=2, cpus=(1,))
     for k, v in s.to_env().items():
         monkeypatch.setenv(k, v)
     assert WorkerSettings.from_env() == s
+
+
+SHM = RuntimeOptions(connector="shm", rendezvous="h:1")
 
 
 def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
@@ -639,7 +644,7 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     FFN ranks' command line carries the threads, the wait policy and the metrics interval."""
     from afdc.serve.up import ffn_command, threads_per_role
 
-    shm, mono = WorkerSettings("/a", connector="shm", rendezvous="h:1"), WorkerSettings("/a", connector="loopback")
+    shm, mono = WorkerSettings("/a", SHM), WorkerSettings("/a", RuntimeOptions(connector="loopback"))
     assert threads_per_role(afdc.Plan.parse("1A1F"), shm, cores=2) == 1
     assert threads_per_role(afdc.Plan.parse("1A1F"), mono, cores=2) == 1
     assert threads_per_role(afdc.Plan.parse("1A1F"), mono, cores=16) == 15
@@ -647,14 +652,14 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     assert threads_per_role(afdc.Plan.parse("2A2F"), shm, cores=16) == 3
     assert threads_per_role(afdc.Plan.parse("4A4F"), shm, cores=4) == 1
     assert threads_per_role(afdc.Plan.parse("1A1F"), WorkerSettings("/a", device="cuda:0"), cores=16) is None
-    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", spin=0.0, threads=3, log_interval=5), 0)
+    argv = ffn_command(WorkerSettings("/a", replace(SHM, spin=0.0, log_interval=5), threads=3), 0)
     assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--spin") + 1] == "0.0"
     assert argv[argv.index("--log-interval") + 1] == "5"
     assert "--spin" not in ffn_command(shm, 0) and "--threads" not in ffn_command(shm, 0)
     assert "--cpus" not in ffn_command(shm, 0)
-    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", cpus=(1, 3)), 0)
+    argv = ffn_command(WorkerSettings("/a", SHM, cpus=(1, 3)), 0)
     assert argv[argv.index("--cpus") + 1] == "1,3" and "--pin-tokens" not in argv
-    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", cpus=(1,), pin_tokens=8), 0)
+    argv = ffn_command(WorkerSettings("/a", SHM, cpus=(1,), pin_tokens=8), 0)
     assert argv[argv.index("--cpus") + 1] == "1" and argv[argv.index("--pin-tokens") + 1] == "8"
 
 

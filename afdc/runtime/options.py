@@ -3,37 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
-from afdc.errors import AfdcError
-
-
-class ConnectorKind(str, Enum):
-    """What carries activations between the attention and the FFN side: the one list of them,
-    from the CLI's choices to the transport registry (:mod:`afdc.runtime.transport`)."""
-
-    GLOO = "gloo"  # torch.distributed over TCP: any hosts
-    NCCL = "nccl"  # GPU to GPU, any hosts
-    SHM = "shm"  # shared memory, same host
-    CUDA_IPC = "cuda-ipc"  # GPU memory shared between processes, same host
-    LOOPBACK = "loopback"  # no link: the FFN programs run in the attention rank's process (monolithic)
-
-    @property
-    def in_process(self) -> bool:
-        """Whether the FFN side runs in the attention rank's own process (no servers, no store)."""
-        return self is ConnectorKind.LOOPBACK
-
-    @classmethod
-    def parse(cls, value: str | ConnectorKind) -> ConnectorKind:
-        """``value`` as a kind, or an error naming the kinds there are."""
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(k.value for k in cls)
-            raise AfdcError(f"unknown connector {value!r}; choose one of {names}") from None
-
-    def __str__(self) -> str:
-        return self.value
+from afdc.runtime.transport import ConnectorKind
+from afdc.runtime.transport.base import Pacing, default_spin
 
 
 @dataclass(frozen=True)
@@ -55,3 +27,8 @@ class RuntimeOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
+
+    def pacing(self, role: str) -> Pacing:
+        """How a ``role`` rank waits for its peers (``spin``, or :func:`default_spin` for the role)."""
+        spin = default_spin(role) if self.spin is None else self.spin
+        return Pacing(spin, self.max_sleep, self.idle_sleep)

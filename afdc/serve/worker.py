@@ -30,25 +30,17 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from afdc.artifact import manifest as mf
 from afdc.artifact.load import deployment_of, load
 from afdc.errors import UnsupportedModelError
-from afdc.lowering.attention_slots import program_slots
-from afdc.lowering.backends import resolve as resolve_backend
-from afdc.lowering.cache_positions import positions_as_cache_positions
-from afdc.lowering.sampled_rows import sample_rows_only
-from afdc.ops import SlotSpec
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.exchange import AttentionEndpoint
+from afdc.runtime.flat_batches import prepare_for_flat_batches
 from afdc.runtime.metrics import Metrics
-from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.paged import (
     MixerStateStore,
     PagedBatch,
     PagedKVStore,
     PagedRows,
-    kernel_paged_attention,
-    register_paged_attention,
 )
 from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
-from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.serve.cores import Placement
 from afdc.serve.prompt_logprobs import PromptLogprobs
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
@@ -144,66 +136,65 @@ class AfdcWorker(WorkerBase):
         self.sampler = StepSampler(self.vllm_config, self.device)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        s = self.settings
-        directory = Path(s.artifact)
+        directory = Path(self.settings.artifact)
         manifest = mf.read_manifest(directory)
         check_servable(manifest)
         self.mixers = manifest.mixers
-        program = load(directory, "attn", self.rank, self.device, backend="eager")
-        dispatch = [manifest.segments[lay.segment].dispatch() for lay in manifest.layers]
-        in_process = s.connector.in_process
-        ffn = [load(directory, "ffn", r, self.device, s.backend) for r in range(manifest.plan.ffn_ranks)]
-        ffn = ffn if in_process else []
-        self.attention = AttentionRank(self.rank, program, ffn, dispatch)
-        shards = program.shards if isinstance(program, TensorParallelAttention) else [program]
-        self.tp_ranks = len(shards)
-        if self.tp_ranks > 1:  # TP ranks 1.. wait while rank 0 waits for the FFN side
-            program.timeout = s.timeout + s.join_timeout
-        slots, self.key_slots = program_slots(program.module)
-        # every TP rank's heads side by side in one paged store (its own view of them)
-        self.slots: list[SlotSpec] = [replace(x, kv_heads=x.kv_heads * self.tp_ranks) for x in slots]
-        # sparse-attention indexers: a step's requests run as rows of a padded batch (PagedRows)
-        self.rows = bool(self.key_slots)
-        if self.rows and self.mixers:
-            raise UnsupportedModelError(
-                "a model with both sparse-attention indexers and stateful mixers: afdc's paged steps run "
-                "indexers over rows of a padded batch and mixers over a flat batch, not both yet"
-            )
-        # logits for each request's last token only (the step samples nothing else)
-        self.rows_only = all([sample_rows_only(x.module, x.out_spec) for x in shards])
-        for x in shards:  # a flat batch: each request's tokens sit at their own cache positions
-            if not self.rows:
-                positions_as_cache_positions(x.module.graph)
-                x.module.recompile()
-        backend = s.backend or manifest.plan.backend
-        program.use_backend(backend)  # lowered after the graph is final
-        self.backend = resolve_backend(backend, self.device)
-        if self.backend == "afdc" and self.device.type == "cuda":
-            register_paged_attention("cuda", kernel_paged_attention)  # decode steps attend in afdc's Triton kernel
-        self.micro_batches = s.micro_batches or manifest.plan.micro_batches
-        self.dtype = next((p.dtype for p in program.parameters() if p.is_floating_point()), torch.float32)
-        if not in_process:
-            layout, deployment = deployment_of(directory)
-            options = RuntimeOptions(
-                connector=s.connector, rendezvous=s.rendezvous, token=s.token, timeout=s.timeout,
-                join_timeout=s.join_timeout, insecure_no_token=s.insecure_no_token, spin=s.spin,
-            )
-            if self.rank == 0:  # attention rank 0 hosts the deployment's store
-                self._store_host = s.open_rendezvous(host=True)
-            self.attention.endpoint = AttentionEndpoint.connect(self.rank, layout, deployment, options, self.device)
-            threading.Thread(target=self._keep_membership, args=(options.poll_interval,), daemon=True,
-                             name="afdc-membership").start()
-        # the endpoint's sends and waits (in process, the FFN runs) and the step's own phases in one record
-        self.metrics = self.attention.endpoint.metrics if not in_process else Metrics("attn", self.rank)
-        if in_process:
-            self.attention.phases = self.metrics.phases
-        self._stop_logging = self.metrics.log_every(s.log_interval, logger=logger)
+        program = self._load_programs(directory, manifest)
+        self._prepare(program, manifest)
+        if not self.settings.runtime.connector.in_process:
+            self._join_deployment(directory)
+        self._start_metrics()
+        r = self.settings.runtime
         logger.info(
             "afdc: attention rank %d of %s loaded (%d attention layers, %d TP ranks, %d micro-batches, backend %s, "
             "FFN %s)", self.rank, directory, len(self.slots), self.tp_ranks, self.micro_batches,
-            self.backend,
-            "in this process" if in_process else f"over {s.connector} at {s.rendezvous}",
+            self.backend, "in this process" if r.connector.in_process else f"over {r.connector} at {r.rendezvous}",
         )
+
+    def _load_programs(self, directory: Path, manifest: mf.Manifest):
+        """This rank's attention program, and its FFN side: the FFN programs in this process
+        (loopback), or none (the FFN ranks' servers run them)."""
+        s = self.settings
+        program = load(directory, "attn", self.rank, self.device, backend="eager")
+        dispatch = [manifest.segments[lay.segment].dispatch() for lay in manifest.layers]
+        in_process = s.runtime.connector.in_process
+        ranks = range(manifest.plan.ffn_ranks) if in_process else ()
+        self.attention = AttentionRank(self.rank, program, [load(directory, "ffn", r, self.device, s.backend)
+                                                            for r in ranks], dispatch)
+        return program
+
+    def _prepare(self, program, manifest: mf.Manifest) -> None:
+        """The program rewritten for vLLM's steps, and what the cache and steps take from it."""
+        s = self.settings
+        prepared = prepare_for_flat_batches(program, s.backend or manifest.plan.backend, self.device,
+                                            mixers=bool(self.mixers))
+        self.slots, self.key_slots, self.tp_ranks = prepared.slots, prepared.key_slots, prepared.tp_ranks
+        self.rows, self.rows_only = prepared.rows, prepared.rows_only
+        self.backend, self.dtype = prepared.backend, prepared.dtype
+        if self.tp_ranks > 1:  # TP ranks 1.. wait while rank 0 waits for the FFN side
+            program.timeout = s.runtime.timeout + s.runtime.join_timeout
+        self.micro_batches = s.micro_batches or manifest.plan.micro_batches
+
+    def _join_deployment(self, directory: Path) -> None:
+        """Reach the FFN ranks: host the deployment's store (attention rank 0), connect, and keep
+        this rank's membership while it is idle."""
+        options = self.settings.runtime
+        layout, deployment = deployment_of(directory)
+        if self.rank == 0:
+            self._store_host = self.settings.open_rendezvous(host=True)
+        self.attention.endpoint = AttentionEndpoint.connect(self.rank, layout, deployment, options, self.device)
+        threading.Thread(target=self._keep_membership, args=(options.poll_interval,), daemon=True,
+                         name="afdc-membership").start()
+
+    def _start_metrics(self) -> None:
+        """The endpoint's sends and waits (in process: the FFN runs) and the step's own phases in one record."""
+        if self.settings.runtime.connector.in_process:
+            self.metrics = Metrics("attn", self.rank)
+            self.attention.phases = self.metrics.phases
+        else:
+            self.metrics = self.attention.endpoint.metrics
+        self._stop_logging = self.metrics.log_every(self.settings.runtime.log_interval, logger=logger)
 
     def get_model(self) -> torch.nn.Module:
         return self.attention.program
@@ -411,7 +402,7 @@ class AfdcWorker(WorkerBase):
                 if time.monotonic() > deadline:
                     raise
                 self._report(str(err))
-                time.sleep(self.settings.timeout / 10)
+                time.sleep(self.settings.runtime.timeout / 10)
                 continue
             self._report("")
             return outputs

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Group, Layout, Rendezvous
 from afdc.runtime.wire import Header, Kind, WireError, unpack
 
@@ -85,12 +84,6 @@ class Pacing:
     idle_sleep: float = 2e-3  # ... of a rank that has waited ``idle_after`` seconds
     idle_after: float = 0.05
     block: float = 0.05  # the longest one block on a wake-up lasts (a wait looks at its deadline then)
-
-    @classmethod
-    def of(cls, options: RuntimeOptions, role: str) -> Pacing:
-        """A ``role`` rank's pacing (``options.spin``, or :func:`default_spin` for the role)."""
-        spin = default_spin(role) if options.spin is None else options.spin
-        return cls(spin, options.max_sleep, options.idle_sleep)
 
 
 class Waiter:
