@@ -10,7 +10,8 @@ import click
 import afdc
 from afdc.errors import AfdcError
 from afdc.plan import BACKENDS
-from afdc.runtime.options import ConnectorKind, WaitPolicy
+from afdc.runtime.transport import ConnectorKind
+from afdc.runtime.transport.base import WaitPolicy
 
 
 class _Commands(click.Group):
@@ -204,6 +205,11 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         raise click.UsageError(
             "--rendezvous HOST:PORT is required (or --connector loopback for a monolithic attention rank)"
         )
+    from afdc.runtime.options import RuntimeOptions
+
+    options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
+                             join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets,
+                             insecure_no_token=insecure_no_token, spin=spin, wait=wait)
     if role == "attn":
         from afdc.serve.settings import WorkerSettings
         from afdc.serve.up import serve_attention
@@ -214,24 +220,18 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
                 "A; on further hosts add --data-parallel-size-local N --data-parallel-start-rank R --headless"
             )
         settings = WorkerSettings(
-            artifact, connector, rendezvous, token=token, insecure_no_token=insecure_no_token, timeout=timeout,
-            join_timeout=join_timeout, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
-            backend=backend, log_interval=log_interval, spin=spin, wait=wait, threads=threads, cpus=cpus,
-            pin_tokens=pin_tokens,
+            artifact, options, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
+            backend=backend, threads=threads, cpus=cpus, pin_tokens=pin_tokens,
         )
         serve_attention(settings, host, port, vllm_args)
     if connector.in_process:
         raise click.UsageError("an FFN rank serves attention ranks over gloo or shm, not loopback")
     if vllm_args:
         raise click.UsageError(f"unexpected arguments for an FFN rank: {' '.join(vllm_args)}")
-    from afdc.runtime.options import RuntimeOptions
     from afdc.runtime.rendezvous import deployment_token
     from afdc.serve.ffn import serve_ffn_rank
 
     deployment_token(token, insecure_no_token)  # refused before the artifact loads
-    options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
-                             join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets,
-                             insecure_no_token=insecure_no_token, spin=spin, wait=wait)
     if threads:
         import torch
 
@@ -287,6 +287,7 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
     import time
     from pathlib import Path
 
+    from afdc.runtime.options import RuntimeOptions
     from afdc.runtime.rendezvous import free_port
     from afdc.serve.settings import WorkerSettings
     from afdc.serve.up import Deployment, check_serving_environment
@@ -306,10 +307,11 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
         from afdc.demo import demo_artifact
 
         artifact = demo_artifact(say=click.echo)
+    options = RuntimeOptions(connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
+                             log_interval=log_interval, spin=spin, wait=wait)
     settings = WorkerSettings(
-        str(artifact), connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
-        micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
-        log_interval=log_interval, spin=spin, wait=wait, threads=threads,
+        str(artifact), options, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
+        backend=backend, threads=threads,
     )
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import afdc
 from afdc.demo import demo_tokenizer, save_demo
+from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import free_port
 from afdc.serve.settings import WorkerSettings
 from afdc.serve.up import Deployment
@@ -105,8 +106,8 @@ def causes(log: str, context: int = 2, most: int = 120) -> str:
 
 
 def serve_and_measure(artifact: Path, connector: str, args, logs: Path, prompts: list[list[int]]) -> dict:
-    settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}",
-                              device=args.device, backend=args.backend, log_interval=0)
+    options = RuntimeOptions(connector=connector, rendezvous=f"127.0.0.1:{free_port()}", log_interval=0)
+    settings = WorkerSettings(str(artifact), options, device=args.device, backend=args.backend)
     vllm_args = ["--max-model-len", str(args.input_len + args.output_len + 64),
                  "--max-num-seqs", str(max(args.concurrency))]
     if args.device == "cuda":

@@ -24,7 +24,7 @@ from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.transport import transport_class
-from afdc.runtime.transport.base import Failure, Incoming, Pacing, Transport, Waiter
+from afdc.runtime.transport.base import Failure, Incoming, Transport, Waiter
 from afdc.segment import Dispatch, Share
 
 
@@ -110,7 +110,7 @@ class AttentionEndpoint:
         try:
             transport = cls(
                 self.rendezvous, group, self.slot, "attn", self.options.timeout, deliver=file, device=self.device,
-                pacing=Pacing.of(self.options, "attn"),
+                pacing=self.options.pacing("attn"),
             )
         except (RuntimeError, OSError) as err:
             self._broken = True
