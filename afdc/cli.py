@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -405,9 +406,26 @@ def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
               help="How the FFN GPUs hold dense FFN layers (as afdc compile --dense-ffn).")
 @click.option("--hw-file", type=click.Path(dir_okay=False), help="Extra hardware profiles (JSON, same schema).")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-token cost and the plan as JSON.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw throughput vs context and A:F ratio.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Draw throughput vs context and A:F ratio (with --compare: AFD's margin over EP, dead zone shaded).")
+@click.option("--compare", is_flag=True, help="AFD against the EP baseline over --ratios and --contexts.")
+@click.option("--ratios", default="0.5,1,2,3,4,6,8", show_default=True, help="--compare: A:F ratios, comma-separated.")
+@click.option("--contexts", default="4096,16384,32768", show_default=True,
+              help="--compare: context lengths, comma-separated.")
+@click.option("--ffn-gpus", type=click.IntRange(min=1),
+              help="--compare: FFN pool size [default: the best of the pools the plan search tries].")
+@click.option("--ep-gpus", type=click.IntRange(min=1), help="--compare: EP baseline size [default: the best found].")
+@click.option("--micro-batches", type=click.IntRange(min=1),
+              help="AFD micro-batches [default: the least m >= 2(1 + Tc/Tf)].")
+@click.option("--expert-skew", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
+              help="Tokens the busiest expert GPU gets over the mean (1: balanced).")
+@click.option("--dispatch-dtype", type=click.Choice(["bf16", "fp8", "int8"]),
+              help="Dtype hidden states travel to the FFN in [default: the model's].")
+@click.option("--scale-up-domain", type=click.IntRange(min=1),
+              help="GPUs per scale-up domain (NVLink/UB), overriding the profiles'.")
 def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense_ffn, hw_file, as_json,
-         plot_path) -> None:
+         plot_path, compare, ratios, contexts, ffn_gpus, ep_gpus, micro_batches, expert_skew, dispatch_dtype,
+         scale_up_domain) -> None:
     """Per-token decode cost of MODEL and a recommended AFD deployment against the monolithic one.
 
     MODEL (hub id, model directory or config.json) is built on the meta device: no weights are read.
@@ -421,19 +439,45 @@ def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense
         planner.require_matplotlib()  # before the capture, not after
     profiles = load_profiles(hw_file)
     hw_a, hw_f = get_profile(attn_hw, profiles), get_profile(ffn_hw, profiles)
+    if scale_up_domain:
+        hw_a, hw_f = (dataclasses.replace(hw, scale_up_domain=scale_up_domain) for hw in (hw_a, hw_f))
+    sweep = (_numbers(ratios, float, "--ratios"), _numbers(contexts, int, "--contexts")) if compare else None
     config = load_config(model)
     weight_dtype = weight_dtype or planned_weight_dtype(config) or "bf16"
     built, layers = planner.split_for_planning(empty_model(config))
+    assumptions = planner.Assumptions(dense_ffn=dense_ffn, micro_batches=micro_batches, expert_skew=expert_skew,
+                                      dispatch_dtype=dispatch_dtype)
+
+    def facts_at(ctx: int) -> planner.ModelFacts:
+        return planner.model_facts(built, ctx, weight_dtype, kv_dtype, name=model, layers=layers)
+
+    if sweep is not None:
+        comparison = planner.compare({c: facts_at(c) for c in sweep[1]}, hw_a, hw_f, sweep[0], tpot_ms, assumptions,
+                                     ffn_gpus=ffn_gpus, ep_gpus=ep_gpus)
+        click.echo(json.dumps(comparison.to_dict(), indent=2) if as_json else str(comparison))
+        if plot_path:
+            planner.plot_comparison(comparison, plot_path)
+            click.echo(f"plot written to {plot_path}", err=as_json)
+        return
 
     def plan_at(ctx: int) -> planner.PlanResult:
-        facts = planner.model_facts(built, ctx, weight_dtype, kv_dtype, name=model, layers=layers)
-        return planner.plan(facts, hw_a, hw_f, tpot_ms, planner.Assumptions(dense_ffn=dense_ffn))
+        return planner.plan(facts_at(ctx), hw_a, hw_f, tpot_ms, assumptions)
 
     result = plan_at(context)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
     if plot_path:
         _plot(planner, result, plan_at, plot_path)
         click.echo(f"plot written to {plot_path}", err=as_json)
+
+
+def _numbers(text: str, kind, option: str) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers", param_hint=option) from None
+    if not values or min(values) <= 0:
+        raise click.BadParameter(f"{text!r}: give positive numbers, e.g. 1,2,4", param_hint=option)
+    return values
 
 
 def _plot(planner, result, plan_at, path: str) -> None:

@@ -62,6 +62,7 @@ class ModelFacts:
     attention_weight_bytes: float  # held by every attention GPU
     ffn_weight_bytes: float  # all FFN layers
     ffn_activated_bytes: float  # FFN weights one token reads
+    cut_element_bytes: int = 2  # bytes per element of the hidden states as captured (the model's dtype)
 
     @property
     def layer_count(self) -> int:
@@ -167,6 +168,16 @@ def _split_moe_parameters(params: float, activated: float, experts: int, top_k: 
     return max(params - experts * per_expert, 0.0), per_expert
 
 
+def _cut_element_bytes(built: Built) -> int:
+    """Element size of the floating values crossing the cut, as captured (the model's dtype)."""
+    for layer in built.report.layers:
+        for crossing in layer.to_ffn:
+            dtype = getattr(torch, crossing.dtype, None)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                return dtype.itemsize
+    return 2
+
+
 def _paired_attention(cost: DecodeCost) -> list[LayerCost]:
     """The attention call before each FFN layer; where the counts differ (layers without an FFN,
     or without attention) each FFN layer gets the mean, which keeps the totals right."""
@@ -228,4 +239,5 @@ def model_facts(
         attention_weight_bytes=weights.attention * wb,
         ffn_weight_bytes=weights.ffn * wb,
         ffn_activated_bytes=cost.ffn_flops / 2 * wb,
+        cut_element_bytes=_cut_element_bytes(built),
     )
