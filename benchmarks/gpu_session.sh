@@ -14,6 +14,8 @@
 #   transports-nomps  the same after the MPS daemon is stopped: two processes' kernels time-sliced
 #   interleave  (by name only: its compile outlives its share of 8 minutes) an artifact under a compiling
 #               backend, FFN rank over cuda-ipc, micro_batches=2, against m = 1 and the monolith
+#   tune        (by name only, a call of its own) tune_fused_moe.py: the fused MoE tuned on this GPU for the
+#               three shapes, bf16 and the shipped formats, into afdc/data/autotuned.json ($OUT/autotuned.json)
 # The CUDA MPS control daemon is started first where the machine has it (not with --dry-run or
 # --no-mps), so that an attention process and an FFN process share the GPU side by side; it is
 # stopped before transports-nomps and at the end.
@@ -56,6 +58,7 @@ section() {  # section NAME: sets limit (its default, in seconds) and cmd
       --json "$OUT/interleave.json") ;;
     kernels) limit=60 cmd=(python3 benchmarks/bench_kernels.py --configs benchmarks/configs
       --models qwen3-30b-a3b deepseek-v3 --skip-compile "${kernels[@]}" --json "$OUT/kernels.json") ;;
+    tune) limit=420 cmd=(python3 benchmarks/tune_fused_moe.py --formats --table "$OUT/autotuned.json") ;;
     transports|transports-nomps) limit=40 cmd=(python3 benchmarks/bench_runtime.py --only a "${transports[@]}") ;;
     *) return 1 ;;
   esac
