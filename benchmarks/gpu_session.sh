@@ -113,6 +113,8 @@ for name in "${chosen[@]}"; do
 done
 [ $plan = 1 ] && exit 0
 mps_daemon stop
+echo "=== summary"
+python3 benchmarks/gpu_summary.py "$OUT"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "=== ${#failed[@]} of ${#chosen[@]} sections FAILED: ${failed[*]}"
   exit 1
