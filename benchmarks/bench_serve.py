@@ -178,7 +178,7 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
                    vllm_args=("--max-model-len", "512", "--max-num-seqs", max_seqs), pin=setup.pin)
     runs = {}
     try:
-        url = d.start(300, lambda _: None)
+        url = d.start(args.startup_timeout, lambda _: None)
         model = artifact.resolve().name
         tokenizer = artifact / "model"
         bench_client(url, model, tokenizer, 4, 8, args, logs / "warm-up.json")  # first requests, lazy set-ups
@@ -367,6 +367,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="afdc up --threads (default: afdc's)")
     ap.add_argument("--log-interval", type=float, default=1.0, help="seconds between the ranks' metrics snapshots")
     ap.add_argument("--idle-seconds", type=float, default=10.0, help="how long the idle deployment's CPU is measured")
+    ap.add_argument("--startup-timeout", type=float, default=300.0,
+                    help="seconds a deployment may take to serve (a busy shared host needs more)")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.plans = [p.upper() for p in args.plans.split(",") if p]

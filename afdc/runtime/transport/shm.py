@@ -623,7 +623,7 @@ class ShmTransport(Transport):
             if pause is None:  # made once a scan found nothing: a busy server's scan mostly finds something
                 # a reply held back for its slot goes out when the peer frees the slot, which wakes
                 # no one: then the wait looks again within max_sleep rather than blocking
-                wakes = self._bell is not None and not any(link.backlog for link in self._links.values())
+                wakes = self._bell is not None and not any(link.backlog for link in list(self._links.values()))
                 pause = self._waiter.pauses(
                     block=self._block_any, wakes=wakes, until=deadline, spin_for=self._spin_left(now)
                 )
@@ -632,7 +632,7 @@ class ShmTransport(Transport):
     def _spin_left(self, now: float) -> float:
         """How long the server may still poll: as long as any link's answer to its last reply is
         likely soon (its learned budget, counted from the reply)."""
-        replied = [link.replied for link in self._links.values() if link.replied is not None]
+        replied = [link.replied for link in list(self._links.values()) if link.replied is not None]
         return max((self._waiter.spin_left(key, since, now) for key, since in replied), default=0.0)
 
     def _scan(self) -> list[Incoming | Failure]:
