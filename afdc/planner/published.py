@@ -72,9 +72,9 @@ class Scenario:
 
 def config_facts(
     path: str, overrides: dict, weight_dtype: str, kv_dtype: str = "bf16"
-) -> Callable[[int], ModelFacts]:
-    """Context -> :class:`ModelFacts` of the model in config file ``path`` (with ``overrides``),
-    captured once on the meta device like any ``afdc plan``."""
+) -> Callable[..., ModelFacts]:
+    """``facts_at(context, kv_dtype=kv_dtype)``: :class:`ModelFacts` of the model in config file
+    ``path`` (with ``overrides``), captured once on the meta device like any ``afdc plan``."""
     import json
 
     from transformers import AutoConfig
@@ -87,12 +87,13 @@ def config_facts(
     model_type = values.pop("model_type")
     values.pop("quantization_config", None)  # the scenario's weight dtype says how it ran
     built, layers = split_for_planning(empty_model(AutoConfig.for_model(model_type, **values)))
-    cache: dict[int, ModelFacts] = {}
+    cache: dict[tuple[int, str], ModelFacts] = {}
+    default_kv = kv_dtype
 
-    def facts_at(context: int) -> ModelFacts:
-        if context not in cache:
-            cache[context] = model_facts(built, context, weight_dtype, kv_dtype, name=path, layers=layers)
-        return cache[context]
+    def facts_at(context: int, kv_dtype: str = default_kv) -> ModelFacts:
+        if (context, kv_dtype) not in cache:
+            cache[context, kv_dtype] = model_facts(built, context, weight_dtype, kv_dtype, name=path, layers=layers)
+        return cache[context, kv_dtype]
 
     return facts_at
 
