@@ -34,9 +34,9 @@ from afdc.report import Report, kv_bytes_per_token
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.mixer_modules import Mixers
 from afdc.runtime.model import DefaultPositions, DisaggregatedModel, ModelTraits
-from afdc.runtime.options import ConnectorKind
 from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.tensor_parallel import TensorParallelAttention
+from afdc.runtime.transport import ConnectorKind
 from afdc.segment import Segment, SegmentBinding, Split
 
 

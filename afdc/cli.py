@@ -11,7 +11,8 @@ import click
 import afdc
 from afdc.errors import AfdcError
 from afdc.plan import BACKENDS
-from afdc.runtime.options import ConnectorKind
+from afdc.runtime.transport import ConnectorKind
+from afdc.runtime.transport.base import WaitPolicy
 
 
 class _Commands(click.Group):
@@ -119,10 +120,14 @@ def _serving_options(threads_default: str):
         for option in reversed([
             click.option("--spin", type=float, default=None,
                          help="Seconds a wait for a peer's message polls before it blocks on a futex (shm, "
-                              "cuda-ipc), for every role. Default: an attention rank 0.002 (it waits for a reply "
-                              "it asked for, yielding the core between polls); an FFN server 0.002 on a host of "
-                              "8 cores or more, else 0 (its polls would take the core the attention side "
-                              "computes on)."),
+                              "cuda-ipc), for every role; overrides --wait."),
+            click.option("--wait", type=click.Choice([w.value for w in WaitPolicy]), default="adaptive",
+                         show_default=True,
+                         help="How a wait for a peer's message (shm, cuda-ipc) chooses between polling and "
+                              "sleeping on a futex: adaptive polls, yielding the core, only while the peer's "
+                              "answer is likely soon (learned per link and layer from its recent answers, at "
+                              "most 2 ms); cores is the earlier fixed policy (an attention rank polls 2 ms, an "
+                              "FFN server only on a host of 8 cores or more)."),
             click.option("--threads", type=int, default=None, help=f"Torch threads per process ({threads_default})."),
             click.option("--log-interval", type=float, default=30.0, show_default=True,
                          help="Seconds between each rank's metrics log lines: where its time went, its CPU "
@@ -175,8 +180,8 @@ def _serving_options(threads_default: str):
 @_serving_options("default: torch's, a thread per core")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
-          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus, pin_tokens, spin, threads,
-          log_interval, vllm_args) -> None:
+          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus, pin_tokens, spin, wait,
+          threads, log_interval, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -201,6 +206,11 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         raise click.UsageError(
             "--rendezvous HOST:PORT is required (or --connector loopback for a monolithic attention rank)"
         )
+    from afdc.runtime.options import RuntimeOptions
+
+    options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
+                             join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets,
+                             insecure_no_token=insecure_no_token, spin=spin, wait=wait)
     if role == "attn":
         from afdc.serve.settings import WorkerSettings
         from afdc.serve.up import serve_attention
@@ -211,23 +221,18 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
                 "A; on further hosts add --data-parallel-size-local N --data-parallel-start-rank R --headless"
             )
         settings = WorkerSettings(
-            artifact, connector, rendezvous, token=token, insecure_no_token=insecure_no_token, timeout=timeout,
-            join_timeout=join_timeout, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
-            backend=backend, log_interval=log_interval, spin=spin, threads=threads, cpus=cpus, pin_tokens=pin_tokens,
+            artifact, options, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
+            backend=backend, threads=threads, cpus=cpus, pin_tokens=pin_tokens,
         )
         serve_attention(settings, host, port, vllm_args)
     if connector.in_process:
         raise click.UsageError("an FFN rank serves attention ranks over gloo or shm, not loopback")
     if vllm_args:
         raise click.UsageError(f"unexpected arguments for an FFN rank: {' '.join(vllm_args)}")
-    from afdc.runtime.options import RuntimeOptions
     from afdc.runtime.rendezvous import deployment_token
     from afdc.serve.ffn import serve_ffn_rank
 
     deployment_token(token, insecure_no_token)  # refused before the artifact loads
-    options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
-                             join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets,
-                             insecure_no_token=insecure_no_token, spin=spin)
     if threads:
         import torch
 
@@ -272,7 +277,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @_serving_options("default on a CPU: this host's cores less one, shared by the attention engines and FFN servers")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,
-       micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir, backend, token_buckets, pin, spin, threads,
+       micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir, backend, token_buckets, pin, spin, wait, threads,
        log_interval, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine (or a Ray cluster) and serve the OpenAI
     API until Ctrl-C.
@@ -283,6 +288,7 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
     import time
     from pathlib import Path
 
+    from afdc.runtime.options import RuntimeOptions
     from afdc.runtime.rendezvous import free_port
     from afdc.serve.settings import WorkerSettings
     from afdc.serve.up import Deployment, check_serving_environment
@@ -302,10 +308,11 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
         from afdc.demo import demo_artifact
 
         artifact = demo_artifact(say=click.echo)
+    options = RuntimeOptions(connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
+                             log_interval=log_interval, spin=spin, wait=wait)
     settings = WorkerSettings(
-        str(artifact), connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
-        micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
-        log_interval=log_interval, spin=spin, threads=threads,
+        str(artifact), options, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
+        backend=backend, threads=threads,
     )
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)

@@ -683,14 +683,14 @@ def test_a_waiter_that_can_be_woken_blocks_once_past_its_spin_and_never_past_its
 
 def test_an_attention_rank_polls_for_its_reply_and_an_ffn_server_only_with_cores_to_spare():
     from afdc.runtime.options import RuntimeOptions
-    from afdc.runtime.transport.base import SPIN_CORES, Pacing, default_spin
+    from afdc.runtime.transport.base import SPIN_CORES, default_spin
 
     assert default_spin("attn", 2) > 0  # its polls yield the core: it waits for a reply it asked for
     assert default_spin("ffn", 2) == 0.0 and default_spin("ffn", SPIN_CORES - 1) == 0.0
     assert default_spin("ffn", SPIN_CORES) > 0
     for role in ("attn", "ffn"):  # --spin sets every role's
-        assert Pacing.of(RuntimeOptions(spin=0.0), role).spin == 0.0
-        assert Pacing.of(RuntimeOptions(spin=0.5), role).spin == 0.5
+        assert RuntimeOptions(spin=0.0).pacing(role).spin == 0.0
+        assert RuntimeOptions(spin=0.5).pacing(role).spin == 0.5
 
 
 def _later(action, seconds: float = 0.1) -> threading.Thread:

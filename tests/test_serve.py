@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ from afdc.artifact.manifest import read_manifest  # noqa: E402
 from afdc.cli import main  # noqa: E402
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
+from afdc.runtime.options import RuntimeOptions  # noqa: E402
 from afdc.runtime.rendezvous import free_port  # noqa: E402
 from afdc.serve.cores import PAIR_TOKENS, SETTLE_STEPS, Placement, parse_cpus, pin_thread, shared_core  # noqa: E402
 from afdc.serve.settings import WorkerSettings  # noqa: E402
@@ -87,8 +89,8 @@ def _reference(artifact: Path, prompts: list[list[int]], new_tokens: int = NEW_T
 
 @contextlib.contextmanager
 def _serving(artifact: Path, connector: str, tmp: Path, vllm_args: tuple[str, ...] = (), backend: str | None = None):
-    settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}", timeout=60,
-                              backend=backend)
+    options = RuntimeOptions(connector=connector, rendezvous=f"127.0.0.1:{free_port()}", timeout=60)
+    settings = WorkerSettings(str(artifact), options, backend=backend)
     # one API server in front of the DP engines (vLLM's default is one per DP rank): a cheaper start
     args = ("--max-model-len", "128", "--api-server-count", "1", *vllm_args)
     d = Deployment(artifact, settings, port=free_port(), vllm_args=args,
@@ -366,8 +368,28 @@ def test_load_and_bad_requests(moe_server):
         client.completions.create(model=model, prompt=[5] * 200, max_tokens=4)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt=[5, 6], max_tokens=4, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
-        client.completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body={"prompt_logprobs": 1})
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        client.completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body={"thinking_token_budget": 4})
+
+
+def test_prompt_logprobs_of_every_prompt_token_under_2a2f(moe_server, models):
+    """Prompt logprobs from both attention ranks, their steps split into micro-batches, while
+    other requests decode beside them."""
+    _, client, _ = moe_server
+    _assert_prompt_logprobs(client, models / "moe", [PROMPTS[1], list(range(40, 90))])
+
+
+def test_a_request_that_would_read_its_prompt_logprobs_from_the_prefix_cache_is_refused():
+    """vLLM skips the prefix cache for a request with prompt logprobs; one that overrides it
+    would get no logprobs for the cached positions, and is refused with the reason."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from afdc.serve.sampling import refuse_unsupported
+
+    refuse_unsupported(SamplingParams(prompt_logprobs=3))
+    with pytest.raises(VLLMValidationError, match="skip_reading_prefix_cache"):
+        refuse_unsupported(SamplingParams(prompt_logprobs=3, skip_reading_prefix_cache=False))
 
 
 def test_sampling_parameters_take_effect(moe_server):
@@ -390,6 +412,54 @@ def test_sampling_parameters_take_effect(moe_server):
     assert reason == "stop" and 77 not in out[:5] and len(out) <= 6
     first = demo_tokenizer().decode([greedy[0]])
     assert tokens(ignore_eos=True, bad_words=[first])[0][0] != greedy[0]
+
+
+def _hf_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """The Hugging Face model's log-softmax at each position of ``prompt``, ``[len(prompt), vocab]``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+
+
+def _assert_prompt_logprobs(client, model_dir: Path, prompts: list[list[int]]) -> None:
+    """``echo=True, logprobs=1`` (what lm-evaluation-harness's loglikelihood tasks send) returns
+    every prompt token's logprob as the Hugging Face model of ``model_dir`` computes it, and its
+    top token; ``prompt_logprobs=5`` (vLLM's parameter) the top 5 and the prompt token's own.
+    The requests run concurrently with greedy decodes, so that steps mix both."""
+    model = client.models.list().data[0].id
+
+    def echoed(prompt: list[int]) -> tuple[list, list]:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+        lp = r.choices[0].logprobs
+        assert _token_ids(client, lp.tokens[:len(prompt)]) == prompt
+        return lp.token_logprobs[:len(prompt)], lp.top_logprobs[:len(prompt)]
+
+    def top5(prompt: list[int]) -> list:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 5})
+        return r.choices[0].model_extra["prompt_logprobs"]
+
+    with ThreadPoolExecutor(8) as pool:
+        decodes = [pool.submit(_complete, client, p) for p in PROMPTS]
+        echoes = list(pool.map(echoed, prompts))
+        tops = list(pool.map(top5, prompts))
+        for d in decodes:
+            d.result()
+    for prompt, (logprobs, top), ranked in zip(prompts, echoes, tops):
+        ref = _hf_logprobs(model_dir, prompt)[:-1]  # position i predicts token i + 1
+        targets = torch.tensor(prompt[1:])
+        assert logprobs[0] is None and top[0] is None and ranked[0] is None
+        want = ref.gather(1, targets[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(logprobs[1:]), want, atol=2e-3), (logprobs[1:], want)
+        best = [max(t, key=t.get) for t in top[1:]]
+        assert _token_ids(client, best) == ref.argmax(-1).tolist()
+        for i, position in enumerate(ranked[1:]):
+            values, ids = ref[i].topk(5)
+            got = {int(t): v["logprob"] for t, v in position.items() if v["rank"] <= 5}
+            assert sorted(got) == sorted(ids.tolist())
+            assert torch.allclose(torch.tensor([got[t] for t in ids.tolist()]), values, atol=2e-3)
+            assert abs(position[str(prompt[i + 1])]["logprob"] - want[i].item()) < 2e-3
 
 
 def _until_ready(proc: subprocess.Popen, port: int) -> str:
@@ -442,12 +512,15 @@ def test_ffn_rank_lost_mid_request(moe_server):
 def test_up_demo_serves_the_demo_model(tmp_path):
     """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model (MoE,
     1A1F, over shared memory), here with its FFN rank's batches padded to token buckets, which must
-    not change a token, and a small KV pool: prefix caching and preemption keep the outputs too."""
+    not change a token, a small KV pool: prefix caching and preemption keep the outputs too, and a
+    step budget of 32 tokens: prompt logprobs over a chunked prefill and after a cached prefix
+    equal the Hugging Face model's."""
     port = free_port()
     env = {**os.environ, "AFDC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "afdc.cli", "up", "--demo", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-         "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids", *PREFIX_CACHING],
+         "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids", *PREFIX_CACHING,
+         "--max-num-batched-tokens", "32"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     started = ""
@@ -458,6 +531,9 @@ def test_up_demo_serves_the_demo_model(tmp_path):
         assert client.models.list().data[0].id == "afdc-demo"
         assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
         _assert_prefix_caching_and_preemption(client, artifact)
+        prefix = list(range(300, 340))
+        _complete(client, prefix)  # its blocks cached
+        _assert_prompt_logprobs(client, tmp_path / "cache" / "demo" / "model", [list(range(3, 73)), [*prefix, 11, 12]])
         _assert_placement(client, proc.pid, started)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -553,10 +629,14 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
 
 
 def test_settings_round_trip_through_the_environment(monkeypatch):
-    s = WorkerSettings("/a", connector="shm", rendezvous="h:1", micro_batches=2)
+    s = WorkerSettings("/a", RuntimeOptions(connector="shm", rendezvous="h:1", spin=0.0, wait="cores"), micro_batches=2,
+                       cpus=(1,))
     for k, v in s.to_env().items():
         monkeypatch.setenv(k, v)
     assert WorkerSettings.from_env() == s
+
+
+SHM = RuntimeOptions(connector="shm", rendezvous="h:1")
 
 
 def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
@@ -565,7 +645,7 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     FFN ranks' command line carries the threads, the wait policy and the metrics interval."""
     from afdc.serve.up import ffn_command, threads_per_role
 
-    shm, mono = WorkerSettings("/a", connector="shm", rendezvous="h:1"), WorkerSettings("/a", connector="loopback")
+    shm, mono = WorkerSettings("/a", SHM), WorkerSettings("/a", RuntimeOptions(connector="loopback"))
     assert threads_per_role(afdc.Plan.parse("1A1F"), shm, cores=2) == 1
     assert threads_per_role(afdc.Plan.parse("1A1F"), mono, cores=2) == 1
     assert threads_per_role(afdc.Plan.parse("1A1F"), mono, cores=16) == 15
@@ -573,14 +653,16 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     assert threads_per_role(afdc.Plan.parse("2A2F"), shm, cores=16) == 3
     assert threads_per_role(afdc.Plan.parse("4A4F"), shm, cores=4) == 1
     assert threads_per_role(afdc.Plan.parse("1A1F"), WorkerSettings("/a", device="cuda:0"), cores=16) is None
-    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", spin=0.0, threads=3, log_interval=5), 0)
+    argv = ffn_command(WorkerSettings("/a", replace(SHM, spin=0.0, log_interval=5), threads=3), 0)
     assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--spin") + 1] == "0.0"
     assert argv[argv.index("--log-interval") + 1] == "5"
     assert "--spin" not in ffn_command(shm, 0) and "--threads" not in ffn_command(shm, 0)
+    argv = ffn_command(WorkerSettings("/a", RuntimeOptions(connector="shm", rendezvous="h:1", wait="cores")), 0)
+    assert argv[argv.index("--wait") + 1] == "cores"
     assert "--cpus" not in ffn_command(shm, 0)
-    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", cpus=(1, 3)), 0)
+    argv = ffn_command(WorkerSettings("/a", SHM, cpus=(1, 3)), 0)
     assert argv[argv.index("--cpus") + 1] == "1,3" and "--pin-tokens" not in argv
-    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", cpus=(1,), pin_tokens=8), 0)
+    argv = ffn_command(WorkerSettings("/a", SHM, cpus=(1,), pin_tokens=8), 0)
     assert argv[argv.index("--cpus") + 1] == "1" and argv[argv.index("--pin-tokens") + 1] == "8"
 
 

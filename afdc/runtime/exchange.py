@@ -24,7 +24,7 @@ from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.transport import transport_class
-from afdc.runtime.transport.base import Failure, Incoming, Pacing, Transport, Waiter
+from afdc.runtime.transport.base import Failure, Incoming, Transport, Waiter
 from afdc.segment import Dispatch, Share
 
 
@@ -110,7 +110,7 @@ class AttentionEndpoint:
         try:
             transport = cls(
                 self.rendezvous, group, self.slot, "attn", self.options.timeout, deliver=file, device=self.device,
-                pacing=Pacing.of(self.options, "attn"),
+                pacing=self.options.pacing("attn"),
             )
         except (RuntimeError, OSError) as err:
             self._broken = True
@@ -211,9 +211,13 @@ class AttentionEndpoint:
         deadline = time.monotonic() + self.options.timeout
         polled = self.transport.polled
         missing = peers
+        phase = (peers[0], layer)  # its spin budget's key: the link and the layer
+        with self._cond:
+            sent_at = self._sent_at.get(key, time.monotonic())
         # a pause blocks on the first reply still missing (the others are taken as they land)
         pause = self._waiter.pauses(
-            spin, lambda seconds: self.transport.block(missing, micro_batch, seconds), self.transport.wakes, deadline
+            spin, lambda seconds: self.transport.block(missing, micro_batch, seconds), self.transport.wakes, deadline,
+            self._waiter.spin_left(phase, sent_at, time.monotonic()),
         )
         generation = self._generation
         while True:
@@ -228,8 +232,10 @@ class AttentionEndpoint:
                         self._fail(peer, layer, f"its link broke ({self._lost[peer]})")
                 missing = [p for p in peers if (key, p) not in self._results]
                 if not missing:
-                    self._waiter.waited(time.monotonic() - deadline + self.options.timeout)
-                    self.metrics.exchange_ms.observe((time.monotonic() - self._sent_at.pop(key)) * 1e3)
+                    now = time.monotonic()
+                    self._waiter.waited(now - deadline + self.options.timeout)
+                    self._waiter.answered(phase, now - sent_at)
+                    self.metrics.exchange_ms.observe((now - self._sent_at.pop(key)) * 1e3)
                     return [self._results.pop((key, p)) for p in peers]
                 left = deadline - time.monotonic()
                 if left <= 0:

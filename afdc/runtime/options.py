@@ -3,37 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
-from afdc.errors import AfdcError
-
-
-class ConnectorKind(str, Enum):
-    """What carries activations between the attention and the FFN side: the one list of them,
-    from the CLI's choices to the transport registry (:mod:`afdc.runtime.transport`)."""
-
-    GLOO = "gloo"  # torch.distributed over TCP: any hosts
-    NCCL = "nccl"  # GPU to GPU, any hosts
-    SHM = "shm"  # shared memory, same host
-    CUDA_IPC = "cuda-ipc"  # GPU memory shared between processes, same host
-    LOOPBACK = "loopback"  # no link: the FFN programs run in the attention rank's process (monolithic)
-
-    @property
-    def in_process(self) -> bool:
-        """Whether the FFN side runs in the attention rank's own process (no servers, no store)."""
-        return self is ConnectorKind.LOOPBACK
-
-    @classmethod
-    def parse(cls, value: str | ConnectorKind) -> ConnectorKind:
-        """``value`` as a kind, or an error naming the kinds there are."""
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(k.value for k in cls)
-            raise AfdcError(f"unknown connector {value!r}; choose one of {names}") from None
-
-    def __str__(self) -> str:
-        return self.value
+from afdc.runtime.transport import ConnectorKind
+from afdc.runtime.transport.base import Pacing, WaitPolicy, default_spin
 
 
 @dataclass(frozen=True)
@@ -45,7 +17,8 @@ class RuntimeOptions:
     timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
     poll_interval: float = 0.2  # how often an idle FFN server or an attention rank looks for a regrouping
-    spin: float | None = None  # shm: seconds a waiting rank polls before blocking (None: default_spin)
+    spin: float | None = None  # shm: seconds a waiting rank polls before blocking, every role (None: as ``wait`` says)
+    wait: WaitPolicy = WaitPolicy.ADAPTIVE  # shm: how a wait chooses between polling and sleeping (a name is parsed)
     max_sleep: float = 2e-4  # shm without futexes: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # shm without futexes: ... of a rank idle for 50 ms (its wake-up rate)
     # FFN: pad each layer's batch to a power of two up to this many tokens, a CUDA graph each on a GPU (0: off)
@@ -55,3 +28,12 @@ class RuntimeOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
+        object.__setattr__(self, "wait", WaitPolicy.parse(self.wait))
+
+    def pacing(self, role: str) -> Pacing:
+        """A ``role`` rank's pacing: ``spin`` where set (every role's), else as ``wait`` says:
+        learned from the peer's answers (None), or by role and cores (:func:`default_spin`)."""
+        spin = self.spin
+        if spin is None and self.wait is WaitPolicy.CORES:
+            spin = default_spin(role)
+        return Pacing(spin, self.max_sleep, self.idle_sleep)

@@ -43,7 +43,7 @@ from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous, RendezvousError
 from afdc.runtime.transport import transport_class
-from afdc.runtime.transport.base import LEFT, Failure, Incoming, Pacing, Transport
+from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport
 from afdc.segment import inputs as segment_inputs
 
 log = logging.getLogger("afdc.server")
@@ -144,7 +144,7 @@ class FFNServer:
             log.info("ffn rank %d: serving generation %d", self.rank, group.generation)
             transport = cls(
                 self.rdv, group, self.slot, "ffn", timeout=self.options.timeout, device=self.program.device,
-                pacing=Pacing.of(self.options, "ffn"),
+                pacing=self.options.pacing("ffn"),
             )
             try:
                 self._serve_generation(transport)

@@ -30,7 +30,7 @@ class HealthGate:
         self._problem, self._read_at = "", 0.0
 
     def _gated(self) -> bool:
-        return self.settings is not None and not self.settings.connector.in_process
+        return self.settings is not None and not self.settings.runtime.connector.in_process
 
     def _read(self) -> str:
         """The first attention rank's problem: vLLM's coordinator may send a request to any DP rank."""

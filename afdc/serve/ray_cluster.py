@@ -99,8 +99,8 @@ class RayDeployment(Deployment):
         node_ip = ray.util.get_node_ip_address()  # the address every node reaches this one at
         say(f"on the Ray cluster at {self._gcs}: attention ranks on '{self.pools.attention}', "
             f"FFN ranks on '{self.pools.ffn}'")
-        self.settings = replace(self.settings, rendezvous=f"{node_ip}:{free_port()}",
-                                ray_resource=self.pools.attention)
+        store = replace(self.settings.runtime, rendezvous=f"{node_ip}:{free_port()}")
+        self.settings = replace(self.settings, runtime=store, ray_resource=self.pools.attention)
         self.vllm_args = ["--data-parallel-backend", "ray", "--data-parallel-address", node_ip, *self.vllm_args]
         url = super().start(startup_timeout, say)
         for name, actor in self.actors.items():
@@ -112,12 +112,10 @@ class RayDeployment(Deployment):
                          say: Callable[[str], None]) -> None:
         ray = _ray()
         s = settings
-        options = RuntimeOptions(connector=s.connector, rendezvous=s.rendezvous, timeout=s.timeout,
-                                 join_timeout=s.join_timeout, token_buckets=self.token_buckets,
-                                 insecure_no_token=s.insecure_no_token, spin=s.spin, log_interval=s.log_interval)
+        options = replace(s.runtime, token_buckets=self.token_buckets)  # the token travels in the environment
         actor = ray.remote(FfnRank)
         for r in range(ranks):
-            name = actor_name(s.artifact, s.rendezvous, r)
+            name = actor_name(s.artifact, options.rendezvous, r)
             say(f"placing FFN rank {r} of {ranks} (Ray actor '{name}', one '{self.pools.ffn}')")
             self.actors[f"ffn-{r}"] = actor.options(
                 name=name, max_restarts=self.pools.max_restarts, max_task_retries=0,

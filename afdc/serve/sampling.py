@@ -22,7 +22,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
 # SamplingParams field -> its "off" value; afdc's worker does not apply these yet
-_UNSUPPORTED = {"prompt_logprobs": None, "thinking_token_budget": None}
+_UNSUPPORTED = {"thinking_token_budget": None}
 
 
 def refuse_unsupported(params) -> None:
@@ -33,6 +33,12 @@ def refuse_unsupported(params) -> None:
     if used:
         raise VLLMValidationError(
             f"afdc's vLLM worker does not support {', '.join(used)} yet; leave them unset", parameter=used[0]
+        )
+    if params.prompt_logprobs is not None and params.skip_reading_prefix_cache is False:
+        raise VLLMValidationError(
+            "prompt_logprobs with skip_reading_prefix_cache=False: the cached prefix's positions run in no step, so "
+            "their logprobs would not be computed; leave skip_reading_prefix_cache unset",
+            parameter="skip_reading_prefix_cache",
         )
 
 
@@ -57,7 +63,7 @@ class StepSampler:
 
     def __init__(self, vllm_config, device: torch.device):
         self.device = device
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode=vllm_config.model_config.logprobs_mode)
         self.logitsprocs = build_logitsprocs(
             vllm_config, device, False, False, vllm_config.model_config.logits_processors or ()
         )

@@ -101,13 +101,13 @@ def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args:
 
 def ffn_command(settings: WorkerSettings, rank: int, token_buckets: int = 0) -> list[str]:
     """The command that runs FFN rank ``rank`` of ``settings``' deployment (``afdc serve --role ffn``)."""
-    s = settings
+    s, r = settings, settings.runtime
     return [
         sys.executable, "-m", "afdc.cli", "serve", s.artifact, "--role", "ffn", "--rank", str(rank),
-        "--rendezvous", s.rendezvous, "--connector", s.connector.value, "--timeout", str(s.timeout),
-        "--join-timeout", str(s.join_timeout), "--device", s.device, "--log-interval", str(s.log_interval),
+        "--rendezvous", r.rendezvous, "--connector", r.connector.value, "--timeout", str(r.timeout),
+        "--join-timeout", str(r.join_timeout), "--device", s.device, "--log-interval", str(r.log_interval),
         "--token-buckets", str(token_buckets), *(["--backend", s.backend] if s.backend else []),
-        *(["--spin", str(s.spin)] if s.spin is not None else []),
+        *(["--spin", str(r.spin)] if r.spin is not None else []), "--wait", r.wait.value,
         *(["--threads", str(s.threads)] if s.threads else []),
         *(["--cpus", ",".join(map(str, s.cpus))] if s.cpus else []),
         *(["--pin-tokens", str(s.pin_tokens)] if s.cpus and s.pin_tokens else []),
@@ -126,7 +126,7 @@ def threads_per_role(plan: Plan, settings: WorkerSettings, cores: int | None = N
     if settings.device.split(":")[0] != "cpu":
         return None
     cores = cores or len(os.sched_getaffinity(0))
-    computing = plan.attention_ranks + (0 if settings.connector.in_process else plan.ffn_ranks)
+    computing = plan.attention_ranks + (0 if settings.runtime.connector.in_process else plan.ffn_ranks)
     return max(1, (cores - 1) // computing)
 
 
@@ -135,7 +135,7 @@ def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: S
     this host (this process is replaced)."""
     check_serving_environment()
     argv = attention_command(settings, host, port, vllm_args)
-    if not settings.connector.in_process and not DataParallel.of(vllm_args).hosts_rank_zero:
+    if not settings.runtime.connector.in_process and not DataParallel.of(vllm_args).hosts_rank_zero:
         # reach the store here (TCPStore retries with backoff), rather than fail as a trace from vLLM's engine
         settings.open_rendezvous()
     os.execve(argv[0], argv, {**os.environ, **settings.to_env()})
@@ -190,9 +190,9 @@ class Deployment:
     def start(self, startup_timeout: float, say: Callable[[str], None]) -> str:
         """Start every role and wait until the OpenAI API answers; returns its URL."""
         plan = read_manifest(self.artifact).plan
-        s = self.settings
-        env = {**os.environ, "AFDC_TOKEN": s.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
-        settings = replace(s, token=None, threads=s.threads or self._default_threads(plan, s))
+        s, r = self.settings, self.settings.runtime
+        env = {**os.environ, "AFDC_TOKEN": r.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
+        settings = replace(s, runtime=replace(r, token=None), threads=s.threads or self._default_threads(plan, s))
         core = self._shared_core(plan, settings)
         if core is not None:
             by_load = self.pin is None  # a host of few cores: shared while steps are big (see cores.Placement)
@@ -202,11 +202,10 @@ class Deployment:
                    "--no-pin: never)" if by_load else "")
                 + "; they take turns")
         argv = attention_command(settings, self.host, self.port, self.vllm_args)  # refused before any role starts
-        if not s.connector.in_process:
+        if not r.connector.in_process:
             # the FFN ranks wait for the store that attention rank 0 hosts once its vLLM engine is up
-            self._start_ffn_ranks(
-                plan.ffn_ranks, replace(settings, join_timeout=max(s.join_timeout, startup_timeout)), env, say
-            )
+            waiting = replace(settings.runtime, join_timeout=max(r.join_timeout, startup_timeout))
+            self._start_ffn_ranks(plan.ffn_ranks, replace(settings, runtime=waiting), env, say)
         say(f"starting {plan.attention_ranks} attention ranks (vLLM data-parallel engines) on port {self.port}")
         self._spawn("attn", argv, {**env, **settings.to_env(), **self._attention_env()})
         proc = self.processes["attn"]
@@ -233,7 +232,7 @@ class Deployment:
     def _shared_core(self, plan: Plan, settings: WorkerSettings) -> int | None:
         """The core 1A1F's pair shares, if any (here: every role is on this host)."""
         micro_batches = settings.micro_batches or plan.micro_batches
-        return shared_core(plan, micro_batches, settings.device, not settings.connector.in_process, self.pin)
+        return shared_core(plan, micro_batches, settings.device, not settings.runtime.connector.in_process, self.pin)
 
     def failed(self) -> str | None:
         """The first role whose process has exited, if any."""
