@@ -4,7 +4,7 @@ A :class:`Scenario` holds what its source says it ran (model, chips, deployments
 quantization, micro-batches, expert balance, latency target) and the figure it published; its
 :meth:`~Scenario.predict` sizes the same deployments with the planner and returns the predicted
 figure. The published figure is only compared with, never read by the prediction. What a source
-does not state is set by :class:`Unstated` and said so in the scenario's ``assumed``.
+does not state the scenario sets, and says so in its ``assumed``.
 
 The model's cost comes from its graph like any other plan (:func:`afdc.planner.model_facts`), so
 a scenario takes a function from context length to :class:`~afdc.planner.facts.ModelFacts`.
@@ -12,13 +12,18 @@ a scenario takes a function from context length to :class:`~afdc.planner.facts.M
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from transformers import AutoConfig
+
+from afdc.errors import PlanError
 from afdc.planner.deployment import Deployment, afd_deployment, mono_deployment
-from afdc.planner.facts import ModelFacts
+from afdc.planner.facts import ModelFacts, model_facts, split_for_planning
 from afdc.planner.hardware import HardwareProfile
 from afdc.planner.roofline import Assumptions
+from afdc.source import empty_model
 
 # A throughput run with no latency target: every deployment decodes all its memory holds
 NO_TARGET_MS = 1e6
@@ -66,33 +71,27 @@ class Scenario:
         """AFD's predicted tokens per GPU per second over the baseline's (0 when AFD cannot run)."""
         afd, base = self.deployments(facts_at(self.context))
         if base is None:
-            raise ValueError(f"{self.name}: the baseline meets the target at no batch")
+            raise PlanError(f"{self.name}: the baseline meets the target at no batch")
         return afd.tokens_per_gpu_s / base.tokens_per_gpu_s if afd else 0.0
 
 
 def config_facts(
     path: str, overrides: dict, weight_dtype: str, kv_dtype: str = "bf16"
-) -> Callable[[int], ModelFacts]:
-    """Context -> :class:`ModelFacts` of the model in config file ``path`` (with ``overrides``),
-    captured once on the meta device like any ``afdc plan``."""
-    import json
-
-    from transformers import AutoConfig
-
-    from afdc.planner.facts import model_facts, split_for_planning
-    from afdc.source import empty_model
-
+) -> Callable[..., ModelFacts]:
+    """``facts_at(context, kv_dtype=kv_dtype)``: :class:`ModelFacts` of the model in config file
+    ``path`` (with ``overrides``), captured once on the meta device like any ``afdc plan``."""
     with open(path) as f:
         values = {**json.load(f), **overrides}
     model_type = values.pop("model_type")
     values.pop("quantization_config", None)  # the scenario's weight dtype says how it ran
     built, layers = split_for_planning(empty_model(AutoConfig.for_model(model_type, **values)))
-    cache: dict[int, ModelFacts] = {}
+    cache: dict[tuple[int, str], ModelFacts] = {}
+    default_kv = kv_dtype
 
-    def facts_at(context: int) -> ModelFacts:
-        if context not in cache:
-            cache[context] = model_facts(built, context, weight_dtype, kv_dtype, name=path, layers=layers)
-        return cache[context]
+    def facts_at(context: int, kv_dtype: str = default_kv) -> ModelFacts:
+        if (context, kv_dtype) not in cache:
+            cache[context, kv_dtype] = model_facts(built, context, weight_dtype, kv_dtype, name=path, layers=layers)
+        return cache[context, kv_dtype]
 
     return facts_at
 
