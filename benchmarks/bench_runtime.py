@@ -143,12 +143,15 @@ def cuda_copy_floor(nbytes: int, repeats: int) -> float:
 
 _WORD = struct.Struct("<Q")
 _STOP = 1 << 63
-ECHO_TIMEOUT = 20.0  # seconds a bare echo may take to answer one round trip (its start-up included)
+ECHO_START_TIMEOUT = 120.0  # seconds a bare echo process may take to start (spawn, imports)
+ECHO_TIMEOUT = 20.0  # seconds a started bare echo may take to answer one round trip
 
 
 def _echo_loop(mm: mmap.mmap, echo: Callable[[int], None]) -> None:
-    """The bare echo: wait for the request's sequence number, ``echo`` its bytes (their count is
-    in the second word) into the reply area, post the same number back."""
+    """The bare echo: say it is ready (the word at 72), then wait for the request's sequence
+    number, ``echo`` its bytes (their count is in the second word) into the reply area, post the
+    same number back."""
+    _WORD.pack_into(mm, 72, 1)
     seen = 0
     while True:
         while _WORD.unpack_from(mm, 0)[0] == seen:
@@ -196,6 +199,13 @@ def _ping_pong(path: Path, mm: mmap.mmap, echo: mp.process.BaseProcess, make: Ca
     count returned), post the count and a sequence number, wait for the echo's, ``take`` the reply."""
     echo.start()
     out, seq = {}, 0
+    started = time.perf_counter()
+    while _WORD.unpack_from(mm, 72)[0] != 1:  # a spawned Python's imports, slow on a loaded host
+        time.sleep(0.01)
+        if not echo.is_alive() or time.perf_counter() - started > ECHO_START_TIMEOUT:
+            _WORD.pack_into(mm, 0, _STOP)
+            why = "exited" if not echo.is_alive() else f"was not ready within {ECHO_START_TIMEOUT:g} s"
+            raise TimeoutError(f"the bare echo process {why}")
     try:
         for tokens in TOKENS:
             x = make(tokens)
