@@ -110,6 +110,12 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
 
 _VLLM_ARGS = {"ignore_unknown_options": True}
 
+_recovery_option = click.option(
+    "--ffn-recovery-timeout", type=float, default=300.0, show_default=True,
+    help="Attention: seconds a step is held while an FFN rank is lost, waiting for it to come back (requests "
+         "see latency, /health says degraded); past them requests get a 503 naming the rank until it is back.",
+)
+
 
 def _serving_options(threads_default: str):
     """The options of how a serving process spends its cores, shared by ``serve`` and ``up``."""
@@ -152,6 +158,7 @@ def _serving_options(threads_default: str):
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="Seconds to reach the rendezvous store and for every rank to join.")
+@_recovery_option
 @click.option("--device", default="cpu", show_default=True, help="Device the program runs on.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Attention: address the OpenAI server binds.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Attention: port of the OpenAI server.")
@@ -174,8 +181,8 @@ def _serving_options(threads_default: str):
 @_serving_options("default: torch's, a thread per core")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
-          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus, pin_tokens, spin, threads,
-          log_interval, vllm_args) -> None:
+          ffn_recovery_timeout, device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus,
+          pin_tokens, spin, threads, log_interval, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -211,8 +218,9 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
             )
         settings = WorkerSettings(
             artifact, connector, rendezvous, token=token, insecure_no_token=insecure_no_token, timeout=timeout,
-            join_timeout=join_timeout, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
-            backend=backend, log_interval=log_interval, spin=spin, threads=threads, cpus=cpus, pin_tokens=pin_tokens,
+            join_timeout=join_timeout, recovery_timeout=ffn_recovery_timeout, micro_batches=micro_batches,
+            kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend, log_interval=log_interval, spin=spin,
+            threads=threads, cpus=cpus, pin_tokens=pin_tokens,
         )
         serve_attention(settings, host, port, vllm_args)
     if connector.in_process:
@@ -257,6 +265,9 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--startup-timeout", type=float, default=300.0, show_default=True,
               help="Seconds for every role to become ready.")
+@_recovery_option
+@click.option("--stop-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds each role has to exit after its SIGTERM when stopping (then it is killed).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Write each role's output to a file there instead of this terminal.")
 @click.option("--backend", type=click.Choice(BACKENDS), default=None,
@@ -271,8 +282,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @_serving_options("default on a CPU: this host's cores less one, shared by the attention engines and FFN servers")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,
-       micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir, backend, token_buckets, pin, spin, threads,
-       log_interval, vllm_args) -> None:
+       micro_batches, kv_cache_mb, timeout, startup_timeout, ffn_recovery_timeout, stop_timeout, log_dir, backend,
+       token_buckets, pin, spin, threads, log_interval, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine (or a Ray cluster) and serve the OpenAI
     API until Ctrl-C.
 
@@ -303,8 +314,8 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
         artifact = demo_artifact(say=click.echo)
     settings = WorkerSettings(
         str(artifact), connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
-        micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
-        log_interval=log_interval, spin=spin, threads=threads,
+        recovery_timeout=ffn_recovery_timeout, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20,
+        device=device, backend=backend, log_interval=log_interval, spin=spin, threads=threads,
     )
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -315,24 +326,31 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
         kind, placement = RayDeployment, {"pools": RayPools(ray_address, ray_attn_resource, ray_ffn_resource)}
     deployment = kind(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None,
                       token_buckets, pin, **placement)
-    stop = []
+    asked: list[str] = []  # the signal that asked for the stop
+
+    def ask(signum: int, _frame) -> None:
+        asked.append(signal.Signals(signum).name)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.append(True))
+        signal.signal(sig, ask)
     try:
-        url = deployment.start(startup_timeout, click.echo)
+        url = deployment.start(startup_timeout, click.echo, lambda: asked[0] if asked else "")
         click.echo(f"ready: OpenAI API at {url}/v1")
         click.echo("Ctrl-C stops every role")
-        while not stop:
+        while not asked:
             gone = deployment.failed()
             if gone is not None and not gone.startswith("ffn"):
                 raise AfdcError(f"{gone} exited; stopping the other roles")
             if gone is not None:  # stateless: the attention ranks regroup with the new process
                 click.echo(f"{gone} exited (code {deployment.processes[gone].returncode}); restarting it")
                 deployment.restart(gone)
-            time.sleep(0.5)
+            time.sleep(0.2)
+    except AfdcError:
+        if not asked:  # a failure; after a stop was asked for, a role's exit is that stop's doing
+            raise
     finally:
-        click.echo("stopping every role")
-        deployment.stop()
+        click.echo("stopping every role" + (f" (asked for by {asked[0]})" if asked else ""))
+        deployment.stop(stop_timeout)
 
 
 @main.command(context_settings=_VLLM_ARGS)

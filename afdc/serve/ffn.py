@@ -25,4 +25,8 @@ def serve_ffn_rank(
     elif cpus:
         pin_thread(cpus)
     layout, deployment = deployment_of(directory)
-    serve_program(load(directory, "ffn", rank, device, backend), layout, deployment, options, on_step)
+    try:
+        program = load(directory, "ffn", rank, device, backend)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: said, not a trace
+        raise SystemExit(f"ffn rank {rank}: stopped while loading (asked for by SIGINT)") from None
+    serve_program(program, layout, deployment, options, on_step)

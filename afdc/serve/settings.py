@@ -24,7 +24,8 @@ class WorkerSettings:
     insecure_no_token: bool = False  # run without a token (afdc serve --insecure-no-token)
     timeout: float = 30.0  # seconds an FFN reply may take
     join_timeout: float = 60.0  # seconds to wait for every FFN rank to join
-    recovery_timeout: float = 600.0  # seconds a step waits for a lost FFN rank to come back before the engine fails
+    # seconds a step is held for a lost FFN rank to come back; past them its requests get a 503 (see health)
+    recovery_timeout: float = 300.0
     micro_batches: int | None = None  # None: the artifact's plan
     kv_cache_bytes: int = 256 << 20  # KV pool on a CPU device (on a GPU: what vLLM's memory profile allows)
     device: str = "cpu"

@@ -141,14 +141,22 @@ def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: S
     os.execve(argv[0], argv, {**os.environ, **settings.to_env()})
 
 
-def wait_healthy(url: str, deadline: float, alive: Callable[[], bool]) -> None:
-    """Poll ``url``/health until it answers 200; ``alive`` says whether the server process still runs."""
+class StopAsked(AfdcError):
+    """A stop was asked for (a signal) while the deployment started."""
+
+
+def wait_healthy(url: str, deadline: float, alive: Callable[[], bool],
+                 asked: Callable[[], str] = lambda: "") -> None:
+    """Poll ``url``/health until it answers 200; ``alive`` says whether the server process still
+    runs, ``asked`` what asked for a stop ("" while none did: then :class:`StopAsked`)."""
     while True:
+        if asked():  # before ``alive``: a Ctrl-C also ends the server, and that is no failure
+            raise StopAsked(f"stopped while starting (asked for by {asked()})")
         # HTTPException: before the server listens, a probe from a port in the ephemeral range
         # can connect to itself (TCP self-connect) and read its own request as a bad status line
         with (
             contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException),
-            urllib.request.urlopen(f"{url}/health", timeout=5) as r,
+            urllib.request.urlopen(f"{url}/health", timeout=1) as r,
         ):
             if r.status == 200:
                 return
@@ -187,8 +195,9 @@ class Deployment:
             raise AfdcError(f"{name} is still running")
         self._spawn(name, *self._commands[name])
 
-    def start(self, startup_timeout: float, say: Callable[[str], None]) -> str:
-        """Start every role and wait until the OpenAI API answers; returns its URL."""
+    def start(self, startup_timeout: float, say: Callable[[str], None], asked: Callable[[], str] = lambda: "") -> str:
+        """Start every role and wait until the OpenAI API answers; returns its URL. ``asked`` says
+        what asked for a stop meanwhile ("" while nothing did): then :class:`StopAsked` at once."""
         plan = read_manifest(self.artifact).plan
         s = self.settings
         env = {**os.environ, "AFDC_TOKEN": s.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
@@ -211,7 +220,7 @@ class Deployment:
         self._spawn("attn", argv, {**env, **settings.to_env(), **self._attention_env()})
         proc = self.processes["attn"]
         url = f"http://{self.host}:{self.port}"
-        wait_healthy(url, time.monotonic() + startup_timeout, lambda: proc.poll() is None)
+        wait_healthy(url, time.monotonic() + startup_timeout, lambda: proc.poll() is None, asked)
         say("the attention ranks are ready")
         return url
 
@@ -239,15 +248,19 @@ class Deployment:
         """The first role whose process has exited, if any."""
         return next((name for name, p in self.processes.items() if p.poll() is not None), None)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the attention servers first (they finish their requests), then the FFN ranks."""
-        order = sorted(self.processes, key=lambda n: not n.startswith("attn"))
-        for name in order:
-            proc = self.processes[name]
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the attention server first, then the FFN ranks; a role still running ``grace``
+        seconds after its SIGTERM is killed."""
+        attention = [n for n in self.processes if n.startswith("attn")]
+        for names in (attention, [n for n in self.processes if n not in attention]):
+            deadline = time.monotonic() + grace
+            for name in names:
+                if self.processes[name].poll() is None:
+                    self.processes[name].send_signal(signal.SIGTERM)
+            for name in names:
+                proc = self.processes[name]
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

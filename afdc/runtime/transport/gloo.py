@@ -56,7 +56,7 @@ class GlooTransport(Transport):
         per link (see the module docstring). Every rank forms its links' groups in the order of
         (attention slot, FFN slot), so no two ranks wait for each other's next group."""
         me = 0 if self.role == "attn" else 1  # within a link's group
-        self._links: dict[int, tuple[dist.ProcessGroupGloo, int]] = {}  # peer -> its link's group, the peer's rank there
+        self._links: dict[int, tuple[dist.ProcessGroupGloo, int]] = {}  # peer -> its link's group, its rank there
         for peer in self.layout.peers(self.role):
             pair = (self.slot, peer) if self.role == "attn" else (peer, self.slot)
             store = self.rendezvous.prefixed(self.group.generation, f"gloo-link-{pair[0]}-{pair[1]}")
