@@ -23,6 +23,7 @@ from afdc.runtime.link import Connector
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
+from afdc.runtime.spare import Slots
 from afdc.runtime.transport import transport_class
 from afdc.runtime.transport.base import Failure, Incoming, Pacing, Transport, Waiter
 from afdc.segment import Dispatch, Share
@@ -96,6 +97,11 @@ class AttentionEndpoint:
         return self._step
 
     def _regroup(self, join_timeout: float) -> None:
+        lost = {p for p in self._lost if p in self.ffn_slots}
+        if self._failed is not None:
+            lost.add(self.layout.slot("ffn", self._failed[0]))
+        for slot in lost if self._generation >= 0 else ():  # for a spare to take over (afdc.runtime.spare)
+            Slots(self.rendezvous).lost(slot, self._generation)
         self.close()
         # A lost peer's hello stays up in its generation: rejoining that generation would dial the
         # dead address until the connect timeout, so a new one is started unless a peer already did

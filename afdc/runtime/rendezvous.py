@@ -136,10 +136,10 @@ class Group:
 
 
 def _proof(token: str, deployment: bytes, generation: int, slot: int) -> str:
-    return _sign(token, deployment.hex(), str(generation), str(slot))
+    return sign(token, deployment.hex(), str(generation), str(slot))
 
 
-def _sign(token: str, *parts: str) -> str:
+def sign(token: str, *parts: str) -> str:
     """HMAC-SHA256 of the token over ``parts`` joined by ":". A hello's proof signs hex first, the
     other records a word that is not hex, so no record's proof passes for another's."""
     return hmac.new(token.encode(), ":".join(parts).encode(), hashlib.sha256).hexdigest()
@@ -265,6 +265,7 @@ class Rendezvous:
         self.token = deployment_token(token, insecure_no_token)  # after the store: an unreachable one is said first
         self._host_checked = host  # whether this process's token and deployment are the store host's
         self._refused: dict[int, str] = {}  # slot -> the last process refused for it (said if the slot stays empty)
+        self.replacing: set[int] = set()  # slots this process claimed as a spare: it replaces their holder, live or not
         if host:
             self.store.set("host", json.dumps({"deployment": deployment.hex(), "proof": self._stamp()}))
 
@@ -283,6 +284,10 @@ class Rendezvous:
         this host); a server that calls it before :meth:`bump` makes no one regroup when refused."""
         self._check_host(slot)
         self._check_held(slot)
+
+    def check_host(self) -> None:
+        """Raise :class:`JoinError` where the store's host has another token or artifact than this process."""
+        self._check_host()
 
     def proof(self, generation: int, slot: int) -> str:
         """What ``slot`` presents for ``generation``: proves the token without sending it."""
@@ -357,7 +362,7 @@ class Rendezvous:
                 return Group(gen, members)
 
     def _stamp(self) -> str:
-        return _sign(self.token, "host", self.deployment.hex())
+        return sign(self.token, "host", self.deployment.hex())
 
     def _check_host(self, slot: int | None = None) -> None:
         """Raise :class:`JoinError` when the store's host stamped it with another deployment or
@@ -387,9 +392,10 @@ class Rendezvous:
 
     def _check_held(self, slot: int) -> None:
         """Raise :class:`JoinError` when another live process of this host was the slot's member
-        last (two FFN servers started for one rank). Another host's process cannot be checked."""
+        last (two FFN servers started for one rank). Another host's process cannot be checked. A
+        spare that claimed the slot (:mod:`afdc.runtime.spare`) replaces its holder, live or not."""
         raw = read_key(self.store, f"held/{slot}")
-        if raw is None:
+        if raw is None or slot in self.replacing:
             return
         try:
             held = json.loads(raw)
@@ -408,7 +414,7 @@ class Rendezvous:
     def record_exit(self, slot: int, pid: int, reason: str) -> None:
         """Record that ``slot``'s process ``pid`` exited (its launcher saw it, ``reason`` says how): a
         :meth:`join` with a deadline that waits for the slot raises :class:`JoinError` at once."""
-        proof = _sign(self.token, "exited", self.deployment.hex(), str(slot), str(pid), reason)
+        proof = sign(self.token, "exited", self.deployment.hex(), str(slot), str(pid), reason)
         self.store.set(f"exited/{slot}", json.dumps({"pid": pid, "reason": reason, "proof": proof}))
 
     def clear_exit(self, slot: int) -> None:
@@ -426,7 +432,7 @@ class Rendezvous:
             exited, reason, proof = int(record["pid"]), str(record["reason"]), str(record["proof"])
         except (TypeError, ValueError, KeyError):
             return
-        signed = _sign(self.token, "exited", self.deployment.hex(), str(slot), str(exited), reason)
+        signed = sign(self.token, "exited", self.deployment.hex(), str(slot), str(exited), reason)
         if hmac.compare_digest(proof, signed) and pid in (None, exited):
             role, rank = self.layout.role_rank(slot)
             raise JoinError(f"cannot join: {reason}", role, rank)

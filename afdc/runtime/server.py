@@ -42,6 +42,7 @@ from afdc.runtime.metrics import IDLE, Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous, wait_listening
+from afdc.runtime.spare import Owner, Slots
 from afdc.runtime.transport import transport_class
 from afdc.runtime.transport.base import LEFT, Failure, Incoming, Pacing, Transport
 from afdc.segment import inputs as segment_inputs
@@ -53,9 +54,10 @@ _FITS_CACHE = 1 << 12  # remembered answers of whether a message's tensors fit i
 
 class FFNServer:
     def __init__(self, program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions,
-                 on_step: Callable[[int], None] | None = None):
+                 on_step: Callable[[int], None] | None = None, claim: Owner | None = None):
         """``on_step(tokens)`` is called, in the serving thread, with the size of each step an
-        attention rank announces (where the host places that thread by its load)."""
+        attention rank announces (where the host places that thread by its load). ``claim``: this
+        process is a spare that claimed the slot (:mod:`afdc.runtime.spare`); else it takes it."""
         if options.rendezvous is None:
             raise ValueError("an FFN server needs the rendezvous address (HOST:PORT)")
         self.program = program
@@ -70,6 +72,8 @@ class FFNServer:
         self.metrics = Metrics("ffn", program.rank)
         self.stopping = threading.Event()
         self.asked = ""  # the signal that asked this server to stop, if one did
+        self._claim = claim
+        self.owner: Owner | None = None  # this process's ownership of its slot, while it serves
         self.rdv: Rendezvous | None = None  # the deployment's store, while the server runs
         self._refused: set[int] = set()  # the slots whose refusals this generation were logged (once each)
         # (layer, tokens, tensor specs) -> _check_tensors' answer for a DATA message
@@ -132,14 +136,26 @@ class FFNServer:
             connect_timeout=self.options.join_timeout,
             insecure_no_token=self.options.insecure_no_token,
         )
+        if self._claim is not None:
+            self.rdv.replacing.add(self.slot)
         self.rdv.check_slot(self.slot)  # refused (token, artifact, slot held): said now, before anyone regroups
-        self.rdv.bump()  # a (re)started rank: everyone regroups with it
+        generation = self.rdv.bump()  # a (re)started rank: everyone regroups with it
+        slots = Slots(self.rdv)
+        # a started rank takes its slot; a spare has (unless this is a new store, which knows no owner)
+        self.owner = self._claim if self._claim is not None and slots.owner(self.slot)[0] else None
+        self.owner = self.owner or slots.own(self.slot, generation)
         return True
 
     def _serve_store(self) -> None:
         """Serve generation after generation of the deployment, until stopped."""
         cls = transport_class(self.options.connector)
         while not self.stopping.is_set():
+            slots = Slots(self.rdv)
+            if not slots.owns(self.slot, self.owner):  # fenced: a spare took the slot over meanwhile
+                log.warning("ffn rank %d: replaced (the slot is served by %s); leaving", self.rank,
+                            slots.owner(self.slot)[0] or "another process")
+                self.stop()
+                return
             group = self.rdv.join(self.slot, cls.address(self.rdv, self.slot), timeout=None, stop=self.stopping)
             if group is None:
                 return
@@ -326,13 +342,13 @@ def _check_plan(h: wire.Header, tensors: list[torch.Tensor]) -> str:
 
 
 def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions,
-                  on_step: Callable[[int], None] | None = None) -> NoReturn:
+                  on_step: Callable[[int], None] | None = None, claim: Owner | None = None) -> NoReturn:
     """Entry point of an FFN server process (``afdc serve`` and ``dm.launch()``); exits the process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
     code = 0
     try:
-        FFNServer(program, layout, deployment, options, on_step).serve()
+        FFNServer(program, layout, deployment, options, on_step, claim).serve()
     except AfdcError as err:
         print(f"error: {err}", file=sys.stderr)
         code = 2

@@ -110,6 +110,7 @@ class AfdcWorker(WorkerBase):
         self._lost_at: float | None = None  # when the current loss of an FFN rank was first seen
         self._step_lock = threading.Lock()  # a step and the idle rank's regrouping take turns at the endpoint
         self._stepped_at = 0.0  # when the last step ended
+        self._holding = False  # whether a step runs (or is held for a lost FFN rank)
         self._sampled: set[str] = set()  # the requests of the last step
         self._sampled_at = 0.0  # when its sampling ended
         self._stop = threading.Event()
@@ -366,6 +367,13 @@ class AfdcWorker(WorkerBase):
         itself unavailable: the HTTP side (:mod:`afdc.serve.health`) then fails the requests with
         a 503 naming the rank, and their aborts reach the scheduler once the step went through;
         the step goes on waiting, so serving resumes when the rank is back."""
+        self._holding = True  # the idle rank's regrouping stays away: the held step regroups, within its hold
+        try:
+            return self._run_held(batches)
+        finally:
+            self._holding = False
+
+    def _run_held(self, batches: list[MicroBatch]) -> list:
         while True:
             options = self.attention.endpoint.options if self.attention.endpoint is not None else None
             # while degraded, a regrouping waits no longer than the hold has left
@@ -393,7 +401,7 @@ class AfdcWorker(WorkerBase):
         :meth:`AttentionEndpoint.begin_step` without a step: it sends nothing to the FFN ranks."""
         while not self._stop.wait(interval):
             with self._step_lock:
-                if self._stop.is_set() or time.monotonic() - self._stepped_at < interval:
+                if self._stop.is_set() or self._holding or time.monotonic() - self._stepped_at < interval:
                     continue  # serving: the steps regroup
                 try:
                     self.attention.begin_step()
