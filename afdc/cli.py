@@ -145,6 +145,9 @@ def _serving_options(threads_default: str):
 @click.option("--role", type=click.Choice(["ffn", "attn"]), required=True, help="Which role this process runs.")
 @click.option("--rank", type=int, default=0, show_default=True,
               help="FFN: rank within the role (attention ranks are vLLM's data-parallel ranks: see below).")
+@click.option("--spare", is_flag=True,
+              help="FFN: wait as a hot spare, holding no rank; take over the first FFN rank that is lost (claimed "
+                   "through the store: one spare wins), loading its weights then.")
 @click.option("--rendezvous", help="HOST:PORT of the deployment's store (hosted by attention rank 0); "
               "required unless --connector loopback.")
 @click.option("--connector", type=_CONNECTORS, default="gloo",
@@ -180,7 +183,7 @@ def _serving_options(threads_default: str):
                    "0: always there.")
 @_serving_options("default: torch's, a thread per core")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
+def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
           ffn_recovery_timeout, device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus,
           pin_tokens, spin, threads, log_interval, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
@@ -211,6 +214,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         from afdc.serve.settings import WorkerSettings
         from afdc.serve.up import serve_attention
 
+        if spare:
+            raise click.UsageError("--spare is for FFN ranks: a spare waits to take over a lost FFN rank")
         if rank:
             raise click.UsageError(
                 "attention ranks are vLLM's data-parallel ranks, not --rank: -- --data-parallel-size A serves all "
@@ -229,7 +234,7 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         raise click.UsageError(f"unexpected arguments for an FFN rank: {' '.join(vllm_args)}")
     from afdc.runtime.options import RuntimeOptions
     from afdc.runtime.rendezvous import deployment_token
-    from afdc.serve.ffn import serve_ffn_rank
+    from afdc.serve.ffn import serve_ffn_rank, serve_ffn_spare
 
     deployment_token(token, insecure_no_token)  # refused before the artifact loads
     options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
@@ -239,6 +244,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         import torch
 
         torch.set_num_threads(threads)
+    if spare:
+        serve_ffn_spare(artifact, options, device, backend)
     serve_ffn_rank(artifact, rank, options, device, backend, cpus, pin_tokens)
 
 
@@ -266,6 +273,9 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @click.option("--startup-timeout", type=float, default=300.0, show_default=True,
               help="Seconds for every role to become ready.")
 @_recovery_option
+@click.option("--ffn-spares", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Standby FFN processes that take over a lost FFN rank (one claims it through the store and "
+                   "loads its weights); an FFN process that exits comes back as a spare.")
 @click.option("--stop-timeout", type=float, default=10.0, show_default=True,
               help="Seconds each role has to exit after its SIGTERM when stopping (then it is killed).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
@@ -282,8 +292,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @_serving_options("default on a CPU: this host's cores less one, shared by the attention engines and FFN servers")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,
-       micro_batches, kv_cache_mb, timeout, startup_timeout, ffn_recovery_timeout, stop_timeout, log_dir, backend,
-       token_buckets, pin, spin, threads, log_interval, vllm_args) -> None:
+       micro_batches, kv_cache_mb, timeout, startup_timeout, ffn_recovery_timeout, ffn_spares, stop_timeout, log_dir,
+       backend, token_buckets, pin, spin, threads, log_interval, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine (or a Ray cluster) and serve the OpenAI
     API until Ctrl-C.
 
@@ -307,6 +317,9 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
                                "places them on any node: --connector gloo (or nccl between GPUs)")
     if ray_address and pin:
         raise click.UsageError("--pin shares a core of this host; with --ray the ranks are on any node")
+    if ray_address and ffn_spares:
+        raise click.UsageError("--ffn-spares starts standby processes on this host; with --ray, Ray restarts a "
+                               "lost FFN actor itself")
     check_serving_environment()
     if demo:
         from afdc.demo import demo_artifact
@@ -325,7 +338,7 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
 
         kind, placement = RayDeployment, {"pools": RayPools(ray_address, ray_attn_resource, ray_ffn_resource)}
     deployment = kind(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None,
-                      token_buckets, pin, **placement)
+                      token_buckets, pin, ffn_spares, **placement)
     asked: list[str] = []  # the signal that asked for the stop
 
     def ask(signum: int, _frame) -> None:
@@ -339,10 +352,11 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
         click.echo("Ctrl-C stops every role")
         while not asked:
             gone = deployment.failed()
-            if gone is not None and not gone.startswith("ffn"):
+            if gone is not None and not gone.startswith(("ffn", "spare")):
                 raise AfdcError(f"{gone} exited; stopping the other roles")
             if gone is not None:  # stateless: the attention ranks regroup with the new process
-                click.echo(f"{gone} exited (code {deployment.processes[gone].returncode}); restarting it")
+                how = " as a spare" if ffn_spares else ""
+                click.echo(f"{gone} exited (code {deployment.processes[gone].returncode}); restarting it{how}")
                 deployment.restart(gone)
             time.sleep(0.2)
     except AfdcError:
