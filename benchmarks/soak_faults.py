@@ -179,7 +179,7 @@ def _resources(up: psutil.Process) -> dict[str, tuple[int, int]]:
 
 
 def soak(artifact: Path, log_dir: Path, requests: int, concurrency: int, tokens: int, kills: int,
-         spares: int = 1, say=print) -> Soak:
+         spares: int = 1, startup: float = 600.0, say=print) -> Soak:
     import openai
 
     ids = prompts(requests)
@@ -187,8 +187,8 @@ def soak(artifact: Path, log_dir: Path, requests: int, concurrency: int, tokens:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "afdc.cli", "up", str(artifact), "--port", str(port), "--log-dir", str(log_dir),
-         "--ffn-spares", str(spares), "--", "--max-model-len", "128", "--api-server-count", "1",
-         "--return-tokens-as-token-ids", "--max-num-seqs", str(concurrency)],
+         "--ffn-spares", str(spares), "--startup-timeout", str(startup), "--", "--max-model-len", "128",
+         "--api-server-count", "1", "--return-tokens-as-token-ids", "--max-num-seqs", str(concurrency)],
         env={**os.environ, "AFDC_TOKEN": TOKEN}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -199,9 +199,12 @@ def soak(artifact: Path, log_dir: Path, requests: int, concurrency: int, tokens:
         url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=900, max_retries=0)
         up = psutil.Process(proc.pid)
-        while "waiting for a lost FFN rank" not in "".join(
-                (log_dir / f"spare-{i}.log").read_text() for i in range(spares)):
-            time.sleep(0.2)  # the spares are up
+        deadline = time.monotonic() + startup
+        logs = [log_dir / f"spare-{i}.log" for i in range(spares)]
+        while sum("waiting for a lost FFN rank" in log.read_text() for log in logs) < spares:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the spares were not waiting within {startup:g} s; see {log_dir}")
+            time.sleep(0.2)
         clean = _serve(client, ids, ref, tokens, concurrency)
         say(f"clean run: {len(clean.latencies)}/{requests} done")
         faults = Faults(up, artifact, url)

@@ -18,6 +18,7 @@ received, then exits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -73,7 +74,6 @@ class FFNServer:
         self.stopping = threading.Event()
         self.asked = ""  # the signal that asked this server to stop, if one did
         self._claim = claim
-        self.owner: Owner | None = None  # this process's ownership of its slot, while it serves
         self.rdv: Rendezvous | None = None  # the deployment's store, while the server runs
         self._refused: set[int] = set()  # the slots whose refusals this generation were logged (once each)
         # (layer, tokens, tensor specs) -> _check_tensors' answer for a DATA message
@@ -95,6 +95,7 @@ class FFNServer:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._asked)
         if self._connect():
+            threading.Thread(target=self._keep_owner, daemon=True, name="afdc-owner").start()
             stop_logging = self.metrics.log_every(self.options.log_interval, self._publish)
             try:
                 self._serve_until_stopped()
@@ -139,23 +140,27 @@ class FFNServer:
         if self._claim is not None:
             self.rdv.replacing.add(self.slot)
         self.rdv.check_slot(self.slot)  # refused (token, artifact, slot held): said now, before anyone regroups
-        generation = self.rdv.bump()  # a (re)started rank: everyone regroups with it
         slots = Slots(self.rdv)
-        # a started rank takes its slot; a spare has (unless this is a new store, which knows no owner)
-        self.owner = self._claim if self._claim is not None and slots.owner(self.slot)[0] else None
-        self.owner = self.owner or slots.own(self.slot, generation)
+        # a started rank takes its slot; a spare has (a new store knows no owner: it takes it again)
+        if self._claim is None or slots.owner(self.slot)[0] is None:
+            slots.own(self.slot, self.rdv.generation())
+        self.rdv.bump()  # a (re)started rank: everyone regroups with it
         return True
+
+    def _keep_owner(self) -> None:
+        """Leave once the slot is someone else's (a spare took it over while this server stalled),
+        whatever the server is doing: serving, or waiting in a join it would never complete."""
+        while not self.stopping.wait(self.options.poll_interval):
+            with contextlib.suppress(dist.DistError):  # the store went away: the serving loop reconnects
+                other = Slots(self.rdv).replaced_by(self.slot)
+                if other is not None:
+                    log.warning("ffn rank %d: replaced (the slot is served by %s); leaving", self.rank, other)
+                    self.stop()
 
     def _serve_store(self) -> None:
         """Serve generation after generation of the deployment, until stopped."""
         cls = transport_class(self.options.connector)
         while not self.stopping.is_set():
-            slots = Slots(self.rdv)
-            if not slots.owns(self.slot, self.owner):  # fenced: a spare took the slot over meanwhile
-                log.warning("ffn rank %d: replaced (the slot is served by %s); leaving", self.rank,
-                            slots.owner(self.slot)[0] or "another process")
-                self.stop()
-                return
             group = self.rdv.join(self.slot, cls.address(self.rdv, self.slot), timeout=None, stop=self.stopping)
             if group is None:
                 return

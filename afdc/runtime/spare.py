@@ -5,14 +5,17 @@ names its process and that generation, signed with the deployment's token. An at
 that loses an FFN rank it exchanged with in generation ``g`` (its link broke, or no reply came)
 records the loss (``lost/SLOT``: ``g``). A spare (``afdc serve --role ffn --spare``, ``afdc up
 --ffn-spares N``) has imported everything and reached the store but holds no slot: it watches
-the losses, and claims a slot whose loss is not older than its owner's claim with one
+the losses, and claims a slot whose loss is newer than its owner's claim with one
 compare-and-set of the owner record, so exactly one spare wins. The winner loads that rank's
 weights and serves it like a restarted rank.
 
 A claim is fenced by the store's generation: the owner record names the claimer and its claim's
-generation, and a server checks that it still owns its slot before it joins each generation. An
-original that comes back late (stalled, not dead) finds itself replaced and leaves instead of
-serving beside the spare; a rank started by hand for a slot takes it (the last start wins).
+generation, every generation it joins is a later one, and a server checks every
+``poll_interval`` that it still owns its slot. An original that comes back late (stalled, not
+dead) finds itself replaced and leaves instead of serving beside the spare; a rank started by
+hand for a slot takes it (the last start wins). A launcher that sees a claimer exit before it
+joined records the loss past the claim's generation (nobody else lost it), and another spare
+claims the slot.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class Owner:
     @classmethod
     def me(cls, generation: int) -> Owner:
         return cls(generation, os.getpid(), socket.gethostname())
+
+    @property
+    def process(self) -> tuple[int, str]:
+        return self.pid, self.host
 
     def __str__(self) -> str:
         return f"pid {self.pid} on {self.host} since generation {self.generation}"
@@ -93,16 +100,20 @@ class Slots:
         return owner, raw
 
     def own(self, slot: int, generation: int) -> Owner:
-        """Take the slot as its started rank (whoever held it)."""
+        """Take the slot as its started rank (whoever held it), before joining any generation after ``generation``."""
         owner = Owner.me(generation)
         self.rdv.store.set(f"owner/{slot}", self._encode(slot, owner))
         return owner
 
-    def owns(self, slot: int, owner: Owner) -> bool:
-        return self.owner(slot)[0] == owner
+    def replaced_by(self, slot: int) -> Owner | None:
+        """The slot's owner where it is another process than this one (None where it is this one,
+        or unknown: a new store's)."""
+        owner, _ = self.owner(slot)
+        return owner if owner is not None and owner.process != Owner.me(0).process else None
 
     def lost(self, slot: int, generation: int) -> None:
-        """Record that the slot's rank was lost while a member of ``generation``."""
+        """Record that the slot's rank was lost while a member of ``generation`` (or, said by its
+        launcher, after its owner's claim: past that claim's generation)."""
         proof = self._proof("lost", slot, generation)
         self.rdv.store.set(f"lost/{slot}", json.dumps({"generation": generation, "proof": proof}))
 
@@ -119,7 +130,9 @@ class Slots:
         process, from the store's current generation) where this process won, else None."""
         lost = self._lost_at(slot)
         owner, raw = self.owner(slot)
-        if lost is None or (owner is not None and lost < owner.generation):
+        # an owner joins only generations after its claim's: a loss in its claim's generation or
+        # before is its predecessor's
+        if lost is None or (owner is not None and lost <= owner.generation):
             return None
         mine = Owner.me(self.rdv.generation())
         desired = self._encode(slot, mine)

@@ -216,7 +216,7 @@ class Deployment:
         for slot in rdv.layout.peers("attn"):
             owner, _ = slots.owner(slot)
             if owner is not None and owner.pid == pid and owner.host == socket.gethostname():
-                slots.lost(slot, rdv.generation())
+                slots.lost(slot, max(rdv.generation(), owner.generation + 1))
 
     def start(self, startup_timeout: float, say: Callable[[str], None], asked: Callable[[], str] = lambda: "") -> str:
         """Start every role and wait until the OpenAI API answers; returns its URL. ``asked`` says
