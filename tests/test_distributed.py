@@ -901,3 +901,16 @@ def test_a_gloo_peer_that_announces_a_payload_and_never_sends_it_loses_its_link_
     for s in (1, 2):
         transports[s].close()
     del header_only
+
+
+def test_a_health_record_is_read_as_bounded_data():
+    """The store is writable by whoever reaches it: a health record is JSON of a known state and a
+    problem, at most 4 KiB; anything else reads as an unavailable rank that says why."""
+    from afdc.runtime.rendezvous import DEGRADED, SERVING, UNAVAILABLE, Health
+
+    held = Health(DEGRADED, "ffn rank 1 lost")
+    assert Health.decode(held.encode().encode()) == held and Health().state == SERVING
+    for raw, why in [(b"not json", "Expecting value"), (b'{"state": "fine", "problem": ""}', "state 'fine'"),
+                     (b'{"problem": ""}', "state"), (b"[" * 5000, "5000 bytes")]:
+        health = Health.decode(raw)
+        assert health.state == UNAVAILABLE and "malformed health record" in health.problem and why in health.problem

@@ -45,8 +45,8 @@ from models_supported.catalog import build, entry  # noqa: E402
 
 NEW_TOKENS = 6
 PROMPTS = [[5, 17, 99, 230], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300], [42], [260, 261, 262, 263, 264, 265]]
-STARTUP = 600.0  # TEMP
-RECOVERY = 30.0  # the MoE deployment's --ffn-recovery-timeout: longer than an FFN rank's restart here
+STARTUP = 240.0
+RECOVERY = 45.0  # the MoE deployment's --ffn-recovery-timeout: longer than an FFN rank's restart here
 
 
 def _save_dense(directory: Path) -> None:
