@@ -25,7 +25,7 @@ from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
 from afdc.runtime.spare import Slots
 from afdc.runtime.transport import transport_class
-from afdc.runtime.transport.base import Failure, Incoming, Pacing, Transport, Waiter
+from afdc.runtime.transport.base import LEFT, Failure, Incoming, Pacing, Transport, Waiter
 from afdc.segment import Dispatch, Share
 
 
@@ -97,7 +97,8 @@ class AttentionEndpoint:
         return self._step
 
     def _regroup(self, join_timeout: float) -> None:
-        lost = {p for p in self._lost if p in self.ffn_slots}
+        # a rank that said BYE left a generation another rank started, or was stopped: not lost
+        lost = {p for p, why in self._lost.items() if p in self.ffn_slots and why != LEFT}
         if self._failed is not None:
             lost.add(self.layout.slot("ffn", self._failed[0]))
         for slot in lost if self._generation >= 0 else ():  # for a spare to take over (afdc.runtime.spare)
