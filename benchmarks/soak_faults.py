@@ -174,7 +174,9 @@ def _resources(up: psutil.Process) -> dict[str, tuple[int, int]]:
     out = {}
     for p in [up, *up.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess):
-            out[f"{p.pid} {' '.join(p.cmdline()[1:4])[:60]}"] = (p.memory_info().rss, p.num_fds())
+            argv = p.cmdline()
+            role = "spare" if "--spare" in argv else " ".join(argv[1:6])[-48:]  # a spare's grows once it serves
+            out[f"{p.pid} {role}"] = (p.memory_info().rss, p.num_fds())
     return out
 
 

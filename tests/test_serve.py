@@ -760,8 +760,8 @@ def test_soak_under_faults_loses_no_request(models, tmp_path):
     """benchmarks/soak_faults.py, shortened: `afdc up` of the MoE model at 2A2F with one hot spare
     serves 24 requests, 8 in flight, while the process serving FFN rank 0 is SIGKILLed, then the
     one serving rank 1, then the spare that claims rank 1 while it loads: every request completes
-    with the tokens of dm.generate, none errors, and the processes that lived through the run
-    kept their open file descriptors."""
+    with the tokens of dm.generate, none errors, and the processes that served through the run
+    kept their open file descriptors and about their resident memory."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     from soak_faults import soak
 
@@ -773,5 +773,8 @@ def test_soak_under_faults_loses_no_request(models, tmp_path):
         assert not run.errors and not run.mismatches, (run.errors, run.mismatches)
         assert len(run.latencies) == 24
     assert len(s.kills) == 3, s.kills
-    for name, (_, fds, _, fds_after) in s.resources.items():
+    served = {name: r for name, r in s.resources.items() if not name.endswith("spare")}  # a spare's grow as it serves
+    assert len(served) >= 4, s.resources  # afdc up, the API server, the engines, an FFN server at least
+    for name, (rss, fds, rss_after, fds_after) in served.items():
         assert fds_after <= fds + 8, f"{name}: {fds} -> {fds_after} open files"
+        assert rss_after <= 1.25 * rss + (64 << 20), f"{name}: RSS {rss >> 20} -> {rss_after >> 20} MiB"
