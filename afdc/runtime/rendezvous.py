@@ -207,15 +207,13 @@ def wait_listening(address: str, timeout: float, stop: threading.Event, poll: fl
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout
     while not stop.is_set():
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.settimeout(poll)
-            try:
-                probe.connect((host, port))
+        try:
+            with socket.create_connection((host, port), timeout=poll) as probe:
                 # a probe from a port in the ephemeral range can connect to itself (TCP self-connect)
                 if probe.getsockname()[:2] != probe.getpeername()[:2]:
                     return True
-            except OSError:
-                pass
+        except OSError:
+            pass
         if time.monotonic() > deadline:
             raise _unreachable(address, timeout, "nothing listens there")
         stop.wait(poll)
