@@ -112,6 +112,12 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
 
 _VLLM_ARGS = {"ignore_unknown_options": True}
 
+_recovery_option = click.option(
+    "--ffn-recovery-timeout", type=float, default=300.0, show_default=True,
+    help="Attention: seconds a step is held while an FFN rank is lost, waiting for it to come back (requests "
+         "see latency, /health says degraded); past them requests get a 503 naming the rank until it is back.",
+)
+
 
 def _serving_options(threads_default: str):
     """The options of how a serving process spends its cores, shared by ``serve`` and ``up``."""
@@ -145,6 +151,9 @@ def _serving_options(threads_default: str):
 @click.option("--role", type=click.Choice(["ffn", "attn"]), required=True, help="Which role this process runs.")
 @click.option("--rank", type=int, default=0, show_default=True,
               help="FFN: rank within the role (attention ranks are vLLM's data-parallel ranks: see below).")
+@click.option("--spare", is_flag=True,
+              help="FFN: wait as a hot spare, holding no rank; take over the first FFN rank that is lost (claimed "
+                   "through the store: one spare wins), loading its weights then.")
 @click.option("--rendezvous", help="HOST:PORT of the deployment's store (hosted by attention rank 0); "
               "required unless --connector loopback.")
 @click.option("--connector", type=_CONNECTORS, default="gloo",
@@ -158,6 +167,7 @@ def _serving_options(threads_default: str):
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="Seconds to reach the rendezvous store and for every rank to join.")
+@_recovery_option
 @click.option("--device", default="cpu", show_default=True, help="Device the program runs on.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Attention: address the OpenAI server binds.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Attention: port of the OpenAI server.")
@@ -179,9 +189,9 @@ def _serving_options(threads_default: str):
                    "0: always there.")
 @_serving_options("default: torch's, a thread per core")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
-          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus, pin_tokens, spin, wait,
-          threads, log_interval, vllm_args) -> None:
+def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
+          ffn_recovery_timeout, device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus,
+          pin_tokens, spin, wait, threads, log_interval, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -215,14 +225,17 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         from afdc.serve.settings import WorkerSettings
         from afdc.serve.up import serve_attention
 
+        if spare:
+            raise click.UsageError("--spare is for FFN ranks: a spare waits to take over a lost FFN rank")
         if rank:
             raise click.UsageError(
                 "attention ranks are vLLM's data-parallel ranks, not --rank: -- --data-parallel-size A serves all "
                 "A; on further hosts add --data-parallel-size-local N --data-parallel-start-rank R --headless"
             )
         settings = WorkerSettings(
-            artifact, options, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
-            backend=backend, threads=threads, cpus=cpus, pin_tokens=pin_tokens,
+            artifact, options, recovery_timeout=ffn_recovery_timeout, micro_batches=micro_batches,
+            kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend, threads=threads, cpus=cpus,
+            pin_tokens=pin_tokens,
         )
         serve_attention(settings, host, port, vllm_args)
     if connector.in_process:
@@ -230,13 +243,15 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
     if vllm_args:
         raise click.UsageError(f"unexpected arguments for an FFN rank: {' '.join(vllm_args)}")
     from afdc.runtime.rendezvous import deployment_token
-    from afdc.serve.ffn import serve_ffn_rank
+    from afdc.serve.ffn import serve_ffn_rank, serve_ffn_spare
 
     deployment_token(token, insecure_no_token)  # refused before the artifact loads
     if threads:
         import torch
 
         torch.set_num_threads(threads)
+    if spare:
+        serve_ffn_spare(artifact, options, device, backend)
     serve_ffn_rank(artifact, rank, options, device, backend, cpus, pin_tokens)
 
 
@@ -263,6 +278,12 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--startup-timeout", type=float, default=300.0, show_default=True,
               help="Seconds for every role to become ready.")
+@_recovery_option
+@click.option("--ffn-spares", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Standby FFN processes that take over a lost FFN rank (one claims it through the store and "
+                   "loads its weights); an FFN process that exits comes back as a spare.")
+@click.option("--stop-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds each role has to exit after its SIGTERM when stopping (then it is killed).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Write each role's output to a file there instead of this terminal.")
 @click.option("--backend", type=click.Choice(BACKENDS), default=None,
@@ -277,8 +298,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @_serving_options("default on a CPU: this host's cores less one, shared by the attention engines and FFN servers")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,
-       micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir, backend, token_buckets, pin, spin, wait, threads,
-       log_interval, vllm_args) -> None:
+       micro_batches, kv_cache_mb, timeout, startup_timeout, ffn_recovery_timeout, ffn_spares, stop_timeout, log_dir,
+       backend, token_buckets, pin, spin, wait, threads, log_interval, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine (or a Ray cluster) and serve the OpenAI
     API until Ctrl-C.
 
@@ -303,6 +324,9 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
                                "places them on any node: --connector gloo (or nccl between GPUs)")
     if ray_address and pin:
         raise click.UsageError("--pin shares a core of this host; with --ray the ranks are on any node")
+    if ray_address and ffn_spares:
+        raise click.UsageError("--ffn-spares starts standby processes on this host; with --ray, Ray restarts a "
+                               "lost FFN actor itself")
     check_serving_environment()
     if demo:
         from afdc.demo import demo_artifact
@@ -311,8 +335,8 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
     options = RuntimeOptions(connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
                              log_interval=log_interval, spin=spin, wait=wait)
     settings = WorkerSettings(
-        str(artifact), options, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
-        backend=backend, threads=threads,
+        str(artifact), options, recovery_timeout=ffn_recovery_timeout, micro_batches=micro_batches,
+        kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend, threads=threads,
     )
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -322,25 +346,33 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
 
         kind, placement = RayDeployment, {"pools": RayPools(ray_address, ray_attn_resource, ray_ffn_resource)}
     deployment = kind(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None,
-                      token_buckets, pin, **placement)
-    stop = []
+                      token_buckets, pin, ffn_spares, **placement)
+    asked: list[str] = []  # the signal that asked for the stop
+
+    def ask(signum: int, _frame) -> None:
+        asked.append(signal.Signals(signum).name)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.append(True))
+        signal.signal(sig, ask)
     try:
-        url = deployment.start(startup_timeout, click.echo)
+        url = deployment.start(startup_timeout, click.echo, lambda: asked[0] if asked else "")
         click.echo(f"ready: OpenAI API at {url}/v1")
         click.echo("Ctrl-C stops every role")
-        while not stop:
+        while not asked:
             gone = deployment.failed()
-            if gone is not None and not gone.startswith("ffn"):
+            if gone is not None and not gone.startswith(("ffn", "spare")):
                 raise AfdcError(f"{gone} exited; stopping the other roles")
             if gone is not None:  # stateless: the attention ranks regroup with the new process
-                click.echo(f"{gone} exited (code {deployment.processes[gone].returncode}); restarting it")
+                how = " as a spare" if ffn_spares else ""
+                click.echo(f"{gone} exited (code {deployment.processes[gone].returncode}); restarting it{how}")
                 deployment.restart(gone)
-            time.sleep(0.5)
+            time.sleep(0.2)
+    except AfdcError:
+        if not asked:  # a failure; after a stop was asked for, a role's exit is that stop's doing
+            raise
     finally:
-        click.echo("stopping every role")
-        deployment.stop()
+        click.echo("stopping every role" + (f" (asked for by {asked[0]})" if asked else ""))
+        deployment.stop(stop_timeout)
 
 
 @main.command(context_settings=_VLLM_ARGS)
