@@ -217,16 +217,17 @@ def qwen3_moe_fp8(
     return _write(directory, config, quantization, _fp8_block_quantizer(block, select), seed)
 
 
-def gpt_oss_mxfp4(directory: Path, seed: int = 0, intermediate_size: int = 64) -> QuantCheckpoint:
+def gpt_oss_mxfp4(directory: Path, seed: int = 0, intermediate_size: int = 64, top_k: int = 2) -> QuantCheckpoint:
     """gpt-oss-shaped: experts in MXFP4 as gpt-oss ships them, everything else bf16.
 
     The model's ``experts.gate_up_proj`` is ``[E, in, out]``; the hub stores ``gate_up_proj_blocks``
     ``[E, out, in/32, 16]`` and ``gate_up_proj_scales`` ``[E, out, in/32]`` (groups along ``in``),
-    and the same for ``down_proj``; expert biases stay bf16.
+    and the same for ``down_proj``; expert biases stay bf16. ``intermediate_size`` is the experts'
+    (a multiple of 32: MXFP4 has no partial groups), the hidden size 64.
     """
     config = GptOssConfig(
         vocab_size=128, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2, num_local_experts=4,
-        num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        num_experts_per_tok=top_k, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
         max_position_embeddings=131072,
     )  # fmt: skip
     quantization = {

@@ -201,6 +201,15 @@ def test_tp_split_that_cuts_a_block_is_refused(tmp_path):
                            progress=False)
 
 
+def test_quantized_experts_not_recognised_as_one_fused_moe_are_refused(tmp_path):
+    """One expert a token (top-1) is a routing afdc's MoE recognition does not match: the compile is
+    refused naming the weight and why, instead of a bf16 matmul reading the MXFP4 bytes at run time."""
+    ck = gpt_oss_mxfp4(tmp_path / "oss", top_k=1)
+    with pytest.raises(afdc.UnsupportedModelError, match=r"experts\.gate_up_proj is stored quantized but .* did not "
+                       r"recognise these routed experts as one fused MoE \(fused_moe at"):
+        afdc.compile_model(str(ck.directory), "1A1F", tmp_path / "art", progress=False)
+
+
 def test_cli_says_what_dtype_does_to_a_quantized_checkpoint(tmp_path):
     ck = qwen3_moe_fp8(tmp_path / "qwen")
     result = CliRunner().invoke(
