@@ -54,9 +54,14 @@ def inspect(model: str | None, demo: bool, plan: str, router: str, as_json: bool
         _inspect_demo(plan, router, as_json)
     else:
         from afdc.api import build
+        from afdc.quant.scheme import scheme_from_config
         from afdc.source import empty_model, load_config
 
-        report = build(empty_model(load_config(model)), afdc.Plan.parse(plan, router=router)).report
+        config = load_config(model)
+        meta = empty_model(config)
+        # a quantized checkpoint's weights in the report at their stored bytes
+        scheme = scheme_from_config(config, meta)
+        report = build(meta, afdc.Plan.parse(plan, router=router), scheme, rewrite=False).report
         report.model = model
         click.echo(report.to_json() if as_json else str(report))
 
@@ -433,7 +438,8 @@ def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
 @click.option("--tpot-ms", type=float, default=50.0, show_default=True, help="Time-per-output-token target (ms).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "int8"]), default="bf16", show_default=True)
 @click.option("--weight-dtype", type=click.Choice(["bf16", "fp8", "int8"]),
-              help="Weight dtype [default: the model's quantization_config's (fp8), else bf16].")
+              help="Price every weight at this dtype [default: a quantized checkpoint's weights at their stored "
+                   "bytes (fp8, MXFP4, scales included), else bf16].")
 @click.option("--dense-ffn", type=click.Choice(["tp", "replicate"]), default="tp", show_default=True,
               help="How the FFN GPUs hold dense FFN layers (as afdc compile --dense-ffn).")
 @click.option("--hw-file", type=click.Path(dir_okay=False), help="Extra hardware profiles (JSON, same schema).")
@@ -464,7 +470,7 @@ def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense
     """
     from afdc import planner
     from afdc.planner.hardware import get_profile, load_profiles
-    from afdc.quant.scheme import planned_weight_dtype
+    from afdc.quant.scheme import planned_weight_dtype, scheme_from_config
     from afdc.source import empty_model, load_config
 
     if plot_path:
@@ -475,13 +481,17 @@ def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense
         hw_a, hw_f = (dataclasses.replace(hw, scale_up_domain=scale_up_domain) for hw in (hw_a, hw_f))
     sweep = (_numbers(ratios, float, "--ratios"), _numbers(contexts, int, "--contexts")) if compare else None
     config = load_config(model)
+    meta = empty_model(config)
+    # a quantized checkpoint's weights are priced at their stored bytes unless --weight-dtype says otherwise
+    scheme = scheme_from_config(config, meta) if weight_dtype is None else None
     weight_dtype = weight_dtype or planned_weight_dtype(config) or "bf16"
-    built, layers = planner.split_for_planning(empty_model(config))
+    built, layers = planner.split_for_planning(meta, scheme)
     assumptions = planner.Assumptions(dense_ffn=dense_ffn, micro_batches=micro_batches, expert_skew=expert_skew,
                                       dispatch_dtype=dispatch_dtype)
 
     def facts_at(ctx: int) -> planner.ModelFacts:
-        return planner.model_facts(built, ctx, weight_dtype, kv_dtype, name=model, layers=layers)
+        return planner.model_facts(built, ctx, weight_dtype, kv_dtype, name=model, layers=layers,
+                                   stored=scheme is not None)
 
     if sweep is not None:
         comparison = planner.compare({c: facts_at(c) for c in sweep[1]}, hw_a, hw_f, sweep[0], tpot_ms, assumptions,
