@@ -403,10 +403,10 @@ class AfdcWorker(WorkerBase):
 
     def _run_held(self, batches: list[MicroBatch]) -> list:
         while True:
-            options = self.attention.endpoint.options if self.attention.endpoint is not None else None
+            options = self.settings.runtime
             # while degraded, a regrouping waits no longer than the hold has left
             left = self._left()
-            join_timeout = min(options.join_timeout, left) if options is not None and left and left > 0 else None
+            join_timeout = min(options.join_timeout, left) if left is not None and left > 0 else None
             try:
                 with self._step_lock:
                     outputs, _ = self.attention.run(self.attention.begin_step(join_timeout), batches)
