@@ -287,3 +287,18 @@ def test_plan_prices_each_weight_at_its_stored_bytes(tmp_path, build):
         bf16 = _plan(ck.directory / "config.json", "--weight-dtype", "bf16")
         assert (bf16["weight_dtype"], bf16["weights_as_stored"]) == ("bf16", False)
         assert bf16["attention_weight_bytes"] + bf16["ffn_weight_bytes"] == bf16_bytes
+
+
+def test_inspect_reports_each_weight_at_its_stored_bytes(tmp_path):
+    """afdc inspect's report (from the config alone) holds the MXFP4 checkpoint's bytes: each MoE
+    layer's expert matrices at their blocks and scales, the rest (biases, router) at bf16."""
+    ck = gpt_oss_mxfp4(tmp_path / "oss")
+    result = CliRunner().invoke(main, ["inspect", str(ck.directory / "config.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["attention_weight_bytes"] + report["ffn_weight_bytes"] == _checkpoint_bytes(ck.directory)
+    with safe_open(ck.directory / "model.safetensors", "pt") as f:
+        for layer in report["layers"]:
+            stacked = [f"{layer['module']}.mlp.experts.{p}_{part}" for p in ("gate_up_proj", "down_proj")
+                       for part in ("blocks", "scales")]
+            assert layer["expert_weight_bytes"] == sum(_nbytes(f.get_slice(k)) for k in stacked)
