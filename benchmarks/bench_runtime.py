@@ -31,6 +31,11 @@
 (e) An idle deployment (1A1F shm, after one generate): the CPU the FFN server and the attention
     process use over a few seconds of nothing to do, in percent of one core (the shm transport
     polls its slots; its pacing must not burn cores while idle).
+(f) The shm waits against each other (issue 54): afdc's adaptive default, the earlier fixed policy
+    by role and cores (``wait="cores"``) and always spinning 2 ms (``spin=2e-3``), rounds taking
+    turns: the bare round trip to an identity server, and a tiny Qwen3-MoE's (8 layers, hidden 64)
+    greedy decode under ``dm.launch()`` against in process (per-layer round trip, rate), with
+    each process's CPU.
 
 The processes share this machine's cores, so (b), (c) and (d) measure overhead, not the AFD
 speed-up a separate FFN pool gives. Every process runs one torch thread by default (``--threads``):
@@ -38,7 +43,7 @@ on a small shared host, processes whose thread pools span every core stall each 
 barriers (an in-process decode fell from 250 to 36 tokens/s with one other busy process).
 
 Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8] [--rounds 5] [--connectors shm]
-                                          [--only a b e]
+                                          [--only a b e f]
 """
 
 from __future__ import annotations
@@ -291,18 +296,21 @@ def _thread_cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def round_trips(connector: str, repeats: int) -> list[tuple[int, float, float, float]]:
+def round_trips(
+    connector: str, repeats: int, tokens_list: tuple[int, ...] = TOKENS, **options
+) -> list[tuple[int, float, float, float]]:
     """Per token count: the median round trip, and the CPU seconds a round trip took on each
-    side (this process's thread, all of the FFN server's threads), averaged over ``repeats``."""
+    side (this process's thread, all of the FFN server's threads), averaged over ``repeats``;
+    ``options``: further RuntimeOptions (the wait)."""
     device = _device(connector)
     dep = _EchoDeployment(device)
-    cluster = LocalCluster(dep, RuntimeOptions(connector=connector, timeout=60, log_interval=0))
+    cluster = LocalCluster(dep, RuntimeOptions(connector=connector, timeout=60, log_interval=0, **options))
     try:
         rdv = Rendezvous(cluster.options.rendezvous, dep.layout, dep.deployment, cluster.options.token)
         endpoint = AttentionEndpoint(0, rdv, cluster.options, device)
         server = cluster.processes[0].pid
         results = []
-        for tokens in TOKENS:
+        for tokens in tokens_list:
             x = torch.randn(tokens, HIDDEN, device=device).to(torch.bfloat16)
             times = []
             for i in range(repeats + 10):
@@ -483,12 +491,25 @@ def tiny_moe() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def wait_policies(batch: int, new_tokens: int, rounds: int) -> None:
-    """(f) The Python API's greedy decode over shm under each wait (:data:`WAITS`) against the same
-    model in process, rounds taking turns: per round, in process, then each wait in a fresh
-    deployment. Per setup the median time per token and its spread over the rounds, the per-layer
-    round trip ((time per token over shm - in process of the same round) / layers), the rate
-    against in process, and each process's CPU while it decoded (% of a core)."""
+def wait_policies(batch: int, new_tokens: int, rounds: int, repeats: int) -> None:
+    """(f) Each wait (:data:`WAITS`) against the others, rounds taking turns, every setup in a
+    fresh deployment each round. First the bare exchange: the median shm round trip of one
+    token's activations to an identity FFN server (as (a)) and each side's CPU per round trip.
+    Then the Python API's greedy decode over shm against the same model in process: per setup
+    the median time per token and its spread over the rounds, the per-layer round trip ((time per
+    token over shm - in process of the same round) / layers), the rate against in process, and
+    each process's CPU while it decoded (% of a core)."""
+    trips: dict[str, list[tuple[int, float, float, float]]] = {name: [] for name in WAITS}
+    for _ in range(rounds):
+        for name, options in WAITS.items():
+            trips[name] += round_trips("shm", repeats, (1,), **options)
+    print(f"\n(f) by wait, {rounds} rounds taking turns; shm round trip of [1, {HIDDEN}] bf16, identity FFN server, "
+          f"{repeats} a round (load average {os.getloadavg()[0]:.2f})")
+    print(f"{'wait':<20}{'rtt us':>8}{'(rounds)':>28}{'attn CPU us':>13}{'FFN CPU us':>12}")
+    for name, ts in trips.items():
+        rtts = " ".join(f"{t[1] * 1e6:.0f}" for t in ts)
+        print(f"{name:<20}{statistics.median(t[1] for t in ts) * 1e6:>8.0f}{f'({rtts})':>28}"
+              f"{statistics.median(t[2] for t in ts) * 1e6:>13.0f}{statistics.median(t[3] for t in ts) * 1e6:>12.0f}")
     model = tiny_moe()
     layers = model.config.num_hidden_layers
     ids = torch.randint(1, model.config.vocab_size, (batch, 8))
@@ -566,7 +587,7 @@ def main() -> None:
     if "e" in args.only:
         idle_cpu()
     if "f" in args.only:
-        wait_policies(args.wait_batch, args.new_tokens, args.rounds)
+        wait_policies(args.wait_batch, args.new_tokens, args.rounds, args.repeats)
 
 
 def round_trip_table(repeats: int) -> None:
