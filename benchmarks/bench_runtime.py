@@ -143,11 +143,15 @@ def cuda_copy_floor(nbytes: int, repeats: int) -> float:
 
 _WORD = struct.Struct("<Q")
 _STOP = 1 << 63
+ECHO_START_TIMEOUT = 120.0  # seconds a bare echo process may take to start (spawn, imports)
+ECHO_TIMEOUT = 20.0  # seconds a started bare echo may take to answer one round trip
 
 
 def _echo_loop(mm: mmap.mmap, echo: Callable[[int], None]) -> None:
-    """The bare echo: wait for the request's sequence number, ``echo`` its bytes (their count is
-    in the second word) into the reply area, post the same number back."""
+    """The bare echo: say it is ready (the word at 72), then wait for the request's sequence
+    number, ``echo`` its bytes (their count is in the second word) into the reply area, post the
+    same number back."""
+    _WORD.pack_into(mm, 72, 1)
     seen = 0
     while True:
         while _WORD.unpack_from(mm, 0)[0] == seen:
@@ -195,6 +199,13 @@ def _ping_pong(path: Path, mm: mmap.mmap, echo: mp.process.BaseProcess, make: Ca
     count returned), post the count and a sequence number, wait for the echo's, ``take`` the reply."""
     echo.start()
     out, seq = {}, 0
+    started = time.perf_counter()
+    while _WORD.unpack_from(mm, 72)[0] != 1:  # a spawned Python's imports, slow on a loaded host
+        time.sleep(0.01)
+        if not echo.is_alive() or time.perf_counter() - started > ECHO_START_TIMEOUT:
+            _WORD.pack_into(mm, 0, _STOP)
+            why = "exited" if not echo.is_alive() else f"was not ready within {ECHO_START_TIMEOUT:g} s"
+            raise TimeoutError(f"the bare echo process {why}")
     try:
         for tokens in TOKENS:
             x = make(tokens)
@@ -207,6 +218,9 @@ def _ping_pong(path: Path, mm: mmap.mmap, echo: mp.process.BaseProcess, make: Ca
                 _WORD.pack_into(mm, 0, seq)
                 while _WORD.unpack_from(mm, 64)[0] != seq:
                     os.sched_yield()
+                    if time.perf_counter() - t > ECHO_TIMEOUT:
+                        why = "exited" if not echo.is_alive() else f"did not answer within {ECHO_TIMEOUT:g} s"
+                        raise TimeoutError(f"the bare echo process {why} (round trip {seq}, T = {tokens})")
                 reply = take(x, n)
                 if i >= 10:
                     times.append(time.perf_counter() - t)
@@ -448,6 +462,75 @@ def idle_cpu(seconds: float = 5.0) -> None:
               f"process {100 * attn / elapsed:.1f}%, all {100 * (sum(ffn) + attn) / elapsed:.1f}%")
 
 
+WAITS = {  # (f): the shm waits compared, as dm.launch() options
+    "adaptive": {"wait": "adaptive"},
+    "cores (before)": {"wait": "cores"},
+    "always spin 2 ms": {"spin": 2e-3},
+}
+
+
+def tiny_moe() -> torch.nn.Module:
+    """Issue 54's model: Qwen3-MoE-shaped, 8 layers, hidden 64, 8 experts top-2 (a step's work is
+    small, so the exchange's waits are most of what AFD adds)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def wait_policies(batch: int, new_tokens: int, rounds: int) -> None:
+    """(f) The Python API's greedy decode over shm under each wait (:data:`WAITS`) against the same
+    model in process, rounds taking turns: per round, in process, then each wait in a fresh
+    deployment. Per setup the median time per token and its spread over the rounds, the per-layer
+    round trip ((time per token over shm - in process of the same round) / layers), the rate
+    against in process, and each process's CPU while it decoded (% of a core)."""
+    model = tiny_moe()
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(1, model.config.vocab_size, (batch, 8))
+    mask = torch.ones_like(ids)
+    dm = afdc.disaggregate(model, "1A1F", connector="shm")
+
+    def decode(n: int) -> torch.Tensor:
+        return dm.generate(ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
+
+    def timed(server: int | None) -> tuple[float, float, float]:
+        """Seconds per token, and the CPU of this process and of the server (% of a core)."""
+        cpu, ffn, t = time.process_time(), _thread_cpu_seconds(server) if server else 0.0, time.perf_counter()
+        decode(new_tokens)
+        wall = time.perf_counter() - t
+        ffn = _thread_cpu_seconds(server) - ffn if server else 0.0
+        return wall / new_tokens, 100 * (time.process_time() - cpu) / wall, 100 * ffn / wall
+
+    ref = decode(new_tokens)
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ["in process", *WAITS]}
+    for _ in range(rounds):
+        runs["in process"].append(timed(None))
+        for name, options in WAITS.items():
+            with dm.launch(log_interval=0, **options) as cluster:
+                assert torch.equal(decode(new_tokens), ref), f"decode over shm ({name}) differs from in process"
+                runs[name].append(timed(cluster.processes[0].pid))
+    base = [r[0] for r in runs["in process"]]
+    print(f"\n(f) greedy decode over shm by wait, dm.launch() 1A1F, Qwen3-MoE-shaped {layers} layers hidden "
+          f"{model.config.hidden_size}, batch {batch}, {new_tokens} new tokens, {rounds} rounds taking turns "
+          f"(load average {os.getloadavg()[0]:.2f} at the end)")
+    print(f"{'setup':<20}{'ms/token':>9}{'(min-max)':>14}{'rt/layer us':>13}{'(min-max)':>14}{'vs in proc':>11}"
+          f"{'(min-max)':>12}{'attn CPU %':>11}{'FFN CPU %':>10}")
+    for name, rs in runs.items():
+        per_token = [r[0] for r in rs]
+        rtt = [(t - b) / layers * 1e6 for t, b in zip(per_token, base)]
+        rate = [b / t for t, b in zip(per_token, base)]
+        med = statistics.median
+        print(f"{name:<20}{med(per_token) * 1e3:>9.2f}{f'({min(per_token) * 1e3:.2f}-{max(per_token) * 1e3:.2f})':>14}"
+              + (f"{med(rtt):>13.0f}{f'({min(rtt):.0f}-{max(rtt):.0f})':>14}{med(rate):>11.2f}"
+                 f"{f'({min(rate):.2f}-{max(rate):.2f})':>12}" if name != "in process" else f"{'':>50}")
+              + f"{med(r[1] for r in rs):>11.0f}{med(r[2] for r in rs) if name != 'in process' else 0:>10.0f}")
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -463,7 +546,8 @@ def main() -> None:
     parser.add_argument("--connectors", nargs="+", default=list(CONNECTORS), choices=CONNECTORS)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of every process (this one and the FFN servers, via OMP_NUM_THREADS)")
-    parser.add_argument("--only", nargs="+", default=list("abcde"), choices=list("abcde"), help="sections to run")
+    parser.add_argument("--only", nargs="+", default=list("abcdef"), choices=list("abcdef"), help="sections to run")
+    parser.add_argument("--wait-batch", type=int, default=2, help="(f): the decode's batch")
     args = parser.parse_args()
     CONNECTORS[:] = args.connectors
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the spawned FFN servers' torch
@@ -481,6 +565,8 @@ def main() -> None:
         shared_expert_routing(args.batch, args.new_tokens)
     if "e" in args.only:
         idle_cpu()
+    if "f" in args.only:
+        wait_policies(args.wait_batch, args.new_tokens, args.rounds)
 
 
 def round_trip_table(repeats: int) -> None:
@@ -491,7 +577,11 @@ def round_trip_table(repeats: int) -> None:
         print("cuda-ipc: device tensors, the FFN server on the same GPU; its floor a device-to-device copy in one\n"
               "process, its bare ping-pong the same copies between two processes sharing the GPU")
         device_floors = {t: cuda_copy_floor(t * HIDDEN * 2, repeats) for t in TOKENS}
-        bare["cuda"] = bare_cuda_ping_pong(repeats)
+        try:
+            bare["cuda"] = bare_cuda_ping_pong(repeats)
+        except TimeoutError as err:  # the connectors' own round trips are still worth measuring
+            print(f"bare cuda ping-pong: {err}")
+            bare["cuda"] = dict.fromkeys(TOKENS, float("nan"))
     print(f"{'connector':<10}{'T':>5}{'bytes':>10}{'rtt us':>10}{'GB/s':>8}{'floor us':>10}{'rtt/floor':>11}"
           f"{'bare us':>9}{'rtt/bare':>10}{'attn CPU us':>13}{'FFN CPU us':>12}")
     for connector in CONNECTORS:

@@ -5,8 +5,10 @@ The same afdc worker serves one artifact several ways, behind vLLM's OpenAI serv
 attention engine's process), and AFD with its FFN ranks in server processes over shared memory,
 with m = 1 and m = 2 micro-batches, m = 1 also with its two processes always on one core
 (``--pin``) and always floating (``--no-pin``) where ``afdc up`` would place them by the
-steps' size (``--setups``; ``--plans 2A2F`` adds the same artifact's
-model compiled for two attention ranks: vLLM's data parallelism, one API port). The load is
+steps' size, and m = 1 under the earlier fixed wait (``--wait cores``) and always spinning
+(``--spin 0.002``) against afdc's default wait, which adapts to its peer (``--setups``;
+``--plans 2A2F`` adds the same artifact's model compiled for two attention ranks: vLLM's data
+parallelism, one API port). The load is
 ``vllm bench serve`` itself (random prompts of ``--input-len`` tokens, ``--output-len`` tokens
 out, ``--ignore-eos``, greedy), at each ``--concurrency``, so this script's figures are the
 ones a user gets from vLLM's client: output tokens/s, median and p99 time per output token
@@ -63,6 +65,8 @@ class Setup:
     micro_batches: int
     plan: str = "1A1F"
     pin: bool | None = None  # afdc up --pin/--no-pin (None: afdc's default)
+    wait: str | None = None  # afdc up --wait (None: afdc's default, adaptive)
+    spin: float | None = None  # afdc up --spin (None: --spin of this script)
 
 
 SETUPS = {
@@ -71,6 +75,9 @@ SETUPS = {
     "afd-m1-pin": Setup("AFD 1A1F m=1 --pin", "shm", 1, pin=True),
     "afd-m1-float": Setup("AFD 1A1F m=1 --no-pin", "shm", 1, pin=False),
     "afd-m2": Setup("AFD 1A1F m=2", "shm", 2),
+    # the shm waits against each other (issue 54): afd-m1 is the adaptive one, afdc's default
+    "afd-m1-cores": Setup("AFD 1A1F m=1 --wait cores", "shm", 1, wait="cores"),
+    "afd-m1-spin": Setup("AFD 1A1F m=1 --spin 0.002", "shm", 1, spin=2e-3),
 }
 BASE = "monolithic"
 
@@ -162,7 +169,8 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
     artifact = artifacts[setup.plan]
     logs = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
     options = RuntimeOptions(connector=setup.connector, rendezvous=f"127.0.0.1:{free_port()}",
-                             log_interval=args.log_interval, spin=args.spin)
+                             log_interval=args.log_interval, spin=args.spin if setup.spin is None else setup.spin,
+                             wait=setup.wait or "adaptive")
     settings = WorkerSettings(str(artifact), options, micro_batches=setup.micro_batches, backend=args.backend,
                               threads=args.threads)
     max_seqs = str(max(args.concurrency))
@@ -170,7 +178,7 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
                    vllm_args=("--max-model-len", "512", "--max-num-seqs", max_seqs), pin=setup.pin)
     runs = {}
     try:
-        url = d.start(300, lambda _: None)
+        url = d.start(args.startup_timeout, lambda _: None)
         model = artifact.resolve().name
         tokenizer = artifact / "model"
         bench_client(url, model, tokenizer, 4, 8, args, logs / "warm-up.json")  # first requests, lazy set-ups
@@ -359,6 +367,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="afdc up --threads (default: afdc's)")
     ap.add_argument("--log-interval", type=float, default=1.0, help="seconds between the ranks' metrics snapshots")
     ap.add_argument("--idle-seconds", type=float, default=10.0, help="how long the idle deployment's CPU is measured")
+    ap.add_argument("--startup-timeout", type=float, default=300.0,
+                    help="seconds a deployment may take to serve (a busy shared host needs more)")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.plans = [p.upper() for p in args.plans.split(",") if p]

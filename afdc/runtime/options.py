@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afdc.runtime.transport import ConnectorKind
-from afdc.runtime.transport.base import Pacing, default_spin
+from afdc.runtime.transport.base import Pacing, WaitPolicy, default_spin
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class RuntimeOptions:
     timeout: float = 30.0  # seconds an FFN reply may take before afdc.PeerLost
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
     poll_interval: float = 0.2  # how often an idle FFN server or an attention rank looks for a regrouping
-    spin: float | None = None  # shm: seconds a waiting rank polls before blocking (None: default_spin)
+    spin: float | None = None  # shm: seconds a waiting rank polls before blocking, every role (None: as ``wait`` says)
+    wait: WaitPolicy = WaitPolicy.ADAPTIVE  # shm: how a wait chooses between polling and sleeping (a name is parsed)
     max_sleep: float = 2e-4  # shm without futexes: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # shm without futexes: ... of a rank idle for 50 ms (its wake-up rate)
     # FFN: pad each layer's batch to a power of two up to this many tokens, a CUDA graph each on a GPU (0: off)
@@ -27,8 +28,12 @@ class RuntimeOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
+        object.__setattr__(self, "wait", WaitPolicy.parse(self.wait))
 
     def pacing(self, role: str) -> Pacing:
-        """How a ``role`` rank waits for its peers (``spin``, or :func:`default_spin` for the role)."""
-        spin = default_spin(role) if self.spin is None else self.spin
+        """A ``role`` rank's pacing: ``spin`` where set (every role's), else as ``wait`` says:
+        learned from the peer's answers (None), or by role and cores (:func:`default_spin`)."""
+        spin = self.spin
+        if spin is None and self.wait is WaitPolicy.CORES:
+            spin = default_spin(role)
         return Pacing(spin, self.max_sleep, self.idle_sleep)

@@ -91,7 +91,7 @@ class RayDeployment(Deployment):
         super().__post_init__()
         self.actors: dict[str, object] = {}  # the FFN ranks' actor handles, by role name
 
-    def start(self, startup_timeout: float, say: Callable[[str], None]) -> str:
+    def start(self, startup_timeout: float, say: Callable[[str], None], asked: Callable[[], str] = lambda: "") -> str:
         ray = _ray()
         if not ray.is_initialized():
             ray.init(address=self.pools.address, namespace=NAMESPACE, log_to_driver=self.log_dir is None)
@@ -102,7 +102,7 @@ class RayDeployment(Deployment):
         store = replace(self.settings.runtime, rendezvous=f"{node_ip}:{free_port()}")
         self.settings = replace(self.settings, runtime=store, ray_resource=self.pools.attention)
         self.vllm_args = ["--data-parallel-backend", "ray", "--data-parallel-address", node_ip, *self.vllm_args]
-        url = super().start(startup_timeout, say)
+        url = super().start(startup_timeout, say, asked)
         for name, actor in self.actors.items():
             node, pid = ray.get(actor.where.remote(), timeout=startup_timeout)
             say(f"{name}: Ray node {node}, pid {pid}")
@@ -135,9 +135,9 @@ class RayDeployment(Deployment):
         return {"RAY_ADDRESS": self._gcs,
                 "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": ",".join(filter(None, [extra, ENV, "AFDC_TOKEN"]))}
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, grace: float = 10.0) -> None:
         """The attention server first (vLLM removes its engine actors), then the FFN actors."""
-        super().stop(timeout)
+        super().stop(grace)
         ray = _ray()
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)

@@ -21,7 +21,8 @@ class WorkerSettings:
     # how this attention rank reaches the FFN side: connector (loopback: the FFN layers run in this
     # process, monolithic), the store's HOST:PORT (hosted by attention rank 0), the token, the timeouts
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
-    recovery_timeout: float = 600.0  # seconds a step waits for a lost FFN rank to come back before the engine fails
+    # seconds a step is held for a lost FFN rank to come back; past them its requests get a 503 (see health)
+    recovery_timeout: float = 300.0
     micro_batches: int | None = None  # None: the artifact's plan
     kv_cache_bytes: int = 256 << 20  # KV pool on a CPU device (on a GPU: what vLLM's memory profile allows)
     device: str = "cpu"
@@ -42,6 +43,7 @@ class WorkerSettings:
     def to_env(self) -> dict[str, str]:
         fields = asdict(self)
         fields["runtime"]["connector"] = self.runtime.connector.value
+        fields["runtime"]["wait"] = self.runtime.wait.value
         return {ENV: json.dumps(fields)}
 
     def open_rendezvous(self, host: bool = False):

@@ -40,7 +40,7 @@ from afdc.runtime.paged import (
     PagedKVStore,
     PagedRows,
 )
-from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
+from afdc.runtime.rendezvous import DEGRADED, SERVING, UNAVAILABLE, Health, PeerLost, Rendezvous, RendezvousError
 from afdc.serve.cores import Placement
 from afdc.serve.prompt_logprobs import PromptLogprobs
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
@@ -124,9 +124,11 @@ class AfdcWorker(WorkerBase):
         # (scheduler output, requests, their sampling logits, prompt logprobs to return) awaiting sampling
         self._pending: tuple | None = None
         self._store_host: Rendezvous | None = None
-        self._problem = ""  # what keeps this rank from serving, as last reported
+        self._health = Health()  # as last reported
+        self._lost_at: float | None = None  # when the current loss of an FFN rank was first seen
         self._step_lock = threading.Lock()  # a step and the idle rank's regrouping take turns at the endpoint
         self._stepped_at = 0.0  # when the last step ended
+        self._holding = False  # whether a step runs (or is held for a lost FFN rank)
         self._sampled: set[str] = set()  # the requests of the last step
         self._sampled_at = 0.0  # when its sampling ended
         self._stop = threading.Event()
@@ -401,25 +403,36 @@ class AfdcWorker(WorkerBase):
         return done
 
     def _run(self, batches: list[MicroBatch]) -> list:
-        """Run the step; while an FFN rank is lost, report it and run the step again once the rank
-        is back. A rerun rewrites the same cache slots with the same keys and values, so a step cut
-        short at any layer is safe to repeat. The HTTP side (:mod:`afdc.serve.health`) fails the
-        requests meanwhile with a 503 naming the problem; their aborts reach the scheduler after."""
-        deadline = time.monotonic() + self.settings.recovery_timeout
+        """Run the step. While an FFN rank is lost the step is held: no token is sampled and no
+        state committed; this rank reports itself degraded, waits for the rank's return, and runs
+        the same step again (a rerun rewrites the same cache slots with the same keys and values,
+        so a step cut short at any layer is safe to repeat). Past ``recovery_timeout`` it reports
+        itself unavailable: the HTTP side (:mod:`afdc.serve.health`) then fails the requests with
+        a 503 naming the rank, and their aborts reach the scheduler once the step went through;
+        the step goes on waiting, so serving resumes when the rank is back."""
+        self._holding = True  # the idle rank's regrouping stays away: the held step regroups, within its hold
+        try:
+            return self._run_held(batches)
+        finally:
+            self._holding = False
+
+    def _run_held(self, batches: list[MicroBatch]) -> list:
         while True:
+            options = self.attention.endpoint.options if self.attention.endpoint is not None else None
+            # while degraded, a regrouping waits no longer than the hold has left
+            left = self._left()
+            join_timeout = min(options.join_timeout, left) if options is not None and left and left > 0 else None
             try:
                 with self._step_lock:
-                    outputs, _ = self.attention.run(self.attention.begin_step(), batches)
+                    outputs, _ = self.attention.run(self.attention.begin_step(join_timeout), batches)
                     self._stepped_at = time.monotonic()
                 for batch in batches:
                     batch.cache.commit_states()
             except (PeerLost, RendezvousError) as err:
-                if time.monotonic() > deadline:
-                    raise
-                self._report(str(err))
-                time.sleep(self.settings.runtime.timeout / 10)
+                self._lost(err)
+                time.sleep(options.poll_interval)
                 continue
-            self._report("")
+            self._serving()
             return outputs
 
     def _keep_membership(self, interval: float) -> None:
@@ -431,23 +444,43 @@ class AfdcWorker(WorkerBase):
         :meth:`AttentionEndpoint.begin_step` without a step: it sends nothing to the FFN ranks."""
         while not self._stop.wait(interval):
             with self._step_lock:
-                if self._stop.is_set() or time.monotonic() - self._stepped_at < interval:
+                if self._stop.is_set() or self._holding or time.monotonic() - self._stepped_at < interval:
                     continue  # serving: the steps regroup
                 try:
                     self.attention.begin_step()
                 except (PeerLost, RendezvousError) as err:
-                    self._report(str(err))
+                    self._lost(err)
                     continue
-            self._report("")
+            self._serving()
 
-    def _report(self, problem: str) -> None:
-        if problem != self._problem:
-            if problem:
-                logger.error("afdc: attention rank %d cannot serve: %s; retrying", self.rank, problem)
-            else:
+    def _left(self) -> float | None:
+        """Seconds the current loss of an FFN rank may still be waited out (None: none is lost;
+        negative: past ``recovery_timeout``)."""
+        if self._lost_at is None:
+            return None
+        return self._lost_at + self.settings.recovery_timeout - time.monotonic()
+
+    def _lost(self, err: Exception) -> None:
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
+        timeout = self.settings.recovery_timeout
+        if self._left() > 0:
+            self._report(Health(DEGRADED, f"{err}; requests are held up to {timeout:g} s for it to come back"))
+        else:
+            self._report(Health(UNAVAILABLE, f"{err}; not back within {timeout:g} s"))
+
+    def _serving(self) -> None:
+        self._lost_at = None
+        self._report(Health())
+
+    def _report(self, health: Health) -> None:
+        if health != self._health:
+            if health.state == SERVING:
                 logger.info("afdc: attention rank %d reaches every FFN rank again", self.rank)
-            self.attention.endpoint.rendezvous.report_health("attn", self.rank, problem)
-            self._problem = problem
+            else:
+                logger.error("afdc: attention rank %d is %s: %s", self.rank, health.state, health.problem)
+            self.attention.endpoint.rendezvous.report_health("attn", self.rank, health)
+            self._health = health
 
     def _micro_batch(self, requests: list[Request]) -> MicroBatch:
         tokens = [_step_tokens(r) for r in requests]

@@ -20,12 +20,15 @@ import os
 import queue
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
+from afdc.errors import AfdcError
 from afdc.runtime.rendezvous import Group, Layout, Rendezvous
+from afdc.runtime.transport.spin_budget import BudgetSettings, SpinBudget
 from afdc.runtime.wire import Header, Kind, WireError, unpack
 
 
@@ -50,25 +53,37 @@ class Failure:
 Deliver = Callable[["Incoming | Failure"], None]
 
 
-SPIN_CORES = 8  # a host with fewer cores than this has no core to spare for an FFN server's polls (see default_spin)
+SPIN_CORES = 8  # --wait cores: a host with fewer has no core to spare for an FFN server's polls (default_spin)
+
+
+class WaitPolicy(str, Enum):
+    """How a rank's wait for its peer over shm chooses between polling and sleeping, unless
+    ``spin`` fixes it (see :class:`afdc.runtime.transport.base.Waiter`)."""
+
+    ADAPTIVE = "adaptive"  # poll only while the peer's answer is likely soon, learned per link and phase
+    CORES = "cores"  # the earlier fixed policy: attention ranks poll 2 ms, FFN servers only on 8 cores or more
+
+    @classmethod
+    def parse(cls, value: str | WaitPolicy) -> WaitPolicy:
+        try:
+            return cls(value)
+        except ValueError:
+            raise AfdcError(f"unknown wait policy {value!r}; choose one of {', '.join(k.value for k in cls)}") from None
+
+    def __str__(self) -> str:
+        return self.value
+
 
 
 def default_spin(role: str, cores: int | None = None) -> float:
-    """How long a wait of a ``role`` rank polls before it blocks, by default.
+    """How long a wait of a ``role`` rank polls before it blocks under ``--wait cores`` (the
+    policy before the adaptive wait, kept to compare against it).
 
-    An attention rank polls for up to 2 ms wherever it runs: it waits for a reply it has just
-    asked for, and each poll yields the core to whatever else is ready to run there (the FFN
-    server it woke, vLLM's API server, the clients). It keeps its core and catches the reply
-    without a futex wake-up. On 2 cores serving the demo to one stream it was faster in 6 of 8
-    paired rounds (1.38x the monolith's time per token against 1.83x, medians of the first five);
-    under 16 and 64 streams it was within the spread (``benchmarks/RESULTS.md``).
-
-    An FFN server polls (2 ms) only where this process may run on :data:`SPIN_CORES` cores or
-    more (``cores``; default: those it may run on). It waits for the attention side's next
-    layer, which computes meanwhile, on the same cores of a small host: there its polls took the
-    attention rank's core (the demo under 64 streams on 2 cores: 1.55x the monolith's time per
-    token with both roles polling, 1.26x with neither) and burned 2.5x its compute time in CPU,
-    against 1.6x."""
+    An attention rank polls for up to 2 ms wherever it runs; an FFN server polls (2 ms) only
+    where this process may run on :data:`SPIN_CORES` cores or more (``cores``; default: those it
+    may run on). Right for the load it was chosen on (vLLM serving the demo on 2 cores, where the
+    server's polls took the attention engine's core), wrong for the next: under ``dm.launch()``
+    a tiny model's server then waits out a futex wake-up for every layer (issue 54)."""
     if role == "attn":
         return 2e-3
     cores = len(os.sched_getaffinity(0)) if cores is None else cores
@@ -79,30 +94,50 @@ def default_spin(role: str, cores: int | None = None) -> float:
 class Pacing:
     """How a rank waits for a word that a peer writes into shared memory (see :class:`Waiter`)."""
 
-    spin: float = 2e-3  # the longest a wait polls before it blocks
+    spin: float | None = 2e-3  # the longest a wait polls before it blocks; None: learned (SpinBudget)
     max_sleep: float = 2e-4  # no wake-up to block on: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # ... of a rank that has waited ``idle_after`` seconds
     idle_after: float = 0.05
     block: float = 0.05  # the longest one block on a wake-up lasts (a wait looks at its deadline then)
+    budget: BudgetSettings = field(default_factory=BudgetSettings)  # how a learned spin is learned (``spin`` None)
+    # a poll that comes back this late from its yield ends the spin: another task wanted the core
+    yield_late: float = 2e-4
 
 
 class Waiter:
-    """One party's waits. A wait polls, yielding the core between polls, for up to ``spin``
-    seconds, then blocks: on a word that wakes it when the awaited message is posted (a futex,
+    """One party's waits. A wait polls, yielding the core between polls, for a while, then
+    blocks: on a word that wakes it when the awaited message is posted (a futex,
     :meth:`Transport.block`), for up to ``block`` seconds at a time; where there is none, it
     sleeps between polls, doubling the sleep from 20 us up to ``max_sleep``, and up to
     ``idle_sleep`` once nothing has come for ``idle_after``: a busy exchange answers within
     microseconds, an idle deployment does not burn its cores. Idle is counted from the last wait
     that ended with something, across waits (a server's wait returns every ``poll_interval`` to
     look for a regrouping; a wait that started spinning afresh each time burned 5% of a core).
-    The waiter learns how long its waits last: where they outlast the spin (the peer computes
-    for milliseconds, on the same cores of a CPU host), it blocks from the first pause and leaves
-    the core to that computation."""
+
+    How long a wait polls: with a fixed ``spin`` (``--spin``, ``--wait cores``) up to ``spin``,
+    unless its waits have lately outlasted it (the peer computes for milliseconds, on the same
+    cores of a CPU host): then it blocks from the first pause and leaves the core to that
+    computation. With ``spin`` None, what the caller's key (its link and phase) has left of its
+    learned budget (:meth:`spin_left`, :mod:`.spin_budget`), counted from the message it answers;
+    such a spin also ends where a poll comes back late from its yield (``yield_late``): the core
+    was wanted by another task (or by the peer itself, sharing it), and spinning on would only
+    delay that task."""
 
     def __init__(self, pacing: Pacing):
         self.pacing = pacing
         self.typical = 0.0  # seconds, a moving average of this party's recent waits
         self.last = time.monotonic()  # when a wait last ended with something
+        self.budget = SpinBudget(pacing.budget) if pacing.spin is None else None
+
+    def spin_left(self, key: Hashable, since: float, now: float) -> float:
+        """A learned wait for ``key``'s answer to a message posted at ``since``: how long it may
+        still poll at ``now`` (0 under a fixed spin, which :meth:`pauses` applies itself)."""
+        return max(0.0, since + self.budget.budget(key) - now) if self.budget is not None else 0.0
+
+    def answered(self, key: Hashable, seconds: float) -> None:
+        """The peer answered ``key`` ``seconds`` after the message (learned where the spin is)."""
+        if self.budget is not None:
+            self.budget.answered(key, seconds)
 
     def pauses(
         self,
@@ -110,25 +145,35 @@ class Waiter:
         block: Callable[[float], None] = time.sleep,
         wakes: bool = False,
         until: float = math.inf,
+        spin_for: float = 0.0,
     ) -> Callable[[], None]:
         """A pause to call between two polls of one wait. ``spin=False`` blocks from the first
         pause: a thread that polls takes Python's GIL back from a sched_yield before a thread
         waiting for it wakes, so where other threads of the process compute meanwhile (the other
-        micro-batches), polling would starve them. ``block(seconds)`` sleeps; ``wakes``: it
+        micro-batches), polling would starve them. ``spin_for``: how long a learned wait polls
+        (:meth:`spin_left`; a fixed spin ignores it). ``block(seconds)`` sleeps; ``wakes``: it
         wakes when the awaited word changes, or when the transport wakes it for a message that
         came another way (:meth:`Transport.block`), so it sleeps ``block`` seconds at a time.
         No pause sleeps past ``until`` (a monotonic time: the wait's own deadline)."""
         p = self.pacing
         start = time.monotonic()
         idle = start - self.last >= p.idle_after
-        spin_for = p.spin if spin and not idle and self.typical < p.spin else 0.0
+        if not spin or idle:
+            spin_for = 0.0
+        elif p.spin is not None:
+            spin_for = p.spin if self.typical < p.spin else 0.0
         sleep = p.idle_sleep if idle else 2e-5
+        late = p.yield_late if p.spin is None else math.inf
 
         def pause() -> None:
-            nonlocal sleep
+            nonlocal sleep, spin_for
             now = time.monotonic()
             if now - start < spin_for:
                 os.sched_yield()
+                if time.monotonic() - now > late:
+                    # the yield gave the core away: another task wants it, and spinning on would
+                    # take it from that task (or from the peer itself, where both share the core)
+                    spin_for = 0.0
                 return
             if wakes:
                 block(max(0.0, min(p.block, until - now)))

@@ -382,6 +382,9 @@ class _Link:
         self.lock = threading.Lock()  # one writer at a time, on the socket and per slot
         self.reading = threading.Lock()  # one reader per inbound slot (micro-batches may share one)
         self.seen = 0  # the inbound count of posts when its slots were last scanned
+        # a server's last reply on this link, whose answer (the peer's next message) it waits for:
+        # (its spin budget's key: the link and the layer answered, when it was posted)
+        self.replied: tuple[tuple[int, int], float] | None = None
         # a server's replies whose slot the peer has not freed yet: (slot, header, tensors, since)
         self.backlog: collections.deque[tuple[int, bytes, list[torch.Tensor], float]] = collections.deque()
         self.dropped = False  # this end ended the link (its failure is said once)
@@ -538,6 +541,7 @@ class ShmTransport(Transport):
                     else:
                         link.backlog.append((slot, head, staged, time.monotonic()))
                         self._flush(peer, link)
+                    link.replied = ((peer, header.layer), time.monotonic())
                 else:
                     box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}", wake=False)
                     # a step plan wakes no one: the server reads it with the step's first data
@@ -613,14 +617,23 @@ class ShmTransport(Transport):
             if items:
                 self._waiter.waited(time.monotonic() - start)
                 return items
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return items
             if pause is None:  # made once a scan found nothing: a busy server's scan mostly finds something
                 # a reply held back for its slot goes out when the peer frees the slot, which wakes
                 # no one: then the wait looks again within max_sleep rather than blocking
-                wakes = self._bell is not None and not any(link.backlog for link in self._links.values())
-                pause = self._waiter.pauses(block=self._block_any, wakes=wakes, until=deadline)
+                wakes = self._bell is not None and not any(link.backlog for link in list(self._links.values()))
+                pause = self._waiter.pauses(
+                    block=self._block_any, wakes=wakes, until=deadline, spin_for=self._spin_left(now)
+                )
             pause()
+
+    def _spin_left(self, now: float) -> float:
+        """How long the server may still poll: as long as any link's answer to its last reply is
+        likely soon (its learned budget, counted from the reply)."""
+        replied = [link.replied for link in list(self._links.values()) if link.replied is not None]
+        return max((self._waiter.spin_left(key, since, now) for key, since in replied), default=0.0)
 
     def _scan(self) -> list[Incoming | Failure]:
         """What came on every link since the last scan; each link's held-back replies are posted
@@ -636,6 +649,12 @@ class ShmTransport(Transport):
                 continue
             link.seen = posted
             pending = box.pending()
+            # the peer's next data message answers the last reply (a step plan comes ahead of the
+            # step's first): how long it took is learned
+            if link.replied is not None and any(k != box.slots - 1 for k in pending):
+                key, since = link.replied
+                self._waiter.answered(key, time.monotonic() - since)
+                link.replied = None
             if len(pending) > 1:  # a step plan first: the data messages that came with it are gathered by it
                 pending.sort(key=lambda k: k != box.slots - 1)
             for slot in pending:
