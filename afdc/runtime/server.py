@@ -43,7 +43,7 @@ from afdc.runtime.metrics import IDLE, Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous, wait_listening
-from afdc.runtime.spare import Owner, Slots
+from afdc.runtime.spare import Owner, Slots, wait_for_a_lost_slot
 from afdc.runtime.transport import transport_class
 from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport
 from afdc.segment import inputs as segment_inputs
@@ -367,3 +367,39 @@ def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, option
         # Skip interpreter and C++ static teardown: with daemon threads still parked in torch code
         # it can abort ("terminate called without an active exception") after a clean stop.
         os._exit(code)
+
+
+def serve_spare(load_rank: Callable[[int], FFNProgram], layout: Layout, deployment: bytes,
+                options: RuntimeOptions) -> NoReturn:
+    """Entry point of a spare's process: reach the store, wait for a lost FFN rank, claim it,
+    ``load_rank(rank)`` and serve it (:func:`serve_program`, which exits the process). SIGTERM or
+    SIGINT stops the wait."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop, asked = threading.Event(), []
+
+    def ask(signum: int, _frame) -> None:
+        asked.append(signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, ask)
+    claimed = None
+    while claimed is None and wait_listening(options.rendezvous, options.join_timeout, stop):
+        rdv = Rendezvous(options.rendezvous, layout, deployment, options.token,
+                         connect_timeout=options.join_timeout, insecure_no_token=options.insecure_no_token)
+        rdv.check_host()  # another token or artifact than the store's: said now, not by never claiming
+        log.info("spare: waiting for a lost FFN rank of the deployment at %s", options.rendezvous)
+        try:
+            claimed = wait_for_a_lost_slot(rdv, stop, options.poll_interval)
+        except dist.DistError as err:  # the store went away with its host: reach the next one
+            log.warning("spare: lost the rendezvous store (%s)", str(err).splitlines()[0])
+        if stop.is_set():
+            break
+    if claimed is None:
+        log.info("spare: stopped%s", f" (asked for by {asked[0]})" if asked else "")
+        logging.shutdown()
+        os._exit(0)
+    slot, owner = claimed
+    _, rank = layout.role_rank(slot)
+    log.info("spare: claimed ffn rank %d (%s); loading its weights", rank, owner)
+    serve_program(load_rank(rank), layout, deployment, options, claim=owner)

@@ -8,8 +8,7 @@ from typing import NoReturn
 
 from afdc.artifact.load import deployment_of, load
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.server import serve_program
-from afdc.runtime.spare import serve_spare
+from afdc.runtime.server import serve_program, serve_spare
 from afdc.serve.cores import Placement, pin_thread
 
 
