@@ -464,6 +464,31 @@ def _assert_prompt_logprobs(client, model_dir: Path, prompts: list[list[int]]) -
             assert abs(position[str(prompt[i + 1])]["logprob"] - want[i].item()) < 2e-3
 
 
+def test_drafts_are_verified_by_vllms_rejection_sampler_on_a_cpu():
+    """Greedy verification as vLLM's kernel does it (here its torch twin, vLLM's Triton being off
+    without a GPU): each request keeps its drafts up to the first the model disagrees with, then
+    the model's own token; all agreeing, one more (the bonus); no drafts, the model's token.
+    A step that also holds a sampling request verifies none: each samples at its last real token."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.sampler import Sampler
+
+    from afdc.serve.sampling import SamplingRequest, sampling_metadata
+    from afdc.serve.speculation import Verifier
+
+    vocab, drafts = 16, [[3, 4], [], [7, 5], [6]]
+    logits = torch.full((sum(len(d) + 1 for d in drafts), vocab), -5.0)
+    for row, token in enumerate([3, 4, 9, 1, 2, 8, 5, 6, 11]):  # the model's argmax per row
+        logits[row, token] = 5.0
+    verifier = Verifier(Sampler())
+    requests = [SamplingRequest(SamplingParams(temperature=0), [1], [], None) for _ in drafts]
+    metadata = sampling_metadata(requests, vocab, torch.device("cpu"), LogitsProcessors())
+    tokens, _ = verifier(logits, drafts, replace(metadata, spec_token_ids=drafts))
+    assert tokens == [[3, 4, 9], [1], [2], [6, 11]]
+    assert not verifier.verifies([SamplingParams(temperature=0), SamplingParams(temperature=1.0)])
+    assert Verifier.unverified(logits, drafts).argmax(-1).tolist() == [3, 1, 2, 6]
+
+
 def _until_ready(proc: subprocess.Popen, port: int) -> str:
     """``afdc up``'s output up to its ready line (or its exit), which must name the API at ``port``."""
     lines = []
@@ -552,18 +577,23 @@ def test_ffn_rank_lost_and_not_back_in_time_gets_a_503_after_the_recovery_timeou
     assert _complete(client, PROMPTS[0]) == ref
 
 
+# n-gram prompt lookup: up to 3 tokens that followed an earlier occurrence of the last 1-3 tokens
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
 def test_up_demo_serves_the_demo_model(tmp_path):
     """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model (MoE,
     1A1F, over shared memory), here with its FFN rank's batches padded to token buckets, which must
     not change a token, a small KV pool: prefix caching and preemption keep the outputs too, and a
     step budget of 32 tokens: prompt logprobs over a chunked prefill and after a cached prefix
-    equal the Hugging Face model's."""
+    equal the Hugging Face model's; all under n-gram speculative decoding, which must not change
+    a greedy token either, and whose drafts are verified and accepted."""
     port = free_port()
     env = {**os.environ, "AFDC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "afdc.cli", "up", "--demo", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
          "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids", *PREFIX_CACHING,
-         "--max-num-batched-tokens", "32"],
+         "--max-num-batched-tokens", "32", "--speculative-config", json.dumps(NGRAM)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     started = ""
@@ -577,6 +607,10 @@ def test_up_demo_serves_the_demo_model(tmp_path):
         prefix = list(range(300, 340))
         _complete(client, prefix)  # its blocks cached
         _assert_prompt_logprobs(client, tmp_path / "cache" / "demo" / "model", [list(range(3, 73)), [*prefix, 11, 12]])
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        drafted, accepted = (_counter(metrics, f"vllm:spec_decode_num_{n}_tokens_total") for n in ("draft", "accepted"))
+        print(f"n-gram speculation: {accepted:g} of {drafted:g} draft tokens accepted")
+        assert drafted > 0 and accepted > 0
         _assert_placement(client, proc.pid, started)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -669,6 +703,13 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
     compile_model(str(tmp_path / "mpt"), "1A1F", tmp_path / "mpt-1a1f", progress=False)
     code, out = serve(str(tmp_path / "mpt-1a1f"), "--role", "attn", "--connector", "loopback")
     assert code == 2 and "decode recomputes the prefix (token mixers run inline" in out, out
+    # speculative decoding afdc cannot run (a drafter that is not in the artifact): refused before vLLM starts
+    for config, said in [('{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}', "EAGLE-3 heads"),
+                         ('{"model": "some/draft", "num_speculative_tokens": 2}', "a separate draft model"),
+                         ('{"method": "deepseek_mtp", "num_speculative_tokens": 1}', "multi-token-prediction layers"),
+                         ("{not json", "is not JSON")]:
+        code, out = serve(str(artifact), "--role", "attn", "--connector", "loopback", "--", "-sc", config)
+        assert code == 2 and said in out and ("ngram" in out or "JSON" in said), out
 
 
 def test_settings_round_trip_through_the_environment(monkeypatch):

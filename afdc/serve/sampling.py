@@ -70,6 +70,10 @@ class StepSampler:
         self._rows = 0  # rows of the previous step, as the logits processors hold them
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
+        return self.sampler(logits, self.metadata(requests, logits.shape[-1]))
+
+    def metadata(self, requests: list[SamplingRequest], vocab: int) -> SamplingMetadata:
+        """The step's sampling metadata, the logits processors brought up to its requests."""
         # every row is (re)added at its index each step and the rows past this step's are removed:
         # the processors keep no state that the params and the live output lists do not give back
         update = BatchUpdate(
@@ -81,7 +85,7 @@ class StepSampler:
         for processor in self.logitsprocs.all:
             processor.update_state(update)
         self._rows = len(requests)
-        return self.sampler(logits, sampling_metadata(requests, logits.shape[-1], self.device, self.logitsprocs))
+        return sampling_metadata(requests, vocab, self.device, self.logitsprocs)
 
 
 def sampling_metadata(

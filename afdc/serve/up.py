@@ -31,6 +31,7 @@ from afdc.serve.cores import PAIR_TOKENS, shared_core
 from afdc.serve.data_parallel import DataParallel
 from afdc.serve.health import MIDDLEWARE
 from afdc.serve.settings import WorkerSettings
+from afdc.serve.speculative_config import config_in_args, refusal
 
 if TYPE_CHECKING:
     from afdc.plan import Plan
@@ -65,6 +66,23 @@ def check_tokenizer(manifest: Manifest, vllm_args: Sequence[str]) -> None:
         )
 
 
+def check_speculation(vllm_args: Sequence[str]) -> None:
+    """Refuse a ``--speculative-config`` afdc's worker cannot run, before vLLM starts."""
+    try:
+        config = config_in_args(vllm_args)
+    except ValueError as err:
+        raise AfdcError(str(err)) from None
+    if config is None:
+        return
+    from typing import get_args
+
+    from vllm.config.speculative import MTPModelTypes
+
+    why = refusal(config, get_args(MTPModelTypes))
+    if why:
+        raise AfdcError(why)
+
+
 def check_servable(manifest: Manifest) -> None:
     """Refuse an artifact that vLLM's paged KV cache cannot run, before vLLM's engine starts."""
     if manifest.unpageable:
@@ -87,6 +105,7 @@ def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args:
     manifest = read_manifest(directory)
     check_servable(manifest)
     check_tokenizer(manifest, vllm_args)
+    check_speculation(vllm_args)
     dp = DataParallel.of(vllm_args).checked(manifest.plan.attention_ranks)
     model = model_dir(directory)
     argv = [

@@ -18,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +45,7 @@ from afdc.serve.cores import Placement
 from afdc.serve.prompt_logprobs import PromptLogprobs
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
+from afdc.serve.speculation import Speculation
 from afdc.serve.up import check_servable
 
 logger = logging.getLogger("vllm.afdc.worker")  # vLLM prints plugin logs under its own hierarchy
@@ -69,7 +70,8 @@ class Request:
     computed: int  # tokens whose keys and values are in the cache
     scheduled: int = 0  # tokens run in the current step
     prompt_logprobs: PromptLogprobs | None = None  # asked for, until the prefill returns them
-    logits: int = 1  # logit rows it takes from the current step: its last token's, or all (prompt logprobs)
+    logits: int = 1  # logit rows it takes from the current step: its last token's and drafts', or all (prompt logprobs)
+    drafts: list[int] = field(default_factory=list)  # draft tokens the current step verifies (speculative decoding)
 
 
 def _row_groups(sizes: list[int], parts: int) -> list[list[int]]:
@@ -78,6 +80,14 @@ def _row_groups(sizes: list[int], parts: int) -> list[list[int]]:
     single = [i for i, n in enumerate(sizes) if n == 1]
     groups = [single[g] for g in _micro_batches([1] * len(single), parts)] if single else []
     return groups + [[i] for i, n in enumerate(sizes) if n != 1]
+
+
+def _step_tokens(r: Request) -> list[int]:
+    """The tokens ``r`` runs in the current step: known ones, then its drafts. vLLM pads a new
+    decode's drafts with -1 (one step shape for CUDA graphs); they run as token 0, and the
+    verifier rejects them."""
+    known = r.tokens[r.computed:r.computed + r.scheduled]
+    return known + [max(t, 0) for t in r.drafts] if r.drafts else known
 
 
 def _logit_rows(requests: list[Request], rows: bool) -> torch.Tensor | None:
@@ -136,6 +146,9 @@ class AfdcWorker(WorkerBase):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.sampler = StepSampler(self.vllm_config, self.device)
+        spec = self.vllm_config.speculative_config is not None
+        self.speculation = Speculation(self.vllm_config, self.sampler.sampler, self.device) if spec else None
+        self._drafts = None  # the drafts proposed after the last step, until vLLM takes them
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         directory = Path(self.settings.artifact)
@@ -345,8 +358,9 @@ class AfdcWorker(WorkerBase):
         scheduled = [self.requests[rid] for rid in so.num_scheduled_tokens]
         for r in scheduled:
             r.scheduled = so.num_scheduled_tokens[r.id]
+            r.drafts = list(so.scheduled_spec_decode_tokens.get(r.id, ()))
             wanted = r.prompt_logprobs is not None and r.prompt_logprobs.rows(r.computed, r.scheduled) > 0
-            r.logits = r.scheduled if wanted else 1
+            r.logits = r.scheduled if wanted else 1 + len(r.drafts)
         sizes = [r.scheduled for r in scheduled]
         if self.rows:
             groups = [[scheduled[i] for i in g] for g in _row_groups(sizes, self.micro_batches)]
@@ -363,7 +377,8 @@ class AfdcWorker(WorkerBase):
         prompt_logprobs = {}
         if any(r.logits > 1 for r in requests):
             taken = logits.split([r.logits for r in requests])
-            logits = torch.stack([rows[-1] for rows in taken])  # where each request samples
+            # where each request samples: its last token's row, after its drafts' (verified) rows
+            logits = torch.cat([rows[len(rows) - 1 - len(r.drafts):] for r, rows in zip(requests, taken)])
             prompt_logprobs = self._prompt_logprobs(requests, taken)
         self._pending = (so, requests, logits, prompt_logprobs)
         return None
@@ -468,7 +483,7 @@ class AfdcWorker(WorkerBase):
             self._health = health
 
     def _micro_batch(self, requests: list[Request]) -> MicroBatch:
-        tokens = [r.tokens[r.computed:r.computed + r.scheduled] for r in requests]
+        tokens = [_step_tokens(r) for r in requests]
         attention = [r.block_ids[self.attention_group] for r in requests]
         width = max(len(b) for b in attention)
         table = torch.tensor([b + [0] * (width - len(b)) for b in attention])
@@ -505,28 +520,44 @@ class AfdcWorker(WorkerBase):
         complete = [r.computed + r.scheduled >= len(r.tokens) for r in scheduled]
         saved = {i: r.sampling.generator.get_state() for i, r in enumerate(scheduled)
                  if not complete[i] and r.sampling.generator is not None}
-        out = self.sampler(logits, [r.sampling for r in scheduled])
+        requests, drafts = [r.sampling for r in scheduled], [r.drafts for r in scheduled]
+        verifier = self.speculation.verifier if self.speculation is not None else None
+        if any(drafts) and verifier.verifies([r.params for r in requests]):
+            metadata = replace(self.sampler.metadata(requests, logits.shape[-1]), spec_token_ids=drafts)
+            tokens, logprobs = verifier(logits, drafts, metadata)
+        else:
+            if any(drafts):
+                logits = verifier.unverified(logits, drafts)
+            out = self.sampler(logits, requests)
+            tokens = out.sampled_token_ids.tolist()
+            logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
         for i, state in saved.items():
             scheduled[i].sampling.generator.set_state(state)
-        tokens = out.sampled_token_ids[:, 0].tolist()
         sampled: list[list[int]] = []
-        for r, token, done in zip(scheduled, tokens, complete):
+        for r, kept, done in zip(scheduled, tokens, complete):
             if done:
-                r.tokens.append(token)
-                r.sampling.output.append(token)
-            sampled.append([token] if done else [])
+                r.tokens.extend(kept)
+                r.sampling.output.extend(kept)
+            sampled.append(kept if done else [])
+        if self.speculation is not None:
+            self._drafts = self.speculation.propose(
+                [r.id for r in scheduled], [r.tokens for r in scheduled], sampled, so.num_spec_tokens_to_schedule,
+                [r.params for r in requests],
+            )
         return ModelRunnerOutput(
             req_ids=[r.id for r in scheduled],
             req_id_to_index={r.id: i for i, r in enumerate(scheduled)},
             sampled_token_ids=sampled,
-            logprobs=out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None,
+            logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
         )
 
     # -- the rest of vLLM's worker interface -------------------------------------------------
 
     def take_draft_token_ids(self):
-        return None
+        """The drafts proposed after the last step (speculative decoding), for vLLM's scheduler."""
+        drafts, self._drafts = self._drafts, None
+        return drafts
 
     def update_max_model_len(self, max_model_len: int) -> None:
         self.model_config.max_model_len = max_model_len
