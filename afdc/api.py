@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -30,13 +31,13 @@ from afdc.passes.portable import portable
 from afdc.plan import TORCH_DTYPES, Plan
 from afdc.quant.scheme import QuantScheme
 from afdc.quant.stored import QuantizedTensors
-from afdc.report import Report, kv_bytes_per_token
+from afdc.report import LayerReport, Report, kv_bytes_per_token
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.mixer_modules import Mixers
 from afdc.runtime.model import DefaultPositions, DisaggregatedModel, ModelTraits
-from afdc.runtime.options import ConnectorKind
 from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.tensor_parallel import TensorParallelAttention
+from afdc.runtime.transport import ConnectorKind
 from afdc.segment import Segment, SegmentBinding, Split
 
 
@@ -56,6 +57,10 @@ class Built:
     max_positions: int | None  # the longest key length the captured graph is valid for (None: any)
     mixers: list[MixerSite]  # the attention graph's stateful-mixer call sites, with their state
     quant: QuantizedTensors | None = None  # the checkpoint's quantized parameters as the programs take them
+
+    def weight_bytes(self, name: str) -> int:
+        """The bytes of weight ``name`` as the checkpoint stores it (:func:`stored_size`)."""
+        return stored_size(self.attrs, self.quant)(name)
 
     def attention_names(self) -> list[str]:
         return sorted({n.target for n in self.attention_graph.nodes if n.op == "get_attr"})
@@ -104,9 +109,11 @@ def _classify(captured: CapturedGraph) -> Classification:
     return classification
 
 
-def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None) -> Built:
+def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None, *, rewrite: bool = True) -> Built:
     """Capture, classify, cut, partition and shard ``model`` for ``plan``; with ``quant`` (the
-    checkpoint's scheme), then put each matmul by a weight it stores quantized on its quantized op.
+    checkpoint's scheme), the report prices each weight at its stored bytes and, unless ``rewrite``
+    is False (the planner, whose cost model reads the bf16 graphs), each matmul by a weight the
+    checkpoint stores quantized is put on its quantized op.
 
     Raises :class:`afdc.UnsupportedModelError` when the model cannot be split and
     :class:`afdc.PlanError` when the plan does not fit it.
@@ -129,7 +136,7 @@ def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None) 
     recompute = _recompute(captured, classification)
     stored = QuantizedTensors.of(quant) if quant is not None else None
     segments, layers, attrs = placed.segments, placed.partition.layers, captured.attrs
-    if stored is not None:
+    if stored is not None and rewrite:
         if plan.attention_tp > 1:
             raise PlanError(f"--attn-tp {plan.attention_tp} on a quantized checkpoint ({quant.describe()}) is not "
                             "supported yet: compile it with --attn-tp 1")
@@ -143,7 +150,7 @@ def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None) 
         layers=layers,
         attrs=attrs,
         recompute=recompute,
-        report=_report(model, plan, captured, placed, attention_splits, recompute, mixers),
+        report=_report(model, plan, captured, placed, attention_splits, recompute, mixers, stored),
         attention_splits=attention_splits,
         max_positions=captured.max_positions,
         mixers=mixers,
@@ -170,10 +177,16 @@ def _report(
     attention_splits: dict[str, Split],
     recompute: str,
     mixers: list[MixerSite],
+    stored: QuantizedTensors | None,
 ) -> Report:
     params = set(captured.parameter_names)
     attention_params = {n.target for n in placed.partition.attention_graph.nodes if n.op == "get_attr"} & params
     ffn_weights = {w for b in placed.partition.layers for w in b.weights}
+    size = stored_size(captured.attrs, stored)
+    layers = [
+        _priced(report, set(binding.weights) & params, captured.attrs, size)
+        for report, binding in zip(placed.layers, placed.partition.layers)
+    ]
     return Report(
         model=getattr(model.config, "_name_or_path", "") or type(model).__name__,
         plan=str(plan),
@@ -182,14 +195,36 @@ def _report(
         attention_calls=len(AttentionCall.all_in(captured.graph)),
         attention_parameters=sum(captured.attrs[n].numel() for n in attention_params),
         ffn_parameters=sum(captured.attrs[n].numel() for n in ffn_weights & params),
+        attention_weight_bytes=sum(size(n) for n in attention_params),
+        ffn_weight_bytes=sum(size(n) for n in ffn_weights & params),
         segment_graphs=len(placed.partition.segments),
-        layers=placed.layers,
+        layers=layers,
         attention_tp=plan.attention_tp,
         attention_tp_split=sum(captured.attrs[n].numel() for n in attention_splits),
         max_positions=captured.max_positions,
         kv_bytes_per_token=kv_bytes_per_token(captured.graph),
         mixers=mixers,
     )
+
+
+def stored_size(attrs: dict[str, torch.Tensor], stored: QuantizedTensors | None) -> Callable[[str], int]:
+    """The bytes of a weight as the checkpoint stores it: a quantized parameter's data and scales
+    (fp8, MXFP4), any other tensor at its dtype."""
+
+    def size(name: str) -> int:
+        quantized = stored.stored_bytes(name) if stored is not None else None
+        return quantized if quantized is not None else attrs[name].numel() * attrs[name].element_size()
+
+    return size
+
+
+def _priced(
+    layer: LayerReport, names: set[str], attrs: dict[str, torch.Tensor], size: Callable[[str], int]
+) -> LayerReport:
+    """``layer`` with its FFN weights' stored bytes, and those of its stacked routed experts (the
+    tensors holding a matrix per expert, ``[E, ...]``)."""
+    experts = [n for n in names if layer.experts and attrs[n].dim() >= 3 and attrs[n].shape[0] == layer.experts]
+    return replace(layer, ffn_weight_bytes=sum(map(size, names)), expert_weight_bytes=sum(map(size, experts)))
 
 
 def mixer_table(model: PreTrainedModel, sites: list[MixerSite]) -> Mixers | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -10,7 +11,8 @@ import click
 import afdc
 from afdc.errors import AfdcError
 from afdc.plan import BACKENDS
-from afdc.runtime.options import ConnectorKind, WaitPolicy
+from afdc.runtime.transport import ConnectorKind
+from afdc.runtime.transport.base import WaitPolicy
 
 
 class _Commands(click.Group):
@@ -52,9 +54,14 @@ def inspect(model: str | None, demo: bool, plan: str, router: str, as_json: bool
         _inspect_demo(plan, router, as_json)
     else:
         from afdc.api import build
+        from afdc.quant.scheme import scheme_from_config
         from afdc.source import empty_model, load_config
 
-        report = build(empty_model(load_config(model)), afdc.Plan.parse(plan, router=router)).report
+        config = load_config(model)
+        meta = empty_model(config)
+        # a quantized checkpoint's weights in the report at their stored bytes
+        scheme = scheme_from_config(config, meta)
+        report = build(meta, afdc.Plan.parse(plan, router=router), scheme, rewrite=False).report
         report.model = model
         click.echo(report.to_json() if as_json else str(report))
 
@@ -110,6 +117,12 @@ def compile_cmd(model, plan_text, output, ffn_parallel, dense_ffn, attn_tp, rout
 
 _VLLM_ARGS = {"ignore_unknown_options": True}
 
+_recovery_option = click.option(
+    "--ffn-recovery-timeout", type=float, default=300.0, show_default=True,
+    help="Attention: seconds a step is held while an FFN rank is lost, waiting for it to come back (requests "
+         "see latency, /health says degraded); past them requests get a 503 naming the rank until it is back.",
+)
+
 
 def _serving_options(threads_default: str):
     """The options of how a serving process spends its cores, shared by ``serve`` and ``up``."""
@@ -143,6 +156,9 @@ def _serving_options(threads_default: str):
 @click.option("--role", type=click.Choice(["ffn", "attn"]), required=True, help="Which role this process runs.")
 @click.option("--rank", type=int, default=0, show_default=True,
               help="FFN: rank within the role (attention ranks are vLLM's data-parallel ranks: see below).")
+@click.option("--spare", is_flag=True,
+              help="FFN: wait as a hot spare, holding no rank; take over the first FFN rank that is lost (claimed "
+                   "through the store: one spare wins), loading its weights then.")
 @click.option("--rendezvous", help="HOST:PORT of the deployment's store (hosted by attention rank 0); "
               "required unless --connector loopback.")
 @click.option("--connector", type=_CONNECTORS, default="gloo",
@@ -156,6 +172,7 @@ def _serving_options(threads_default: str):
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--join-timeout", type=float, default=60.0, show_default=True,
               help="Seconds to reach the rendezvous store and for every rank to join.")
+@_recovery_option
 @click.option("--device", default="cpu", show_default=True, help="Device the program runs on.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Attention: address the OpenAI server binds.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Attention: port of the OpenAI server.")
@@ -177,9 +194,9 @@ def _serving_options(threads_default: str):
                    "0: always there.")
 @_serving_options("default: torch's, a thread per core")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
-          device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus, pin_tokens, spin, wait,
-          threads, log_interval, vllm_args) -> None:
+def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
+          ffn_recovery_timeout, device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus,
+          pin_tokens, spin, wait, threads, log_interval, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -204,19 +221,25 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         raise click.UsageError(
             "--rendezvous HOST:PORT is required (or --connector loopback for a monolithic attention rank)"
         )
+    from afdc.runtime.options import RuntimeOptions
+
+    options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
+                             join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets,
+                             insecure_no_token=insecure_no_token, spin=spin, wait=wait)
     if role == "attn":
         from afdc.serve.settings import WorkerSettings
         from afdc.serve.up import serve_attention
 
+        if spare:
+            raise click.UsageError("--spare is for FFN ranks: a spare waits to take over a lost FFN rank")
         if rank:
             raise click.UsageError(
                 "attention ranks are vLLM's data-parallel ranks, not --rank: -- --data-parallel-size A serves all "
                 "A; on further hosts add --data-parallel-size-local N --data-parallel-start-rank R --headless"
             )
         settings = WorkerSettings(
-            artifact, connector, rendezvous, token=token, insecure_no_token=insecure_no_token, timeout=timeout,
-            join_timeout=join_timeout, micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device,
-            backend=backend, log_interval=log_interval, spin=spin, wait=wait, threads=threads, cpus=cpus,
+            artifact, options, recovery_timeout=ffn_recovery_timeout, micro_batches=micro_batches,
+            kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend, threads=threads, cpus=cpus,
             pin_tokens=pin_tokens,
         )
         serve_attention(settings, host, port, vllm_args)
@@ -224,18 +247,16 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
         raise click.UsageError("an FFN rank serves attention ranks over gloo or shm, not loopback")
     if vllm_args:
         raise click.UsageError(f"unexpected arguments for an FFN rank: {' '.join(vllm_args)}")
-    from afdc.runtime.options import RuntimeOptions
     from afdc.runtime.rendezvous import deployment_token
-    from afdc.serve.ffn import serve_ffn_rank
+    from afdc.serve.ffn import serve_ffn_rank, serve_ffn_spare
 
     deployment_token(token, insecure_no_token)  # refused before the artifact loads
-    options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
-                             join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets,
-                             insecure_no_token=insecure_no_token, spin=spin, wait=wait)
     if threads:
         import torch
 
         torch.set_num_threads(threads)
+    if spare:
+        serve_ffn_spare(artifact, options, device, backend)
     serve_ffn_rank(artifact, rank, options, device, backend, cpus, pin_tokens)
 
 
@@ -262,6 +283,12 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds before a silent peer is lost.")
 @click.option("--startup-timeout", type=float, default=300.0, show_default=True,
               help="Seconds for every role to become ready.")
+@_recovery_option
+@click.option("--ffn-spares", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Standby FFN processes that take over a lost FFN rank (one claims it through the store and "
+                   "loads its weights); an FFN process that exits comes back as a spare.")
+@click.option("--stop-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds each role has to exit after its SIGTERM when stopping (then it is killed).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Write each role's output to a file there instead of this terminal.")
 @click.option("--backend", type=click.Choice(BACKENDS), default=None,
@@ -276,8 +303,8 @@ def serve(artifact, role, rank, rendezvous, connector, token, insecure_no_token,
 @_serving_options("default on a CPU: this host's cores less one, shared by the attention engines and FFN servers")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,
-       micro_batches, kv_cache_mb, timeout, startup_timeout, log_dir, backend, token_buckets, pin, spin, wait, threads,
-       log_interval, vllm_args) -> None:
+       micro_batches, kv_cache_mb, timeout, startup_timeout, ffn_recovery_timeout, ffn_spares, stop_timeout, log_dir,
+       backend, token_buckets, pin, spin, wait, threads, log_interval, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine (or a Ray cluster) and serve the OpenAI
     API until Ctrl-C.
 
@@ -287,6 +314,7 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
     import time
     from pathlib import Path
 
+    from afdc.runtime.options import RuntimeOptions
     from afdc.runtime.rendezvous import free_port
     from afdc.serve.settings import WorkerSettings
     from afdc.serve.up import Deployment, check_serving_environment
@@ -301,15 +329,19 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
                                "places them on any node: --connector gloo (or nccl between GPUs)")
     if ray_address and pin:
         raise click.UsageError("--pin shares a core of this host; with --ray the ranks are on any node")
+    if ray_address and ffn_spares:
+        raise click.UsageError("--ffn-spares starts standby processes on this host; with --ray, Ray restarts a "
+                               "lost FFN actor itself")
     check_serving_environment()
     if demo:
         from afdc.demo import demo_artifact
 
         artifact = demo_artifact(say=click.echo)
+    options = RuntimeOptions(connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
+                             log_interval=log_interval, spin=spin, wait=wait)
     settings = WorkerSettings(
-        str(artifact), connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
-        micro_batches=micro_batches, kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend,
-        log_interval=log_interval, spin=spin, wait=wait, threads=threads,
+        str(artifact), options, recovery_timeout=ffn_recovery_timeout, micro_batches=micro_batches,
+        kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend, threads=threads,
     )
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -319,25 +351,33 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
 
         kind, placement = RayDeployment, {"pools": RayPools(ray_address, ray_attn_resource, ray_ffn_resource)}
     deployment = kind(Path(artifact), settings, host, port, vllm_args, Path(log_dir) if log_dir else None,
-                      token_buckets, pin, **placement)
-    stop = []
+                      token_buckets, pin, ffn_spares, **placement)
+    asked: list[str] = []  # the signal that asked for the stop
+
+    def ask(signum: int, _frame) -> None:
+        asked.append(signal.Signals(signum).name)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.append(True))
+        signal.signal(sig, ask)
     try:
-        url = deployment.start(startup_timeout, click.echo)
+        url = deployment.start(startup_timeout, click.echo, lambda: asked[0] if asked else "")
         click.echo(f"ready: OpenAI API at {url}/v1")
         click.echo("Ctrl-C stops every role")
-        while not stop:
+        while not asked:
             gone = deployment.failed()
-            if gone is not None and not gone.startswith("ffn"):
+            if gone is not None and not gone.startswith(("ffn", "spare")):
                 raise AfdcError(f"{gone} exited; stopping the other roles")
             if gone is not None:  # stateless: the attention ranks regroup with the new process
-                click.echo(f"{gone} exited (code {deployment.processes[gone].returncode}); restarting it")
+                how = " as a spare" if ffn_spares else ""
+                click.echo(f"{gone} exited (code {deployment.processes[gone].returncode}); restarting it{how}")
                 deployment.restart(gone)
-            time.sleep(0.5)
+            time.sleep(0.2)
+    except AfdcError:
+        if not asked:  # a failure; after a stop was asked for, a role's exit is that stop's doing
+            raise
     finally:
-        click.echo("stopping every role")
-        deployment.stop()
+        click.echo("stopping every role" + (f" (asked for by {asked[0]})" if asked else ""))
+        deployment.stop(stop_timeout)
 
 
 @main.command(context_settings=_VLLM_ARGS)
@@ -398,40 +438,88 @@ def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
 @click.option("--tpot-ms", type=float, default=50.0, show_default=True, help="Time-per-output-token target (ms).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "int8"]), default="bf16", show_default=True)
 @click.option("--weight-dtype", type=click.Choice(["bf16", "fp8", "int8"]),
-              help="Weight dtype [default: the model's quantization_config's (fp8), else bf16].")
+              help="Price every weight at this dtype [default: a quantized checkpoint's weights at their stored "
+                   "bytes (fp8, MXFP4, scales included), else bf16].")
 @click.option("--dense-ffn", type=click.Choice(["tp", "replicate"]), default="tp", show_default=True,
               help="How the FFN GPUs hold dense FFN layers (as afdc compile --dense-ffn).")
 @click.option("--hw-file", type=click.Path(dir_okay=False), help="Extra hardware profiles (JSON, same schema).")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-token cost and the plan as JSON.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw throughput vs context and A:F ratio.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Draw throughput vs context and A:F ratio (with --compare: AFD's margin over EP, dead zone shaded).")
+@click.option("--compare", is_flag=True, help="AFD against the EP baseline over --ratios and --contexts.")
+@click.option("--ratios", default="0.5,1,2,3,4,6,8", show_default=True, help="--compare: A:F ratios, comma-separated.")
+@click.option("--contexts", default="4096,16384,32768", show_default=True,
+              help="--compare: context lengths, comma-separated.")
+@click.option("--ffn-gpus", type=click.IntRange(min=1),
+              help="--compare: FFN pool size [default: the best of the pools the plan search tries].")
+@click.option("--ep-gpus", type=click.IntRange(min=1), help="--compare: EP baseline size [default: the best found].")
+@click.option("--micro-batches", type=click.IntRange(min=1),
+              help="AFD micro-batches [default: the least m >= 2(1 + Tc/Tf)].")
+@click.option("--expert-skew", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
+              help="Tokens the busiest expert GPU gets over the mean (1: balanced).")
+@click.option("--dispatch-dtype", type=click.Choice(["bf16", "fp8", "int8"]),
+              help="Dtype hidden states travel to the FFN in [default: the model's].")
+@click.option("--scale-up-domain", type=click.IntRange(min=1),
+              help="GPUs per scale-up domain (NVLink/UB), overriding the profiles'.")
 def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense_ffn, hw_file, as_json,
-         plot_path) -> None:
+         plot_path, compare, ratios, contexts, ffn_gpus, ep_gpus, micro_batches, expert_skew, dispatch_dtype,
+         scale_up_domain) -> None:
     """Per-token decode cost of MODEL and a recommended AFD deployment against the monolithic one.
 
     MODEL (hub id, model directory or config.json) is built on the meta device: no weights are read.
     """
     from afdc import planner
     from afdc.planner.hardware import get_profile, load_profiles
-    from afdc.quant.scheme import planned_weight_dtype
+    from afdc.quant.scheme import planned_weight_dtype, scheme_from_config
     from afdc.source import empty_model, load_config
 
     if plot_path:
         planner.require_matplotlib()  # before the capture, not after
     profiles = load_profiles(hw_file)
     hw_a, hw_f = get_profile(attn_hw, profiles), get_profile(ffn_hw, profiles)
+    if scale_up_domain:
+        hw_a, hw_f = (dataclasses.replace(hw, scale_up_domain=scale_up_domain) for hw in (hw_a, hw_f))
+    sweep = (_numbers(ratios, float, "--ratios"), _numbers(contexts, int, "--contexts")) if compare else None
     config = load_config(model)
+    meta = empty_model(config)
+    # a quantized checkpoint's weights are priced at their stored bytes unless --weight-dtype says otherwise
+    scheme = scheme_from_config(config, meta) if weight_dtype is None else None
     weight_dtype = weight_dtype or planned_weight_dtype(config) or "bf16"
-    built, layers = planner.split_for_planning(empty_model(config))
+    built, layers = planner.split_for_planning(meta, scheme)
+    assumptions = planner.Assumptions(dense_ffn=dense_ffn, micro_batches=micro_batches, expert_skew=expert_skew,
+                                      dispatch_dtype=dispatch_dtype)
+
+    def facts_at(ctx: int) -> planner.ModelFacts:
+        return planner.model_facts(built, ctx, weight_dtype, kv_dtype, name=model, layers=layers,
+                                   stored=scheme is not None)
+
+    if sweep is not None:
+        comparison = planner.compare({c: facts_at(c) for c in sweep[1]}, hw_a, hw_f, sweep[0], tpot_ms, assumptions,
+                                     ffn_gpus=ffn_gpus, ep_gpus=ep_gpus)
+        click.echo(json.dumps(comparison.to_dict(), indent=2) if as_json else str(comparison))
+        if plot_path:
+            planner.plot_comparison(comparison, plot_path)
+            click.echo(f"plot written to {plot_path}", err=as_json)
+        return
 
     def plan_at(ctx: int) -> planner.PlanResult:
-        facts = planner.model_facts(built, ctx, weight_dtype, kv_dtype, name=model, layers=layers)
-        return planner.plan(facts, hw_a, hw_f, tpot_ms, planner.Assumptions(dense_ffn=dense_ffn))
+        return planner.plan(facts_at(ctx), hw_a, hw_f, tpot_ms, assumptions)
 
     result = plan_at(context)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
     if plot_path:
         _plot(planner, result, plan_at, plot_path)
         click.echo(f"plot written to {plot_path}", err=as_json)
+
+
+def _numbers(text: str, kind, option: str) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers", param_hint=option) from None
+    if not values or min(values) <= 0:
+        raise click.BadParameter(f"{text!r}: give positive numbers, e.g. 1,2,4", param_hint=option)
+    return values
 
 
 def _plot(planner, result, plan_at, path: str) -> None:

@@ -108,11 +108,15 @@ def _computed_state(
     return {**state, **constants}
 
 
+def _refuse_taken(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise AfdcError(f"{out} already exists; choose another output directory or pass --force to replace it")
+
+
 @contextlib.contextmanager
 def _staging(out: Path, force: bool) -> Iterator[Path]:
     """A temporary directory beside ``out`` that becomes ``out`` only if the block completes."""
-    if out.exists() and not force:
-        raise AfdcError(f"{out} already exists; choose another output directory or pass --force to replace it")
+    _refuse_taken(out, force)  # again: it may have been taken while this compiled
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -173,6 +177,7 @@ def compile_model(
     """Compile ``source`` (hub id, model directory or config file) for ``plan`` into ``out``."""
     plan = Plan.parse(plan)
     out = Path(out)
+    _refuse_taken(out, force)  # before the compile, not after it
     config = load_config(source)
     dtype = TORCH_DTYPES[plan.dtype] if plan.dtype else None
     model = empty_model(config, dtype)

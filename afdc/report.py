@@ -33,6 +33,8 @@ class LayerReport:
     to_ffn: list[Crossing]
     to_attn: list[Crossing]
     ffn_parameters: int
+    ffn_weight_bytes: int = 0  # the FFN weights as the checkpoint stores them (quantized: data and scales)
+    expert_weight_bytes: int = 0  # of which the stacked routed experts' tensors (all experts)
     ffn_split: str = "replicated"  # how the FFN ranks share the layer: "ep", "tp" or "replicated"
     ranks_per_token: int = 1  # FFN ranks each token goes to and comes back from under the plan
     routed: bool = False  # only to its experts' ranks: ranks_per_token bounds it, as does top_k
@@ -67,6 +69,8 @@ class Report:
     ffn_parameters: int
     segment_graphs: int
     layers: list[LayerReport] = field(default_factory=list)
+    attention_weight_bytes: int = 0  # the attention side's parameters as stored (quantized: data and scales)
+    ffn_weight_bytes: int = 0  # the FFN side's, likewise
     attention_tp: int = 1
     attention_tp_split: int = 0  # attention-side parameters split over the TP ranks (the rest is whole)
     max_positions: int | None = None  # the longest key length the captured graph is valid for
@@ -113,7 +117,8 @@ class Report:
 
         lines = [
             f"model {self.model}  plan {self.plan}  router on {self.router} side",
-            f"attention side: {self.attention_parameters:,} parameters, {self.attention_calls} attention calls"
+            f"attention side: {self.attention_parameters:,} parameters "
+            f"({_mib(self.attention_weight_bytes)} as stored), {self.attention_calls} attention calls"
             + (f" (decode recomputes the prefix: {self.decode_recomputes})" if self.decode_recomputes else "")
             + (f"; valid for at most {self.max_positions} positions" if self.max_positions else "")
             + (
@@ -131,7 +136,8 @@ class Report:
                 + (" - whole on every TP rank (the op runs the module's own code)" if self.attention_tp > 1 else "")
                 for m in self.mixers
             ),
-            f"FFN side:       {self.ffn_parameters:,} parameters in {len(self.layers)} layers, "
+            f"FFN side:       {self.ffn_parameters:,} parameters ({_mib(self.ffn_weight_bytes)} as stored) in "
+            f"{len(self.layers)} layers, "
             f"{self.segment_graphs} distinct segment graph(s)",
             "",
             f"{'layer':>5}  {'module':<28} {'ffn':<19} {'to FFN (per token)':<26} {'to attn':<20} {'B/tok':>8}"
@@ -153,6 +159,10 @@ class Report:
             "FFN ranks)"
         )
         return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def kv_bytes_per_token(graph: fx.Graph) -> int:

@@ -51,7 +51,7 @@ def step(program, dm, requests: int, prompt: int, block: int = 16):
     start = time.perf_counter()
     with torch.no_grad(), connectors.active(link), kv_cache.active(batch):
         logits = program(ids, torch.ones_like(ids), batch.positions).logits[0]
-    return time.perf_counter() - start, logits, batch.last_rows
+    return time.perf_counter() - start, logits, batch.logit_rows
 
 
 def main() -> None:

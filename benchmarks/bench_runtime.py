@@ -148,11 +148,15 @@ def cuda_copy_floor(nbytes: int, repeats: int) -> float:
 
 _WORD = struct.Struct("<Q")
 _STOP = 1 << 63
+ECHO_START_TIMEOUT = 120.0  # seconds a bare echo process may take to start (spawn, imports)
+ECHO_TIMEOUT = 20.0  # seconds a started bare echo may take to answer one round trip
 
 
 def _echo_loop(mm: mmap.mmap, echo: Callable[[int], None]) -> None:
-    """The bare echo: wait for the request's sequence number, ``echo`` its bytes (their count is
-    in the second word) into the reply area, post the same number back."""
+    """The bare echo: say it is ready (the word at 72), then wait for the request's sequence
+    number, ``echo`` its bytes (their count is in the second word) into the reply area, post the
+    same number back."""
+    _WORD.pack_into(mm, 72, 1)
     seen = 0
     while True:
         while _WORD.unpack_from(mm, 0)[0] == seen:
@@ -200,6 +204,13 @@ def _ping_pong(path: Path, mm: mmap.mmap, echo: mp.process.BaseProcess, make: Ca
     count returned), post the count and a sequence number, wait for the echo's, ``take`` the reply."""
     echo.start()
     out, seq = {}, 0
+    started = time.perf_counter()
+    while _WORD.unpack_from(mm, 72)[0] != 1:  # a spawned Python's imports, slow on a loaded host
+        time.sleep(0.01)
+        if not echo.is_alive() or time.perf_counter() - started > ECHO_START_TIMEOUT:
+            _WORD.pack_into(mm, 0, _STOP)
+            why = "exited" if not echo.is_alive() else f"was not ready within {ECHO_START_TIMEOUT:g} s"
+            raise TimeoutError(f"the bare echo process {why}")
     try:
         for tokens in TOKENS:
             x = make(tokens)
@@ -212,6 +223,9 @@ def _ping_pong(path: Path, mm: mmap.mmap, echo: mp.process.BaseProcess, make: Ca
                 _WORD.pack_into(mm, 0, seq)
                 while _WORD.unpack_from(mm, 64)[0] != seq:
                     os.sched_yield()
+                    if time.perf_counter() - t > ECHO_TIMEOUT:
+                        why = "exited" if not echo.is_alive() else f"did not answer within {ECHO_TIMEOUT:g} s"
+                        raise TimeoutError(f"the bare echo process {why} (round trip {seq}, T = {tokens})")
                 reply = take(x, n)
                 if i >= 10:
                     times.append(time.perf_counter() - t)
@@ -584,7 +598,11 @@ def round_trip_table(repeats: int) -> None:
         print("cuda-ipc: device tensors, the FFN server on the same GPU; its floor a device-to-device copy in one\n"
               "process, its bare ping-pong the same copies between two processes sharing the GPU")
         device_floors = {t: cuda_copy_floor(t * HIDDEN * 2, repeats) for t in TOKENS}
-        bare["cuda"] = bare_cuda_ping_pong(repeats)
+        try:
+            bare["cuda"] = bare_cuda_ping_pong(repeats)
+        except TimeoutError as err:  # the connectors' own round trips are still worth measuring
+            print(f"bare cuda ping-pong: {err}")
+            bare["cuda"] = dict.fromkeys(TOKENS, float("nan"))
     print(f"{'connector':<10}{'T':>5}{'bytes':>10}{'rtt us':>10}{'GB/s':>8}{'floor us':>10}{'rtt/floor':>11}"
           f"{'bare us':>9}{'rtt/bare':>10}{'attn CPU us':>13}{'FFN CPU us':>12}")
     for connector in CONNECTORS:

@@ -52,6 +52,7 @@ import psutil
 from afdc.compile import compile_model
 from afdc.demo import demo_tokenizer, save_demo
 from afdc.runtime.metrics import SNAPSHOT
+from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import free_port
 from afdc.serve.settings import WorkerSettings
 from afdc.serve.up import Deployment
@@ -167,9 +168,10 @@ def bench_client(url: str, model: str, tokenizer: Path, concurrency: int, prompt
 def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
     artifact = artifacts[setup.plan]
     logs = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
-    settings = WorkerSettings(str(artifact), connector=setup.connector, rendezvous=f"127.0.0.1:{free_port()}",
-                              micro_batches=setup.micro_batches, backend=args.backend, log_interval=args.log_interval,
-                              spin=args.spin if setup.spin is None else setup.spin, wait=setup.wait or "adaptive",
+    options = RuntimeOptions(connector=setup.connector, rendezvous=f"127.0.0.1:{free_port()}",
+                             log_interval=args.log_interval, spin=args.spin if setup.spin is None else setup.spin,
+                             wait=setup.wait or "adaptive")
+    settings = WorkerSettings(str(artifact), options, micro_batches=setup.micro_batches, backend=args.backend,
                               threads=args.threads)
     max_seqs = str(max(args.concurrency))
     d = Deployment(artifact, settings, port=free_port(), log_dir=logs,

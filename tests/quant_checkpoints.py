@@ -188,14 +188,20 @@ def deepseek_v3_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: in
 
 
 def qwen3_moe_fp8(
-    directory: Path, block: tuple[int, int] = (32, 32), seed: int = 0, vocab_size: int = 128
+    directory: Path,
+    block: tuple[int, int] = (32, 32),
+    seed: int = 0,
+    vocab_size: int = 128,
+    moe_intermediate_size: int = 32,
 ) -> QuantCheckpoint:
     """Qwen3-MoE-shaped, as the ``-FP8`` releases ship: attention and experts fp8 in blocks, the
     router (``mlp.gate``) and LM head bf16 and listed, layer by layer, in modules_to_not_convert.
-    (``vocab_size`` 512 fits afdc's demo tokenizer, for serving.)"""
+    (``vocab_size`` 512 fits afdc's demo tokenizer, for serving.) An expert size that is no multiple of
+    the block leaves its experts' last blocks partial."""
     layers = 2
     config = Qwen3MoeConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=layers,
         num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=256,
     )  # fmt: skip
@@ -211,16 +217,17 @@ def qwen3_moe_fp8(
     return _write(directory, config, quantization, _fp8_block_quantizer(block, select), seed)
 
 
-def gpt_oss_mxfp4(directory: Path, seed: int = 0) -> QuantCheckpoint:
+def gpt_oss_mxfp4(directory: Path, seed: int = 0, intermediate_size: int = 64, top_k: int = 2) -> QuantCheckpoint:
     """gpt-oss-shaped: experts in MXFP4 as gpt-oss ships them, everything else bf16.
 
     The model's ``experts.gate_up_proj`` is ``[E, in, out]``; the hub stores ``gate_up_proj_blocks``
     ``[E, out, in/32, 16]`` and ``gate_up_proj_scales`` ``[E, out, in/32]`` (groups along ``in``),
-    and the same for ``down_proj``; expert biases stay bf16.
+    and the same for ``down_proj``; expert biases stay bf16. ``intermediate_size`` is the experts'
+    (a multiple of 32: MXFP4 has no partial groups), the hidden size 64.
     """
     config = GptOssConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_local_experts=4,
-        num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        vocab_size=128, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2, num_local_experts=4,
+        num_experts_per_tok=top_k, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
         max_position_embeddings=131072,
     )  # fmt: skip
     quantization = {
@@ -241,7 +248,7 @@ def gpt_oss_mxfp4(directory: Path, seed: int = 0) -> QuantCheckpoint:
 
 
 def llama_compressed_fp8(
-    directory: Path, per_channel: bool = True, static_input: bool = False, seed: int = 0
+    directory: Path, per_channel: bool = True, static_input: bool = False, seed: int = 0, intermediate_size: int = 96
 ) -> QuantCheckpoint:
     """Llama-shaped in compressed-tensors float8 (as llm-compressor writes it): every decoder linear
     fp8 with a ``weight_scale`` per channel ([out, 1]) or per tensor ([1]) in bf16; static input
@@ -251,8 +258,8 @@ def llama_compressed_fp8(
     by the static scale) is the w8a8 kernel's part, not the checkpoint's.
     """
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        vocab_size=128, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
     )  # fmt: skip
     strategy = "channel" if per_channel else "tensor"
     inputs = (

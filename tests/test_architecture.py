@@ -73,6 +73,10 @@ FORBIDDEN: list[tuple[tuple[str, ...], str, str]] = [
      "the runtime and the serving side take programs as they are lowered; graph analyses decide the split"),
     (("afdc.planner",), "afdc.runtime",
      "the planner reads graphs and segments (afdc.api.Built), not a runnable model"),
+    (("afdc.serve",), "afdc.lowering",
+     "the serving side takes programs as the runtime prepares them for its steps (afdc.runtime.flat_batches)"),
+    (("afdc.runtime.transport",), "afdc.runtime.options",
+     "the transports are what the runtime's options choose among (ConnectorKind lives with them)"),
 ]
 
 
@@ -163,6 +167,8 @@ def _planted(tmp_path, monkeypatch, module: str, source: str) -> dict[str, set[s
     ("afdc.runtime.bad", "afdc.passes.classify"),
     ("afdc.serve.bad", "afdc.passes.classify"),
     ("afdc.planner.bad", "afdc.runtime.model"),
+    ("afdc.serve.bad", "afdc.lowering.backends"),
+    ("afdc.runtime.transport.bad", "afdc.runtime.options"),
 ])
 def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch, importer, imported):
     """Each rule beyond the layers is live: a planted import it forbids is reported."""

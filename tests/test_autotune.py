@@ -76,3 +76,47 @@ def test_fused_moe_tunes_itself_when_enabled(tmp_path, monkeypatch):
     assert not autotune.enabled(args[0])
     monkeypatch.delenv("AFDC_AUTOTUNE")
     assert not autotune.enabled(args[0])  # by default only CUDA tunes
+
+
+def test_the_nearest_tuned_config_is_taken_by_sizes_then_tokens():
+    h200 = "fused_moe|NVIDIA H200|bfloat16|"
+    table = autotune.TunedTable({autotune.TuneKey.parse(h200 + shape): config for shape, config in [
+        ("1,128,2048,768", (16, 64, 128)), ("64,128,2048,768", (16, 128, 64)), ("4096,128,2048,768", (128, 128, 64)),
+        ("4096,256,7168,2048", (64, 256, 64)),
+    ]})
+    key = autotune.TuneKey.parse(h200 + "2,128,2048,768")
+    assert table.nearest(key) == (16, 64, 128)  # the sizes tuned, the nearest token bucket
+    assert table.nearest(autotune.TuneKey.parse(h200 + "1024,128,2048,768")) == (128, 128, 64)
+    assert table.nearest(autotune.TuneKey.parse(h200 + "512,128,2048,1024")) == (16, 128, 64)  # near sizes
+    assert table.nearest(autotune.TuneKey.parse(h200 + "512,8,512,256")) is None  # far from every tuned shape
+    assert table.nearest(autotune.TuneKey.parse("fused_moe|NVIDIA H100 80GB HBM3|bfloat16|1,128,2048,768")) is None
+    assert table.nearest(autotune.TuneKey.parse("fused_moe_fp8|NVIDIA H200|bfloat16|1,128,2048,768")) is None
+
+
+@pytest.mark.parametrize("text", ['{"fused_moe|cpu|float32|16,4": [16, "x", 16]}', "[1, 2]",
+                                  '{"fused_moe|cpu|float32|0,4": [16, 16, 16]}', '{"fused_moe|cpu": [16]}'])
+def test_a_malformed_table_is_refused_by_entry(tmp_path, text):
+    path = tmp_path / "autotuned.json"
+    path.write_text(text)
+    with pytest.raises(ValueError):
+        autotune.TunedTable.read(path)
+
+
+def test_fused_moe_takes_the_shipped_config_before_tuning(tmp_path, monkeypatch):
+    path = tmp_path / "autotuned.json"
+    path.write_text(json.dumps({"fused_moe|cpu|float32|16,4,32,16": [16, 16, 32]}))
+    monkeypatch.setenv("AFDC_TUNED_CONFIGS", str(path))
+    monkeypatch.setenv("AFDC_AUTOTUNE", "1")
+    autotune.shipped.cache_clear()
+
+    def no_tuning():
+        raise AssertionError("a shape the shipped table covers was tuned again")
+
+    monkeypatch.setattr(autotune, "tuner", no_tuning)
+    try:
+        near = autotune.TuneKey("fused_moe", "cpu", "float32", (8, 4, 32, 16))
+        assert autotune.shipped().nearest(near) == (16, 16, 32)
+        args = _moe()  # 5 tokens x top-2: the bucket of 16 pairs
+        torch.testing.assert_close(fused_moe_triton(*args), fused_moe_reference(*args), atol=1e-5, rtol=1e-5)
+    finally:
+        autotune.shipped.cache_clear()

@@ -260,6 +260,9 @@ def test_broken_artifacts_are_refused(saved, tmp_path):
     manifest = afdc.compile_model(str(src), "1A2F", out, progress=False)
     with pytest.raises(AfdcError, match="already exists"):
         afdc.compile_model(str(src), "1A2F", out, progress=False)
+    # refused before anything is read or compiled: a source that is not there is not even looked at
+    with pytest.raises(AfdcError, match="already exists"):
+        afdc.compile_model(str(tmp_path / "no-such-model"), "1A2F", out, progress=False)
     afdc.compile_model(str(src), "1A2F", out, progress=False, force=True)  # --force replaces it
 
     with pytest.raises(ArtifactError, match="rank 2 is not one"):

@@ -683,14 +683,14 @@ def test_a_waiter_that_can_be_woken_blocks_once_past_its_spin_and_never_past_its
 
 def test_an_attention_rank_polls_for_its_reply_and_an_ffn_server_only_with_cores_to_spare():
     from afdc.runtime.options import RuntimeOptions
-    from afdc.runtime.transport.base import SPIN_CORES, Pacing, default_spin
+    from afdc.runtime.transport.base import SPIN_CORES, default_spin
 
     assert default_spin("attn", 2) > 0  # its polls yield the core: it waits for a reply it asked for
     assert default_spin("ffn", 2) == 0.0 and default_spin("ffn", SPIN_CORES - 1) == 0.0
     assert default_spin("ffn", SPIN_CORES) > 0
     for role in ("attn", "ffn"):  # --spin sets every role's
-        assert Pacing.of(RuntimeOptions(spin=0.0), role).spin == 0.0
-        assert Pacing.of(RuntimeOptions(spin=0.5), role).spin == 0.5
+        assert RuntimeOptions(spin=0.0).pacing(role).spin == 0.0
+        assert RuntimeOptions(spin=0.5).pacing(role).spin == 0.5
 
 
 def _later(action, seconds: float = 0.1) -> threading.Thread:
@@ -848,3 +848,69 @@ def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrit
     got, (taken,) = reader.take(1)
     assert torch.equal(taken, y) and reader.pending() == []
     assert not writer.fits(65) and writer.fits(64)
+
+
+def test_a_gloo_peer_that_announces_a_payload_and_never_sends_it_loses_its_link_alone():
+    """Over gloo a message is a header, then its payload: a peer that sends the header of a
+    payload and never the payload loses its link within the transport's timeout, and only that
+    link. The other attention rank's messages are taken meanwhile and after (before, the stalled
+    link's receive waited until the next generation; gloo's own deadline would have closed
+    every link of the rank)."""
+    from afdc.runtime.transport.base import LEFT, Failure
+    from afdc.runtime.transport.gloo import GlooTransport
+
+    layout, deployment, timeout = Layout(2, 1), b"\x06" * 8, 2.0
+    address = f"127.0.0.1:{free_port()}"
+    rdvs = [Rendezvous(address, layout, deployment, "t", host=True)]
+    rdvs += [Rendezvous(address, layout, deployment, "t") for _ in range(2)]
+    transports: dict[int, GlooTransport] = {}
+
+    def form(slot: int) -> None:
+        group = rdvs[slot].join(slot, timeout=30)
+        transports[slot] = GlooTransport(rdvs[slot], group, slot, layout.role_rank(slot)[0], timeout=timeout)
+
+    threads = [threading.Thread(target=form, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    ffn = transports[2]
+    x = [torch.arange(25, dtype=torch.float32)]
+
+    def header(sender: int) -> wire.Header:
+        return wire.Header.carrying(wire.Kind.DATA, x, deployment=deployment, generation=ffn.group.generation,
+                                    step=1, layer=0, micro_batch=0, tokens=1, sender=sender)
+
+    stalled = torch.frombuffer(bytearray(header(0).encode()), dtype=torch.uint8)
+    header_only = transports[0].pg.send([stalled], 2, 1)  # on the headers' tag; its buffer must live on
+    started = time.monotonic()
+    transports[1].send(2, header(1), x)
+    first = ffn.collect(10)
+    assert [type(i) for i in first] == [Incoming] and first[0].header.sender == 1
+    assert torch.equal(first[0].tensors[0], x[0])
+    lost = ffn.collect(3 * timeout)
+    waited = time.monotonic() - started
+    assert [(type(i), i.peer) for i in lost] == [(Failure, 0)], lost
+    assert "announced a payload of 100 bytes and did not send it within 2 s" in lost[0].reason
+    assert timeout * 0.9 <= waited < 2 * timeout, waited
+    transports[1].send(2, header(1), x)  # the other link is whole
+    after = ffn.collect(10)
+    assert [type(i) for i in after] == [Incoming] and torch.equal(after[0].tensors[0], x[0])
+    told = transports[0].collect(10)  # the stalled peer is told its link was dropped
+    assert [(type(i), i.peer, i.reason) for i in told] == [(Failure, 2, LEFT)], told
+    for s in (1, 2):
+        transports[s].close()
+    del header_only
+
+
+def test_a_health_record_is_read_as_bounded_data():
+    """The store is writable by whoever reaches it: a health record is JSON of a known state and a
+    problem, at most 4 KiB; anything else reads as an unavailable rank that says why."""
+    from afdc.runtime.rendezvous import DEGRADED, SERVING, UNAVAILABLE, Health
+
+    held = Health(DEGRADED, "ffn rank 1 lost")
+    assert Health.decode(held.encode().encode()) == held and Health().state == SERVING
+    for raw, why in [(b"not json", "Expecting value"), (b'{"state": "fine", "problem": ""}', "state 'fine'"),
+                     (b'{"problem": ""}', "state"), (b"[" * 5000, "5000 bytes")]:
+        health = Health.decode(raw)
+        assert health.state == UNAVAILABLE and "malformed health record" in health.problem and why in health.problem

@@ -16,7 +16,7 @@ import torch
 pytestmark = pytest.mark.slow  # the dry run, a minute of subprocesses: run first (tests/conftest.py)
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
-SECTIONS = ["model", "interleave", "kernels", "transports"]  # most valuable first (issue 40)
+SECTIONS = ["served", "model", "kernels", "transports", "transports-nomps"]  # most valuable first (issue 51)
 DEVICE_CALL_S = 480  # one device call of at most 8 minutes
 
 
@@ -47,24 +47,30 @@ def test_the_session_fits_one_device_call_and_reads_only_the_repository():
 
 
 def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
-    timeout = sum(limit for _, limit, _ in _plan("--dry-run")) + 60
-    done = _session(tmp_path, "--dry-run", timeout=timeout)
+    every = [*SECTIONS, "interleave"]  # interleave runs by name only on a GPU; here it must not rot either
+    timeout = sum(limit for _, limit, _ in _plan("--dry-run", *every)) + 60
+    done = _session(tmp_path, "--dry-run", *every, timeout=timeout)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr
-    assert f"=== all {len(SECTIONS)} sections ok" in done.stdout
+    assert f"=== all {len(every)} sections ok" in done.stdout
 
+    served = json.loads((tmp_path / "served.json").read_text())
+    assert served["failed"] == [] and served["afd_ids_equal_monolithic"], served
+    # the demo in fp32 on the CPU: every served prompt's ids are dm.generate's
+    assert served["ids_equal_dm_generate"] == {"monolithic": 4, "afd": 4}
+    assert served["afd"]["c1"]["completed"] >= 4 and served["monolithic"]["c1"]["median_tpot_ms"] > 0
     model = json.loads((tmp_path / "model.json").read_text())
-    for name in ("moe", "deepseek"):
-        row = model[f"model/{name}/fp32/auto"]
-        assert row["ok"] and row["backend"] == "eager" and row["dm_greedy_equal"], row
-        assert row["dm_rel_diff"] <= 1e-4 and row["eager"]["per_token_ms"] is not None
+    row = model["model/moe/fp32/auto"]
+    assert row["ok"] and row["backend"] == "eager" and row["dm_greedy_equal"], row
+    assert row["dm_rel_diff"] <= 1e-4 and row["eager"]["per_token_ms"] is not None
     interleave = json.loads((tmp_path / "interleave.json").read_text())["interleave/moe/fp32/eager/shm"]
     assert interleave["ok"], interleave
     assert interleave["served_m1_greedy_equal"] and interleave["served_m2_greedy_equal"]
     kernels = json.loads((tmp_path / "kernels.json").read_text())
     assert {r["model"] for r in kernels["moe"]} == {"qwen3-30b-a3b", "deepseek-v3"}
     assert all(r["check"] in ("ok", "n/a") for r in kernels["moe"] + kernels["rows"])
-    transports = (tmp_path / "transports.log").read_text()
-    assert [line.split()[1] for line in transports.splitlines() if line.startswith("shm ")] == ["1", "16", "256"]
+    for log in ("transports.log", "transports-nomps.log"):
+        transports = (tmp_path / log).read_text()
+        assert [line.split()[1] for line in transports.splitlines() if line.startswith("shm ")] == ["1", "16", "256"]
 
 
 def test_a_section_out_of_time_fails_the_session_and_says_so(tmp_path):

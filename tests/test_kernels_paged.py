@@ -159,7 +159,7 @@ def _generate(dm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         ids = torch.tensor([x for t, n in zip(tokens, done) for x in t[n:]])[None]
         with torch.no_grad(), connectors.active(link), kv_cache.active(batch):
             logits = dm.attention_ranks[0](ids, torch.ones_like(ids), batch.positions).logits[0]
-        for r, row in enumerate(batch.last_rows.tolist()):
+        for r, row in enumerate(batch.logit_rows.tolist()):
             done[r] = len(tokens[r])
             tokens[r].append(int(logits[row].argmax()))
     return tokens

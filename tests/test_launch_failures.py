@@ -6,6 +6,7 @@ held by a live process) exits with the reason instead of waiting; strangers cann
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -246,3 +247,57 @@ def test_a_deployment_without_a_token_is_refused_unless_said_insecure(artifact, 
         Rendezvous(address, layout, deployment, None, host=True)
     host = Rendezvous(address, layout, deployment, None, host=True, insecure_no_token=True)
     assert host.token == "" and host.generation() == 0
+
+
+@pytest.mark.parametrize("connector", ["shm", "gloo"])
+def test_a_spare_takes_a_stalled_ffn_rank_over_and_the_original_leaves(artifact, tmp_path, connector):
+    """A hot spare (``afdc serve --role ffn --spare``) waits beside FFN rank 0. The rank stalls
+    (SIGSTOP, its process alive): the attention side loses it after ``--timeout`` and records the
+    loss; the spare claims the rank through the store (one compare-and-set), loads its weights
+    and serves it, and the tokens are the in-process ones. The original, resumed (SIGCONT), finds
+    its claim fenced off and exits instead of serving beside the spare."""
+    import os
+    import signal
+
+    from afdc.runtime.options import RuntimeOptions
+
+    dm = afdc.load_deployment(artifact)
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    ref = dm.generate(ids, max_new_tokens=4, pad_token_id=0)  # the FFN layers in process
+    address, timeout = f"127.0.0.1:{free_port()}", 3.0
+    dm.connect(RuntimeOptions(connector=connector, rendezvous=address, token="t", timeout=timeout, join_timeout=60),
+               host=True)
+    cmd = [sys.executable, "-m", "afdc.cli", "serve", str(artifact), "--role", "ffn", "--rendezvous", address,
+           "--token", "t", "--connector", connector, "--timeout", str(timeout), "--join-timeout", "60"]
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("original", "spare")}  # noqa: SIM115
+    original = subprocess.Popen([*cmd, "--rank", "0"], stderr=logs["original"])
+    spare = subprocess.Popen([*cmd, "--spare"], stderr=logs["spare"])
+    try:
+        assert torch.equal(dm.generate(ids, max_new_tokens=4, pad_token_id=0), ref)
+        while "waiting for a lost FFN rank" not in (tmp_path / "spare.log").read_text():
+            assert spare.poll() is None, (tmp_path / "spare.log").read_text()
+            time.sleep(0.1)
+        os.kill(original.pid, signal.SIGSTOP)
+        stalled = time.monotonic()
+        with pytest.raises(PeerLost, match="ffn rank 0 lost"):
+            dm.generate(ids, max_new_tokens=4, pad_token_id=0)
+        got = dm.generate(ids, max_new_tokens=4, pad_token_id=0)  # regroups with whoever serves rank 0
+        print(f"{connector}: a spare served the stalled rank {time.monotonic() - stalled:.1f} s after it stalled "
+              f"(--timeout {timeout:g} s of it)")
+        assert torch.equal(got, ref)
+        assert re.search(r"spare: claimed ffn rank 0 \(pid \d+ on \S+ since generation \d+\)",
+                         (tmp_path / "spare.log").read_text())
+        os.kill(original.pid, signal.SIGCONT)
+        assert original.wait(timeout=60) == 0
+        assert "ffn rank 0: replaced (the slot is served by pid" in (tmp_path / "original.log").read_text()
+        assert torch.equal(dm.generate(ids, max_new_tokens=4, pad_token_id=0), ref)  # still served, by the spare
+        assert spare.poll() is None
+    finally:
+        dm.disconnect()
+        for p in (original, spare):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
+            p.terminate()
+            p.wait(timeout=60)
+        for f in logs.values():
+            f.close()

@@ -408,7 +408,8 @@ def test_cli_plan_json_dtypes_and_plot(llama_config_file, tmp_path, llama):
 def test_cli_plan_unknown_hardware_fails_before_capture(llama_config_file):
     result = CliRunner().invoke(main, ["plan", llama_config_file, "--attn-hw", "H9000"])
     assert result.exit_code == 2
-    assert "unknown hardware 'H9000'; known: A100, A800, Ascend910B, B200, H100, H20, H200, H800, L40S" in result.output
+    known = "A100, A800, Ascend910B, Ascend910C, B200, GB200, H100, H20, H200, H800, L40S"
+    assert f"unknown hardware 'H9000'; known: {known}" in result.output
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
@@ -422,3 +423,110 @@ def test_times_of_a_tiny_model_keep_their_digits():
     assert [format_ms(x) for x in (26.86, 3.356, 0.1, 0.0235, 0.0, 2e-4)] == [
         "26.86 ms", "3.36 ms", "0.10 ms", "0.024 ms", "0.00 ms", "0.2 us"
     ]
+
+
+# --------------------------------------------------------------------------- interconnect, skew, W8A8, --compare
+
+
+def test_local_share_and_a_round_over_both_fabrics():
+    from afdc.planner.interconnect import local_share, round_time
+
+    assert local_share(8, 8) == 1.0 and local_share(1, 8) == 1.0
+    assert local_share(16, 8) == pytest.approx(7 / 15)  # 7 of 15 peers share the node
+    hw = replace(TOY, interconnect_bandwidth=4e9, nic_bandwidth=1e9, scale_up_latency=1e-6, nic_latency=5e-6)
+    # 8 MB, half the peers local: 4 MB at 4 GB/s = 1 ms beside 4 MB at 1 GB/s = 4 ms, plus the NIC's latency
+    assert round_time(8e6, 0.5, hw, 1.0) == pytest.approx(4e-3 + 5e-6)
+    assert round_time(8e6, 1.0, hw, 1.0) == pytest.approx(2e-3 + 1e-6)  # all in the domain
+    assert round_time(0.0, 0.5, hw, 1.0) == 0.0
+
+
+def test_per_message_latency_counts_once_per_transfer_in_afd_and_ep():
+    facts = _toy_facts(count=10)
+    slow = replace(TOY, scale_up_latency=1e-3)
+    one = replace(EXACT, micro_batches=1)
+    base, late = afd_step(facts, TOY, TOY, 1, 1, 8, one), afd_step(facts, slow, slow, 1, 1, 8, one)
+    # one micro-batch: a layer is a + f + c_out + c_back, and each transfer pays 1 ms more
+    assert late.tpot - base.tpot == pytest.approx(10 * 2 * 1e-3)
+    assert late.micro_batches == base.micro_batches == 1
+    from afdc.planner.deployment import mono_step
+
+    assert mono_step(facts, slow, 1, 8, EXACT).tpot == mono_step(facts, TOY, 1, 8, EXACT).tpot  # one GPU sends nothing
+    assert mono_step(facts, slow, 2, 8, EXACT).tpot > mono_step(facts, TOY, 2, 8, EXACT).tpot
+
+
+def test_expert_skew_slows_the_busiest_ffn_gpu_and_its_link():
+    # a MoE layer: 8 experts of 1 MB, top-2, no fixed part; compute 0.25 us per token
+    facts = _toy_facts(count=1, experts=8, top_k=2, expert_bytes=0.0)
+    even = replace(EXACT, micro_batches=2)
+    skewed = replace(even, expert_skew=1.5)
+    a, b = afd_step(facts, TOY, TOY, 4, 2, 8, even), afd_step(facts, TOY, TOY, 4, 2, 8, skewed)
+    assert b.times.ffn == pytest.approx(1.5 * a.times.ffn)
+    assert b.times.to_ffn == pytest.approx(1.5 * a.times.to_ffn)  # the FFN end of the link is the slower end
+    dense = _toy_facts(count=1)  # a dense FFN split by TP is balanced whatever the router
+    assert afd_step(dense, TOY, TOY, 4, 2, 8, skewed).tpot == afd_step(dense, TOY, TOY, 4, 2, 8, even).tpot
+
+
+def test_dispatch_dtype_and_fixed_micro_batches():
+    facts = _toy_facts(count=1)
+    bf16 = afd_step(facts, TOY, TOY, 1, 1, 8, replace(EXACT, micro_batches=2))
+    int8 = afd_step(facts, TOY, TOY, 1, 1, 8, replace(EXACT, micro_batches=2, dispatch_dtype="int8"))
+    assert bf16.micro_batches == int8.micro_batches == 2
+    # the toy's cut is captured at 2 bytes an element: int8 halves what goes out, not what comes back
+    assert int8.times.to_ffn == pytest.approx(bf16.times.to_ffn / 2)
+    assert int8.times.to_attn == pytest.approx(bf16.times.to_attn)
+
+
+def test_compare_margin_is_the_product_of_its_factors_and_the_dead_zone_is_where_afd_loses():
+    from afdc.planner.compare import factors
+
+    facts = {8192: _toy_facts(count=100), 4096: replace(_toy_facts(count=100), context=4096)}
+    slow_nic = replace(TOY, nic_bandwidth=1e8, interconnect_bandwidth=1e8, scale_up_domain=2)
+    c = afdc.planner.compare(facts, slow_nic, slow_nic, [0.5, 1, 4, 16], tpot_ms=50, a=EXACT, ffn_gpus=2)
+    assert c.contexts == [4096, 8192] and len(c.points) == 8
+    for p in c.points:
+        if p.margin is not None:
+            batch, step, share = factors(p)
+            assert batch * step * share == pytest.approx(1 + p.margin)
+    # a slow NIC caps what the FFN pool can be fed: the widest ratios lose
+    assert 16 in c.dead_zone(8192)
+    text = str(c)
+    assert "context 8192:" in text and "GPUs decoding x" in text
+    data = c.to_dict()
+    assert {p["winner"] for p in data["points"]} <= {"AFD", "EP", "none"} and len(data["verdicts"]) == 2
+
+
+def test_cli_plan_compare_json_and_plot(llama_config_file, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "compare.png"
+    args = ["plan", llama_config_file, "--compare", "--ratios", "1,2", "--contexts", "1024,4096", "--ffn-gpus", "1",
+            "--ep-gpus", "2", "--micro-batches", "2", "--expert-skew", "1.2", "--dispatch-dtype", "fp8",
+            "--scale-up-domain", "72", "--json", "--plot", str(png)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [(p["context"], p["ratio"], p["afd"], p["ep"]) for p in data["points"]] == [
+        (1024, 1.0, "1A1F", "EP2"), (1024, 2.0, "2A1F", "EP2"), (4096, 1.0, "1A1F", "EP2"), (4096, 2.0, "2A1F", "EP2")
+    ]  # fmt: skip
+    assert png.stat().st_size > 10_000
+    bad = CliRunner().invoke(main, ["plan", llama_config_file, "--compare", "--ratios", "a,b"])
+    assert bad.exit_code == 2 and "--ratios" in bad.output
+
+
+def test_cluster_profiles_name_a_source_for_every_figure():
+    figures = ("peak_flops", "hbm_bandwidth", "hbm_capacity", "interconnect_bandwidth", "nic_bandwidth",
+               "scale_up_domain", "scale_up_latency", "nic_latency")  # fmt: skip
+    for name in ("Ascend910C", "H800", "H20", "GB200", "H100"):
+        hw = get_profile(name)
+        assert set(figures) <= set(hw.sources), f"{name} lacks sources for {set(figures) - set(hw.sources)}"
+    c = get_profile("910C")
+    assert c.scale_up_domain == 768 and c.flops("int8") == 2 * c.flops("bf16")
+    assert get_profile("GB200").scale_up_domain == 72
+
+
+def test_hw_file_sources_must_name_known_fields(tmp_path):
+    path = tmp_path / "hw.json"
+    mine = {"name": "MyChip", "peak_flops": {"bf16": 5e14}, "hbm_bandwidth": 2e12, "hbm_capacity": 64e9,
+            "interconnect_bandwidth": 1e11, "nic_bandwidth": 2.5e10, "sources": {"hbm_bandwith": "typo"}}  # fmt: skip
+    path.write_text(json.dumps([mine]))
+    with pytest.raises(HardwareError, match=r"sources for unknown fields \['hbm_bandwith'\]"):
+        load_profiles(path)

@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ from afdc.artifact.manifest import read_manifest  # noqa: E402
 from afdc.cli import main  # noqa: E402
 from afdc.compile import compile_model  # noqa: E402
 from afdc.demo import demo_tokenizer, save_demo  # noqa: E402
+from afdc.runtime.options import RuntimeOptions  # noqa: E402
 from afdc.runtime.rendezvous import free_port  # noqa: E402
 from afdc.serve.cores import PAIR_TOKENS, SETTLE_STEPS, Placement, parse_cpus, pin_thread, shared_core  # noqa: E402
 from afdc.serve.settings import WorkerSettings  # noqa: E402
@@ -46,6 +48,7 @@ from models_supported.catalog import build, entry  # noqa: E402
 NEW_TOKENS = 6
 PROMPTS = [[5, 17, 99, 230], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300], [42], [260, 261, 262, 263, 264, 265]]
 STARTUP = 240.0
+RECOVERY = 45.0  # the MoE deployment's --ffn-recovery-timeout: longer than an FFN rank's restart here
 
 
 def _save_dense(directory: Path) -> None:
@@ -86,9 +89,10 @@ def _reference(artifact: Path, prompts: list[list[int]], new_tokens: int = NEW_T
 
 
 @contextlib.contextmanager
-def _serving(artifact: Path, connector: str, tmp: Path, vllm_args: tuple[str, ...] = (), backend: str | None = None):
-    settings = WorkerSettings(str(artifact), connector=connector, rendezvous=f"127.0.0.1:{free_port()}", timeout=60,
-                              backend=backend)
+def _serving(artifact: Path, connector: str, tmp: Path, vllm_args: tuple[str, ...] = (), backend: str | None = None,
+             recovery_timeout: float = 300.0):
+    options = RuntimeOptions(connector=connector, rendezvous=f"127.0.0.1:{free_port()}", timeout=60)
+    settings = WorkerSettings(str(artifact), options, backend=backend, recovery_timeout=recovery_timeout)
     # one API server in front of the DP engines (vLLM's default is one per DP rank): a cheaper start
     args = ("--max-model-len", "128", "--api-server-count", "1", *vllm_args)
     d = Deployment(artifact, settings, port=free_port(), vllm_args=args,
@@ -209,7 +213,7 @@ def moe_server(models, tmp_path_factory):
     (the FFN-kill drill last: it leaves the deployment serving again)."""
     artifact = _artifact(models, "moe", "2A2F")
     args = ("--return-tokens-as-token-ids", "--max-num-seqs", "32")
-    with _serving(artifact, "shm", tmp_path_factory.mktemp("moe-2a2f"), args) as (client, d):
+    with _serving(artifact, "shm", tmp_path_factory.mktemp("moe-2a2f"), args, recovery_timeout=RECOVERY) as (client, d):
         yield artifact, client, d
 
 
@@ -366,8 +370,28 @@ def test_load_and_bad_requests(moe_server):
         client.completions.create(model=model, prompt=[5] * 200, max_tokens=4)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt=[5, 6], max_tokens=4, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
-        client.completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body={"prompt_logprobs": 1})
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        client.completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body={"thinking_token_budget": 4})
+
+
+def test_prompt_logprobs_of_every_prompt_token_under_2a2f(moe_server, models):
+    """Prompt logprobs from both attention ranks, their steps split into micro-batches, while
+    other requests decode beside them."""
+    _, client, _ = moe_server
+    _assert_prompt_logprobs(client, models / "moe", [PROMPTS[1], list(range(40, 90))])
+
+
+def test_a_request_that_would_read_its_prompt_logprobs_from_the_prefix_cache_is_refused():
+    """vLLM skips the prefix cache for a request with prompt logprobs; one that overrides it
+    would get no logprobs for the cached positions, and is refused with the reason."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from afdc.serve.sampling import refuse_unsupported
+
+    refuse_unsupported(SamplingParams(prompt_logprobs=3))
+    with pytest.raises(VLLMValidationError, match="skip_reading_prefix_cache"):
+        refuse_unsupported(SamplingParams(prompt_logprobs=3, skip_reading_prefix_cache=False))
 
 
 def test_sampling_parameters_take_effect(moe_server):
@@ -390,6 +414,79 @@ def test_sampling_parameters_take_effect(moe_server):
     assert reason == "stop" and 77 not in out[:5] and len(out) <= 6
     first = demo_tokenizer().decode([greedy[0]])
     assert tokens(ignore_eos=True, bad_words=[first])[0][0] != greedy[0]
+
+
+def _hf_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """The Hugging Face model's log-softmax at each position of ``prompt``, ``[len(prompt), vocab]``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+
+
+def _assert_prompt_logprobs(client, model_dir: Path, prompts: list[list[int]]) -> None:
+    """``echo=True, logprobs=1`` (what lm-evaluation-harness's loglikelihood tasks send) returns
+    every prompt token's logprob as the Hugging Face model of ``model_dir`` computes it, and its
+    top token; ``prompt_logprobs=5`` (vLLM's parameter) the top 5 and the prompt token's own.
+    The requests run concurrently with greedy decodes, so that steps mix both."""
+    model = client.models.list().data[0].id
+
+    def echoed(prompt: list[int]) -> tuple[list, list]:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+        lp = r.choices[0].logprobs
+        assert _token_ids(client, lp.tokens[:len(prompt)]) == prompt
+        return lp.token_logprobs[:len(prompt)], lp.top_logprobs[:len(prompt)]
+
+    def top5(prompt: list[int]) -> list:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 5})
+        return r.choices[0].model_extra["prompt_logprobs"]
+
+    with ThreadPoolExecutor(8) as pool:
+        decodes = [pool.submit(_complete, client, p) for p in PROMPTS]
+        echoes = list(pool.map(echoed, prompts))
+        tops = list(pool.map(top5, prompts))
+        for d in decodes:
+            d.result()
+    for prompt, (logprobs, top), ranked in zip(prompts, echoes, tops):
+        ref = _hf_logprobs(model_dir, prompt)[:-1]  # position i predicts token i + 1
+        targets = torch.tensor(prompt[1:])
+        assert logprobs[0] is None and top[0] is None and ranked[0] is None
+        want = ref.gather(1, targets[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(logprobs[1:]), want, atol=2e-3), (logprobs[1:], want)
+        best = [max(t, key=t.get) for t in top[1:]]
+        assert _token_ids(client, best) == ref.argmax(-1).tolist()
+        for i, position in enumerate(ranked[1:]):
+            values, ids = ref[i].topk(5)
+            got = {int(t): v["logprob"] for t, v in position.items() if v["rank"] <= 5}
+            assert sorted(got) == sorted(ids.tolist())
+            assert torch.allclose(torch.tensor([got[t] for t in ids.tolist()]), values, atol=2e-3)
+            assert abs(position[str(prompt[i + 1])]["logprob"] - want[i].item()) < 2e-3
+
+
+def test_drafts_are_verified_by_vllms_rejection_sampler_on_a_cpu():
+    """Greedy verification as vLLM's kernel does it (here its torch twin, vLLM's Triton being off
+    without a GPU): each request keeps its drafts up to the first the model disagrees with, then
+    the model's own token; all agreeing, one more (the bonus); no drafts, the model's token.
+    A step that also holds a sampling request verifies none: each samples at its last real token."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.sampler import Sampler
+
+    from afdc.serve.sampling import SamplingRequest, sampling_metadata
+    from afdc.serve.speculation import Verifier
+
+    vocab, drafts = 16, [[3, 4], [], [7, 5], [6]]
+    logits = torch.full((sum(len(d) + 1 for d in drafts), vocab), -5.0)
+    for row, token in enumerate([3, 4, 9, 1, 2, 8, 5, 6, 11]):  # the model's argmax per row
+        logits[row, token] = 5.0
+    verifier = Verifier(Sampler())
+    requests = [SamplingRequest(SamplingParams(temperature=0), [1], [], None) for _ in drafts]
+    metadata = sampling_metadata(requests, vocab, torch.device("cpu"), LogitsProcessors())
+    tokens, _ = verifier(logits, drafts, replace(metadata, spec_token_ids=drafts))
+    assert tokens == [[3, 4, 9], [1], [2], [6, 11]]
+    assert not verifier.verifies([SamplingParams(temperature=0), SamplingParams(temperature=1.0)])
+    assert Verifier.unverified(logits, drafts).argmax(-1).tolist() == [3, 1, 2, 6]
 
 
 def _until_ready(proc: subprocess.Popen, port: int) -> str:
@@ -415,9 +512,47 @@ def _until_running(url: str, timeout: float = 60.0) -> None:
     raise TimeoutError(f"no request started running within {timeout:g} s")
 
 
-def test_ffn_rank_lost_mid_request(moe_server):
-    """SIGKILL the FFN rank while a request decodes: that request ends with a 503 naming the
-    lost rank, /health is 503 until the rank is restarted, then requests are served again."""
+def _health(url: str) -> tuple[int, dict[str, str], bytes]:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def test_ffn_rank_lost_mid_request_and_back_in_time_loses_no_request(moe_server):
+    """SIGKILL an FFN rank while requests decode: the attention ranks hold the step, /health
+    answers 200 "degraded" naming the lost rank (a probe that reads the status sees a live
+    server), and once the rank is restarted (within --ffn-recovery-timeout) every request
+    completes with the tokens of afdc's own generation: none is lost."""
+    artifact, client, d = moe_server
+    n = 40
+    ref = _reference(artifact, PROMPTS, n)
+    client = client.with_options(max_retries=0)
+    url = str(client.base_url).removesuffix("/v1/")
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        requests = [pool.submit(_complete, client, p, n) for p in PROMPTS]
+        _until_running(url)  # the requests decode: kill the FFN rank under them
+        d.processes["ffn-0"].kill()
+        lost = time.monotonic()
+        deadline = lost + RECOVERY / 2
+        while (health := _health(url))[0] == 200 and b"degraded" not in health[2] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status, headers, body = health
+        assert status == 200 and headers.get("x-afdc-health") == "degraded", health
+        assert json.loads(body)["status"] == "degraded" and "ffn rank 0" in json.loads(body)["problem"], body
+        assert not any(r.done() for r in requests)  # held, not failed
+        d.restart("ffn-0")
+        got = [r.result(timeout=RECOVERY + 60) for r in requests]
+    print(f"an FFN rank killed and restarted: requests held {time.monotonic() - lost:.1f} s")
+    assert got == ref
+    assert _health(url)[0:1] == (200,) and b"degraded" not in _health(url)[2]
+
+
+def test_ffn_rank_lost_and_not_back_in_time_gets_a_503_after_the_recovery_timeout(moe_server):
+    """SIGKILL the FFN rank while a request decodes and do not restart it: the request is held
+    for --ffn-recovery-timeout, then ends with a 503 naming the lost rank, and /health is 503;
+    once the rank is restarted, requests are served again."""
     artifact, client, d = moe_server
     ref = _reference(artifact, [PROMPTS[0]])[0]
     client = client.with_options(max_retries=0)
@@ -428,26 +563,37 @@ def test_ffn_rank_lost_mid_request(moe_server):
                            temperature=0, extra_body={"ignore_eos": True})
         _until_running(url)  # the request decodes: kill the FFN rank under it
         d.processes["ffn-0"].kill()
-        with pytest.raises(openai.APIStatusError) as lost:
-            long.result(timeout=60)
-    assert lost.value.status_code == 503 and "ffn rank 0" in str(lost.value)
-    with pytest.raises(urllib.error.HTTPError) as health:  # whichever attention rank reported it
-        urllib.request.urlopen(f"{url}/health")
-    assert health.value.code == 503 and b"ffn rank 0" in health.value.read()
+        lost = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as failed:
+            long.result(timeout=RECOVERY + 60)
+        held = time.monotonic() - lost
+    print(f"an FFN rank killed and not restarted: the request failed after {held:.1f} s")
+    assert failed.value.status_code == 503 and "ffn rank 0" in str(failed.value)
+    assert RECOVERY <= held < RECOVERY + 5, held
+    status, _, body = _health(url)  # whichever attention rank reported it
+    assert status == 503 and b"ffn rank 0" in body, body
     d.restart("ffn-0")
     wait_healthy(url, time.monotonic() + STARTUP, lambda: True)
     assert _complete(client, PROMPTS[0]) == ref
 
 
+# n-gram prompt lookup: up to 3 tokens that followed an earlier occurrence of the last 1-3 tokens
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
 def test_up_demo_serves_the_demo_model(tmp_path):
     """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model (MoE,
     1A1F, over shared memory), here with its FFN rank's batches padded to token buckets, which must
-    not change a token, and a small KV pool: prefix caching and preemption keep the outputs too."""
+    not change a token, a small KV pool: prefix caching and preemption keep the outputs too, and a
+    step budget of 32 tokens: prompt logprobs over a chunked prefill and after a cached prefix
+    equal the Hugging Face model's; all under n-gram speculative decoding, which must not change
+    a greedy token either, and whose drafts are verified and accepted."""
     port = free_port()
     env = {**os.environ, "AFDC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "afdc.cli", "up", "--demo", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-         "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids", *PREFIX_CACHING],
+         "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids", *PREFIX_CACHING,
+         "--max-num-batched-tokens", "32", "--speculative-config", json.dumps(NGRAM)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     started = ""
@@ -458,6 +604,13 @@ def test_up_demo_serves_the_demo_model(tmp_path):
         assert client.models.list().data[0].id == "afdc-demo"
         assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
         _assert_prefix_caching_and_preemption(client, artifact)
+        prefix = list(range(300, 340))
+        _complete(client, prefix)  # its blocks cached
+        _assert_prompt_logprobs(client, tmp_path / "cache" / "demo" / "model", [list(range(3, 73)), [*prefix, 11, 12]])
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        drafted, accepted = (_counter(metrics, f"vllm:spec_decode_num_{n}_tokens_total") for n in ("draft", "accepted"))
+        print(f"n-gram speculation: {accepted:g} of {drafted:g} draft tokens accepted")
+        assert drafted > 0 and accepted > 0
         _assert_placement(client, proc.pid, started)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -550,13 +703,24 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
     compile_model(str(tmp_path / "mpt"), "1A1F", tmp_path / "mpt-1a1f", progress=False)
     code, out = serve(str(tmp_path / "mpt-1a1f"), "--role", "attn", "--connector", "loopback")
     assert code == 2 and "decode recomputes the prefix (token mixers run inline" in out, out
+    # speculative decoding afdc cannot run (a drafter that is not in the artifact): refused before vLLM starts
+    for config, said in [('{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}', "EAGLE-3 heads"),
+                         ('{"model": "some/draft", "num_speculative_tokens": 2}', "a separate draft model"),
+                         ('{"method": "deepseek_mtp", "num_speculative_tokens": 1}', "multi-token-prediction layers"),
+                         ("{not json", "is not JSON")]:
+        code, out = serve(str(artifact), "--role", "attn", "--connector", "loopback", "--", "-sc", config)
+        assert code == 2 and said in out and ("ngram" in out or "JSON" in said), out
 
 
 def test_settings_round_trip_through_the_environment(monkeypatch):
-    s = WorkerSettings("/a", connector="shm", rendezvous="h:1", micro_batches=2, wait="cores")
+    s = WorkerSettings("/a", RuntimeOptions(connector="shm", rendezvous="h:1", spin=0.0, wait="cores"), micro_batches=2,
+                       cpus=(1,))
     for k, v in s.to_env().items():
         monkeypatch.setenv(k, v)
     assert WorkerSettings.from_env() == s
+
+
+SHM = RuntimeOptions(connector="shm", rendezvous="h:1")
 
 
 def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
@@ -565,7 +729,7 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     FFN ranks' command line carries the threads, the wait policy and the metrics interval."""
     from afdc.serve.up import ffn_command, threads_per_role
 
-    shm, mono = WorkerSettings("/a", connector="shm", rendezvous="h:1"), WorkerSettings("/a", connector="loopback")
+    shm, mono = WorkerSettings("/a", SHM), WorkerSettings("/a", RuntimeOptions(connector="loopback"))
     assert threads_per_role(afdc.Plan.parse("1A1F"), shm, cores=2) == 1
     assert threads_per_role(afdc.Plan.parse("1A1F"), mono, cores=2) == 1
     assert threads_per_role(afdc.Plan.parse("1A1F"), mono, cores=16) == 15
@@ -573,16 +737,16 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     assert threads_per_role(afdc.Plan.parse("2A2F"), shm, cores=16) == 3
     assert threads_per_role(afdc.Plan.parse("4A4F"), shm, cores=4) == 1
     assert threads_per_role(afdc.Plan.parse("1A1F"), WorkerSettings("/a", device="cuda:0"), cores=16) is None
-    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", spin=0.0, threads=3, log_interval=5), 0)
+    argv = ffn_command(WorkerSettings("/a", replace(SHM, spin=0.0, log_interval=5), threads=3), 0)
     assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--spin") + 1] == "0.0"
     assert argv[argv.index("--log-interval") + 1] == "5"
     assert "--spin" not in ffn_command(shm, 0) and "--threads" not in ffn_command(shm, 0)
-    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", wait="cores"), 0)
+    argv = ffn_command(WorkerSettings("/a", RuntimeOptions(connector="shm", rendezvous="h:1", wait="cores")), 0)
     assert argv[argv.index("--wait") + 1] == "cores"
     assert "--cpus" not in ffn_command(shm, 0)
-    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", cpus=(1, 3)), 0)
+    argv = ffn_command(WorkerSettings("/a", SHM, cpus=(1, 3)), 0)
     assert argv[argv.index("--cpus") + 1] == "1,3" and "--pin-tokens" not in argv
-    argv = ffn_command(WorkerSettings("/a", connector="shm", rendezvous="h:1", cpus=(1,), pin_tokens=8), 0)
+    argv = ffn_command(WorkerSettings("/a", SHM, cpus=(1,), pin_tokens=8), 0)
     assert argv[argv.index("--cpus") + 1] == "1" and argv[argv.index("--pin-tokens") + 1] == "8"
 
 
@@ -669,3 +833,71 @@ def test_a_placement_the_host_refuses_leaves_the_thread_where_it_is(caplog):
     assert where == [every, every]
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "attention rank 0 cannot move to cores" in warned[0].getMessage()
+
+
+def test_ctrl_c_while_the_ffn_rank_waits_for_the_store_stops_every_role_promptly(models, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) while `afdc up`'s FFN rank waits for the
+    store, which the attention rank hosts once its vLLM engine is up: every process is gone
+    within a few seconds, and `afdc up` says the stop was asked for (before, the FFN rank sat
+    in c10d's connect retry for about 40 s, and `afdc up` reported that the server exited before
+    it became healthy)."""
+    import psutil
+
+    artifact = _artifact(models, "moe", "1A1F")
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "afdc.cli", "up", str(artifact), "--port", str(free_port()), "--log-dir", str(logs),
+         "--stop-timeout", "5", "--", "--max-model-len", "128"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + STARTUP
+        while "reaching the rendezvous store" not in _read(logs / "ffn-0.log") and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        time.sleep(1.0)  # in the wait
+        roles = psutil.Process(proc.pid).children(recursive=True)
+        asked = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - asked
+        psutil.wait_procs(roles, timeout=5)
+        alive = [p for p in roles if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(f"afdc up stopped {took:.1f} s after SIGINT")
+    assert "ready:" not in out, out  # the stop came while starting
+    assert "stopping every role (asked for by SIGINT)" in out and "exited before it became healthy" not in out, out
+    assert proc.returncode == 0, out
+    assert not alive, alive
+    assert took < 10, took
+    assert "ffn rank 0: stopped (asked for by SIGINT)" in _read(logs / "ffn-0.log")
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def test_soak_under_faults_loses_no_request(models, tmp_path):
+    """benchmarks/soak_faults.py, shortened: `afdc up` of the MoE model at 2A2F with one hot spare
+    serves 24 requests, 8 in flight, while the process serving FFN rank 0 is SIGKILLed, then the
+    one serving rank 1, then the spare that claims rank 1 while it loads: every request completes
+    with the tokens of dm.generate, none errors, and the processes that served through the run
+    kept their open file descriptors and about their resident memory."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from soak_faults import soak
+
+    s = soak(_artifact(models, "moe", "2A2F"), tmp_path / "logs", requests=24, concurrency=8, tokens=8, kills=3)
+    print(f"soak: p50 {s.faulted.percentile(50):.2f} s, p99 {s.faulted.percentile(99):.2f} s with faults "
+          f"(clean {s.clean.percentile(50):.2f} s, {s.clean.percentile(99):.2f} s); takeovers {s.takeovers}; "
+          f"kills {s.kills}")
+    for run in (s.clean, s.faulted):
+        assert not run.errors and not run.mismatches, (run.errors, run.mismatches)
+        assert len(run.latencies) == 24
+    assert len(s.kills) == 3, s.kills
+    served = {name: r for name, r in s.resources.items() if not name.endswith("spare")}  # a spare's grow as it serves
+    assert len(served) >= 4, s.resources  # afdc up, the API server, the engines, an FFN server at least
+    for name, (rss, fds, rss_after, fds_after) in served.items():
+        assert fds_after <= fds + 8, f"{name}: {fds} -> {fds_after} open files"
+        assert rss_after <= 1.25 * rss + (64 << 20), f"{name}: RSS {rss >> 20} -> {rss_after >> 20} MiB"

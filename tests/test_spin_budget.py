@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from afdc.runtime.options import RuntimeOptions, WaitPolicy
-from afdc.runtime.transport.base import Pacing, Waiter, default_spin
+from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.transport.base import Pacing, Waiter, WaitPolicy, default_spin
 from afdc.runtime.transport.spin_budget import BudgetSettings, SpinBudget
 
 US = 1e-6
@@ -131,10 +131,10 @@ def test_a_waiter_spins_for_what_its_budget_has_left_since_the_post():
 
 def test_spin_overrides_the_policy_and_the_earlier_one_stays_selectable():
     for role in ("attn", "ffn"):
-        assert Pacing.of(RuntimeOptions(), role).spin is None  # adaptive by default
-        assert Pacing.of(RuntimeOptions(spin=0.0), role).spin == 0.0  # --spin sets every role's
-        assert Pacing.of(RuntimeOptions(spin=0.5, wait="cores"), role).spin == 0.5
-        assert Pacing.of(RuntimeOptions(wait="cores"), role).spin == default_spin(role)
+        assert RuntimeOptions().pacing(role).spin is None  # adaptive by default
+        assert RuntimeOptions(spin=0.0).pacing(role).spin == 0.0  # --spin sets every role's
+        assert RuntimeOptions(spin=0.5, wait="cores").pacing(role).spin == 0.5
+        assert RuntimeOptions(wait="cores").pacing(role).spin == default_spin(role)
     assert RuntimeOptions(wait="adaptive").wait is WaitPolicy.ADAPTIVE
     with pytest.raises(Exception, match="adaptive, cores"):
         RuntimeOptions(wait="fast")

@@ -221,7 +221,8 @@ class HostileRank:
     def send(self, m: Message) -> bool:
         """Put ``m`` on the wire as it is; never raises for a link the server closed. True where
         this left the link stalled: over gloo a payload announced and never sent (a stream of its
-        own has no end to hear), which the server waits for on that link alone."""
+        own has no end to hear), which the server waits for on that link alone, until its timeout
+        (tests/test_distributed.py checks that it then drops the link)."""
         try:
             if self.connector == "gloo":
                 return self._send_gloo(m)
@@ -291,8 +292,10 @@ class HostileRank:
         return False
 
     def _gloo_send(self, data: bytes, tag: int) -> None:
+        """Headers (tag 1) on the group of all ranks, payloads (tag 2) on the link's group of two."""
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._gloo_sends.append((buffer, self.transport.pg.send([buffer], self.server, tag)))
+        group, peer = (self.transport.pg, self.server) if tag == 1 else self.transport._links[self.server]
+        self._gloo_sends.append((buffer, group.send([buffer], peer, tag)))
 
     def probe(self) -> str:
         """Ask something the server must refuse (a DATA for a layer that does not exist, no

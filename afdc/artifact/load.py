@@ -21,10 +21,10 @@ from afdc.codegen import fused_moe_quant as _fused_moe_quant_ops  # noqa: F401
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.mixer_modules import Mixers
 from afdc.runtime.model import DisaggregatedModel, ModelTraits
-from afdc.runtime.options import ConnectorKind
 from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.rendezvous import Layout
 from afdc.runtime.tensor_parallel import TensorParallelAttention
+from afdc.runtime.transport import ConnectorKind
 from afdc.segment import SegmentBinding
 
 

@@ -8,6 +8,11 @@ them by power-of-2 bucket.
 
 Tuning is on by default on CUDA and off elsewhere (``AFDC_AUTOTUNE=1`` or ``0`` overrides):
 interpreter timings on a CPU say nothing about a GPU.
+
+Results tuned offline ship with afdc as data (``afdc/data/autotuned.json``, written by
+``benchmarks/tune_fused_moe.py`` on each device, as vLLM keeps its fused-MoE configs): a launch
+takes the nearest shipped entry of its kernel, device and dtype (:meth:`TunedTable.nearest`)
+before it tunes anything itself.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -40,6 +46,15 @@ class TuneKey:
 
     def __str__(self) -> str:
         return f"{self.kernel}|{self.device}|{self.dtype}|{','.join(map(str, self.shape))}"
+
+    @classmethod
+    def parse(cls, text: str) -> TuneKey:
+        """The key :meth:`__str__` wrote, or ValueError."""
+        kernel, device, dtype, shape = text.split("|")
+        dims = tuple(int(d) for d in shape.split(","))
+        if not kernel or not device or not dtype or not dims or min(dims) < 1:
+            raise ValueError(f"not a tuning key: {text!r}")
+        return cls(kernel, device, dtype, dims)
 
     @classmethod
     def of(cls, kernel: str, like: torch.Tensor, shape: Sequence[int]) -> TuneKey:
@@ -133,3 +148,64 @@ class Autotuner:
 def tuner() -> Autotuner:
     default = Path.home() / ".cache" / "afdc" / "autotune.json"
     return Autotuner(os.environ.get("AFDC_AUTOTUNE_CACHE", default))
+
+
+def _config(value: object) -> Config:
+    """A stored config: a short list of positive ints (data from a file, so checked)."""
+    if not isinstance(value, list) or not 0 < len(value) <= 8 or not all(
+            type(v) is int and 0 < v <= 1 << 16 for v in value):
+        raise ValueError(f"not a config of block sizes: {value!r}")
+    return tuple(value)
+
+
+class TunedTable:
+    """Configs tuned offline for named devices, keyed as :class:`TuneKey` (the first dimension of a
+    shape being the token-count bucket, the rest the problem's sizes)."""
+
+    MAX_ENTRIES = 100_000
+    # a shape further than this from every tuned one (sum over its sizes of |log2 ratio|) gets none
+    MAX_SHAPE_DISTANCE = 1.0
+
+    def __init__(self, entries: dict[TuneKey, Config]):
+        self.entries = entries
+
+    @classmethod
+    def read(cls, path: str | Path) -> TunedTable:
+        """The table in ``path``: a JSON object of key to config, validated entry by entry."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or len(data) > cls.MAX_ENTRIES:
+            raise ValueError(f"{path}: not a table of tuned configs (a JSON object of at most {cls.MAX_ENTRIES})")
+        return cls({TuneKey.parse(k): _config(v) for k, v in data.items()})
+
+    def nearest(self, key: TuneKey) -> Config | None:
+        """The config of the entry nearest ``key`` among those of its kernel, device and dtype: the
+        nearest problem sizes first, then the nearest token bucket; None where none is near."""
+        def distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:
+            return sum(abs(math.log2(x / y)) for x, y in zip(a, b))
+
+        same = [k for k in self.entries if (k.kernel, k.device, k.dtype) == (key.kernel, key.device, key.dtype)
+                and len(k.shape) == len(key.shape)]
+        if not same:
+            return None
+        sizes = min(distance(k.shape[1:], key.shape[1:]) for k in same)
+        if sizes > self.MAX_SHAPE_DISTANCE:
+            return None
+        closest = [k for k in same if distance(k.shape[1:], key.shape[1:]) == sizes]
+        best = min(closest, key=lambda k: (distance(k.shape[:1], key.shape[:1]), k.shape[0]))
+        return self.entries[best]
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "autotuned.json"
+
+
+@functools.cache
+def shipped() -> TunedTable:
+    """The configs tuned offline that ship with afdc (``$AFDC_TUNED_CONFIGS`` names another file)."""
+    path = os.environ.get("AFDC_TUNED_CONFIGS", SHIPPED)
+    try:
+        return TunedTable.read(path)
+    except FileNotFoundError:
+        return TunedTable({})
+    except (OSError, ValueError) as err:
+        logger.warning("afdc autotune: ignoring the tuned configs in %s (%s)", path, err)
+        return TunedTable({})

@@ -35,6 +35,7 @@ from afdc.codegen.fused_moe import w8a8_block_k
 from afdc.codegen.quant_tiles import (
     quantize_token_groups,
     quantize_token_groups_reference,
+    rounded,
     rounding_grid,
     weight_tile,
 )
@@ -155,6 +156,8 @@ def _fp8_linear_kernel(
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+    if UPCAST:  # the interpreter's downcast truncates (quant_tiles.rounded): round to nearest first
+        acc = rounded(acc, GRID_MANTISSA, GRID_MIN_EXP)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 

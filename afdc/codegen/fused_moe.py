@@ -596,12 +596,14 @@ def launch(
         return torch.zeros_like(x)
     has_shared = e.s_gate is not None
     shared_inter = e.s_gate.shape[0] if has_shared else 0
-    if tiles == (None, None, None) and autotune.enabled(x):
+    if tiles == (None, None, None):
         # the weights' layout and a shared expert change which tiles read memory best
         kernel += f"_shared{shared_inter}" if has_shared else ""
         key = autotune.TuneKey.of(kernel, w_gate_up, (next_power_of_2(num_pairs), num_local, hidden, inter))
-        tiles = autotune.tuner().best(key, candidate_block_sizes(hidden, inter),
-                                      lambda tried: launch(e, scales, tried, kernel), x)
+        tiles = autotune.shipped().nearest(key) or tiles  # tuned offline for this device
+        if tiles == (None, None, None) and autotune.enabled(x):
+            tiles = autotune.tuner().best(key, candidate_block_sizes(hidden, inter),
+                                          lambda tried: launch(e, scales, tried, kernel), x)
     block_m, block_n, block_k = (given or default for given, default in
                                  zip(tiles, default_block_sizes(num_pairs, num_local, hidden, inter)))
     w8a8 = scales is not None and scales.w8a8

@@ -42,9 +42,10 @@ def rounded(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     """``v`` (fp32) rounded to nearest, ties to even, onto the grid of a float with ``MANTISSA``
     bits and normal exponents from ``MIN_EXP``: what a cast to that float gives, kept in fp32.
 
-    Triton's interpreter drops the carry when a downcast rounds up to the next power of 2 (to fp8,
-    -125.2 became -64; to bf16 a weight lost half its value), so under it kernels round with this
-    and cast (exactly) after."""
+    Triton's interpreter does not round to nearest on a downcast: to bf16 it truncates (1.0059 became
+    1.0, not 1.0078; 0.99999 became 0.996, not 1.0), and it drops the carry when rounding up reaches
+    the next power of 2 (to fp8, -125.2 became -64), so under it kernels round with this and cast
+    (exactly) after, outputs included."""
     if MANTISSA == 0:
         return v
     ulp = tl.math.exp2(tl.maximum(tl.floor(tl.log2(tl.abs(v))), MIN_EXP) - MANTISSA)

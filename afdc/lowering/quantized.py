@@ -125,8 +125,7 @@ def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: Quant
         return seg
     graph = seg.graph
     places = weights(graph)
-    if any(len(quant.scheme.parameter(first[i]).shape) == 3 for i in quantized):
-        experts_as_op(graph)
+    matched = experts_as_op(graph) if any(len(quant.scheme.parameter(first[i]).shape) == 3 for i in quantized) else None
     splits = list(seg.splits)
     added: dict[int, dict[Role, fx.Node]] = {}
     for i in quantized:
@@ -157,6 +156,8 @@ def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: Quant
             _linears(graph, places[i], added[i], p.block)
     experts = [i for i in quantized if len(scheme.parameter(first[i]).shape) == 3]
     _experts(graph, {places[i]: (scheme.parameter(first[i]), added[i]) for i in experts})
+    for i in experts:
+        _only_quantized_ops(places[i], first[i], matched.skipped if matched else [])
     graph.eliminate_dead_code()
     graph.lint()
     return replace(seg, splits=tuple(splits))
@@ -210,6 +211,18 @@ def _experts(graph: fx.Graph, quantized: dict[fx.Node, tuple]) -> None:
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+
+
+def _only_quantized_ops(weight: fx.Node, parameter: str, unmatched: list[str]) -> None:
+    """Refuses quantized experts that a graph op other than a quantized one still reads: the routed
+    experts were not recognised as one fused MoE, and the bf16 op would read the stored bytes."""
+    others = [u for u in weight.users if u.target not in (FusedMoeFp8Call.OP, FusedMoeMxfp4Call.OP)]
+    if others:
+        raise UnsupportedModelError(
+            f"{parameter} is stored quantized but {others[0].name} ({op_name(others[0])}) reads it: afdc did not "
+            f"recognise these routed experts as one fused MoE ({'; '.join(unmatched) or 'no grouped matmul found'}), "
+            "and only that has quantized kernels; use the model's bf16 checkpoint"
+        )
 
 
 # -- the attention graph -------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ A serving step samples one token per request, at its last scheduled token; the c
 computes logits for every token of the step, so a long prefill pays the LM head (the widest
 matmul of the model) and a ``[T, vocab]`` tensor for logits it throws away. This pass puts
 ``afdc::sampled_rows`` in front of the LM head: it keeps the rows the active step names
-(``PagedBatch.last_rows``) and passes everything through otherwise.
+(``PagedBatch.logit_rows``) and passes everything through otherwise.
 
 A program without an LM head that :func:`afdc.lowering.lm_head.lm_head` finds is left unchanged.
 """

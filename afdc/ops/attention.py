@@ -127,11 +127,11 @@ def _(keys, slot, length):
 def sampled_rows_body(hidden: torch.Tensor) -> torch.Tensor:
     """The token rows of ``hidden [1, T, ...]`` whose logits are wanted.
 
-    All of them, unless the active cache context lists ``last_rows`` (a serving step samples each
+    All of them, unless the active cache context lists ``logit_rows`` (a serving step samples each
     request's last token only: the LM head then runs on R rows, not on every prefill token).
     """
     cache = context.current_cache()
-    rows = getattr(cache, "last_rows", None)
+    rows = getattr(cache, "logit_rows", None)
     return hidden.clone() if rows is None else hidden.index_select(1, rows)
 
 

@@ -26,7 +26,7 @@ class AttentionCache(Protocol):
     ``attend`` stores ``k``/``v`` (``[b, hk, s, d]``) in ``slot`` and returns the attention of ``q``
     (``[b, hq, s, d]``) over everything cached for the slot, ``[b, s, hq, dv]``. ``mask`` and
     ``window`` are the call's own; a cache that knows better where each query's keys are (a paged
-    cache over a flat batch of requests) may ignore them. ``last_rows``, where set, lists the token
+    cache over a flat batch of requests) may ignore them. ``logit_rows``, where set, lists the token
     rows whose logits a step wants (``afdc::sampled_rows``). A cache that keeps a sparse-attention
     indexer's keys has ``extend_keys(slot, keys [b, s, d]) -> [b, kv, d]`` (``afdc::cached_keys``).
     """

@@ -42,10 +42,11 @@ The modules, each built on those before it:
 - :mod:`~afdc.planner.plotting`: ``--plot`` (matplotlib, imported only then).
 """
 
+from afdc.planner.compare import Comparison, compare
 from afdc.planner.cost import DecodeCost, decode_cost
 from afdc.planner.deployment import Deployment, afd_step
 from afdc.planner.facts import LayerFacts, ModelFacts, model_facts, split_for_planning
-from afdc.planner.plotting import plot, require_matplotlib
+from afdc.planner.plotting import plot, plot_comparison, require_matplotlib
 from afdc.planner.result import PlanResult, Shortfall
 from afdc.planner.roofline import Assumptions, Balance, balance, fan_out, ffn_bytes_per_gpu, ffn_read_per_gpu
 from afdc.planner.search import plan, ratio_curve
@@ -53,6 +54,7 @@ from afdc.planner.search import plan, ratio_curve
 __all__ = [
     "Assumptions",
     "Balance",
+    "Comparison",
     "DecodeCost",
     "Deployment",
     "LayerFacts",
@@ -61,6 +63,7 @@ __all__ = [
     "Shortfall",
     "afd_step",
     "balance",
+    "compare",
     "decode_cost",
     "fan_out",
     "ffn_bytes_per_gpu",
@@ -68,6 +71,7 @@ __all__ = [
     "model_facts",
     "plan",
     "plot",
+    "plot_comparison",
     "ratio_curve",
     "require_matplotlib",
     "split_for_planning",

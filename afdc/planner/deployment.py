@@ -10,13 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from afdc.planner.facts import ModelFacts
-from afdc.planner.hardware import HardwareProfile
+from afdc.planner.facts import LayerFacts, ModelFacts
+from afdc.planner.hardware import HardwareProfile, dtype_bytes
+from afdc.planner.interconnect import link_name, local_share, round_time, shared_domain
 from afdc.planner.roofline import (
     GB,
     Assumptions,
     attention_batch_memory,
     attention_time,
+    busiest,
     fan_out,
     ffn_memory,
     ffn_time,
@@ -86,31 +88,47 @@ class Step:
     times: LayerTimes
 
 
+def afd_local_share(hw_a: HardwareProfile, hw_f: HardwareProfile, gpus: int) -> float:
+    """Share of an attention GPU's FFN peers inside its scale-up domain (0 for two chips)."""
+    return local_share(gpus, hw_a.scale_up_domain) if shared_domain(hw_a, hw_f) else 0.0
+
+
 def cut_link(hw_a: HardwareProfile, hw_f: HardwareProfile, gpus: int) -> tuple[str, float, float]:
-    """Same chip within one scale-up domain: the interconnect; otherwise the NIC."""
-    if hw_a.name == hw_f.name and gpus <= hw_a.scale_up_domain:
-        return "interconnect", hw_a.interconnect_bandwidth, hw_f.interconnect_bandwidth
-    return "NIC", hw_a.nic_bandwidth, hw_f.nic_bandwidth
+    """What carries the AFD exchange among ``gpus`` GPUs, and the bandwidth of each end's main
+    fabric: the interconnect within one scale-up domain, else (mostly) the NIC."""
+    local = afd_local_share(hw_a, hw_f, gpus)
+    if local >= 1:
+        return link_name(local), hw_a.interconnect_bandwidth, hw_f.interconnect_bandwidth
+    return link_name(local), hw_a.nic_bandwidth, hw_f.nic_bandwidth
 
 
-def _afd_layer(facts, hw_a, hw_f, x, y, b, a: Assumptions) -> tuple[list[tuple[int, float, float, float, float]], str]:
+def dispatch_bytes(facts: ModelFacts, layer: LayerFacts, a: Assumptions) -> float:
+    """Bytes of one token's hidden state on its way to the FFN, at the dispatch dtype."""
+    if a.dispatch_dtype is None:
+        return layer.to_ffn_bytes
+    return layer.to_ffn_bytes * dtype_bytes(a.dispatch_dtype) / facts.cut_element_bytes
+
+
+def _afd_layer(facts, hw_a, hw_f, x, y, b, a: Assumptions) -> list[tuple[int, float, float, float, float]]:
     """Per layer class (count, attention, ffn, to ffn, to attention) for micro-batches of ``b``."""
-    link, bw_a, bw_f = cut_link(hw_a, hw_f, x + y)
+    local = afd_local_share(hw_a, hw_f, x + y)
     rows = []
     for layer in facts.layers:
         t_a = attention_time(layer, hw_a, facts.weight_dtype, b, a)
-        t_f = ffn_time(layer, hw_f, facts.weight_dtype, y, x * b, a)
+        t_f = ffn_time(layer, hw_f, facts.weight_dtype, y, busiest(layer, x * b, a), a)
         copies = b * fan_out(layer, y, a.dense_ffn)  # hidden states one attention GPU sends per micro-batch
-        to_ffn = _m2n_time(copies * layer.to_ffn_bytes, x / y, bw_a, bw_f, a)
-        to_attn = _m2n_time(copies * layer.to_attn_bytes, x / y, bw_a, bw_f, a)
+        load = busiest(layer, x / y, a)  # attention GPUs' worth of traffic the busiest FFN GPU carries
+        to_ffn = _m2n_time(copies * dispatch_bytes(facts, layer, a), load, local, hw_a, hw_f, a)
+        to_attn = _m2n_time(copies * layer.to_attn_bytes, load, local, hw_a, hw_f, a)
         rows.append((layer.count, t_a, t_f, to_ffn, to_attn))
-    return rows, link
+    return rows
 
 
-def _m2n_time(per_attention_gpu: float, ratio: float, bw_a: float, bw_f: float, a: Assumptions) -> float:
-    """Both ends of the many-to-many: an attention GPU's link, and an FFN GPU's link carrying
-    ``ratio`` attention GPUs' worth (the Baidu roofline's scale-out cap on the FFN batch)."""
-    return max(per_attention_gpu / bw_a, ratio * per_attention_gpu / bw_f) / a.network_efficiency
+def _m2n_time(per_attention_gpu: float, load: float, local: float, hw_a, hw_f, a: Assumptions) -> float:
+    """Both ends of the many-to-many: an attention GPU's links, and an FFN GPU's carrying
+    ``load`` attention GPUs' worth (the Baidu roofline's scale-out cap on the FFN batch)."""
+    eff = a.network_efficiency
+    return max(round_time(per_attention_gpu, local, hw_a, eff), round_time(load * per_attention_gpu, local, hw_f, eff))
 
 
 def _sum_times(rows) -> LayerTimes:
@@ -121,11 +139,15 @@ def afd_step(
     facts: ModelFacts, hw_a: HardwareProfile, hw_f: HardwareProfile, x: int, y: int, batch: int, a: Assumptions
 ) -> Step:
     """TPOT of ``xAyF`` at ``batch`` sequences per attention GPU, micro-batches chosen by
-    MegaScale-Infer's rule m >= 2(1 + Tc/Tf), Tc the one-way transfer, Tf the FFN time."""
+    MegaScale-Infer's rule m >= 2(1 + Tc/Tf), Tc the one-way transfer, Tf the FFN time (or
+    fixed by :attr:`Assumptions.micro_batches`)."""
     m_max = max(1, min(a.max_micro_batches, batch))
+    first = min(2, m_max)
+    if a.micro_batches is not None:
+        first = m_max = max(1, min(a.micro_batches, batch))
     chosen = None
-    for m in range(min(2, m_max), m_max + 1):
-        rows, _ = _afd_layer(facts, hw_a, hw_f, x, y, batch / m, a)
+    for m in range(first, m_max + 1):
+        rows = _afd_layer(facts, hw_a, hw_f, x, y, batch / m, a)
         t = _sum_times(rows)
         needed = 2 * (1 + (t.comm / 2) / t.ffn) if t.ffn > 0 else 2.0
         chosen = (m, needed, rows, t)
@@ -140,19 +162,22 @@ def afd_step(
 
 def mono_step(facts: ModelFacts, hw: HardwareProfile, gpus: int, batch: int, a: Assumptions) -> Step:
     """TPOT of DP attention + EP FFN on ``gpus`` GPUs: attention and FFN share each GPU, so only
-    the dispatch and combine overlap with compute (two-batch overlap when it pays)."""
-    link = hw.interconnect_bandwidth if gpus <= hw.scale_up_domain else hw.nic_bandwidth
+    the dispatch and combine overlap with compute (two-batch overlap when it pays). The all-to-all
+    runs over the same fabrics as AFD's exchange: the scale-up domain, and the NIC beyond it."""
+    local = local_share(gpus, hw.scale_up_domain)
+    eff = a.network_efficiency
     best = None
     for m in range(1, min(2, batch) + 1):
         b, rows = batch / m, []
         for layer in facts.layers:
             t_a = attention_time(layer, hw, facts.weight_dtype, b, a)
-            t_f = ffn_time(layer, hw, facts.weight_dtype, gpus, gpus * b, a)
-            remote = fan_out(layer, gpus, a.dense_ffn) * (gpus - 1) / gpus  # the local rank costs no transfer
-            bw = link * a.network_efficiency
-            rows.append(
-                (layer.count, t_a, t_f, b * layer.to_ffn_bytes * remote / bw, b * layer.to_attn_bytes * remote / bw)
-            )
+            t_f = ffn_time(layer, hw, facts.weight_dtype, gpus, busiest(layer, gpus * b, a), a)
+            # copies that leave the GPU (the local rank costs no transfer); the busiest GPU
+            # receives the skew's share more
+            remote = b * fan_out(layer, gpus, a.dense_ffn) * (gpus - 1) / gpus * busiest(layer, 1.0, a)
+            c1 = round_time(remote * dispatch_bytes(facts, layer, a), local, hw, eff)
+            c2 = round_time(remote * layer.to_attn_bytes, local, hw, eff)
+            rows.append((layer.count, t_a, t_f, c1, c2))
         tpot = sum(c * max(m * (ta + tf), m * (c1 + c2), ta + tf + c1 + c2) for c, ta, tf, c1, c2 in rows)
         if best is None or tpot < best.tpot:
             best = Step(tpot, m, None, _sum_times(rows))
@@ -227,7 +252,7 @@ def mono_deployment(
     if batch == 0:
         return None
     point = mono_step(facts, hw, gpus, batch, a)
-    link = "interconnect" if gpus <= hw.scale_up_domain else "NIC"
+    link = link_name(local_share(gpus, hw.scale_up_domain))
     return _deployment("monolithic", hw, hw, gpus, 0, batch, cap, point, link, facts, fmem)
 
 

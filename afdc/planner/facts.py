@@ -21,6 +21,7 @@ from afdc.plan import Plan
 from afdc.planner.cost import DecodeCost, LayerCost, decode_cost
 from afdc.planner.hardware import dtype_bytes
 from afdc.planner.layers import LayerPattern, captured_prefix, layer_pattern
+from afdc.quant.scheme import QuantScheme
 from afdc.report import LayerReport
 
 
@@ -62,6 +63,8 @@ class ModelFacts:
     attention_weight_bytes: float  # held by every attention GPU
     ffn_weight_bytes: float  # all FFN layers
     ffn_activated_bytes: float  # FFN weights one token reads
+    cut_element_bytes: int = 2  # bytes per element of the hidden states as captured (the model's dtype)
+    weights_as_stored: bool = False  # bytes as the checkpoint stores each weight; weight_dtype sets FLOPs only
 
     @property
     def layer_count(self) -> int:
@@ -85,26 +88,27 @@ _PLAN = Plan.parse("1A1F")
 _CHECK_CONTEXT = 1 << 20
 
 
-def split_for_planning(model: nn.Module) -> tuple[Built, LayerPattern | None]:
+def split_for_planning(model: nn.Module, quant: QuantScheme | None = None) -> tuple[Built, LayerPattern | None]:
     """``(built, pattern)``: ``model``'s graphs for :func:`model_facts`, partitioned for one
     attention and one FFN GPU (what a token costs does not depend on the plan) and bound to no
     weights. Capture time grows with the layers captured and most models repeat one or two, so
     ``built`` holds only the prefix of the layers that :func:`afdc.planner.layers.layer_pattern`
     picks, when there is one and it stands for the whole model; else ``built`` is the whole model
-    and ``pattern`` None."""
+    and ``pattern`` None. ``quant`` (the checkpoint's scheme) prices each weight at its stored bytes
+    in ``built.report``; the graphs stay bf16."""
     try:
-        short = _split_prefix(model)
+        short = _split_prefix(model, quant)
     except Exception:  # whatever fails on the short path, the full capture gives the answer, only slower
         short = None
-    return short or (build(model, _PLAN), None)
+    return short or (build(model, _PLAN, quant, rewrite=False), None)
 
 
-def _split_prefix(model: nn.Module) -> tuple[Built, LayerPattern] | None:
+def _split_prefix(model: nn.Module, quant: QuantScheme | None) -> tuple[Built, LayerPattern] | None:
     pattern = layer_pattern(model)
     if pattern is None:
         return None
     with captured_prefix(model, pattern):
-        built = build(model, _PLAN)
+        built = build(model, _PLAN, quant, rewrite=False)
     model_facts(built, _CHECK_CONTEXT, layers=pattern)  # raises LayerMismatch where the prefix cannot stand in
     return built, pattern
 
@@ -115,43 +119,64 @@ def _attention_parameters(built: Built) -> dict[str, torch.Tensor]:
     return {n: attrs[n] for n in built.attention_names() if isinstance(attrs[n], nn.Parameter)}
 
 
-def _embedding_only_parameters(built: Built) -> list[tuple[str, int]]:
+def _embedding_only_parameters(built: Built) -> list[str]:
     """Parameters the attention graph only gathers rows from: a decode step reads a row each,
     not the table (a table tied to the LM head is read in full by the head, so it stays)."""
     graph = built.attention_graph
     params = set(_attention_parameters(built))
     return [
-        (n.target, n.meta["val"].numel())
+        n.target
         for n in graph.nodes
         if gf.is_parameter(n, params) and n.users and all(gf.is_op(u, torch.ops.aten.embedding) for u in n.users)
     ]
 
 
 @dataclass(frozen=True)
+class _Side:
+    """The attention side's weights by one measure (parameters, or bytes as stored)."""
+
+    held: float  # by every attention GPU
+    read: float  # per step: all but row-gathered tables
+
+
+@dataclass(frozen=True)
 class _Weights:
-    """Parameter counts and FFN layers of the model a split stands for."""
+    """Parameter counts, stored bytes and FFN layers of the model a split stands for."""
 
     ffn_layers: list[LayerReport]  # the report's entry per FFN layer
-    attention: float  # held by the attention side
-    attention_read: float  # what the attention side reads per step: all but row-gathered tables
+    attention: _Side  # in parameters
+    attention_bytes: _Side  # in bytes as the checkpoint stores them
     ffn: float
+    ffn_bytes: float
 
 
 def _weights(built: Built, layers: LayerPattern | None) -> _Weights:
     report = built.report
     embedding_only = _embedding_only_parameters(built)
-    embedding = sum(size for _, size in embedding_only)
+    numel = {k: p.numel() for k, p in _attention_parameters(built).items()}
+    measures = ((report.attention_parameters, numel.__getitem__), (report.attention_weight_bytes, built.weight_bytes))
     if layers is None:
-        attention = report.attention_parameters
-        return _Weights(report.layers, attention, attention - embedding, report.ffn_parameters)
+        sides = [_Side(total, total - sum(map(size, embedding_only))) for total, size in measures]
+        return _Weights(report.layers, *sides, report.ffn_parameters, report.ffn_weight_bytes)
     owners = [layers.layer_of(r.module) for r in report.layers]
-    attention_sizes = [(layers.layer_of(k), p.numel()) for k, p in _attention_parameters(built).items()]
-    attention = layers.total(report.attention_parameters, attention_sizes)
+
+    def whole(total: float, size, names) -> float:
+        return layers.total(total, [(layers.layer_of(k), size(k)) for k in names])
+
+    def side(total: float, size) -> _Side:
+        held = whole(total, size, numel)
+        return _Side(held, held - whole(sum(map(size, embedding_only)), size, embedding_only))
+
+    sides = [side(total, size) for total, size in measures]
+    ffn_layers = layers.expand(
+        report.layers, owners,
+        lambda r: (r.kind, r.experts, r.top_k, r.ffn_parameters, r.ffn_weight_bytes, r.expert_weight_bytes),
+    )  # fmt: skip
     return _Weights(
-        layers.expand(report.layers, owners, lambda r: (r.kind, r.experts, r.top_k, r.ffn_parameters)),
-        attention,
-        attention - layers.total(embedding, [(layers.layer_of(k), size) for k, size in embedding_only]),
+        ffn_layers,
+        *sides,
         layers.total(report.ffn_parameters, [(o, r.ffn_parameters) for o, r in zip(owners, report.layers)]),
+        layers.total(report.ffn_weight_bytes, [(o, r.ffn_weight_bytes) for o, r in zip(owners, report.layers)]),
     )
 
 
@@ -165,6 +190,16 @@ def _split_moe_parameters(params: float, activated: float, experts: int, top_k: 
         return 0.0, params / experts
     per_expert = max(params - activated, 0.0) / (experts - top_k)
     return max(params - experts * per_expert, 0.0), per_expert
+
+
+def _cut_element_bytes(built: Built) -> int:
+    """Element size of the floating values crossing the cut, as captured (the model's dtype)."""
+    for layer in built.report.layers:
+        for crossing in layer.to_ffn:
+            dtype = getattr(torch, crossing.dtype, None)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                return dtype.itemsize
+    return 2
 
 
 def _paired_attention(cost: DecodeCost) -> list[LayerCost]:
@@ -183,10 +218,13 @@ def model_facts(
     kv_dtype: str = "bf16",
     name: str | None = None,
     layers: LayerPattern | None = None,
+    stored: bool = False,
 ) -> ModelFacts:
     """Per-token cost and per-side weights of a partitioned model (:func:`afdc.api.build`) at
     ``context``; with ``layers``, of the whole model ``built``'s prefix capture stands for
-    (:func:`split_for_planning`)."""
+    (:func:`split_for_planning`). Weights are priced at ``weight_dtype`` or, ``stored``, each at the
+    bytes the checkpoint stores it in (``built`` given its scheme: fp8 and MXFP4 data with their
+    scales), ``weight_dtype`` then setting the FLOP rate only."""
     wb, report = dtype_bytes(weight_dtype), built.report
     cost = decode_cost(built, context, kv_dtype_bytes=dtype_bytes(kv_dtype), layers=layers)
     if not cost.ffn_layers:
@@ -201,16 +239,17 @@ def model_facts(
             experts, top_k = layer.experts, layer.top_k
         else:
             fixed, per_expert, experts, top_k = float(layer.ffn_parameters), 0.0, 0, 0
+        fixed_bytes, expert_bytes = _stored_split(layer, fixed, per_expert) if stored else (fixed * wb, per_expert * wb)
         rows.append(
             LayerFacts(
                 count=1,
                 kv_bytes=attn.kv_bytes,
                 attention_flops=float(attn.attention_flops),
                 linear_flops=cost.linear_flops / n,
-                attention_weight_bytes=weights.attention_read * wb / n,
+                attention_weight_bytes=(weights.attention_bytes.read if stored else weights.attention.read * wb) / n,
                 ffn_flops=ffn.ffn_flops,
-                ffn_fixed_bytes=fixed * wb,
-                expert_bytes=per_expert * wb,
+                ffn_fixed_bytes=fixed_bytes,
+                expert_bytes=expert_bytes,
                 experts=experts,
                 top_k=top_k,
                 to_ffn_bytes=ffn.cut_bytes_to_ffn,
@@ -225,7 +264,20 @@ def model_facts(
         kv_dtype=kv_dtype,
         cost=cost,
         layers=tuple(replace(r, count=c) for r, c in groups.items()),
-        attention_weight_bytes=weights.attention * wb,
-        ffn_weight_bytes=weights.ffn * wb,
-        ffn_activated_bytes=cost.ffn_flops / 2 * wb,
+        attention_weight_bytes=weights.attention_bytes.held if stored else weights.attention.held * wb,
+        ffn_weight_bytes=weights.ffn_bytes if stored else weights.ffn * wb,
+        ffn_activated_bytes=(
+            sum(r.ffn_fixed_bytes + r.top_k * r.expert_bytes for r in rows) if stored else cost.ffn_flops / 2 * wb
+        ),
+        weights_as_stored=stored,
+        cut_element_bytes=_cut_element_bytes(built),
     )
+
+
+def _stored_split(layer: LayerReport, fixed: float, per_expert: float) -> tuple[float, float]:
+    """(fixed, per expert) stored bytes of an FFN layer: its stacked experts' bytes shared among
+    them, the rest fixed; a layer without stacked experts at its mean bytes per parameter."""
+    if layer.experts and layer.expert_weight_bytes:
+        return layer.ffn_weight_bytes - layer.expert_weight_bytes, layer.expert_weight_bytes / layer.experts
+    per_parameter = layer.ffn_weight_bytes / layer.ffn_parameters if layer.ffn_parameters else 0.0
+    return fixed * per_parameter, per_expert * per_parameter

@@ -1,8 +1,14 @@
 """Accelerator profiles for the planner: peak FLOP/s, memory, links and an indicative price.
 
 The built-in profiles live in ``afdc/data/hardware.json`` (public datasheet figures, dense, no
-sparsity). Users add or override profiles with a file of the same schema (``--hw-file``): a
-profile whose name matches a built-in one replaces it.
+sparsity; each profile's ``sources`` names where each figure comes from). Users add or override
+profiles with a file of the same schema (``--hw-file``): a profile whose name matches a built-in
+one replaces it.
+
+Two fabrics join the GPUs: the scale-up domain (NVLink, HCCS, Ascend's unified bus), of
+``scale_up_domain`` GPUs at ``interconnect_bandwidth`` each, and the scale-out network (the NIC)
+at ``nic_bandwidth``. Each also costs a fixed ``*_latency`` per message (launch, synchronization
+and flight of one dispatch or combine), which is what small decode batches pay most.
 """
 
 from __future__ import annotations
@@ -34,9 +40,12 @@ class HardwareProfile:
     nic_bandwidth: float  # scale-out network per GPU
     price_per_hour: float | None = None  # USD per GPU-hour, indicative
     scale_up_domain: int = 8  # GPUs that reach each other over the interconnect
+    scale_up_latency: float = 0.0  # seconds per message (one dispatch or combine) on the interconnect
+    nic_latency: float = 0.0  # seconds per message on the scale-out network
     description: str = ""
     note: str = ""
     aliases: tuple[str, ...] = field(default=())
+    sources: dict[str, str] = field(default_factory=dict)  # figure -> where it comes from
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for matmuls in ``dtype``; a dtype the chip lacks runs at bf16 rate
@@ -67,6 +76,14 @@ def _profile(entry: dict, source: str) -> HardwareProfile:
     values = dict(entry)
     values["peak_flops"] = {k: float(v) for k, v in entry["peak_flops"].items()}
     values["aliases"] = tuple(entry.get("aliases", ()))
+    sources = entry.get("sources", {})
+    if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
+        raise HardwareError(f"{source}: profile {entry['name']!r}: sources must map field names to strings")
+    stray = sorted(set(sources) - known)
+    if stray:
+        raise HardwareError(f"{source}: profile {entry['name']!r} names sources for unknown fields {stray}")
+    if int(entry.get("scale_up_domain", 1)) < 1:
+        raise HardwareError(f"{source}: profile {entry['name']!r}: scale_up_domain must be at least 1")
     return HardwareProfile(**values)
 
 

@@ -49,6 +49,7 @@ class PlanResult:
             "context": self.facts.context,
             "kv_dtype": self.facts.kv_dtype,
             "weight_dtype": self.facts.weight_dtype,
+            "weights_as_stored": self.facts.weights_as_stored,
             "formulation": c.formulation,
             "kv_bytes": c.kv_bytes,
             "attention_flops": c.attention_flops,
@@ -104,7 +105,8 @@ def render(r: PlanResult) -> str:
     """The plan as ``afdc plan`` prints it: what a token costs, each deployment, and why."""
     f, c = r.facts, r.facts.cost
     lines = [
-        f"model {f.name}  context {f.context}  weights {f.weight_dtype}  KV {f.kv_dtype}"
+        f"model {f.name}  context {f.context}  weights "
+        f"{'as stored, FLOPs at ' if f.weights_as_stored else ''}{f.weight_dtype}  KV {f.kv_dtype}"
         f"  TPOT target {r.tpot_target_ms:g} ms",
         "",
         f"what one decoded token costs ({f.layer_count} layers, whole model)",

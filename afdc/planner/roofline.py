@@ -29,6 +29,16 @@ class Assumptions:
     network_efficiency: float = 0.70
     # beyond 8 micro-batches the weights re-read per micro-batch cost more than the overlap saves
     max_micro_batches: int = 8
+    # AFD micro-batches: None picks the least m >= 2(1 + Tc/Tf) (MegaScale-Infer); a number fixes
+    # it (afd-plugin runs exactly 2)
+    micro_batches: int | None = None
+    # tokens the busiest expert GPU gets over the mean: 1.0 is perfect balance (the forced balance
+    # afd-plugin measured with); natural routing is skewed, which slows the busiest GPU's experts
+    # and its link, in AFD's FFN pool and in the EP baseline alike
+    expert_skew: float = 1.0
+    # dtype the hidden states travel to the FFN in (quantized before sending, as W8A8 and DeepEP's
+    # fp8 dispatch do); None keeps the model's dtype. Results come back in the model's dtype.
+    dispatch_dtype: str | None = None
     # largest A:F ratio and FFN pool multiple searched
     max_attention_per_ffn_gpu: int = 64
     ffn_pool_multiples: tuple[int, ...] = (1, 2, 4, 8)
@@ -80,6 +90,11 @@ def fan_out(layer: LayerFacts, gpus: int, dense: str = "tp") -> float:
     if not layer.moe:
         return 1.0 if dense == "replicate" else float(gpus)
     return expected_distinct(gpus, 1 / gpus, layer.top_k)
+
+
+def busiest(layer: LayerFacts, tokens: float, a: Assumptions) -> float:
+    """Tokens the busiest FFN GPU's experts see when ``tokens`` would spread evenly."""
+    return tokens * a.expert_skew if layer.moe else tokens
 
 
 def attention_time(layer: LayerFacts, hw: HardwareProfile, weight_dtype: str, batch: float, a: Assumptions) -> float:

@@ -19,7 +19,7 @@ from afdc.planner.result import PlanResult, Shortfall
 from afdc.planner.roofline import GB, Assumptions, attention_batch_memory, balance, ffn_gpus_needed, usable_memory
 
 
-def _pool_sizes(least: int, multiples: tuple[int, ...]) -> list[int]:
+def pool_sizes(least: int, multiples: tuple[int, ...]) -> list[int]:
     return sorted({least * k for k in multiples})
 
 
@@ -31,7 +31,7 @@ def best_afd(
     if least is None or attention_batch_memory(facts, hw_a, a) < 1:
         return None
     best = None
-    for y in _pool_sizes(least, a.ffn_pool_multiples):
+    for y in pool_sizes(least, a.ffn_pool_multiples):
         d = _best_x(facts, hw_a, hw_f, y, target, a)
         if better(d, best):
             best = d
@@ -68,7 +68,7 @@ def best_mono(facts: ModelFacts, hw: HardwareProfile, target: float, a: Assumpti
     least = ffn_gpus_needed(facts, hw, a, spare=facts.attention_weight_bytes + facts.kv_bytes)
     if least is None:
         return None
-    sizes = sorted({*_pool_sizes(least, a.ffn_pool_multiples), *(n for n in (8, 16, 32, 64, 128) if n >= least)})
+    sizes = sorted({*pool_sizes(least, a.ffn_pool_multiples), *(n for n in (8, 16, 32, 64, 128) if n >= least)})
     best = None
     for gpus in sizes:
         d = mono_deployment(facts, hw, gpus, target, a)
@@ -81,14 +81,14 @@ def _min_tpot_afd(facts, hw_a, hw_f, a) -> float | None:
     least = ffn_gpus_needed(facts, hw_f, a)
     if least is None:
         return None
-    return min(afd_step(facts, hw_a, hw_f, 1, y, 1, a).tpot for y in _pool_sizes(least, a.ffn_pool_multiples))
+    return min(afd_step(facts, hw_a, hw_f, 1, y, 1, a).tpot for y in pool_sizes(least, a.ffn_pool_multiples))
 
 
 def _min_tpot_mono(facts, hw, a) -> float | None:
     least = ffn_gpus_needed(facts, hw, a, spare=facts.attention_weight_bytes + facts.kv_bytes)
     if least is None:
         return None
-    return min(mono_step(facts, hw, n, 1, a).tpot for n in _pool_sizes(least, a.ffn_pool_multiples))
+    return min(mono_step(facts, hw, n, 1, a).tpot for n in pool_sizes(least, a.ffn_pool_multiples))
 
 
 def _over(need: float, target: float) -> str:

@@ -185,9 +185,9 @@ def quantization_config(config: PretrainedConfig) -> dict[str, Any] | None:
 
 
 def planned_weight_dtype(config: PretrainedConfig) -> str | None:
-    """The weight dtype the planner prices a checkpoint of ``config`` at: ``fp8`` for the 8-bit float
-    schemes; None when the model is not quantized, or quantized in a format the planner has no
-    price for (MXFP4's 4.25 bits)."""
+    """The weight dtype of a checkpoint of ``config`` as the planner names it, for its FLOP rate
+    (the bytes are each weight's as stored): ``fp8`` for the 8-bit float schemes; None when the
+    model is not quantized, or in a format computed in bf16 (MXFP4, weight-only)."""
     qc = quantization_config(config)
     if qc is None:
         return None

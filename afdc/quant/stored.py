@@ -18,6 +18,7 @@ composes the bf16 parameter (per-expert tensors stacked into the fused form).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -63,6 +64,12 @@ class QuantizedTensors:
     def tensors(self) -> dict[str, StoredTensor]:
         """Every stored tensor by its artifact name."""
         return {t.name: t for ts in self.by_parameter.values() for t in ts}
+
+    def stored_bytes(self, parameter: str) -> int | None:
+        """The bytes the checkpoint stores ``parameter`` in (its data, scales and input scale), None
+        when it is not quantized."""
+        stored = self.by_parameter.get(parameter)
+        return sum(math.prod(t.shape) * t.dtype.itemsize for t in stored) if stored else None
 
 
 def _stored(scheme: QuantScheme, p: QuantizedParameter) -> tuple[StoredTensor, ...]:

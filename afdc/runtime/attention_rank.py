@@ -108,8 +108,8 @@ class AttentionRank:
         self._pool: ThreadPoolExecutor | None = None
         self._streams: list[torch.cuda.Stream] = []
 
-    def begin_step(self) -> int:
-        return self.endpoint.begin_step() if self.endpoint is not None else 0
+    def begin_step(self, join_timeout: float | None = None) -> int:
+        return self.endpoint.begin_step(join_timeout) if self.endpoint is not None else 0
 
     def run(self, step: int, batches: list[MicroBatch]) -> tuple[list, connectors.Traffic]:
         """The program's outputs for each micro-batch of step ``step`` (from :meth:`begin_step`),

@@ -23,8 +23,9 @@ from afdc.runtime.link import Connector
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import Layout, PeerLost, Rendezvous, RendezvousError
+from afdc.runtime.spare import Slots
 from afdc.runtime.transport import transport_class
-from afdc.runtime.transport.base import Failure, Incoming, Pacing, Transport, Waiter
+from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport, Waiter
 from afdc.segment import Dispatch, Share
 
 
@@ -73,8 +74,9 @@ class AttentionEndpoint:
 
     # -- membership --------------------------------------------------------------------------
 
-    def begin_step(self) -> int:
+    def begin_step(self, join_timeout: float | None = None) -> int:
         """Regroup if needed (first step, a lost peer, or a new generation); returns the step id.
+        A regrouping waits up to ``join_timeout`` (default: the options') for every rank.
 
         A peer that restarts or leaves is heard at once (its link ends); a generation started by
         another attention rank is looked for in the store every ``poll_interval``, not every step
@@ -85,7 +87,7 @@ class AttentionEndpoint:
             stale = self.rendezvous.generation() != self.transport.group.generation
             self._checked = now
         if stale:
-            self._regroup()
+            self._regroup(self.options.join_timeout if join_timeout is None else join_timeout)
             self._checked = time.monotonic()
         self._step += 1
         with self._cond:
@@ -94,7 +96,13 @@ class AttentionEndpoint:
             self._sent_at.clear()
         return self._step
 
-    def _regroup(self) -> None:
+    def _regroup(self, join_timeout: float) -> None:
+        # a rank that said BYE left a generation another rank started, or was stopped: not lost
+        lost = {p for p, why in self._lost.items() if p in self.ffn_slots and why != LEFT}
+        if self._failed is not None:
+            lost.add(self.layout.slot("ffn", self._failed[0]))
+        for slot in lost if self._generation >= 0 else ():  # for a spare to take over (afdc.runtime.spare)
+            Slots(self.rendezvous).lost(slot, self._generation)
         self.close()
         # A lost peer's hello stays up in its generation: rejoining that generation would dial the
         # dead address until the connect timeout, so a new one is started unless a peer already did
@@ -102,7 +110,7 @@ class AttentionEndpoint:
         if self._broken or (self._lost and self.rendezvous.generation() == self._generation):
             self.rendezvous.bump()
         cls = transport_class(self.options.connector)
-        group = self.rendezvous.join(self.slot, cls.address(self.rendezvous, self.slot), self.options.join_timeout)
+        group = self.rendezvous.join(self.slot, cls.address(self.rendezvous, self.slot), join_timeout)
         with self._cond:
             self._lost.clear()
         self._generation = group.generation
@@ -110,7 +118,7 @@ class AttentionEndpoint:
         try:
             transport = cls(
                 self.rendezvous, group, self.slot, "attn", self.options.timeout, deliver=file, device=self.device,
-                pacing=Pacing.of(self.options, "attn"),
+                pacing=self.options.pacing("attn"),
             )
         except (RuntimeError, OSError) as err:
             self._broken = True

@@ -26,11 +26,11 @@ from afdc.runtime import generation, kv_cache
 from afdc.runtime import link as connectors
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch, run_concurrently
 from afdc.runtime.exchange import AttentionEndpoint
-from afdc.runtime.options import ConnectorKind, RuntimeOptions
+from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import AttentionProgram, FFNProgram, device_of
 from afdc.runtime.rendezvous import Layout, Rendezvous
 from afdc.runtime.tensor_parallel import TensorParallelAttention
-from afdc.runtime.transport import transport_class
+from afdc.runtime.transport import ConnectorKind, transport_class
 
 
 def default_position_ids(input_ids: torch.Tensor, past: int = 0) -> torch.Tensor:

@@ -3,55 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
-from afdc.errors import AfdcError
-
-
-class ConnectorKind(str, Enum):
-    """What carries activations between the attention and the FFN side: the one list of them,
-    from the CLI's choices to the transport registry (:mod:`afdc.runtime.transport`)."""
-
-    GLOO = "gloo"  # torch.distributed over TCP: any hosts
-    NCCL = "nccl"  # GPU to GPU, any hosts
-    SHM = "shm"  # shared memory, same host
-    CUDA_IPC = "cuda-ipc"  # GPU memory shared between processes, same host
-    LOOPBACK = "loopback"  # no link: the FFN programs run in the attention rank's process (monolithic)
-
-    @property
-    def in_process(self) -> bool:
-        """Whether the FFN side runs in the attention rank's own process (no servers, no store)."""
-        return self is ConnectorKind.LOOPBACK
-
-    @classmethod
-    def parse(cls, value: str | ConnectorKind) -> ConnectorKind:
-        """``value`` as a kind, or an error naming the kinds there are."""
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(k.value for k in cls)
-            raise AfdcError(f"unknown connector {value!r}; choose one of {names}") from None
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class WaitPolicy(str, Enum):
-    """How a rank's wait for its peer over shm chooses between polling and sleeping, unless
-    ``spin`` fixes it (see :class:`afdc.runtime.transport.base.Waiter`)."""
-
-    ADAPTIVE = "adaptive"  # poll only while the peer's answer is likely soon, learned per link and phase
-    CORES = "cores"  # the earlier fixed policy: attention ranks poll 2 ms, FFN servers only on 8 cores or more
-
-    @classmethod
-    def parse(cls, value: str | WaitPolicy) -> WaitPolicy:
-        try:
-            return cls(value)
-        except ValueError:
-            raise AfdcError(f"unknown wait policy {value!r}; choose one of {', '.join(k.value for k in cls)}") from None
-
-    def __str__(self) -> str:
-        return self.value
+from afdc.runtime.transport import ConnectorKind
+from afdc.runtime.transport.base import Pacing, WaitPolicy, default_spin
 
 
 @dataclass(frozen=True)
@@ -75,3 +29,11 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
         object.__setattr__(self, "wait", WaitPolicy.parse(self.wait))
+
+    def pacing(self, role: str) -> Pacing:
+        """A ``role`` rank's pacing: ``spin`` where set (every role's), else as ``wait`` says:
+        learned from the peer's answers (None), or by role and cores (:func:`default_spin`)."""
+        spin = self.spin
+        if spin is None and self.wait is WaitPolicy.CORES:
+            spin = default_spin(role)
+        return Pacing(spin, self.max_sleep, self.idle_sleep)

@@ -167,6 +167,10 @@ class PagedBatch:
     ``mixer_store``; a step's new state is written by :meth:`commit_states`, once the step is
     through, so that a step cut short and run again starts from the same state.
 
+    ``logit_rows [N]`` (of the ``T`` tokens) are those whose logits the program's LM head
+    computes under ``afdc::sampled_rows``: by default each request's last, where it samples; a
+    request that wants its prompt logprobs takes all of its own.
+
     The index tensors every layer uses are built here once; the only host sync is for the
     step's sizes.
     """
@@ -179,6 +183,7 @@ class PagedBatch:
         query_lens: torch.Tensor,
         mixer_store: MixerStateStore | None = None,
         state_blocks: dict[int, torch.Tensor] | None = None,
+        logit_rows: torch.Tensor | None = None,
     ):
         device = store.device
         self.store = store
@@ -203,7 +208,8 @@ class PagedBatch:
         offset = torch.arange(self.num_tokens, device=device) - (self.query_lens.cumsum(0) - self.query_lens)[request]
         positions = self.context_lens[request] + offset
         self.positions = positions[None]  # [1, T]: the program's position_ids
-        self.last_rows = self.query_lens.cumsum(0) - 1  # each request's last token: where it samples
+        # the token rows whose logits the step wants: by default each request's last (where it samples)
+        self.logit_rows = self.query_lens.cumsum(0) - 1 if logit_rows is None else logit_rows.to(device, torch.long)
         self.slot_mapping = store.token_slots(self.block_table, request, positions)  # [T]
         self._query_index = request * max_q + offset  # token -> row of the padded [R * max_q] queries
 
@@ -340,6 +346,7 @@ class PagedRows:
         context_lens: torch.Tensor,
         query_len: int,
         key_store: PagedKVStore | None = None,
+        logit_rows: torch.Tensor | None = None,
     ):
         device = store.device
         self.store, self.key_store = store, key_store
@@ -360,7 +367,8 @@ class PagedRows:
         self._key_index = torch.where(valid, store.token_slots(block_table, rows, k_pos.clamp(min=0)), 0)
         self._key_pad = ~valid[..., None, None]
         self.attention_mask = valid.long()  # [R, kv]: the program's attention_mask
-        self.last_rows = torch.tensor([s - 1], device=device)  # each row samples its last token
+        # the tokens of each row whose logits the step wants: by default its last (where it samples)
+        self.logit_rows = torch.tensor([s - 1], device=device) if logit_rows is None else logit_rows.to(device)
         self._shape = (requests, s)
 
     def attend(self, slot, q, k, v, mask, scale, softcap, sinks, window) -> torch.Tensor:

@@ -98,6 +98,37 @@ class Member:
     proof: str  # HMAC-SHA256 of the token over (deployment, generation, slot)
 
 
+SERVING, DEGRADED, UNAVAILABLE = "serving", "degraded", "unavailable"
+_HEALTH_BYTES = 4096  # the most a health record may hold (the store is writable by whoever reaches it)
+
+
+@dataclass(frozen=True)
+class Health:
+    """What a rank reports of itself. ``degraded``: it cannot serve (``problem`` says why) and
+    holds its requests while it waits for the problem to pass; ``unavailable``: it has stopped
+    waiting, and its requests fail."""
+
+    state: str = SERVING
+    problem: str = ""
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Health:
+        """A stored record, read as data: anything malformed is an unavailable rank that says so."""
+        try:
+            if len(raw) > _HEALTH_BYTES:
+                raise ValueError(f"{len(raw)} bytes")
+            record = json.loads(raw)
+            health = cls(str(record["state"]), str(record["problem"]))
+            if health.state not in (SERVING, DEGRADED, UNAVAILABLE):
+                raise ValueError(f"state {health.state[:32]!r}")
+        except (TypeError, ValueError, KeyError) as err:
+            return cls(UNAVAILABLE, f"a malformed health record in the rendezvous store ({str(err)[:200]})")
+        return health
+
+
 @dataclass(frozen=True)
 class Group:
     generation: int
@@ -105,10 +136,10 @@ class Group:
 
 
 def _proof(token: str, deployment: bytes, generation: int, slot: int) -> str:
-    return _sign(token, deployment.hex(), str(generation), str(slot))
+    return sign(token, deployment.hex(), str(generation), str(slot))
 
 
-def _sign(token: str, *parts: str) -> str:
+def sign(token: str, *parts: str) -> str:
     """HMAC-SHA256 of the token over ``parts`` joined by ":". A hello's proof signs hex first, the
     other records a word that is not hex, so no record's proof passes for another's."""
     return hmac.new(token.encode(), ":".join(parts).encode(), hashlib.sha256).hexdigest()
@@ -167,6 +198,35 @@ def parse_address(address: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def wait_listening(address: str, timeout: float, stop: threading.Event, poll: float = 0.2) -> bool:
+    """Wait until something listens at ``address`` (the store's host is up): True then, False at
+    once when ``stop`` is set, :class:`RendezvousError` after ``timeout`` seconds. TCPStore's own
+    connect retries in C++ with a growing backoff (tens of seconds) that no signal interrupts, and
+    logs a trace per try: a rank started before the store's host waits here instead, then
+    connects at once."""
+    host, port = parse_address(address)
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        try:
+            with socket.create_connection((host, port), timeout=poll) as probe:
+                # a probe from a port in the ephemeral range can connect to itself (TCP self-connect)
+                if probe.getsockname()[:2] != probe.getpeername()[:2]:
+                    return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise _unreachable(address, timeout, "nothing listens there")
+        stop.wait(poll)
+    return False
+
+
+def _unreachable(address: str, seconds: float, why: object, host: bool = False) -> RendezvousError:
+    return RendezvousError(
+        f"cannot {'host' if host else 'reach'} the rendezvous store at {address} within {seconds:g} s ({why}); "
+        "check the address, that attention rank 0 (or the launcher) is up, and firewalls"
+    )
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -199,14 +259,11 @@ class Rendezvous:
                 timeout=datetime.timedelta(seconds=connect_timeout),
             )
         except (RuntimeError, OSError) as err:
-            what = "host" if host else "reach"
-            raise RendezvousError(
-                f"cannot {what} the rendezvous store at {address} within {connect_timeout:g} s ({err}); "
-                "check the address, that attention rank 0 (or the launcher) is up, and firewalls"
-            ) from err
+            raise _unreachable(address, connect_timeout, err, host) from err
         self.token = deployment_token(token, insecure_no_token)  # after the store: an unreachable one is said first
         self._host_checked = host  # whether this process's token and deployment are the store host's
         self._refused: dict[int, str] = {}  # slot -> the last process refused for it (said if the slot stays empty)
+        self.replacing: set[int] = set()  # slots this process claimed as a spare: it replaces their holder, live or not
         if host:
             self.store.set("host", json.dumps({"deployment": deployment.hex(), "proof": self._stamp()}))
 
@@ -225,6 +282,10 @@ class Rendezvous:
         this host); a server that calls it before :meth:`bump` makes no one regroup when refused."""
         self._check_host(slot)
         self._check_held(slot)
+
+    def check_host(self) -> None:
+        """Raise :class:`JoinError` where the store's host has another token or artifact than this process."""
+        self._check_host()
 
     def proof(self, generation: int, slot: int) -> str:
         """What ``slot`` presents for ``generation``: proves the token without sending it."""
@@ -299,7 +360,7 @@ class Rendezvous:
                 return Group(gen, members)
 
     def _stamp(self) -> str:
-        return _sign(self.token, "host", self.deployment.hex())
+        return sign(self.token, "host", self.deployment.hex())
 
     def _check_host(self, slot: int | None = None) -> None:
         """Raise :class:`JoinError` when the store's host stamped it with another deployment or
@@ -329,9 +390,10 @@ class Rendezvous:
 
     def _check_held(self, slot: int) -> None:
         """Raise :class:`JoinError` when another live process of this host was the slot's member
-        last (two FFN servers started for one rank). Another host's process cannot be checked."""
+        last (two FFN servers started for one rank). Another host's process cannot be checked. A
+        spare that claimed the slot (:mod:`afdc.runtime.spare`) replaces its holder, live or not."""
         raw = read_key(self.store, f"held/{slot}")
-        if raw is None:
+        if raw is None or slot in self.replacing:
             return
         try:
             held = json.loads(raw)
@@ -350,7 +412,7 @@ class Rendezvous:
     def record_exit(self, slot: int, pid: int, reason: str) -> None:
         """Record that ``slot``'s process ``pid`` exited (its launcher saw it, ``reason`` says how): a
         :meth:`join` with a deadline that waits for the slot raises :class:`JoinError` at once."""
-        proof = _sign(self.token, "exited", self.deployment.hex(), str(slot), str(pid), reason)
+        proof = sign(self.token, "exited", self.deployment.hex(), str(slot), str(pid), reason)
         self.store.set(f"exited/{slot}", json.dumps({"pid": pid, "reason": reason, "proof": proof}))
 
     def clear_exit(self, slot: int) -> None:
@@ -368,7 +430,7 @@ class Rendezvous:
             exited, reason, proof = int(record["pid"]), str(record["reason"]), str(record["proof"])
         except (TypeError, ValueError, KeyError):
             return
-        signed = _sign(self.token, "exited", self.deployment.hex(), str(slot), str(exited), reason)
+        signed = sign(self.token, "exited", self.deployment.hex(), str(slot), str(exited), reason)
         if hmac.compare_digest(proof, signed) and pid in (None, exited):
             role, rank = self.layout.role_rank(slot)
             raise JoinError(f"cannot join: {reason}", role, rank)
@@ -392,14 +454,14 @@ class Rendezvous:
             return None
         return member
 
-    def report_health(self, role: str, rank: int, problem: str) -> None:
-        """Publish what keeps ``role`` rank ``rank`` from serving ("" once it serves again)."""
-        self.store.set(f"health/{role}/{rank}", problem)
+    def report_health(self, role: str, rank: int, health: Health) -> None:
+        """Publish ``role`` rank ``rank``'s health."""
+        self.store.set(f"health/{role}/{rank}", health.encode())
 
-    def health(self, role: str, rank: int) -> str:
-        """The problem ``role`` rank ``rank`` last reported; "" when healthy or never reported."""
+    def health(self, role: str, rank: int) -> Health:
+        """``role`` rank ``rank``'s last reported health (serving when it never reported)."""
         raw = read_key(self.store, f"health/{role}/{rank}")
-        return "" if raw is None else raw.decode()
+        return Health() if raw is None else Health.decode(raw)
 
     def prefixed(self, generation: int, name: str) -> dist.Store:
         return dist.PrefixStore(f"g{generation}/{name}/", self.store)

@@ -18,6 +18,7 @@ received, then exits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -41,22 +42,23 @@ from afdc.runtime.gathering import Gathering
 from afdc.runtime.metrics import IDLE, Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
-from afdc.runtime.rendezvous import Layout, Rendezvous, RendezvousError
+from afdc.runtime.rendezvous import Layout, Rendezvous, wait_listening
+from afdc.runtime.spare import Owner, Slots, wait_for_a_lost_slot
 from afdc.runtime.transport import transport_class
-from afdc.runtime.transport.base import LEFT, Failure, Incoming, Pacing, Transport
+from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport
 from afdc.segment import inputs as segment_inputs
 
 log = logging.getLogger("afdc.server")
-_RECONNECT_SLICE = 1.0  # s: how often a server waiting for a lost store checks whether it was stopped
 MAX_MICRO_BATCHES = 64  # the most micro-batches a step plan may name
 _FITS_CACHE = 1 << 12  # remembered answers of whether a message's tensors fit its layer
 
 
 class FFNServer:
     def __init__(self, program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions,
-                 on_step: Callable[[int], None] | None = None):
+                 on_step: Callable[[int], None] | None = None, claim: Owner | None = None):
         """``on_step(tokens)`` is called, in the serving thread, with the size of each step an
-        attention rank announces (where the host places that thread by its load)."""
+        attention rank announces (where the host places that thread by its load). ``claim``: this
+        process is a spare that claimed the slot (:mod:`afdc.runtime.spare`); else it takes it."""
         if options.rendezvous is None:
             raise ValueError("an FFN server needs the rendezvous address (HOST:PORT)")
         self.program = program
@@ -70,6 +72,8 @@ class FFNServer:
         self.on_step = on_step
         self.metrics = Metrics("ffn", program.rank)
         self.stopping = threading.Event()
+        self.asked = ""  # the signal that asked this server to stop, if one did
+        self._claim = claim
         self.rdv: Rendezvous | None = None  # the deployment's store, while the server runs
         self._refused: set[int] = set()  # the slots whose refusals this generation were logged (once each)
         # (layer, tokens, tensor specs) -> _check_tensors' answer for a DATA message
@@ -81,58 +85,77 @@ class FFNServer:
         ]
 
     def serve(self) -> None:
-        """Serve until :meth:`stop` (or SIGTERM, when running in the main thread).
+        """Serve until :meth:`stop` (or SIGTERM or SIGINT, when running in the main thread).
 
-        The store lives with its host (attention rank 0, or the launcher): when it goes away the
-        server reconnects to a new one at the same address for up to ``join_timeout`` seconds
-        (a restarted attention rank 0), then gives up with :class:`RendezvousError`."""
+        The store lives with its host (attention rank 0, or the launcher): a server waits up to
+        ``join_timeout`` for it to come up, and when it goes away reconnects to a new one at the
+        same address for as long (a restarted attention rank 0), then gives up with
+        :class:`RendezvousError`. A stop asked for while it waits is done at once."""
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        self.rdv = self._rendezvous()
-        stop_logging = self.metrics.log_every(self.options.log_interval, self._publish)
-        try:
-            while not self.stopping.is_set():
-                try:
-                    self._serve_store()
-                except dist.DistError as err:
-                    if self.stopping.is_set():
-                        break
-                    log.warning(
-                        "ffn rank %d: lost the rendezvous store at %s (%s); waiting up to %g s for it to come back",
-                        self.rank, self.options.rendezvous, str(err).splitlines()[0], self.options.join_timeout,
-                    )
-                    if not self._reconnect():
-                        break
-        finally:
-            stop_logging.set()
-            self._publish(self.metrics.snapshot())
-        log.info("ffn rank %d: stopped", self.rank)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._asked)
+        if self._connect():
+            threading.Thread(target=self._keep_owner, daemon=True, name="afdc-owner").start()
+            stop_logging = self.metrics.log_every(self.options.log_interval, self._publish)
+            try:
+                self._serve_until_stopped()
+            finally:
+                stop_logging.set()
+                self._publish(self.metrics.snapshot())
+        log.info("ffn rank %d: stopped%s", self.rank, f" (asked for by {self.asked})" if self.asked else "")
 
-    def _rendezvous(self, connect_timeout: float | None = None) -> Rendezvous:
-        rdv = Rendezvous(
+    def _serve_until_stopped(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self._serve_store()
+            except dist.DistError as err:
+                if self.stopping.is_set():
+                    return
+                log.warning(
+                    "ffn rank %d: lost the rendezvous store at %s (%s); waiting up to %g s for it to come back",
+                    self.rank, self.options.rendezvous, str(err).splitlines()[0], self.options.join_timeout,
+                )
+                if not self._connect():
+                    return
+
+    def _asked(self, signum: int, _frame) -> None:
+        self.asked = signal.Signals(signum).name
+        self.stop()
+
+    def _connect(self) -> bool:
+        """Reach the store (its host may not be up yet) within ``join_timeout``, and check in;
+        False when stopped while waiting."""
+        log.info("ffn rank %d: reaching the rendezvous store at %s (waiting up to %g s for it)",
+                 self.rank, self.options.rendezvous, self.options.join_timeout)
+        if not wait_listening(self.options.rendezvous, self.options.join_timeout, self.stopping):
+            return False
+        self.rdv = Rendezvous(
             self.options.rendezvous,
             self.layout,
             self.deployment,
             self.options.token,
-            connect_timeout=self.options.join_timeout if connect_timeout is None else connect_timeout,
+            connect_timeout=self.options.join_timeout,
             insecure_no_token=self.options.insecure_no_token,
         )
-        rdv.check_slot(self.slot)  # refused (token, artifact, slot held): said now, before anyone regroups
-        rdv.bump()  # a (re)started rank: everyone regroups with it
-        return rdv
+        if self._claim is not None:
+            self.rdv.replacing.add(self.slot)
+        self.rdv.check_slot(self.slot)  # refused (token, artifact, slot held): said now, before anyone regroups
+        slots = Slots(self.rdv)
+        # a started rank takes its slot; a spare has (a new store knows no owner: it takes it again)
+        if self._claim is None or slots.owner(self.slot)[0] is None:
+            slots.own(self.slot, self.rdv.generation())
+        self.rdv.bump()  # a (re)started rank: everyone regroups with it
+        return True
 
-    def _reconnect(self) -> bool:
-        """Reach a new store within ``join_timeout``; False when stopped while waiting."""
-        deadline = time.monotonic() + self.options.join_timeout
-        while True:
-            try:
-                self.rdv = self._rendezvous(max(0.1, min(_RECONNECT_SLICE, deadline - time.monotonic())))
-                return True
-            except RendezvousError:
-                if self.stopping.is_set():
-                    return False
-                if time.monotonic() > deadline:
-                    raise
+    def _keep_owner(self) -> None:
+        """Leave once the slot is someone else's (a spare took it over while this server stalled),
+        whatever the server is doing: serving, or waiting in a join it would never complete."""
+        while not self.stopping.wait(self.options.poll_interval):
+            with contextlib.suppress(dist.DistError):  # the store went away: the serving loop reconnects
+                other = Slots(self.rdv).replaced_by(self.slot)
+                if other is not None:
+                    log.warning("ffn rank %d: replaced (the slot is served by %s); leaving", self.rank, other)
+                    self.stop()
 
     def _serve_store(self) -> None:
         """Serve generation after generation of the deployment, until stopped."""
@@ -144,7 +167,7 @@ class FFNServer:
             log.info("ffn rank %d: serving generation %d", self.rank, group.generation)
             transport = cls(
                 self.rdv, group, self.slot, "ffn", timeout=self.options.timeout, device=self.program.device,
-                pacing=Pacing.of(self.options, "ffn"),
+                pacing=self.options.pacing("ffn"),
             )
             try:
                 self._serve_generation(transport)
@@ -324,13 +347,13 @@ def _check_plan(h: wire.Header, tensors: list[torch.Tensor]) -> str:
 
 
 def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, options: RuntimeOptions,
-                  on_step: Callable[[int], None] | None = None) -> NoReturn:
+                  on_step: Callable[[int], None] | None = None, claim: Owner | None = None) -> NoReturn:
     """Entry point of an FFN server process (``afdc serve`` and ``dm.launch()``); exits the process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
     code = 0
     try:
-        FFNServer(program, layout, deployment, options, on_step).serve()
+        FFNServer(program, layout, deployment, options, on_step, claim).serve()
     except AfdcError as err:
         print(f"error: {err}", file=sys.stderr)
         code = 2
@@ -344,3 +367,39 @@ def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, option
         # Skip interpreter and C++ static teardown: with daemon threads still parked in torch code
         # it can abort ("terminate called without an active exception") after a clean stop.
         os._exit(code)
+
+
+def serve_spare(load_rank: Callable[[int], FFNProgram], layout: Layout, deployment: bytes,
+                options: RuntimeOptions) -> NoReturn:
+    """Entry point of a spare's process: reach the store, wait for a lost FFN rank, claim it,
+    ``load_rank(rank)`` and serve it (:func:`serve_program`, which exits the process). SIGTERM or
+    SIGINT stops the wait."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop, asked = threading.Event(), []
+
+    def ask(signum: int, _frame) -> None:
+        asked.append(signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, ask)
+    claimed = None
+    while claimed is None and wait_listening(options.rendezvous, options.join_timeout, stop):
+        rdv = Rendezvous(options.rendezvous, layout, deployment, options.token,
+                         connect_timeout=options.join_timeout, insecure_no_token=options.insecure_no_token)
+        rdv.check_host()  # another token or artifact than the store's: said now, not by never claiming
+        log.info("spare: waiting for a lost FFN rank of the deployment at %s", options.rendezvous)
+        try:
+            claimed = wait_for_a_lost_slot(rdv, stop, options.poll_interval)
+        except dist.DistError as err:  # the store went away with its host: reach the next one
+            log.warning("spare: lost the rendezvous store (%s)", str(err).splitlines()[0])
+        if stop.is_set():
+            break
+    if claimed is None:
+        log.info("spare: stopped%s", f" (asked for by {asked[0]})" if asked else "")
+        logging.shutdown()
+        os._exit(0)
+    slot, owner = claimed
+    _, rank = layout.role_rank(slot)
+    log.info("spare: claimed ffn rank %d (%s); loading its weights", rank, owner)
+    serve_program(load_rank(rank), layout, deployment, options, claim=owner)

@@ -8,7 +8,7 @@ from typing import NoReturn
 
 from afdc.artifact.load import deployment_of, load
 from afdc.runtime.options import RuntimeOptions
-from afdc.runtime.server import serve_program
+from afdc.runtime.server import serve_program, serve_spare
 from afdc.serve.cores import Placement, pin_thread
 
 
@@ -25,4 +25,15 @@ def serve_ffn_rank(
     elif cpus:
         pin_thread(cpus)
     layout, deployment = deployment_of(directory)
-    serve_program(load(directory, "ffn", rank, device, backend), layout, deployment, options, on_step)
+    try:
+        program = load(directory, "ffn", rank, device, backend)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: said, not a trace
+        raise SystemExit(f"ffn rank {rank}: stopped while loading (asked for by SIGINT)") from None
+    serve_program(program, layout, deployment, options, on_step)
+
+
+def serve_ffn_spare(directory: str | Path, options: RuntimeOptions, device: str = "cpu",
+                    backend: str | None = None) -> NoReturn:
+    """Wait as a hot spare of a compiled artifact's FFN ranks; serve the first one lost (:mod:`afdc.runtime.spare`)."""
+    layout, deployment = deployment_of(directory)
+    serve_spare(lambda rank: load(directory, "ffn", rank, device, backend), layout, deployment, options)

@@ -92,6 +92,20 @@ def _served_model(name: str) -> type[AfdcServedModel]:
     return type(name, (AfdcServedModel,), {"is_hybrid": hybrid, "has_inner_state": hybrid})
 
 
+def _check_speculation(config) -> None:
+    """Refuse a speculative decoding method afdc's worker does not run (``vllm serve`` by hand;
+    ``afdc serve`` refused it before vLLM started)."""
+    from typing import get_args
+
+    from vllm.config.speculative import MTPModelTypes
+
+    from afdc.serve.speculative_config import refusal
+
+    why = refusal({"method": config.method} if config is not None else None, get_args(MTPModelTypes))
+    if why:
+        raise ValueError(why)
+
+
 class AfdcPlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name = device_type = _device().type
@@ -128,6 +142,7 @@ class AfdcPlatform(Platform):
         # ranks need none of vLLM's MoE lockstep (dummy steps on idle ranks, a DP all-reduce each
         # step): with no experts vLLM runs each DP rank's engine on its own (the coordinator still
         # balances requests), and an idle attention rank makes no step at all.
+        _check_speculation(vllm_config.speculative_config)
         vllm_config.model_config.model_arch_config.num_experts = 0
         vllm_config.model_config.enforce_eager = True
         vllm_config.compilation_config.mode = CompilationMode.NONE

@@ -91,7 +91,7 @@ class RayDeployment(Deployment):
         super().__post_init__()
         self.actors: dict[str, object] = {}  # the FFN ranks' actor handles, by role name
 
-    def start(self, startup_timeout: float, say: Callable[[str], None]) -> str:
+    def start(self, startup_timeout: float, say: Callable[[str], None], asked: Callable[[], str] = lambda: "") -> str:
         ray = _ray()
         if not ray.is_initialized():
             ray.init(address=self.pools.address, namespace=NAMESPACE, log_to_driver=self.log_dir is None)
@@ -99,10 +99,10 @@ class RayDeployment(Deployment):
         node_ip = ray.util.get_node_ip_address()  # the address every node reaches this one at
         say(f"on the Ray cluster at {self._gcs}: attention ranks on '{self.pools.attention}', "
             f"FFN ranks on '{self.pools.ffn}'")
-        self.settings = replace(self.settings, rendezvous=f"{node_ip}:{free_port()}",
-                                ray_resource=self.pools.attention)
+        store = replace(self.settings.runtime, rendezvous=f"{node_ip}:{free_port()}")
+        self.settings = replace(self.settings, runtime=store, ray_resource=self.pools.attention)
         self.vllm_args = ["--data-parallel-backend", "ray", "--data-parallel-address", node_ip, *self.vllm_args]
-        url = super().start(startup_timeout, say)
+        url = super().start(startup_timeout, say, asked)
         for name, actor in self.actors.items():
             node, pid = ray.get(actor.where.remote(), timeout=startup_timeout)
             say(f"{name}: Ray node {node}, pid {pid}")
@@ -112,13 +112,10 @@ class RayDeployment(Deployment):
                          say: Callable[[str], None]) -> None:
         ray = _ray()
         s = settings
-        options = RuntimeOptions(connector=s.connector, rendezvous=s.rendezvous, timeout=s.timeout,
-                                 join_timeout=s.join_timeout, token_buckets=self.token_buckets,
-                                 insecure_no_token=s.insecure_no_token, spin=s.spin, wait=s.wait,
-                                 log_interval=s.log_interval)
+        options = replace(s.runtime, token_buckets=self.token_buckets)  # the token travels in the environment
         actor = ray.remote(FfnRank)
         for r in range(ranks):
-            name = actor_name(s.artifact, s.rendezvous, r)
+            name = actor_name(s.artifact, options.rendezvous, r)
             say(f"placing FFN rank {r} of {ranks} (Ray actor '{name}', one '{self.pools.ffn}')")
             self.actors[f"ffn-{r}"] = actor.options(
                 name=name, max_restarts=self.pools.max_restarts, max_task_retries=0,
@@ -138,9 +135,9 @@ class RayDeployment(Deployment):
         return {"RAY_ADDRESS": self._gcs,
                 "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": ",".join(filter(None, [extra, ENV, "AFDC_TOKEN"]))}
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, grace: float = 10.0) -> None:
         """The attention server first (vLLM removes its engine actors), then the FFN actors."""
-        super().stop(timeout)
+        super().stop(grace)
         ray = _ray()
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)

@@ -22,7 +22,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
 # SamplingParams field -> its "off" value; afdc's worker does not apply these yet
-_UNSUPPORTED = {"prompt_logprobs": None, "thinking_token_budget": None}
+_UNSUPPORTED = {"thinking_token_budget": None}
 
 
 def refuse_unsupported(params) -> None:
@@ -33,6 +33,12 @@ def refuse_unsupported(params) -> None:
     if used:
         raise VLLMValidationError(
             f"afdc's vLLM worker does not support {', '.join(used)} yet; leave them unset", parameter=used[0]
+        )
+    if params.prompt_logprobs is not None and params.skip_reading_prefix_cache is False:
+        raise VLLMValidationError(
+            "prompt_logprobs with skip_reading_prefix_cache=False: the cached prefix's positions run in no step, so "
+            "their logprobs would not be computed; leave skip_reading_prefix_cache unset",
+            parameter="skip_reading_prefix_cache",
         )
 
 
@@ -57,13 +63,17 @@ class StepSampler:
 
     def __init__(self, vllm_config, device: torch.device):
         self.device = device
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode=vllm_config.model_config.logprobs_mode)
         self.logitsprocs = build_logitsprocs(
             vllm_config, device, False, False, vllm_config.model_config.logits_processors or ()
         )
         self._rows = 0  # rows of the previous step, as the logits processors hold them
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
+        return self.sampler(logits, self.metadata(requests, logits.shape[-1]))
+
+    def metadata(self, requests: list[SamplingRequest], vocab: int) -> SamplingMetadata:
+        """The step's sampling metadata, the logits processors brought up to its requests."""
         # every row is (re)added at its index each step and the rows past this step's are removed:
         # the processors keep no state that the params and the live output lists do not give back
         update = BatchUpdate(
@@ -75,7 +85,7 @@ class StepSampler:
         for processor in self.logitsprocs.all:
             processor.update_state(update)
         self._rows = len(requests)
-        return self.sampler(logits, sampling_metadata(requests, logits.shape[-1], self.device, self.logitsprocs))
+        return sampling_metadata(requests, vocab, self.device, self.logitsprocs)
 
 
 def sampling_metadata(

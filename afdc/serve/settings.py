@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from afdc.runtime.options import ConnectorKind, WaitPolicy
+from afdc.runtime.options import RuntimeOptions
 
 ENV = "AFDC_SERVE_SETTINGS"
 
@@ -18,20 +18,15 @@ ENV = "AFDC_SERVE_SETTINGS"
 @dataclass(frozen=True)
 class WorkerSettings:
     artifact: str  # the compiled artifact directory
-    connector: ConnectorKind = ConnectorKind.GLOO  # loopback: the FFN layers run in this process (monolithic)
-    rendezvous: str | None = None  # HOST:PORT of the deployment's store (hosted by attention rank 0)
-    token: str | None = None  # the deployment secret; None: $AFDC_TOKEN
-    insecure_no_token: bool = False  # run without a token (afdc serve --insecure-no-token)
-    timeout: float = 30.0  # seconds an FFN reply may take
-    join_timeout: float = 60.0  # seconds to wait for every FFN rank to join
-    recovery_timeout: float = 600.0  # seconds a step waits for a lost FFN rank to come back before the engine fails
+    # how this attention rank reaches the FFN side: connector (loopback: the FFN layers run in this
+    # process, monolithic), the store's HOST:PORT (hosted by attention rank 0), the token, the timeouts
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+    # seconds a step is held for a lost FFN rank to come back; past them its requests get a 503 (see health)
+    recovery_timeout: float = 300.0
     micro_batches: int | None = None  # None: the artifact's plan
     kv_cache_bytes: int = 256 << 20  # KV pool on a CPU device (on a GPU: what vLLM's memory profile allows)
     device: str = "cpu"
     backend: str | None = None  # what runs the programs (afdc.lowering.backends); None: the artifact's plan
-    log_interval: float = 30.0  # seconds between metrics log lines (0: never)
-    spin: float | None = None  # seconds a wait for a peer polls before blocking, every role (None: as ``wait`` says)
-    wait: WaitPolicy = WaitPolicy.ADAPTIVE  # how a wait chooses between polling and sleeping (RuntimeOptions.wait)
     threads: int | None = None  # torch threads of the process (None: torch's default)
     cpus: tuple[int, ...] | None = None  # the cores each attention rank's step thread runs on (None: any)
     pin_tokens: int = 0  # with cpus: on them only for steps of this many tokens or more (0: every step; see cores)
@@ -40,13 +35,16 @@ class WorkerSettings:
     ray_resource: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
-        object.__setattr__(self, "wait", WaitPolicy.parse(self.wait))
+        if isinstance(self.runtime, dict):  # after a trip through JSON
+            object.__setattr__(self, "runtime", RuntimeOptions(**self.runtime))
         if self.cpus is not None:  # a list after a trip through JSON
             object.__setattr__(self, "cpus", tuple(self.cpus))
 
     def to_env(self) -> dict[str, str]:
-        return {ENV: json.dumps({**asdict(self), "connector": self.connector.value, "wait": self.wait.value})}
+        fields = asdict(self)
+        fields["runtime"]["connector"] = self.runtime.connector.value
+        fields["runtime"]["wait"] = self.runtime.wait.value
+        return {ENV: json.dumps(fields)}
 
     def open_rendezvous(self, host: bool = False):
         """This deployment's rendezvous store, reached (or hosted) within ``join_timeout``."""
@@ -54,8 +52,9 @@ class WorkerSettings:
         from afdc.runtime.rendezvous import Rendezvous
 
         layout, deployment = deployment_of(self.artifact)
-        return Rendezvous(self.rendezvous, layout, deployment, self.token, host=host,
-                          connect_timeout=self.join_timeout, insecure_no_token=self.insecure_no_token)
+        r = self.runtime
+        return Rendezvous(r.rendezvous, layout, deployment, r.token, host=host,
+                          connect_timeout=r.join_timeout, insecure_no_token=r.insecure_no_token)
 
     @classmethod
     def from_env(cls) -> WorkerSettings:

@@ -14,6 +14,7 @@ import http.client
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from afdc.serve.cores import PAIR_TOKENS, shared_core
 from afdc.serve.data_parallel import DataParallel
 from afdc.serve.health import MIDDLEWARE
 from afdc.serve.settings import WorkerSettings
+from afdc.serve.speculative_config import config_in_args, refusal
 
 if TYPE_CHECKING:
     from afdc.plan import Plan
@@ -64,6 +66,23 @@ def check_tokenizer(manifest: Manifest, vllm_args: Sequence[str]) -> None:
         )
 
 
+def check_speculation(vllm_args: Sequence[str]) -> None:
+    """Refuse a ``--speculative-config`` afdc's worker cannot run, before vLLM starts."""
+    try:
+        config = config_in_args(vllm_args)
+    except ValueError as err:
+        raise AfdcError(str(err)) from None
+    if config is None:
+        return
+    from typing import get_args
+
+    from vllm.config.speculative import MTPModelTypes
+
+    why = refusal(config, get_args(MTPModelTypes))
+    if why:
+        raise AfdcError(why)
+
+
 def check_servable(manifest: Manifest) -> None:
     """Refuse an artifact that vLLM's paged KV cache cannot run, before vLLM's engine starts."""
     if manifest.unpageable:
@@ -86,6 +105,7 @@ def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args:
     manifest = read_manifest(directory)
     check_servable(manifest)
     check_tokenizer(manifest, vllm_args)
+    check_speculation(vllm_args)
     dp = DataParallel.of(vllm_args).checked(manifest.plan.attention_ranks)
     model = model_dir(directory)
     argv = [
@@ -99,15 +119,17 @@ def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args:
     return argv
 
 
-def ffn_command(settings: WorkerSettings, rank: int, token_buckets: int = 0) -> list[str]:
-    """The command that runs FFN rank ``rank`` of ``settings``' deployment (``afdc serve --role ffn``)."""
-    s = settings
+def ffn_command(settings: WorkerSettings, rank: int | None, token_buckets: int = 0) -> list[str]:
+    """The command that runs FFN rank ``rank`` of ``settings``' deployment (``afdc serve --role
+    ffn``), or a spare for its FFN ranks where ``rank`` is None."""
+    s, r = settings, settings.runtime
     return [
-        sys.executable, "-m", "afdc.cli", "serve", s.artifact, "--role", "ffn", "--rank", str(rank),
-        "--rendezvous", s.rendezvous, "--connector", s.connector.value, "--timeout", str(s.timeout),
-        "--join-timeout", str(s.join_timeout), "--device", s.device, "--log-interval", str(s.log_interval),
+        sys.executable, "-m", "afdc.cli", "serve", s.artifact, "--role", "ffn",
+        *(["--rank", str(rank)] if rank is not None else ["--spare"]),
+        "--rendezvous", r.rendezvous, "--connector", r.connector.value, "--timeout", str(r.timeout),
+        "--join-timeout", str(r.join_timeout), "--device", s.device, "--log-interval", str(r.log_interval),
         "--token-buckets", str(token_buckets), *(["--backend", s.backend] if s.backend else []),
-        *(["--spin", str(s.spin)] if s.spin is not None else []), "--wait", s.wait.value,
+        *(["--spin", str(r.spin)] if r.spin is not None else []), "--wait", r.wait.value,
         *(["--threads", str(s.threads)] if s.threads else []),
         *(["--cpus", ",".join(map(str, s.cpus))] if s.cpus else []),
         *(["--pin-tokens", str(s.pin_tokens)] if s.cpus and s.pin_tokens else []),
@@ -126,7 +148,7 @@ def threads_per_role(plan: Plan, settings: WorkerSettings, cores: int | None = N
     if settings.device.split(":")[0] != "cpu":
         return None
     cores = cores or len(os.sched_getaffinity(0))
-    computing = plan.attention_ranks + (0 if settings.connector.in_process else plan.ffn_ranks)
+    computing = plan.attention_ranks + (0 if settings.runtime.connector.in_process else plan.ffn_ranks)
     return max(1, (cores - 1) // computing)
 
 
@@ -135,20 +157,28 @@ def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: S
     this host (this process is replaced)."""
     check_serving_environment()
     argv = attention_command(settings, host, port, vllm_args)
-    if not settings.connector.in_process and not DataParallel.of(vllm_args).hosts_rank_zero:
+    if not settings.runtime.connector.in_process and not DataParallel.of(vllm_args).hosts_rank_zero:
         # reach the store here (TCPStore retries with backoff), rather than fail as a trace from vLLM's engine
         settings.open_rendezvous()
     os.execve(argv[0], argv, {**os.environ, **settings.to_env()})
 
 
-def wait_healthy(url: str, deadline: float, alive: Callable[[], bool]) -> None:
-    """Poll ``url``/health until it answers 200; ``alive`` says whether the server process still runs."""
+class StopAsked(AfdcError):
+    """A stop was asked for (a signal) while the deployment started."""
+
+
+def wait_healthy(url: str, deadline: float, alive: Callable[[], bool],
+                 asked: Callable[[], str] = lambda: "") -> None:
+    """Poll ``url``/health until it answers 200; ``alive`` says whether the server process still
+    runs, ``asked`` what asked for a stop ("" while none did: then :class:`StopAsked`)."""
     while True:
+        if asked():  # before ``alive``: a Ctrl-C also ends the server, and that is no failure
+            raise StopAsked(f"stopped while starting (asked for by {asked()})")
         # HTTPException: before the server listens, a probe from a port in the ephemeral range
         # can connect to itself (TCP self-connect) and read its own request as a bad status line
         with (
             contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException),
-            urllib.request.urlopen(f"{url}/health", timeout=5) as r,
+            urllib.request.urlopen(f"{url}/health", timeout=1) as r,
         ):
             if r.status == 200:
                 return
@@ -171,6 +201,7 @@ class Deployment:
     log_dir: Path | None = None  # each role's output goes to a file there; None: this terminal
     token_buckets: int = 0  # the FFN ranks' (afdc serve --token-buckets)
     pin: bool | None = None  # 1A1F's engine and FFN server on one core (None: on a small CPU host; see cores)
+    spares: int = 0  # standby FFN processes that take a lost rank over (afdc.runtime.spare)
 
     def __post_init__(self) -> None:
         self.processes: dict[str, subprocess.Popen] = {}
@@ -182,17 +213,39 @@ class Deployment:
         self._commands[name] = (argv, env)
 
     def restart(self, name: str) -> None:
-        """Start role ``name`` (e.g. ``ffn-0``) again after it exited; the attention ranks regroup with it."""
+        """Start role ``name`` (e.g. ``ffn-0``) again after it exited; the attention ranks regroup
+        with it. With spares, an FFN process comes back as a spare: a spare has taken its rank
+        over, or will."""
         if self.processes[name].poll() is None:
             raise AfdcError(f"{name} is still running")
-        self._spawn(name, *self._commands[name])
+        argv, env = self._commands[name]
+        if self.spares and name.startswith(("ffn", "spare")):
+            self._release(self.processes[name].pid)
+            argv = ffn_command(self._ffn_settings, None, self.token_buckets)
+        self._spawn(name, argv, env)
 
-    def start(self, startup_timeout: float, say: Callable[[str], None]) -> str:
-        """Start every role and wait until the OpenAI API answers; returns its URL."""
+    def _release(self, pid: int) -> None:
+        """Record as lost any FFN slot whose owner was process ``pid`` (it exited): a spare that
+        claimed a slot and died before it joined was never lost by an attention rank, which
+        waits for it to join; another spare then claims the slot."""
+        from afdc.runtime.spare import Slots
+
+        ffn = self._ffn_settings
+        rdv = replace(ffn, runtime=replace(ffn.runtime, token=self._token)).open_rendezvous()
+        slots = Slots(rdv)
+        for slot in rdv.layout.peers("attn"):
+            owner, _ = slots.owner(slot)
+            if owner is not None and owner.pid == pid and owner.host == socket.gethostname():
+                slots.lost(slot, max(rdv.generation(), owner.generation + 1))
+
+    def start(self, startup_timeout: float, say: Callable[[str], None], asked: Callable[[], str] = lambda: "") -> str:
+        """Start every role and wait until the OpenAI API answers; returns its URL. ``asked`` says
+        what asked for a stop meanwhile ("" while nothing did): then :class:`StopAsked` at once."""
         plan = read_manifest(self.artifact).plan
-        s = self.settings
-        env = {**os.environ, "AFDC_TOKEN": s.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
-        settings = replace(s, token=None, threads=s.threads or self._default_threads(plan, s))
+        s, r = self.settings, self.settings.runtime
+        env = {**os.environ, "AFDC_TOKEN": r.token or os.environ.get("AFDC_TOKEN") or secrets.token_hex(16)}
+        self._token = env["AFDC_TOKEN"]
+        settings = replace(s, runtime=replace(r, token=None), threads=s.threads or self._default_threads(plan, s))
         core = self._shared_core(plan, settings)
         if core is not None:
             by_load = self.pin is None  # a host of few cores: shared while steps are big (see cores.Placement)
@@ -202,25 +255,28 @@ class Deployment:
                    "--no-pin: never)" if by_load else "")
                 + "; they take turns")
         argv = attention_command(settings, self.host, self.port, self.vllm_args)  # refused before any role starts
-        if not s.connector.in_process:
+        if not r.connector.in_process:
             # the FFN ranks wait for the store that attention rank 0 hosts once its vLLM engine is up
-            self._start_ffn_ranks(
-                plan.ffn_ranks, replace(settings, join_timeout=max(s.join_timeout, startup_timeout)), env, say
-            )
+            waiting = replace(settings.runtime, join_timeout=max(r.join_timeout, startup_timeout))
+            self._start_ffn_ranks(plan.ffn_ranks, replace(settings, runtime=waiting), env, say)
         say(f"starting {plan.attention_ranks} attention ranks (vLLM data-parallel engines) on port {self.port}")
         self._spawn("attn", argv, {**env, **settings.to_env(), **self._attention_env()})
         proc = self.processes["attn"]
         url = f"http://{self.host}:{self.port}"
-        wait_healthy(url, time.monotonic() + startup_timeout, lambda: proc.poll() is None)
+        wait_healthy(url, time.monotonic() + startup_timeout, lambda: proc.poll() is None, asked)
         say("the attention ranks are ready")
         return url
 
     def _start_ffn_ranks(self, ranks: int, settings: WorkerSettings, env: dict[str, str],
                          say: Callable[[str], None]) -> None:
-        """Start FFN ranks ``0 .. ranks - 1`` (here: child processes)."""
+        """Start FFN ranks ``0 .. ranks - 1`` and the spares (here: child processes)."""
+        self._ffn_settings = settings
         for r in range(ranks):
             say(f"starting FFN rank {r} of {ranks}")
             self._spawn(f"ffn-{r}", ffn_command(settings, r, self.token_buckets), env)
+        for i in range(self.spares):
+            say(f"starting spare {i} (it takes over an FFN rank that is lost)")
+            self._spawn(f"spare-{i}", ffn_command(settings, None, self.token_buckets), env)
 
     def _attention_env(self) -> dict[str, str]:
         """What the attention server's environment needs beyond the settings (here: nothing)."""
@@ -233,21 +289,25 @@ class Deployment:
     def _shared_core(self, plan: Plan, settings: WorkerSettings) -> int | None:
         """The core 1A1F's pair shares, if any (here: every role is on this host)."""
         micro_batches = settings.micro_batches or plan.micro_batches
-        return shared_core(plan, micro_batches, settings.device, not settings.connector.in_process, self.pin)
+        return shared_core(plan, micro_batches, settings.device, not settings.runtime.connector.in_process, self.pin)
 
     def failed(self) -> str | None:
-        """The first role whose process has exited, if any."""
+        """The first role whose process has exited, if any (an FFN process or spare: ``ffn-R``, ``spare-I``)."""
         return next((name for name, p in self.processes.items() if p.poll() is not None), None)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the attention servers first (they finish their requests), then the FFN ranks."""
-        order = sorted(self.processes, key=lambda n: not n.startswith("attn"))
-        for name in order:
-            proc = self.processes[name]
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the attention server first, then the FFN ranks; a role still running ``grace``
+        seconds after its SIGTERM is killed."""
+        attention = [n for n in self.processes if n.startswith("attn")]
+        for names in (attention, [n for n in self.processes if n not in attention]):
+            deadline = time.monotonic() + grace
+            for name in names:
+                if self.processes[name].poll() is None:
+                    self.processes[name].send_signal(signal.SIGTERM)
+            for name in names:
+                proc = self.processes[name]
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

@@ -18,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,28 +30,22 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from afdc.artifact import manifest as mf
 from afdc.artifact.load import deployment_of, load
 from afdc.errors import UnsupportedModelError
-from afdc.lowering.attention_slots import program_slots
-from afdc.lowering.backends import resolve as resolve_backend
-from afdc.lowering.cache_positions import positions_as_cache_positions
-from afdc.lowering.sampled_rows import sample_rows_only
-from afdc.ops import SlotSpec
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.exchange import AttentionEndpoint
+from afdc.runtime.flat_batches import prepare_for_flat_batches
 from afdc.runtime.metrics import Metrics
-from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.paged import (
     MixerStateStore,
     PagedBatch,
     PagedKVStore,
     PagedRows,
-    kernel_paged_attention,
-    register_paged_attention,
 )
-from afdc.runtime.rendezvous import PeerLost, Rendezvous, RendezvousError
-from afdc.runtime.tensor_parallel import TensorParallelAttention
+from afdc.runtime.rendezvous import DEGRADED, SERVING, UNAVAILABLE, Health, PeerLost, Rendezvous, RendezvousError
 from afdc.serve.cores import Placement
+from afdc.serve.prompt_logprobs import PromptLogprobs
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
+from afdc.serve.speculation import Speculation
 from afdc.serve.up import check_servable
 
 logger = logging.getLogger("vllm.afdc.worker")  # vLLM prints plugin logs under its own hierarchy
@@ -75,6 +69,9 @@ class Request:
     block_ids: list[list[int]]  # per KV-cache group (attention; each stateful mixer's state blocks)
     computed: int  # tokens whose keys and values are in the cache
     scheduled: int = 0  # tokens run in the current step
+    prompt_logprobs: PromptLogprobs | None = None  # asked for, until the prefill returns them
+    logits: int = 1  # logit rows it takes from the current step: its last token's and drafts', or all (prompt logprobs)
+    drafts: list[int] = field(default_factory=list)  # draft tokens the current step verifies (speculative decoding)
 
 
 def _row_groups(sizes: list[int], parts: int) -> list[list[int]]:
@@ -83,6 +80,26 @@ def _row_groups(sizes: list[int], parts: int) -> list[list[int]]:
     single = [i for i, n in enumerate(sizes) if n == 1]
     groups = [single[g] for g in _micro_batches([1] * len(single), parts)] if single else []
     return groups + [[i] for i, n in enumerate(sizes) if n != 1]
+
+
+def _step_tokens(r: Request) -> list[int]:
+    """The tokens ``r`` runs in the current step: known ones, then its drafts. vLLM pads a new
+    decode's drafts with -1 (one step shape for CUDA graphs); they run as token 0, and the
+    verifier rejects them."""
+    known = r.tokens[r.computed:r.computed + r.scheduled]
+    return known + [max(t, 0) for t in r.drafts] if r.drafts else known
+
+
+def _logit_rows(requests: list[Request], rows: bool) -> torch.Tensor | None:
+    """The token rows of a micro-batch whose logits its requests take (``Request.logits`` each);
+    None for the default, each request's last. ``rows``: a :class:`PagedRows` step, whose requests
+    with more than one token run alone."""
+    if all(r.logits == 1 for r in requests):
+        return None
+    if rows:
+        return torch.arange(requests[0].scheduled)
+    ends = itertools.accumulate(r.scheduled for r in requests)
+    return torch.tensor([i for r, end in zip(requests, ends) for i in range(end - r.logits, end)])
 
 
 def _micro_batches(sizes: list[int], parts: int) -> list[slice]:
@@ -104,11 +121,14 @@ class AfdcWorker(WorkerBase):
         # vLLM's global DP rank (data_parallel_rank itself is reset to 0 for an engine without experts)
         self.rank = vllm_config.parallel_config.data_parallel_index
         self.requests: dict[str, Request] = {}
-        self._pending: tuple | None = None  # (scheduler output, requests, last-token logits) awaiting sampling
+        # (scheduler output, requests, their sampling logits, prompt logprobs to return) awaiting sampling
+        self._pending: tuple | None = None
         self._store_host: Rendezvous | None = None
-        self._problem = ""  # what keeps this rank from serving, as last reported
+        self._health = Health()  # as last reported
+        self._lost_at: float | None = None  # when the current loss of an FFN rank was first seen
         self._step_lock = threading.Lock()  # a step and the idle rank's regrouping take turns at the endpoint
         self._stepped_at = 0.0  # when the last step ended
+        self._holding = False  # whether a step runs (or is held for a lost FFN rank)
         self._sampled: set[str] = set()  # the requests of the last step
         self._sampled_at = 0.0  # when its sampling ended
         self._stop = threading.Event()
@@ -126,68 +146,70 @@ class AfdcWorker(WorkerBase):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.sampler = StepSampler(self.vllm_config, self.device)
+        spec = self.vllm_config.speculative_config is not None
+        self.speculation = Speculation(self.vllm_config, self.sampler.sampler, self.device) if spec else None
+        self._drafts = None  # the drafts proposed after the last step, until vLLM takes them
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        s = self.settings
-        directory = Path(s.artifact)
+        directory = Path(self.settings.artifact)
         manifest = mf.read_manifest(directory)
         check_servable(manifest)
         self.mixers = manifest.mixers
-        program = load(directory, "attn", self.rank, self.device, backend="eager")
-        dispatch = [manifest.segments[lay.segment].dispatch() for lay in manifest.layers]
-        in_process = s.connector.in_process
-        ffn = [load(directory, "ffn", r, self.device, s.backend) for r in range(manifest.plan.ffn_ranks)]
-        ffn = ffn if in_process else []
-        self.attention = AttentionRank(self.rank, program, ffn, dispatch)
-        shards = program.shards if isinstance(program, TensorParallelAttention) else [program]
-        self.tp_ranks = len(shards)
-        if self.tp_ranks > 1:  # TP ranks 1.. wait while rank 0 waits for the FFN side
-            program.timeout = s.timeout + s.join_timeout
-        slots, self.key_slots = program_slots(program.module)
-        # every TP rank's heads side by side in one paged store (its own view of them)
-        self.slots: list[SlotSpec] = [replace(x, kv_heads=x.kv_heads * self.tp_ranks) for x in slots]
-        # sparse-attention indexers: a step's requests run as rows of a padded batch (PagedRows)
-        self.rows = bool(self.key_slots)
-        if self.rows and self.mixers:
-            raise UnsupportedModelError(
-                "a model with both sparse-attention indexers and stateful mixers: afdc's paged steps run "
-                "indexers over rows of a padded batch and mixers over a flat batch, not both yet"
-            )
-        # logits for each request's last token only (the step samples nothing else)
-        self.rows_only = all([sample_rows_only(x.module, x.out_spec) for x in shards])
-        for x in shards:  # a flat batch: each request's tokens sit at their own cache positions
-            if not self.rows:
-                positions_as_cache_positions(x.module.graph)
-                x.module.recompile()
-        backend = s.backend or manifest.plan.backend
-        program.use_backend(backend)  # lowered after the graph is final
-        self.backend = resolve_backend(backend, self.device)
-        if self.backend == "afdc" and self.device.type == "cuda":
-            register_paged_attention("cuda", kernel_paged_attention)  # decode steps attend in afdc's Triton kernel
-        self.micro_batches = s.micro_batches or manifest.plan.micro_batches
-        self.dtype = next((p.dtype for p in program.parameters() if p.is_floating_point()), torch.float32)
-        if not in_process:
-            layout, deployment = deployment_of(directory)
-            options = RuntimeOptions(
-                connector=s.connector, rendezvous=s.rendezvous, token=s.token, timeout=s.timeout,
-                join_timeout=s.join_timeout, insecure_no_token=s.insecure_no_token, spin=s.spin, wait=s.wait,
-            )
-            if self.rank == 0:  # attention rank 0 hosts the deployment's store
-                self._store_host = s.open_rendezvous(host=True)
-            self.attention.endpoint = AttentionEndpoint.connect(self.rank, layout, deployment, options, self.device)
-            threading.Thread(target=self._keep_membership, args=(options.poll_interval,), daemon=True,
-                             name="afdc-membership").start()
-        # the endpoint's sends and waits (in process, the FFN runs) and the step's own phases in one record
-        self.metrics = self.attention.endpoint.metrics if not in_process else Metrics("attn", self.rank)
-        if in_process:
-            self.attention.phases = self.metrics.phases
-        self._stop_logging = self.metrics.log_every(s.log_interval, logger=logger)
+        program = self._load_programs(directory, manifest)
+        self._prepare(program, manifest)
+        if not self.settings.runtime.connector.in_process:
+            self._join_deployment(directory)
+        self._start_metrics()
+        r = self.settings.runtime
         logger.info(
             "afdc: attention rank %d of %s loaded (%d attention layers, %d TP ranks, %d micro-batches, backend %s, "
             "FFN %s)", self.rank, directory, len(self.slots), self.tp_ranks, self.micro_batches,
-            self.backend,
-            "in this process" if in_process else f"over {s.connector} at {s.rendezvous}",
+            self.backend, "in this process" if r.connector.in_process else f"over {r.connector} at {r.rendezvous}",
         )
+
+    def _load_programs(self, directory: Path, manifest: mf.Manifest):
+        """This rank's attention program, and its FFN side: the FFN programs in this process
+        (loopback), or none (the FFN ranks' servers run them)."""
+        s = self.settings
+        program = load(directory, "attn", self.rank, self.device, backend="eager")
+        dispatch = [manifest.segments[lay.segment].dispatch() for lay in manifest.layers]
+        in_process = s.runtime.connector.in_process
+        ranks = range(manifest.plan.ffn_ranks) if in_process else ()
+        self.attention = AttentionRank(self.rank, program, [load(directory, "ffn", r, self.device, s.backend)
+                                                            for r in ranks], dispatch)
+        return program
+
+    def _prepare(self, program, manifest: mf.Manifest) -> None:
+        """The program rewritten for vLLM's steps, and what the cache and steps take from it."""
+        s = self.settings
+        prepared = prepare_for_flat_batches(program, s.backend or manifest.plan.backend, self.device,
+                                            mixers=bool(self.mixers))
+        self.slots, self.key_slots, self.tp_ranks = prepared.slots, prepared.key_slots, prepared.tp_ranks
+        self.rows, self.rows_only = prepared.rows, prepared.rows_only
+        self.backend, self.dtype = prepared.backend, prepared.dtype
+        if self.tp_ranks > 1:  # TP ranks 1.. wait while rank 0 waits for the FFN side
+            program.timeout = s.runtime.timeout + s.runtime.join_timeout
+        self.micro_batches = s.micro_batches or manifest.plan.micro_batches
+
+    def _join_deployment(self, directory: Path) -> None:
+        """Reach the FFN ranks: host the deployment's store (attention rank 0), connect, and keep
+        this rank's membership while it is idle."""
+        options = self.settings.runtime
+        layout, deployment = deployment_of(directory)
+        if self.rank == 0:
+            self._store_host = self.settings.open_rendezvous(host=True)
+        self.attention.endpoint = AttentionEndpoint.connect(self.rank, layout, deployment, options, self.device)
+        threading.Thread(target=self._keep_membership, args=(options.poll_interval,), daemon=True,
+                         name="afdc-membership").start()
+
+    def _start_metrics(self) -> None:
+        """The endpoint's sends and waits (in process: the FFN runs) and the step's own phases in one record."""
+        if self.settings.runtime.connector.in_process:
+            self.metrics = Metrics("attn", self.rank)
+            self.attention.phases = self.metrics.phases
+        else:
+            self.metrics = self.attention.endpoint.metrics
+        self._stop_logging = self.metrics.log_every(self.settings.runtime.log_interval, logger=logger)
 
     def get_model(self) -> torch.nn.Module:
         return self.attention.program
@@ -303,7 +325,9 @@ class AfdcWorker(WorkerBase):
             prompt = list(new.prompt_token_ids)
             sampling = SamplingRequest(params, prompt, [], new_generator(params, self.device))
             self.requests[new.req_id] = Request(
-                new.req_id, list(prompt), sampling, [list(g) for g in new.block_ids], new.num_computed_tokens
+                new.req_id, list(prompt), sampling, [list(g) for g in new.block_ids], new.num_computed_tokens,
+                prompt_logprobs=PromptLogprobs.of(params, prompt, self.model_config.get_vocab_size(),
+                                                  self.model_config.logprobs_mode, self.device),
             )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -334,6 +358,9 @@ class AfdcWorker(WorkerBase):
         scheduled = [self.requests[rid] for rid in so.num_scheduled_tokens]
         for r in scheduled:
             r.scheduled = so.num_scheduled_tokens[r.id]
+            r.drafts = list(so.scheduled_spec_decode_tokens.get(r.id, ()))
+            wanted = r.prompt_logprobs is not None and r.prompt_logprobs.rows(r.computed, r.scheduled) > 0
+            r.logits = r.scheduled if wanted else 1 + len(r.drafts)
         sizes = [r.scheduled for r in scheduled]
         if self.rows:
             groups = [[scheduled[i] for i in g] for g in _row_groups(sizes, self.micro_batches)]
@@ -345,38 +372,67 @@ class AfdcWorker(WorkerBase):
         self.metrics.phases.add("prepare", time.perf_counter() - started, time.thread_time() - cpu)
         with self.metrics.phases.timed("step"):
             outputs = self._run(batches)
-        last = torch.cat([self._last_logits(out.logits, g) for g, out in zip(groups, outputs)])
-        self._pending = (so, [r for g in groups for r in g], last)
+        logits = torch.cat([self._taken(out.logits, batch) for batch, out in zip(batches, outputs)])
+        requests = [r for g in groups for r in g]
+        prompt_logprobs = {}
+        if any(r.logits > 1 for r in requests):
+            taken = logits.split([r.logits for r in requests])
+            # where each request samples: its last token's row, after its drafts' (verified) rows
+            logits = torch.cat([rows[len(rows) - 1 - len(r.drafts):] for r, rows in zip(requests, taken)])
+            prompt_logprobs = self._prompt_logprobs(requests, taken)
+        self._pending = (so, requests, logits, prompt_logprobs)
         return None
 
-    def _last_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Each request's logits at its last scheduled token."""
-        if self.rows:
-            return logits[:, -1]  # a row per request
-        if self.rows_only:
-            return logits[0]  # the program computed those rows only
-        return logits[0, torch.tensor([r.scheduled for r in requests]).cumsum(0) - 1]
+    def _taken(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        """The logit rows a micro-batch's requests take (``Request.logits`` each, in order), ``[rows, vocab]``."""
+        if not self.rows_only:  # the program computed every token's
+            logits = logits.index_select(1, batch.cache.logit_rows)
+        return logits.flatten(0, 1)  # flat: one row; PagedRows: a row per request
+
+    def _prompt_logprobs(self, requests: list[Request], taken: list[torch.Tensor]) -> dict:
+        """Each request's prompt logprobs from the step's logits; those of the requests whose prefill
+        the step ends, to return (vLLM's ``prompt_logprobs_dict``)."""
+        done = {}
+        for r, rows in zip(requests, taken):
+            asked = r.prompt_logprobs
+            if asked is None:
+                continue
+            asked.add(rows[:asked.rows(r.computed, r.scheduled)], r.computed)
+            if asked.completes(r.computed, r.scheduled):
+                done[r.id], r.prompt_logprobs = asked.tensors, None
+        return done
 
     def _run(self, batches: list[MicroBatch]) -> list:
-        """Run the step; while an FFN rank is lost, report it and run the step again once the rank
-        is back. A rerun rewrites the same cache slots with the same keys and values, so a step cut
-        short at any layer is safe to repeat. The HTTP side (:mod:`afdc.serve.health`) fails the
-        requests meanwhile with a 503 naming the problem; their aborts reach the scheduler after."""
-        deadline = time.monotonic() + self.settings.recovery_timeout
+        """Run the step. While an FFN rank is lost the step is held: no token is sampled and no
+        state committed; this rank reports itself degraded, waits for the rank's return, and runs
+        the same step again (a rerun rewrites the same cache slots with the same keys and values,
+        so a step cut short at any layer is safe to repeat). Past ``recovery_timeout`` it reports
+        itself unavailable: the HTTP side (:mod:`afdc.serve.health`) then fails the requests with
+        a 503 naming the rank, and their aborts reach the scheduler once the step went through;
+        the step goes on waiting, so serving resumes when the rank is back."""
+        self._holding = True  # the idle rank's regrouping stays away: the held step regroups, within its hold
+        try:
+            return self._run_held(batches)
+        finally:
+            self._holding = False
+
+    def _run_held(self, batches: list[MicroBatch]) -> list:
         while True:
+            options = self.settings.runtime
+            # while degraded, a regrouping waits no longer than the hold has left
+            left = self._left()
+            join_timeout = min(options.join_timeout, left) if left is not None and left > 0 else None
             try:
                 with self._step_lock:
-                    outputs, _ = self.attention.run(self.attention.begin_step(), batches)
+                    outputs, _ = self.attention.run(self.attention.begin_step(join_timeout), batches)
                     self._stepped_at = time.monotonic()
                 for batch in batches:
                     batch.cache.commit_states()
             except (PeerLost, RendezvousError) as err:
-                if time.monotonic() > deadline:
-                    raise
-                self._report(str(err))
-                time.sleep(self.settings.timeout / 10)
+                self._lost(err)
+                time.sleep(options.poll_interval)
                 continue
-            self._report("")
+            self._serving()
             return outputs
 
     def _keep_membership(self, interval: float) -> None:
@@ -388,32 +444,53 @@ class AfdcWorker(WorkerBase):
         :meth:`AttentionEndpoint.begin_step` without a step: it sends nothing to the FFN ranks."""
         while not self._stop.wait(interval):
             with self._step_lock:
-                if self._stop.is_set() or time.monotonic() - self._stepped_at < interval:
+                if self._stop.is_set() or self._holding or time.monotonic() - self._stepped_at < interval:
                     continue  # serving: the steps regroup
                 try:
                     self.attention.begin_step()
                 except (PeerLost, RendezvousError) as err:
-                    self._report(str(err))
+                    self._lost(err)
                     continue
-            self._report("")
+            self._serving()
 
-    def _report(self, problem: str) -> None:
-        if problem != self._problem:
-            if problem:
-                logger.error("afdc: attention rank %d cannot serve: %s; retrying", self.rank, problem)
-            else:
+    def _left(self) -> float | None:
+        """Seconds the current loss of an FFN rank may still be waited out (None: none is lost;
+        negative: past ``recovery_timeout``)."""
+        if self._lost_at is None:
+            return None
+        return self._lost_at + self.settings.recovery_timeout - time.monotonic()
+
+    def _lost(self, err: Exception) -> None:
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
+        timeout = self.settings.recovery_timeout
+        if self._left() > 0:
+            self._report(Health(DEGRADED, f"{err}; requests are held up to {timeout:g} s for it to come back"))
+        else:
+            self._report(Health(UNAVAILABLE, f"{err}; not back within {timeout:g} s"))
+
+    def _serving(self) -> None:
+        self._lost_at = None
+        self._report(Health())
+
+    def _report(self, health: Health) -> None:
+        if health != self._health:
+            if health.state == SERVING:
                 logger.info("afdc: attention rank %d reaches every FFN rank again", self.rank)
-            self.attention.endpoint.rendezvous.report_health("attn", self.rank, problem)
-            self._problem = problem
+            else:
+                logger.error("afdc: attention rank %d is %s: %s", self.rank, health.state, health.problem)
+            self.attention.endpoint.rendezvous.report_health("attn", self.rank, health)
+            self._health = health
 
     def _micro_batch(self, requests: list[Request]) -> MicroBatch:
-        tokens = [r.tokens[r.computed:r.computed + r.scheduled] for r in requests]
+        tokens = [_step_tokens(r) for r in requests]
         attention = [r.block_ids[self.attention_group] for r in requests]
         width = max(len(b) for b in attention)
         table = torch.tensor([b + [0] * (width - len(b)) for b in attention])
         computed = torch.tensor([r.computed for r in requests])
+        logit_rows = _logit_rows(requests, self.rows)
         if self.rows:
-            rows = PagedRows(self.store, table, computed, requests[0].scheduled, self.keys)
+            rows = PagedRows(self.store, table, computed, requests[0].scheduled, self.keys, logit_rows)
             ids = torch.tensor(tokens, device=self.device)
             return MicroBatch(ids, rows.attention_mask, rows.positions, rows)
         ids = torch.tensor([t for row in tokens for t in row])[None]
@@ -421,7 +498,8 @@ class AfdcWorker(WorkerBase):
             slot: torch.tensor([r.block_ids[group][0] for r in requests]) for slot, group in self.state_groups.items()
         }
         paged = PagedBatch(
-            self.store, table, computed, torch.tensor([r.scheduled for r in requests]), self.states, state_blocks
+            self.store, table, computed, torch.tensor([r.scheduled for r in requests]), self.states, state_blocks,
+            logit_rows,
         )
         ids = ids.to(self.device)
         return MicroBatch(ids, torch.ones_like(ids), paged.positions, paged)
@@ -433,7 +511,7 @@ class AfdcWorker(WorkerBase):
         return out
 
     def _sample(self, grammar_output) -> ModelRunnerOutput:
-        so, scheduled, logits = self._pending
+        so, scheduled, logits, prompt_logprobs = self._pending
         self._pending = None
         if grammar_output is not None:
             apply_grammar_bitmask(so, grammar_output, _Batch([r.id for r in scheduled]), logits)
@@ -442,27 +520,44 @@ class AfdcWorker(WorkerBase):
         complete = [r.computed + r.scheduled >= len(r.tokens) for r in scheduled]
         saved = {i: r.sampling.generator.get_state() for i, r in enumerate(scheduled)
                  if not complete[i] and r.sampling.generator is not None}
-        out = self.sampler(logits, [r.sampling for r in scheduled])
+        requests, drafts = [r.sampling for r in scheduled], [r.drafts for r in scheduled]
+        verifier = self.speculation.verifier if self.speculation is not None else None
+        if any(drafts) and verifier.verifies([r.params for r in requests]):
+            metadata = replace(self.sampler.metadata(requests, logits.shape[-1]), spec_token_ids=drafts)
+            tokens, logprobs = verifier(logits, drafts, metadata)
+        else:
+            if any(drafts):
+                logits = verifier.unverified(logits, drafts)
+            out = self.sampler(logits, requests)
+            tokens = out.sampled_token_ids.tolist()
+            logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
         for i, state in saved.items():
             scheduled[i].sampling.generator.set_state(state)
-        tokens = out.sampled_token_ids[:, 0].tolist()
         sampled: list[list[int]] = []
-        for r, token, done in zip(scheduled, tokens, complete):
+        for r, kept, done in zip(scheduled, tokens, complete):
             if done:
-                r.tokens.append(token)
-                r.sampling.output.append(token)
-            sampled.append([token] if done else [])
+                r.tokens.extend(kept)
+                r.sampling.output.extend(kept)
+            sampled.append(kept if done else [])
+        if self.speculation is not None:
+            self._drafts = self.speculation.propose(
+                [r.id for r in scheduled], [r.tokens for r in scheduled], sampled, so.num_spec_tokens_to_schedule,
+                [r.params for r in requests],
+            )
         return ModelRunnerOutput(
             req_ids=[r.id for r in scheduled],
             req_id_to_index={r.id: i for i, r in enumerate(scheduled)},
             sampled_token_ids=sampled,
-            logprobs=out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None,
+            logprobs=logprobs,
+            prompt_logprobs_dict=prompt_logprobs,
         )
 
     # -- the rest of vLLM's worker interface -------------------------------------------------
 
     def take_draft_token_ids(self):
-        return None
+        """The drafts proposed after the last step (speculative decoding), for vLLM's scheduler."""
+        drafts, self._drafts = self._drafts, None
+        return drafts
 
     def update_max_model_len(self, max_model_len: int) -> None:
         self.model_config.max_model_len = max_model_len

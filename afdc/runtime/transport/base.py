@@ -22,10 +22,11 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
-from afdc.runtime.options import RuntimeOptions, WaitPolicy
+from afdc.errors import AfdcError
 from afdc.runtime.rendezvous import Group, Layout, Rendezvous
 from afdc.runtime.transport.spin_budget import BudgetSettings, SpinBudget
 from afdc.runtime.wire import Header, Kind, WireError, unpack
@@ -55,6 +56,25 @@ Deliver = Callable[["Incoming | Failure"], None]
 SPIN_CORES = 8  # --wait cores: a host with fewer has no core to spare for an FFN server's polls (default_spin)
 
 
+class WaitPolicy(str, Enum):
+    """How a rank's wait for its peer over shm chooses between polling and sleeping, unless
+    ``spin`` fixes it (see :class:`afdc.runtime.transport.base.Waiter`)."""
+
+    ADAPTIVE = "adaptive"  # poll only while the peer's answer is likely soon, learned per link and phase
+    CORES = "cores"  # the earlier fixed policy: attention ranks poll 2 ms, FFN servers only on 8 cores or more
+
+    @classmethod
+    def parse(cls, value: str | WaitPolicy) -> WaitPolicy:
+        try:
+            return cls(value)
+        except ValueError:
+            raise AfdcError(f"unknown wait policy {value!r}; choose one of {', '.join(k.value for k in cls)}") from None
+
+    def __str__(self) -> str:
+        return self.value
+
+
+
 def default_spin(role: str, cores: int | None = None) -> float:
     """How long a wait of a ``role`` rank polls before it blocks under ``--wait cores`` (the
     policy before the adaptive wait, kept to compare against it).
@@ -82,15 +102,6 @@ class Pacing:
     budget: BudgetSettings = field(default_factory=BudgetSettings)  # how a learned spin is learned (``spin`` None)
     # a poll that comes back this late from its yield ends the spin: another task wanted the core
     yield_late: float = 2e-4
-
-    @classmethod
-    def of(cls, options: RuntimeOptions, role: str) -> Pacing:
-        """A ``role`` rank's pacing: ``options.spin`` where set (every role's), else as
-        ``options.wait`` says: learned from the peer's answers, or by role and cores."""
-        spin = options.spin
-        if spin is None and options.wait is WaitPolicy.CORES:
-            spin = default_spin(role)
-        return cls(spin, options.max_sleep, options.idle_sleep)
 
 
 class Waiter:

@@ -7,10 +7,15 @@ thread per peer posts blocking receives. Payloads ride the same group here; the 
 (:mod:`afdc.runtime.transport.nccl`) keeps the headers on gloo and moves the payloads between GPUs.
 
 A receive that gives up cannot be withdrawn from gloo (its buffer would swallow the next
-message), so receiver threads wait without a deadline; deadlines are enforced by the
-attention side's exchange (see :mod:`afdc.runtime.exchange`). When a generation is left, its
-receiver threads stay parked on the abandoned group until the process exits (one per peer per
-regrouping).
+message), so a receiver thread waits for the next header without a deadline (deadlines for
+replies are enforced by the attention side's exchange, see :mod:`afdc.runtime.exchange`). A
+payload, though, is due once its header came: a peer that announces one and does not send it
+within ``timeout`` loses its link, and only that link. Gloo ends a receive that times out by
+closing every link of its group, so payloads go over a group of two per link (the headers'
+group is never given a deadline): a timed-out payload closes its own link's group. The link is
+then dropped (what the peer sends later is never read; the abandoned buffer is kept, since gloo
+may still fill it). When a generation is left, its receiver threads stay parked on the
+abandoned group until the process exits (one per peer per regrouping).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class GlooTransport(Transport):
         self._locks = {p: threading.Lock() for p in self.layout.peers(self.role)}
         self._pending: collections.deque = collections.deque()
         self._dropped: set[int] = set()  # peers whose messages this end stopped reading
+        self._abandoned: list[tuple[torch.Tensor, dist.Work]] = []  # payload receives given up on, kept
         self._closed = False
         for peer in self.layout.peers(self.role):
             threading.Thread(target=self._receive, args=(peer,), daemon=True, name=f"afdc-recv-{peer}").start()
@@ -46,17 +52,36 @@ class GlooTransport(Transport):
     # -- where payloads go: the header's group (gloo moves host bytes) -------------------------
 
     def _open_payload_plane(self) -> None:
-        """Set up what carries payloads (called before any receiver starts)."""
+        """Set up what carries payloads (called before any receiver starts): a gloo group of two
+        per link (see the module docstring). Every rank forms its links' groups in the order of
+        (attention slot, FFN slot), so no two ranks wait for each other's next group."""
+        me = 0 if self.role == "attn" else 1  # within a link's group
+        self._links: dict[int, tuple[dist.ProcessGroupGloo, int]] = {}  # peer -> its link's group, its rank there
+        for peer in self.layout.peers(self.role):
+            pair = (self.slot, peer) if self.role == "attn" else (peer, self.slot)
+            store = self.rendezvous.prefixed(self.group.generation, f"gloo-link-{pair[0]}-{pair[1]}")
+            group = dist.ProcessGroupGloo(store, me, 2, datetime.timedelta(seconds=self.timeout))
+            self._links[peer] = (group, 1 - me)
 
     def _payload(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         return wire.pack(tensors).cpu()
 
     def _send_payload(self, peer: int, payload: torch.Tensor) -> dist.Work:
-        return self.pg.send([payload], peer, _PAYLOAD_TAG)
+        group, rank = self._links[peer]
+        return group.send([payload], rank, _PAYLOAD_TAG)
 
     def _recv_payload(self, peer: int, nbytes: int) -> torch.Tensor:
+        group, rank = self._links[peer]
         payload = torch.empty(nbytes, dtype=torch.uint8)
-        self.pg.recv([payload], peer, _PAYLOAD_TAG).wait(_NO_DEADLINE)
+        work = group.recv([payload], rank, _PAYLOAD_TAG)
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as err:
+            self._abandoned.append((payload, work))  # gloo may still write into it: it must outlive the receive
+            raise wire.WireError(
+                f"it announced a payload of {nbytes} bytes and did not send it within {self.timeout:g} s "
+                f"({str(err).splitlines()[0]})"
+            ) from err
         return payload
 
     # -- messages ------------------------------------------------------------------------------
@@ -97,7 +122,7 @@ class GlooTransport(Transport):
                 incoming = self._incoming(header, payload)
             except (wire.WireError, RuntimeError, ValueError) as err:  # Runtime, Value: a payload torch refuses
                 self._dropped.add(peer)
-                self._failed(peer, f"a malformed message: {err}")
+                self._failed(peer, f"a message it cannot take: {err}")
                 if not self._closed:
                     self._say_bye(peer)
                 return

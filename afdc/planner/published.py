@@ -1,0 +1,210 @@
+"""Published AFD results, each with the setup its source states, to check the planner against.
+
+A :class:`Scenario` holds what its source says it ran (model, chips, deployments, context,
+quantization, micro-batches, expert balance, latency target) and the figure it published; its
+:meth:`~Scenario.predict` sizes the same deployments with the planner and returns the predicted
+figure. The published figure is only compared with, never read by the prediction. What a source
+does not state the scenario sets, and says so in its ``assumed``.
+
+The model's cost comes from its graph like any other plan (:func:`afdc.planner.model_facts`), so
+a scenario takes a function from context length to :class:`~afdc.planner.facts.ModelFacts`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import AutoConfig
+
+from afdc.errors import PlanError
+from afdc.planner.deployment import Deployment, afd_deployment, mono_deployment
+from afdc.planner.facts import ModelFacts, model_facts, split_for_planning
+from afdc.planner.hardware import HardwareProfile
+from afdc.planner.roofline import Assumptions
+from afdc.source import empty_model
+
+# A throughput run with no latency target: every deployment decodes all its memory holds
+NO_TARGET_MS = 1e6
+
+
+@dataclass(frozen=True)
+class Deploy:
+    """One side of a comparison: AFD ``xAyF`` (ffn > 0) or ``EPn`` (ffn == 0) on one chip."""
+
+    hw: HardwareProfile
+    attention: int
+    ffn: int = 0
+    ffn_hw: HardwareProfile | None = None
+
+    def size(self, facts: ModelFacts, tpot_ms: float, a: Assumptions) -> Deployment | None:
+        if self.ffn:
+            return afd_deployment(
+                facts, self.hw, self.ffn_hw or self.hw, self.attention, self.ffn, tpot_ms / 1e3, a
+            )
+        return mono_deployment(facts, self.hw, self.attention, tpot_ms / 1e3, a)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One published figure: AFD's tokens per GPU (or die) per second over its baseline's, as a ratio."""
+
+    name: str
+    source: str
+    context: int
+    afd: Deploy
+    baseline: Deploy
+    published: float  # AFD / baseline tokens per GPU per second
+    assumptions: Assumptions = field(default_factory=Assumptions)
+    tpot_ms: float = NO_TARGET_MS
+    stated: str = ""  # the setup as the source gives it
+    assumed: str = ""  # what the source leaves out and the scenario sets
+
+    def deployments(self, facts: ModelFacts) -> tuple[Deployment | None, Deployment | None]:
+        return (
+            self.afd.size(facts, self.tpot_ms, self.assumptions),
+            self.baseline.size(facts, self.tpot_ms, self.assumptions),
+        )
+
+    def predict(self, facts_at: Callable[[int], ModelFacts]) -> float:
+        """AFD's predicted tokens per GPU per second over the baseline's (0 when AFD cannot run)."""
+        afd, base = self.deployments(facts_at(self.context))
+        if base is None:
+            raise PlanError(f"{self.name}: the baseline meets the target at no batch")
+        return afd.tokens_per_gpu_s / base.tokens_per_gpu_s if afd else 0.0
+
+
+def config_facts(
+    path: str, overrides: dict, weight_dtype: str, kv_dtype: str = "bf16"
+) -> Callable[..., ModelFacts]:
+    """``facts_at(context, kv_dtype=kv_dtype)``: :class:`ModelFacts` of the model in config file
+    ``path`` (with ``overrides``), captured once on the meta device like any ``afdc plan``."""
+    with open(path) as f:
+        values = {**json.load(f), **overrides}
+    model_type = values.pop("model_type")
+    values.pop("quantization_config", None)  # the scenario's weight dtype says how it ran
+    built, layers = split_for_planning(empty_model(AutoConfig.for_model(model_type, **values)))
+    cache: dict[tuple[int, str], ModelFacts] = {}
+    default_kv = kv_dtype
+
+    def facts_at(context: int, kv_dtype: str = default_kv) -> ModelFacts:
+        if (context, kv_dtype) not in cache:
+            cache[context, kv_dtype] = model_facts(built, context, weight_dtype, kv_dtype, name=path, layers=layers)
+        return cache[context, kv_dtype]
+
+    return facts_at
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model as a source ran it: a config file (of ``benchmarks/configs``), changes to it, dtypes."""
+
+    config: str
+    overrides: dict = field(default_factory=dict)
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    note: str = ""
+
+
+# DeepSeek-V3.2 is DeepSeek-V3's architecture plus the DSA indexer. The cost walk counts DSA's
+# attention as dense MLA over the whole context and leaves the indexer's cache out (docs/planner.md),
+# so the scenario is planned from DeepSeek-V3's config: the same count, without a capture of the
+# indexer that only slows it down
+DEEPSEEK_V32_W8A8 = Model(
+    "deepseek-v3.json",
+    weight_dtype="int8",
+    note="DeepSeek-V3.2 as DeepSeek-V3 (DSA not modelled), W8A8: int8 weights, int8 activations",
+)
+# Mixtral-8x22B's config.json on the hub: the 8x7B architecture at these sizes
+MIXTRAL_8X22B = Model(
+    "mixtral-8x7b.json",
+    {
+        "hidden_size": 6144,
+        "intermediate_size": 16384,
+        "num_hidden_layers": 56,
+        "num_attention_heads": 48,
+        "vocab_size": 32768,
+        "max_position_embeddings": 65536,
+    },
+    note="Mixtral-8x22B (its config.json), bf16",
+)
+ERNIE_45_300B_FP8 = Model("ernie-4.5-300b-a47b.json", weight_dtype="fp8", note="ERNIE-4.5-300B-A47B, fp8 weights")
+
+
+def scenarios(profiles: Callable[[str], HardwareProfile]) -> list[tuple[Model, Scenario]]:
+    """Every published figure the planner is checked against, with the model each ran."""
+    die = profiles("Ascend910C")
+    ascend = Assumptions(micro_batches=2, expert_skew=1.0, dispatch_dtype="int8")
+    blog = "vLLM blog 2026-07-23 (afd-plugin on Ascend 910C)"
+    stated = (
+        "Ascend 910C dies, DeepSeek-V3.2 W8A8, forced synthetic expert balance, afd-plugin (exactly two"
+        " micro-batches), tokens/s per die against EP64"
+    )
+    assumed = (
+        "a throughput run (no TPOT target: every deployment decodes what its memory holds), decode at the"
+        " input length, KV cache in bf16, int8 dispatch for AFD and EP alike, the CloudMatrix384 UB fabric"
+    )
+    out = []
+    for context, gain_64, gain_48 in ((16384, 1.113, 0.947), (32768, 1.090, 0.900)):
+        for x, published in ((64, gain_64), (48, gain_48)):
+            out.append(
+                (
+                    DEEPSEEK_V32_W8A8,
+                    Scenario(
+                        f"910C {x}A16F vs EP64 at {context // 1024}K",
+                        blog,
+                        context,
+                        Deploy(die, x, 16),
+                        Deploy(die, 64),
+                        published,
+                        ascend,
+                        stated=stated,
+                        assumed=assumed,
+                    ),
+                )
+            )
+    a100 = profiles("A100")
+    out.append(
+        (
+            MIXTRAL_8X22B,
+            Scenario(
+                "MegaScale-Infer vs TensorRT-LLM",
+                "MegaScale-Infer (arXiv 2504.02263)",
+                4096,
+                Deploy(a100, 24, 8),
+                Deploy(a100, 8),
+                1.90,
+                Assumptions(),
+                tpot_ms=150.0,
+                stated="up to 1.90x per-GPU decode throughput; its planner picks micro-batches and node counts",
+                assumed=(
+                    "Mixtral-8x22B on 80 GB Ampere (A100) GPUs, 8 per NVLink node; the baseline as EP8 on one node"
+                    " (TensorRT-LLM's TP8 holds the same weights and KV); AFD 24A8F (three attention nodes per"
+                    " expert node), micro-batches by MegaScale-Infer's own rule; 4K context, 150 ms TPOT"
+                ),
+            ),
+        )
+    )
+    h800 = profiles("H800")
+    out.append(
+        (
+            ERNIE_45_300B_FP8,
+            Scenario(
+                "Baidu production AFD at 100 ms",
+                "Baidu production AFD (afd-systems survey 2026-11-28); analysis arXiv 2602.09721",
+                8192,
+                Deploy(h800, 32, 16),
+                Deploy(h800, 32),
+                1.19,
+                Assumptions(micro_batches=3, dispatch_dtype="fp8"),
+                tpot_ms=100.0,
+                stated="up to +19% throughput at a 100 ms latency target, three micro-batches",
+                assumed=(
+                    "ERNIE-4.5-300B-A47B in fp8 on H800 (8 per NVLink node, 400 Gb/s RDMA: an ordinary scale-out"
+                    " cluster), 32A16F against EP32, fp8 dispatch, 8K context"
+                ),
+            ),
+        )
+    )
+    return out

@@ -1,0 +1,55 @@
+"""Which of vLLM's ``--speculative-config`` afdc serves: n-gram prompt lookup
+(:mod:`afdc.serve.speculation`). Every other method needs a drafter that is not in the artifact:
+a draft model, EAGLE or Medusa heads, or the model's own multi-token-prediction (MTP) layers,
+which afdc does not compile yet. They are refused before the server starts (``afdc serve``,
+``afdc up``) and by afdc's vLLM platform (``vllm serve`` run by hand), with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+# what --speculative-config's methods would need of afdc, by method (vLLM's names); "ngram" needs nothing
+_NEEDS = {
+    "draft_model": "a separate draft model, which would need an artifact of its own",
+    "eagle": "EAGLE heads, which afdc does not capture or compile",
+    "eagle3": "EAGLE-3 heads, which afdc does not capture or compile",
+    "medusa": "Medusa heads, which afdc does not capture or compile",
+    "mlp_speculator": "an MLP speculator model, which afdc does not capture or compile",
+    "mtp": "the model's multi-token-prediction layers, which afdc does not compile into the artifact yet",
+    "ngram_gpu": "vLLM's GPU n-gram proposer, which lives in vLLM's own model runner; 'ngram' proposes on the host",
+}
+
+
+def refusal(config: dict | None, mtp_methods: Sequence[str] = ()) -> str | None:
+    """Why afdc cannot serve the speculative decoding ``config`` (``--speculative-config``'s
+    fields); None when it can (no speculation, or ``ngram``). ``mtp_methods``: vLLM's per-model
+    names for MTP (``deepseek_mtp``, ...)."""
+    if not config:
+        return None
+    method = config.get("method") or ("draft_model" if config.get("model") else None)
+    if method == "ngram" and not config.get("model"):
+        return None
+    if method in mtp_methods:
+        method = "mtp"
+    needs = _NEEDS.get(method, f"a '{method}' drafter, which afdc does not run")
+    return (f"--speculative-config method {config.get('method') or method!r} needs {needs}; afdc's worker "
+            "speculates with n-gram prompt lookup only: {\"method\": \"ngram\", \"num_speculative_tokens\": K}")
+
+
+def config_in_args(vllm_args: Sequence[str]) -> dict | None:
+    """The ``--speculative-config`` (``-sc``) JSON of a ``vllm serve`` command line, if any."""
+    args = list(vllm_args)
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in ("--speculative-config", "-sc"):
+            raw = value if value else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                config = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--speculative-config {raw!r} is not JSON ({err})") from None
+            if not isinstance(config, dict):
+                raise ValueError(f"--speculative-config {raw!r} is not a JSON object")
+            return config
+    return None

@@ -1,0 +1,49 @@
+"""The planner's predictions beside published AFD results (issue 57), one line per scenario.
+
+Each scenario (``afdc.planner.published``) is built from its source's stated setup; what the
+source leaves out is printed as assumed. The models are captured from ``benchmarks/configs`` on
+the meta device (no GPU, no weights): ``python benchmarks/bench_planner.py [--verbose]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from afdc.planner.hardware import get_profile
+from afdc.planner.published import config_facts, scenarios
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="print each scenario's deployments and assumptions")
+    args = parser.parse_args()
+    facts = {}
+    rows = []
+    for model, s in scenarios(get_profile):
+        if model.config not in facts:
+            start = time.perf_counter()
+            facts[model.config] = config_facts(str(CONFIGS / model.config), model.overrides, model.weight_dtype)
+            print(f"captured {model.config} in {time.perf_counter() - start:.0f} s")
+        predicted = s.predict(facts[model.config])
+        rows.append((s, predicted))
+        if args.verbose:
+            afd, base = s.deployments(facts[model.config](s.context))
+            for d in (afd, base):
+                if d is not None:
+                    print(
+                        f"  {s.name}: {d.name} batch {d.batch_per_gpu} ({d.batch_limit}), TPOT {d.tpot_ms:.1f} ms,"
+                        f" {d.tokens_per_gpu_s:.0f} tokens/GPU/s"
+                    )
+            print(f"  model: {model.note}\n  stated: {s.stated}\n  assumed: {s.assumed}")
+    print(f"\n{'scenario':<36} {'predicted':>9} {'published':>9} {'gap':>8}  source")
+    for s, predicted in rows:
+        gap = f"{(predicted - s.published) * 100:+.1f}pp"
+        print(f"{s.name:<36} {predicted:>9.3f} {s.published:>9.3f} {gap:>8}  {s.source}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The figures a GPU session exists for, in one table, from the JSON its sections wrote.
+
+Reads what ``benchmarks/gpu_session.sh`` left in ``OUT`` (served.json, model.json, kernels.json;
+a section that did not run or wrote nothing is named as missing) and prints: the served setups'
+correctness and tok/s and TPOT ratios (AFD over the monolith), the model section's correctness
+and speed ratios, and the fused MoE's share of the GPU's peak against transformers' grouped_mm.
+
+Run:  python benchmarks/gpu_summary.py OUT
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _read(out: Path, name: str) -> dict | None:
+    try:
+        return json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        print(f"{name}: no results (the section did not run, or failed before writing them)")
+        return None
+
+
+def served(data: dict) -> None:
+    if not {"monolithic", "afd", "failed"} <= data.keys():
+        print("served: not bench_gpu_serve.py's results")
+        return
+    if data["failed"]:
+        print(f"served on {data.get('device')}: FAILED: {'; '.join(data['failed'])}")
+        return
+    print(f"served on {data['device']} ({data['layers']} layers): AFD ids == monolith ids "
+          f"{data['afd_ids_equal_monolithic']}; prompts equal to dm.generate's {data['ids_equal_dm_generate']}")
+    mono, afd = data["monolithic"], data["afd"]
+    for key in sorted((k for k in mono if k.startswith("c") and k[1:].isdigit()), key=lambda k: int(k[1:])):
+        m, a = mono[key], afd.get(key)
+        if a is None:
+            continue
+        print(f"  {key[1:]:>3} in flight: tok/s {a['output_throughput']:.0f} / {m['output_throughput']:.0f} = "
+              f"{a['output_throughput'] / m['output_throughput']:.2f}; TPOT p50 {a['median_tpot_ms']:.2f} / "
+              f"{m['median_tpot_ms']:.2f} ms = {a['median_tpot_ms'] / m['median_tpot_ms']:.2f}")
+
+
+def model(data: dict) -> None:
+    for key, row in data.items():
+        if not isinstance(row, dict) or "dm_greedy_equal" not in row:
+            continue
+        speed = row.get("afdc") or row.get("eager") or {}
+        per_token, prefill = (speed.get(k, float("nan")) for k in ("per_token_ratio", "prefill_ratio"))
+        print(f"{key}: ok {row.get('ok')}, greedy equal {row['dm_greedy_equal']}, logits rel {row['dm_rel_diff']:.3g}, "
+              f"per token x{per_token:.2f}, prefill x{prefill:.2f} the monolith's time")
+
+
+def kernels(data: dict) -> None:
+    rows = {}
+    for r in data.get("moe", []):
+        rows.setdefault((r["model"], r["tokens"]), {})[r["impl"]] = r
+    for (name, tokens), impls in rows.items():
+        ours, hf = impls.get("afdc triton"), impls.get("hf grouped_mm")
+        if ours is None or ours.get("ms") is None:
+            continue
+        vs = f", x{hf['ms'] / ours['ms']:.2f} grouped_mm's speed" if hf and hf.get("ms") else ""
+        print(f"fused MoE {name} T={tokens}: {100 * (ours.get('frac_peak') or 0):.1f}% of bf16 peak, "
+              f"{100 * (ours.get('frac_hbm') or 0):.0f}% of HBM{vs}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        raise SystemExit("usage: python benchmarks/gpu_summary.py OUT")
+    out = Path(argv[0])
+    for name, show in (("served", served), ("model", model), ("kernels", kernels)):
+        data = _read(out, name)
+        if data is not None:
+            show(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
