@@ -132,7 +132,7 @@ def _serving_options(threads_default: str):
             click.option("--spin", type=float, default=None,
                          help="Seconds a wait for a peer's message polls before it blocks on a futex (shm, "
                               "cuda-ipc), for every role; overrides --wait."),
-            click.option("--wait", type=click.Choice([w.value for w in WaitPolicy]), default="adaptive",
+            click.option("--wait", type=click.Choice([w.value for w in WaitPolicy]), default="cores",
                          show_default=True,
                          help="How a wait for a peer's message (shm, cuda-ipc) chooses between polling and "
                               "sleeping on a futex: adaptive polls, yielding the core, only while the peer's "

@@ -75,8 +75,8 @@ SETUPS = {
     "afd-m1-pin": Setup("AFD 1A1F m=1 --pin", "shm", 1, pin=True),
     "afd-m1-float": Setup("AFD 1A1F m=1 --no-pin", "shm", 1, pin=False),
     "afd-m2": Setup("AFD 1A1F m=2", "shm", 2),
-    # the shm waits against each other (issue 54): afd-m1 is the adaptive one, afdc's default
-    "afd-m1-cores": Setup("AFD 1A1F m=1 --wait cores", "shm", 1, wait="cores"),
+    # the shm waits against each other (issue 54): afd-m1 has afdc's default (cores)
+    "afd-m1-adaptive": Setup("AFD 1A1F m=1 --wait adaptive", "shm", 1, wait="adaptive"),
     "afd-m1-spin": Setup("AFD 1A1F m=1 --spin 0.002", "shm", 1, spin=2e-3),
 }
 BASE = "monolithic"
@@ -170,7 +170,7 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
     logs = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
     options = RuntimeOptions(connector=setup.connector, rendezvous=f"127.0.0.1:{free_port()}",
                              log_interval=args.log_interval, spin=args.spin if setup.spin is None else setup.spin,
-                             wait=setup.wait or "adaptive")
+                             wait=setup.wait or RuntimeOptions.wait)
     settings = WorkerSettings(str(artifact), options, micro_batches=setup.micro_batches, backend=args.backend,
                               threads=args.threads)
     max_seqs = str(max(args.concurrency))

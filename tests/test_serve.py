@@ -713,8 +713,8 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
 
 
 def test_settings_round_trip_through_the_environment(monkeypatch):
-    s = WorkerSettings("/a", RuntimeOptions(connector="shm", rendezvous="h:1", spin=0.0, wait="cores"), micro_batches=2,
-                       cpus=(1,))
+    options = RuntimeOptions(connector="shm", rendezvous="h:1", spin=0.0, wait="adaptive")
+    s = WorkerSettings("/a", options, micro_batches=2, cpus=(1,))
     for k, v in s.to_env().items():
         monkeypatch.setenv(k, v)
     assert WorkerSettings.from_env() == s
@@ -741,8 +741,8 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--spin") + 1] == "0.0"
     assert argv[argv.index("--log-interval") + 1] == "5"
     assert "--spin" not in ffn_command(shm, 0) and "--threads" not in ffn_command(shm, 0)
-    argv = ffn_command(WorkerSettings("/a", RuntimeOptions(connector="shm", rendezvous="h:1", wait="cores")), 0)
-    assert argv[argv.index("--wait") + 1] == "cores"
+    argv = ffn_command(WorkerSettings("/a", RuntimeOptions(connector="shm", rendezvous="h:1", wait="adaptive")), 0)
+    assert argv[argv.index("--wait") + 1] == "adaptive"
     assert "--cpus" not in ffn_command(shm, 0)
     argv = ffn_command(WorkerSettings("/a", SHM, cpus=(1, 3)), 0)
     assert argv[argv.index("--cpus") + 1] == "1,3" and "--pin-tokens" not in argv

@@ -131,7 +131,8 @@ def test_a_waiter_spins_for_what_its_budget_has_left_since_the_post():
 
 def test_spin_overrides_the_policy_and_the_earlier_one_stays_selectable():
     for role in ("attn", "ffn"):
-        assert RuntimeOptions().pacing(role).spin is None  # adaptive by default
+        assert RuntimeOptions().pacing(role).spin == default_spin(role)  # cores by default (see options)
+        assert RuntimeOptions(wait="adaptive").pacing(role).spin is None  # learned
         assert RuntimeOptions(spin=0.0).pacing(role).spin == 0.0  # --spin sets every role's
         assert RuntimeOptions(spin=0.5, wait="cores").pacing(role).spin == 0.5
         assert RuntimeOptions(wait="cores").pacing(role).spin == default_spin(role)
