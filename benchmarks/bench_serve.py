@@ -5,8 +5,8 @@ The same afdc worker serves one artifact several ways, behind vLLM's OpenAI serv
 attention engine's process), and AFD with its FFN ranks in server processes over shared memory,
 with m = 1 and m = 2 micro-batches, m = 1 also with its two processes always on one core
 (``--pin``) and always floating (``--no-pin``) where ``afdc up`` would place them by the
-steps' size, and m = 1 under the earlier fixed wait (``--wait cores``) and always spinning
-(``--spin 0.002``) against afdc's default wait, which adapts to its peer (``--setups``;
+steps' size, and m = 1 under the wait that adapts to its peer (``--wait adaptive``) and always
+spinning (``--spin 0.002``) against afdc's default wait (``cores``) (``--setups``;
 ``--plans 2A2F`` adds the same artifact's model compiled for two attention ranks: vLLM's data
 parallelism, one API port). The load is
 ``vllm bench serve`` itself (random prompts of ``--input-len`` tokens, ``--output-len`` tokens
@@ -65,7 +65,7 @@ class Setup:
     micro_batches: int
     plan: str = "1A1F"
     pin: bool | None = None  # afdc up --pin/--no-pin (None: afdc's default)
-    wait: str | None = None  # afdc up --wait (None: afdc's default, adaptive)
+    wait: str | None = None  # afdc up --wait (None: afdc's default, cores)
     spin: float | None = None  # afdc up --spin (None: --spin of this script)
 
 

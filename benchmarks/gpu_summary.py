@@ -14,6 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_gpu_serve import ratio_table
+
 
 def _read(out: Path, name: str) -> dict | None:
     try:
@@ -32,14 +35,7 @@ def served(data: dict) -> None:
         return
     print(f"served on {data['device']} ({data['layers']} layers): AFD ids == monolith ids "
           f"{data['afd_ids_equal_monolithic']}; prompts equal to dm.generate's {data['ids_equal_dm_generate']}")
-    mono, afd = data["monolithic"], data["afd"]
-    for key in sorted((k for k in mono if k.startswith("c") and k[1:].isdigit()), key=lambda k: int(k[1:])):
-        m, a = mono[key], afd.get(key)
-        if a is None:
-            continue
-        print(f"  {key[1:]:>3} in flight: tok/s {a['output_throughput']:.0f} / {m['output_throughput']:.0f} = "
-              f"{a['output_throughput'] / m['output_throughput']:.2f}; TPOT p50 {a['median_tpot_ms']:.2f} / "
-              f"{m['median_tpot_ms']:.2f} ms = {a['median_tpot_ms'] / m['median_tpot_ms']:.2f}")
+    print("\n".join("  " + row for row in ratio_table(data["monolithic"], data["afd"])))
 
 
 def model(data: dict) -> None:
