@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.device = "cpu" if args.dry_run else "cuda"
     if args.dry_run:
-        args.concurrency, args.input_len, args.output_len, args.min_prompts = "1,4", 16, 8, 4
+        # one client run per setup: each starts a Python process that imports vLLM
+        args.concurrency, args.input_len, args.output_len, args.min_prompts = "1", 16, 8, 4
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     connector = args.connector or ("cuda-ipc" if args.device == "cuda" else "shm")
     root = Path(tempfile.mkdtemp(prefix="afdc-gpu-serve-"))

@@ -40,14 +40,18 @@ def test_the_session_fits_one_device_call_and_reads_only_the_repository():
     for _, _, cmd in plan:
         assert cmd[0] == "python3" and (ROOT / cmd[1]).is_file(), cmd
         assert not any("shared" in arg for arg in cmd), cmd  # ../shared does not travel to the device
-    kernels = next(cmd for name, _, cmd in plan if name == "kernels")
+    commands = {name: cmd for name, _, cmd in plan}
+    assert commands["transports-nomps"] == commands["transports"]  # only MPS differs: the dry run skips it
+    kernels = commands["kernels"]
     configs = ROOT / kernels[kernels.index("--configs") + 1]
     models = kernels[kernels.index("--models") + 1: kernels.index("--skip-compile")]
     assert models and all((configs / f"{m}.json").is_file() for m in models)
 
 
 def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
-    every = [*SECTIONS, "interleave"]  # interleave runs by name only on a GPU; here it must not rot either
+    # interleave runs by name only on a GPU; here it must not rot either. transports-nomps is the
+    # transports command again (MPS stopped first), and a CPU has no MPS: the plan test checks it
+    every = [s for s in SECTIONS if s != "transports-nomps"] + ["interleave"]
     timeout = sum(limit for _, limit, _ in _plan("--dry-run", *every)) + 60
     done = _session(tmp_path, "--dry-run", *every, timeout=timeout)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr
@@ -68,9 +72,8 @@ def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
     kernels = json.loads((tmp_path / "kernels.json").read_text())
     assert {r["model"] for r in kernels["moe"]} == {"qwen3-30b-a3b", "deepseek-v3"}
     assert all(r["check"] in ("ok", "n/a") for r in kernels["moe"] + kernels["rows"])
-    for log in ("transports.log", "transports-nomps.log"):
-        transports = (tmp_path / log).read_text()
-        assert [line.split()[1] for line in transports.splitlines() if line.startswith("shm ")] == ["1", "16", "256"]
+    transports = (tmp_path / "transports.log").read_text()
+    assert [line.split()[1] for line in transports.splitlines() if line.startswith("shm ")] == ["1", "16", "256"]
 
 
 def test_a_section_out_of_time_fails_the_session_and_says_so(tmp_path):
