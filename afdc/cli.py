@@ -329,9 +329,6 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
                                "places them on any node: --connector gloo (or nccl between GPUs)")
     if ray_address and pin:
         raise click.UsageError("--pin shares a core of this host; with --ray the ranks are on any node")
-    if ray_address and ffn_spares:
-        raise click.UsageError("--ffn-spares starts standby processes on this host; with --ray, Ray restarts a "
-                               "lost FFN actor itself")
     check_serving_environment()
     if demo:
         from afdc.demo import demo_artifact

@@ -365,7 +365,7 @@ def test_a_dead_or_stalled_attention_rank_costs_the_others_at_most_one_gather_wi
     ref = model.generate(input_ids=row[0], attention_mask=row[1], max_new_tokens=NEW_TOKENS, do_sample=False,
                          pad_token_id=0)
     dm = afdc.disaggregate(model, "2A1F", connector="shm")
-    window = 1.0
+    window = 2.0  # long beside a step's own time on a loaded host: a window more or less shows
     cluster = LocalCluster(dm, RuntimeOptions(connector="shm", timeout=60, join_timeout=60, gather=window))
     ctx = mp.get_context("spawn")
     stepping = ctx.Event()
@@ -391,7 +391,7 @@ def test_a_dead_or_stalled_attention_rank_costs_the_others_at_most_one_gather_wi
         cluster.stop()
         if other.is_alive():
             other.kill()
-    assert stalled < 3 * window, (stalled, killed)  # before: 7.4 s, a window at most FFN layers of its steps
+    assert stalled < 2 * window, (stalled, killed)  # before: 7.4 s of a 1 s window, one at most FFN layers
     assert killed < window, (stalled, killed)
 
 

@@ -373,7 +373,7 @@ def serve_spare(load_rank: Callable[[int], FFNProgram], layout: Layout, deployme
                 options: RuntimeOptions) -> NoReturn:
     """Entry point of a spare's process: reach the store, wait for a lost FFN rank, claim it,
     ``load_rank(rank)`` and serve it (:func:`serve_program`, which exits the process). SIGTERM or
-    SIGINT stops the wait."""
+    SIGINT stops the wait (in the main thread)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop, asked = threading.Event(), []
 
@@ -381,8 +381,9 @@ def serve_spare(load_rank: Callable[[int], FFNProgram], layout: Layout, deployme
         asked.append(signal.Signals(signum).name)
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, ask)
+    if threading.current_thread() is threading.main_thread():  # a Ray actor runs it in a thread
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, ask)
     claimed = None
     while claimed is None and wait_listening(options.rendezvous, options.join_timeout, stop):
         rdv = Rendezvous(options.rendezvous, layout, deployment, options.token,
