@@ -1008,6 +1008,39 @@ def test_gloo_regroups_close_the_left_generations_links_though_a_peer_never_says
     assert counts == [counts[0]] * len(counts) and counts[0][1] == 0, counts
 
 
+def test_a_spare_claims_the_slot_of_an_owner_that_stopped_saying_it_is_alive():
+    """An owner that beats keeps its slot however long a spare watches; once its beats stop for
+    ``silent_after``, a spare claims the slot though no attention rank recorded a loss (before, it
+    never did: a claimer that died while loading, where no launcher watches its process as ``afdc
+    up`` does, left its slot unserved)."""
+    from afdc.runtime.spare import Slots, keep_beating, wait_for_a_lost_slot
+
+    layout, deployment, silent_after = Layout(1, 1), b"\x04" * 8, 0.5
+    address = f"127.0.0.1:{free_port()}"
+    rdv = Rendezvous(address, layout, deployment, "t", host=True)
+    slot = layout.slot("ffn", 0)
+    owner = Slots(rdv).own(slot, rdv.generation())
+    rdv.bump()  # the generation a spare claims in: its record differs from the owner's
+    beating, stop = threading.Event(), threading.Event()
+    threading.Thread(target=keep_beating, args=(rdv, slot, owner, beating, 0.02), daemon=True).start()
+    claimed: list = []
+    spare = Rendezvous(address, layout, deployment, "t")
+    waiter = threading.Thread(target=lambda: claimed.append(wait_for_a_lost_slot(spare, stop, 0.02, silent_after)))
+    waiter.start()
+    try:
+        time.sleep(3 * silent_after)
+        assert claimed == []  # alive: not claimed
+        beating.set()
+        silenced = time.monotonic()
+        waiter.join(10)
+        waited = time.monotonic() - silenced
+    finally:
+        stop.set()
+    assert claimed and claimed[0] is not None and claimed[0][0] == slot, claimed
+    assert Slots(rdv).owner(slot)[0] == claimed[0][1] != owner
+    assert silent_after <= waited < silent_after + 2, waited
+
+
 def test_a_health_record_is_read_as_bounded_data():
     """The store is writable by whoever reaches it: a health record is JSON of a known state and a
     problem, at most 4 KiB; anything else reads as an unavailable rank that says why."""
