@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -101,8 +102,16 @@ def test_up_on_a_ray_cluster_places_ffn_actors_and_a_spare_takes_a_lost_one_over
         layout, deployment = deployment_of(artifact)
         owner, _ = Slots(Rendezvous(store, layout, deployment, TOKEN)).owner(layout.slot("ffn", 0))
         assert owner.pid == where[2][1], (owner, where)  # the spare serves rank 0
-        node, pid = ray.get(ffn[0].where.remote(), timeout=STARTUP)
+        deadline = time.monotonic() + STARTUP
+        while True:  # the spare served while Ray restarted the lost actor
+            try:
+                node, pid = ray.get(ffn[0].where.remote(), timeout=STARTUP)
+                break
+            except ray.exceptions.ActorUnavailableError:
+                assert time.monotonic() < deadline, "Ray did not restart the lost FFN actor"
+                time.sleep(1)
         assert node == ffn_node.node_id and pid != where[0][1]  # a new process, placed by resource again
+        assert ray.get(ffn[0].started_as.remote(), timeout=60) is None  # as a spare: the spare keeps rank 0
         assert _complete(client, PROMPTS[0]) == ref[0]
     finally:
         proc.send_signal(signal.SIGINT)

@@ -72,6 +72,10 @@ class FfnRank:
             target, args, name = serve_ffn_rank, (artifact, rank, options, device, backend), f"ffn-rank-{rank}"
         threading.Thread(target=target, args=args, daemon=True, name=name).start()
 
+    def started_as(self) -> int | None:
+        """The FFN rank this actor's process started as (None: a spare)."""
+        return self.rank
+
     def where(self) -> tuple[str, int]:
         """The Ray node id and the pid of the process serving this rank."""
         import ray
