@@ -285,8 +285,8 @@ def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no
               help="Seconds for every role to become ready.")
 @_recovery_option
 @click.option("--ffn-spares", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Standby FFN processes that take over a lost FFN rank (one claims it through the store and "
-                   "loads its weights); an FFN process that exits comes back as a spare.")
+              help="Standby FFN processes (with --ray: actors) that take over a lost FFN rank (one claims it "
+                   "through the store and loads its weights); an FFN process that exits comes back as a spare.")
 @click.option("--stop-timeout", type=float, default=10.0, show_default=True,
               help="Seconds each role has to exit after its SIGTERM when stopping (then it is killed).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
@@ -329,9 +329,6 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
                                "places them on any node: --connector gloo (or nccl between GPUs)")
     if ray_address and pin:
         raise click.UsageError("--pin shares a core of this host; with --ray the ranks are on any node")
-    if ray_address and ffn_spares:
-        raise click.UsageError("--ffn-spares starts standby processes on this host; with --ray, Ray restarts a "
-                               "lost FFN actor itself")
     check_serving_environment()
     if demo:
         from afdc.demo import demo_artifact
@@ -394,9 +391,12 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
 @click.option("--device", default="cuda", show_default=True, help="cuda: one GPU per rank; cpu: none.")
 @click.option("--connector", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True,
               help="Transport between the pods.")
+@click.option("--ffn-spares", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Hot spare FFN pods (a StatefulSet of `afdc serve --role ffn --spare`): one takes a lost FFN "
+                   "rank over until the rank's pod is back.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def k8s(artifact, output, name, image, claim, sub_path, namespace, attention_per_pod, device, connector,
-        vllm_args) -> None:
+        ffn_spares, vllm_args) -> None:
     """Write Kubernetes manifests that deploy ARTIFACT's plan (StatefulSets, Services, a Secret).
 
     Arguments after `--` go to the attention ranks' `vllm serve`. Not run in a cluster by afdc's
@@ -407,7 +407,7 @@ def k8s(artifact, output, name, image, claim, sub_path, namespace, attention_per
     from afdc.serve import k8s as kube
 
     cluster = kube.Cluster(name or kube.default_name(artifact), image, claim, sub_path, namespace,
-                           attention_per_pod, device, connector, tuple(vllm_args))
+                           attention_per_pod, device, connector, ffn_spares, tuple(vllm_args))
     for path in kube.write(kube.manifests(artifact, cluster), Path(output)):
         click.echo(f"wrote {path}")
     click.echo(f"deploy: kubectl apply -f {output}   (the OpenAI API: Service {cluster.name}, port {kube.API_PORT})")

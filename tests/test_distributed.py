@@ -11,6 +11,7 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -334,6 +335,64 @@ def test_an_idle_attention_side_rejoins_a_restarted_ffn_rank_in_a_new_generation
         got = dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
         assert torch.equal(got, ref)
         assert endpoint.transport.group.generation > first
+
+
+def _attention_rank_alone(program, dispatch, layout, deployment, options, ids, stepping) -> None:
+    """Attention rank 0 of a 2A deployment in a process of its own: full-prefix steps until killed."""
+    from afdc.runtime.attention_rank import AttentionRank, MicroBatch
+    from afdc.runtime.exchange import AttentionEndpoint
+
+    torch.set_grad_enabled(False)
+    rank = AttentionRank(0, program, [], dispatch)
+    rank.endpoint = AttentionEndpoint.connect(0, layout, deployment, options)
+    batch = MicroBatch(ids, torch.ones_like(ids), torch.arange(ids.shape[1]).expand_as(ids))
+    while True:
+        rank.run(rank.begin_step(), [batch])
+        stepping.set()
+
+
+def test_a_dead_or_stalled_attention_rank_costs_the_others_at_most_one_gather_window(reference):
+    """Attention rank 0 steps in a process of its own beside rank 1 (this process) and is stopped
+    (SIGSTOP) mid-step, then killed. The FFN server keeps serving rank 1: its tokens stay the
+    monolith's, and the stalled rank costs its steps one gather window in all (before: a window
+    at every FFN layer of every step, as the stalled rank's plan still said it would send them);
+    the killed one nothing (its link ends, the server forgets it)."""
+    from afdc.runtime.exchange import AttentionEndpoint
+    from afdc.runtime.local_cluster import LocalCluster
+
+    model, ids, mask, _ = reference("qwen3_moe")
+    row = (ids[:1], mask[:1])  # a batch of one row goes to attention rank 1 (dm's row split)
+    ref = model.generate(input_ids=row[0], attention_mask=row[1], max_new_tokens=NEW_TOKENS, do_sample=False,
+                         pad_token_id=0)
+    dm = afdc.disaggregate(model, "2A1F", connector="shm")
+    window = 2.0  # long beside a step's own time on a loaded host: a window more or less shows
+    cluster = LocalCluster(dm, RuntimeOptions(connector="shm", timeout=60, join_timeout=60, gather=window))
+    ctx = mp.get_context("spawn")
+    stepping = ctx.Event()
+    dispatch = [dm.ffn.dispatch(layer) for layer in range(len(dm.ffn.layers))]
+    other = ctx.Process(target=_attention_rank_alone, daemon=True, args=(
+        dm.attention_ranks[0], dispatch, dm.layout, dm.deployment, cluster.options, ids[1:], stepping))
+    try:
+        other.start()
+        dm.ranks[1].endpoint = AttentionEndpoint.connect(1, dm.layout, dm.deployment, cluster.options)
+        assert torch.equal(dm.generate(*row, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+        assert stepping.wait(60)
+        os.kill(other.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert torch.equal(dm.generate(*row, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+        stalled = time.monotonic() - started
+        os.kill(other.pid, signal.SIGKILL)
+        other.join(30)
+        started = time.monotonic()
+        assert torch.equal(dm.generate(*row, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+        killed = time.monotonic() - started
+    finally:
+        dm.disconnect()
+        cluster.stop()
+        if other.is_alive():
+            other.kill()
+    assert stalled < 2 * window, (stalled, killed)  # before: 7.4 s of a 1 s window, one at most FFN layers
+    assert killed < window, (stalled, killed)
 
 
 def test_ffn_server_from_the_cli(reference, tmp_path):
@@ -901,6 +960,85 @@ def test_a_gloo_peer_that_announces_a_payload_and_never_sends_it_loses_its_link_
     for s in (1, 2):
         transports[s].close()
     del header_only
+
+
+_SILENT_PEER = """
+import sys, time
+from afdc.runtime.rendezvous import Layout, Rendezvous
+from afdc.runtime.transport.gloo import GlooTransport
+rdv = Rendezvous(sys.argv[1], Layout(1, 1), bytes.fromhex(sys.argv[2]), "t")
+kept = []  # never closed: this peer says no BYE, as one stalled or gone silent
+while True:
+    group = rdv.join(1, timeout=60)
+    kept.append(GlooTransport(rdv, group, 1, "ffn", timeout=5))
+    print(group.generation, flush=True)
+    while rdv.generation() == group.generation:
+        time.sleep(0.02)
+"""
+
+
+def test_gloo_regroups_close_the_left_generations_links_though_a_peer_never_says_bye():
+    """Each regrouping leaves its generation's gloo groups: their links close and the receiver
+    threads parked on them end, whether or not the peer said BYE. Before, a peer that never did
+    (stalled, or silent) kept this process's receiver thread and the group's sockets of every
+    generation open: about ten more open files per regrouping."""
+    from afdc.runtime.transport.gloo import GlooTransport
+
+    layout, deployment = Layout(1, 1), b"\x05" * 8
+    address = f"127.0.0.1:{free_port()}"
+    rdv = Rendezvous(address, layout, deployment, "t", host=True)
+    peer = subprocess.Popen([sys.executable, "-c", _SILENT_PEER, address, deployment.hex()], stdout=subprocess.PIPE)
+    counts = []
+    try:
+        for _ in range(5):
+            transport = GlooTransport(rdv, rdv.join(0, timeout=60), 0, "attn", timeout=5)
+            assert int(peer.stdout.readline()) == transport.group.generation
+            transport.close()
+            del transport
+            rdv.bump()
+            receivers = [t for t in threading.enumerate() if t.name.startswith("afdc-recv-")]
+            deadline = time.monotonic() + 5
+            while receivers and time.monotonic() < deadline:
+                time.sleep(0.01)
+                receivers = [t for t in receivers if t.is_alive()]
+            counts.append((len(os.listdir("/proc/self/fd")), len(receivers)))
+    finally:
+        peer.kill()
+        peer.wait()
+    assert counts == [counts[0]] * len(counts) and counts[0][1] == 0, counts
+
+
+def test_a_spare_claims_the_slot_of_an_owner_that_stopped_saying_it_is_alive():
+    """An owner that beats keeps its slot however long a spare watches; once its beats stop for
+    ``silent_after``, a spare claims the slot though no attention rank recorded a loss (before, it
+    never did: a claimer that died while loading, where no launcher watches its process as ``afdc
+    up`` does, left its slot unserved)."""
+    from afdc.runtime.spare import Slots, keep_beating, wait_for_a_lost_slot
+
+    layout, deployment, silent_after = Layout(1, 1), b"\x04" * 8, 0.5
+    address = f"127.0.0.1:{free_port()}"
+    rdv = Rendezvous(address, layout, deployment, "t", host=True)
+    slot = layout.slot("ffn", 0)
+    owner = Slots(rdv).own(slot, rdv.generation())
+    rdv.bump()  # the generation a spare claims in: its record differs from the owner's
+    beating, stop = threading.Event(), threading.Event()
+    threading.Thread(target=keep_beating, args=(rdv, slot, owner, beating, 0.02), daemon=True).start()
+    claimed: list = []
+    spare = Rendezvous(address, layout, deployment, "t")
+    waiter = threading.Thread(target=lambda: claimed.append(wait_for_a_lost_slot(spare, stop, 0.02, silent_after)))
+    waiter.start()
+    try:
+        time.sleep(3 * silent_after)
+        assert claimed == []  # alive: not claimed
+        beating.set()
+        silenced = time.monotonic()
+        waiter.join(10)
+        waited = time.monotonic() - silenced
+    finally:
+        stop.set()
+    assert claimed and claimed[0] is not None and claimed[0][0] == slot, claimed
+    assert Slots(rdv).owner(slot)[0] == claimed[0][1] != owner
+    assert silent_after <= waited < silent_after + 2, waited
 
 
 def test_a_health_record_is_read_as_bounded_data():

@@ -60,21 +60,22 @@ def _k8s(*args: str):
 def test_manifests_for_4a2f_validate_against_the_api_schemas(plan_4a2f, tmp_path):
     out = tmp_path / "manifests"
     code, text = _k8s(str(plan_4a2f), "-o", str(out), "--image", "registry.example/afdc:1", "--claim", "models",
-                      "--attention-per-pod", "2", "--", "--max-num-seqs", "64")
+                      "--attention-per-pod", "2", "--ffn-spares", "1", "--", "--max-num-seqs", "64")
     assert code == 0, text
     objects = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     for obj in objects:
         _validate(obj)
     by_name = {o["metadata"]["name"]: o for o in objects}
     assert sorted(by_name) == ["tiny-4a2f", "tiny-4a2f-attn", "tiny-4a2f-attn-head", "tiny-4a2f-attn-workers",
-                               "tiny-4a2f-ffn", "tiny-4a2f-token"]
+                               "tiny-4a2f-ffn", "tiny-4a2f-ffn-spare", "tiny-4a2f-token"]
     assert objects[0]["kind"] == "Secret"  # applied first: the pods read it
-    ffn, head, workers = (by_name[f"tiny-4a2f-{n}"] for n in ("ffn", "attn-head", "attn-workers"))
-    assert (ffn["spec"]["replicas"], head["spec"]["replicas"], workers["spec"]["replicas"]) == (2, 1, 1)
-    head_c, workers_c, ffn_c = (s["spec"]["template"]["spec"]["containers"][0] for s in (head, workers, ffn))
+    ffn, spare, head, workers = (by_name[f"tiny-4a2f-{n}"] for n in ("ffn", "ffn-spare", "attn-head", "attn-workers"))
+    assert [s["spec"]["replicas"] for s in (ffn, spare, head, workers)] == [2, 1, 1, 1]
+    head_c, workers_c, ffn_c, spare_c = (
+        s["spec"]["template"]["spec"]["containers"][0] for s in (head, workers, ffn, spare))
     assert head_c["readinessProbe"]["httpGet"]["path"] == "/health"
     store = "--rendezvous tiny-4a2f-attn-head-0.tiny-4a2f-attn:29500"
-    for c in (head_c, workers_c, ffn_c):  # every role meets at attention rank 0's store, with the token
+    for c in (head_c, workers_c, ffn_c, spare_c):  # every role meets at attention rank 0's store, with the token
         assert store in c["command"][2]
         assert c["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "tiny-4a2f-token", "key": "token"}
         assert c["volumeMounts"][0]["mountPath"] == "/artifact"
@@ -82,11 +83,17 @@ def test_manifests_for_4a2f_validate_against_the_api_schemas(plan_4a2f, tmp_path
     assert "--headless" not in head_c["command"][2] and "--max-num-seqs 64" in head_c["command"][2]
     assert "--data-parallel-start-rank $(( (POD_INDEX + 1) * 2 )) --headless" in workers_c["command"][2]
     assert "--role ffn --rank $POD_INDEX" in ffn_c["command"][2]
-    assert [c["resources"]["limits"]["nvidia.com/gpu"] for c in (head_c, workers_c, ffn_c)] == ["2", "2", "1"]
+    assert spare_c["command"][2].endswith("--role ffn --spare") and "--rank" not in spare_c["command"][2]
+    assert [c["resources"]["limits"]["nvidia.com/gpu"] for c in (head_c, workers_c, ffn_c, spare_c)] == [
+        "2", "2", "1", "1"]
     # the Services select the pods they name
     dp_group = by_name["tiny-4a2f-attn"]["spec"]["selector"]
     for s in (head, workers):
         assert dp_group.items() <= s["spec"]["template"]["metadata"]["labels"].items()
+    ffn_pool = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "tiny-4a2f-ffn")
+    for s in (ffn, spare):  # the FFN ranks' and the spares' pods in the FFN pool's Service, apart as StatefulSets
+        assert ffn_pool["spec"]["selector"].items() <= s["spec"]["template"]["metadata"]["labels"].items()
+    assert ffn["spec"]["selector"] != spare["spec"]["selector"]
     api = by_name["tiny-4a2f"]["spec"]["selector"]
     assert api.items() <= head["spec"]["template"]["metadata"]["labels"].items()
     assert not api.items() <= workers["spec"]["template"]["metadata"]["labels"].items()

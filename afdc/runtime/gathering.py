@@ -4,7 +4,9 @@ At the start of each step an attention rank tells every FFN rank what the step h
 message: each micro-batch's token count). For FFN layer L and micro-batch k the server then knows
 which attention ranks will send it a message, and runs the layer once over all of them (the bigger
 FFN batch AFD is for) instead of over whichever arrived first. A rank late by more than the
-``window`` is not waited for. A rank between two steps (its step's layers all served here) is
+``window`` is not waited for, and not expected again until it is heard from: a rank stalled
+mid-step (or dead without its link ending yet) costs the others one window, not one at every
+layer of every step its stale plan still names. A rank between two steps (its step's layers all served here) is
 waited for while it was heard from within the window, since its next plan may still be on the way
 (it sampled later than the others); one idle for longer is not. A layer whose tokens go only to
 their experts' ranks (router on the attention side) is not waited on: whether a rank gets any of
@@ -29,6 +31,7 @@ class StepPlan:
     step: int
     tokens: tuple[int, ...]  # per micro-batch
     heard: float  # when its plan or its last message arrived
+    late: bool = False  # a layer ran without it after the window: not waited for until heard from
     served: dict[int, int] = field(default_factory=dict)  # micro-batch -> last FFN layer served
 
 
@@ -61,7 +64,7 @@ class Gathering:
         self.waiting.append(_Waiting(message, now))
         plan = self.plans.get(message.header.sender)
         if plan is not None:
-            plan.heard = now
+            plan.heard, plan.late = now, False
 
     def deadline(self) -> float | None:
         """When the oldest waiting message runs regardless (None: nothing waits)."""
@@ -78,12 +81,15 @@ class Gathering:
         for w in self.waiting:
             h = w.message.header
             arrived.setdefault((h.layer, h.micro_batch), set()).add(h.sender)
-        done = {
-            key
-            for key, senders in arrived.items()
-            if self._expected(*key) <= senders
-            or any(now - w.since >= self.window for w in self.waiting if _key(w) == key)
-        }
+        done = set()
+        for key, senders in arrived.items():
+            missing = self._expected(*key) - senders
+            if not missing:
+                done.add(key)
+            elif any(now - w.since >= self.window for w in self.waiting if _key(w) == key):
+                done.add(key)
+                for sender in missing:
+                    self.plans[sender].late = True
         out = [w.message for w in self.waiting if _key(w) in done]
         self.waiting = [w for w in self.waiting if _key(w) not in done]
         for m in out:
@@ -96,7 +102,7 @@ class Gathering:
         expected = set()
         now = time.monotonic()
         for sender, plan in self.plans.items():
-            if micro_batch >= len(plan.tokens) or not self._gets(layer, plan.tokens[micro_batch]):
+            if plan.late or micro_batch >= len(plan.tokens) or not self._gets(layer, plan.tokens[micro_batch]):
                 continue
             # a rank that had this layer in its step sends it again only in its next step: waited
             # for when it is between steps and was just heard (not mid-step: it may be waiting on us)

@@ -43,7 +43,7 @@ from afdc.runtime.metrics import IDLE, Metrics
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous, wait_listening
-from afdc.runtime.spare import Owner, Slots, wait_for_a_lost_slot
+from afdc.runtime.spare import Owner, Slots, keep_beating, wait_for_a_lost_slot
 from afdc.runtime.transport import transport_class
 from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport
 from afdc.segment import inputs as segment_inputs
@@ -75,6 +75,7 @@ class FFNServer:
         self.asked = ""  # the signal that asked this server to stop, if one did
         self._claim = claim
         self.rdv: Rendezvous | None = None  # the deployment's store, while the server runs
+        self.owner: Owner | None = None  # this server's ownership of its slot, once it has it
         self._refused: set[int] = set()  # the slots whose refusals this generation were logged (once each)
         # (layer, tokens, tensor specs) -> _check_tensors' answer for a DATA message
         self._fits = functools.lru_cache(maxsize=_FITS_CACHE)(self._check_layer_inputs)
@@ -142,17 +143,21 @@ class FFNServer:
         self.rdv.check_slot(self.slot)  # refused (token, artifact, slot held): said now, before anyone regroups
         slots = Slots(self.rdv)
         # a started rank takes its slot; a spare has (a new store knows no owner: it takes it again)
+        self.owner = self._claim
         if self._claim is None or slots.owner(self.slot)[0] is None:
-            slots.own(self.slot, self.rdv.generation())
+            self.owner = slots.own(self.slot, self.rdv.generation())
         self.rdv.bump()  # a (re)started rank: everyone regroups with it
         return True
 
     def _keep_owner(self) -> None:
-        """Leave once the slot is someone else's (a spare took it over while this server stalled),
-        whatever the server is doing: serving, or waiting in a join it would never complete."""
+        """Say that this server is alive (:mod:`afdc.runtime.spare`), and leave once the slot is
+        someone else's (a spare took it over while this server stalled), whatever the server is
+        doing: serving, or waiting in a join it would never complete."""
         while not self.stopping.wait(self.options.poll_interval):
             with contextlib.suppress(dist.DistError):  # the store went away: the serving loop reconnects
-                other = Slots(self.rdv).replaced_by(self.slot)
+                slots = Slots(self.rdv)
+                slots.beat(self.slot, self.owner)
+                other = slots.replaced_by(self.slot)
                 if other is not None:
                     log.warning("ffn rank %d: replaced (the slot is served by %s); leaving", self.rank, other)
                     self.stop()
@@ -373,7 +378,7 @@ def serve_spare(load_rank: Callable[[int], FFNProgram], layout: Layout, deployme
                 options: RuntimeOptions) -> NoReturn:
     """Entry point of a spare's process: reach the store, wait for a lost FFN rank, claim it,
     ``load_rank(rank)`` and serve it (:func:`serve_program`, which exits the process). SIGTERM or
-    SIGINT stops the wait."""
+    SIGINT stops the wait (in the main thread)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop, asked = threading.Event(), []
 
@@ -381,8 +386,9 @@ def serve_spare(load_rank: Callable[[int], FFNProgram], layout: Layout, deployme
         asked.append(signal.Signals(signum).name)
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, ask)
+    if threading.current_thread() is threading.main_thread():  # a Ray actor runs it in a thread
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, ask)
     claimed = None
     while claimed is None and wait_listening(options.rendezvous, options.join_timeout, stop):
         rdv = Rendezvous(options.rendezvous, layout, deployment, options.token,
@@ -390,7 +396,7 @@ def serve_spare(load_rank: Callable[[int], FFNProgram], layout: Layout, deployme
         rdv.check_host()  # another token or artifact than the store's: said now, not by never claiming
         log.info("spare: waiting for a lost FFN rank of the deployment at %s", options.rendezvous)
         try:
-            claimed = wait_for_a_lost_slot(rdv, stop, options.poll_interval)
+            claimed = wait_for_a_lost_slot(rdv, stop, options.poll_interval, options.timeout)
         except dist.DistError as err:  # the store went away with its host: reach the next one
             log.warning("spare: lost the rendezvous store (%s)", str(err).splitlines()[0])
         if stop.is_set():
@@ -402,4 +408,7 @@ def serve_spare(load_rank: Callable[[int], FFNProgram], layout: Layout, deployme
     slot, owner = claimed
     _, rank = layout.role_rank(slot)
     log.info("spare: claimed ffn rank %d (%s); loading its weights", rank, owner)
+    # alive while loading too, or another spare takes the slot after options.timeout
+    threading.Thread(target=keep_beating, args=(rdv, slot, owner, threading.Event(), options.poll_interval),
+                     daemon=True, name="afdc-beat").start()
     serve_program(load_rank(rank), layout, deployment, options, claim=owner)

@@ -7,7 +7,12 @@ records the loss (``lost/SLOT``: ``g``). A spare (``afdc serve --role ffn --spar
 --ffn-spares N``) has imported everything and reached the store but holds no slot: it watches
 the losses, and claims a slot whose loss is newer than its owner's claim with one
 compare-and-set of the owner record, so exactly one spare wins. The winner loads that rank's
-weights and serves it like a restarted rank.
+weights and serves it like a restarted rank. An owner also says it is alive (``beat/...``, a
+counter it adds to every ``poll_interval``, from its claim on, while it loads too): a spare
+claims the slot of an owner whose beats have stopped for ``silent_after`` seconds (``--timeout``)
+whether or not anyone lost it. That covers an owner no attention rank exchanged with: a spare
+that died while loading under a launcher that does not watch its processes (Ray, Kubernetes),
+and a rank that stalls while the deployment is idle.
 
 A claim is fenced by the store's generation: the owner record names the claimer and its claim's
 generation, every generation it joins is a later one, and a server checks every
@@ -20,14 +25,18 @@ claims the slot.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
+
+import torch.distributed as dist
 
 from afdc.runtime.rendezvous import Rendezvous, read_key, sign
 
@@ -106,6 +115,14 @@ class Slots:
         owner, _ = self.owner(slot)
         return owner if owner is not None and owner.process != Owner.me(0).process else None
 
+    def beat(self, slot: int, owner: Owner) -> None:
+        """Say that ``owner`` (this process) is alive."""
+        self.rdv.store.add(_beat_key(slot, owner), 1)
+
+    def beats(self, slot: int, owner: Owner) -> int:
+        """How often ``owner`` said it is alive."""
+        return self.rdv.store.add(_beat_key(slot, owner), 0)
+
     def lost(self, slot: int, generation: int) -> None:
         """Record that the slot's rank was lost while a member of ``generation`` (or, said by its
         launcher, after its owner's claim: past that claim's generation)."""
@@ -120,14 +137,16 @@ class Slots:
             return None
         return generation if hmac.compare_digest(proof, self._proof("lost", slot, generation)) else None
 
-    def claim(self, slot: int) -> Owner | None:
-        """Claim the slot if its rank was lost since its owner took it: the new owner (this
-        process, from the store's current generation) where this process won, else None."""
+    def claim(self, slot: int, silent: Owner | None = None) -> Owner | None:
+        """Claim the slot if its rank was lost since its owner took it, or its owner is
+        ``silent`` (its beats stopped): the new owner (this process, from the store's current
+        generation) where this process won, else None."""
         lost = self._lost_at(slot)
         owner, raw = self.owner(slot)
         # an owner joins only generations after its claim's: a loss in its claim's generation or
         # before is its predecessor's
-        if lost is None or (owner is not None and lost <= owner.generation):
+        stale = lost is None or (owner is not None and lost <= owner.generation)
+        if stale and (owner is None or owner != silent):
             return None
         mine = Owner.me(self.rdv.generation())
         desired = self._encode(slot, mine)
@@ -135,14 +154,39 @@ class Slots:
         return mine if self.rdv.store.compare_set(f"owner/{slot}", raw or b"", desired) == desired else None
 
 
-def wait_for_a_lost_slot(rendezvous: Rendezvous, stop: threading.Event, poll: float) -> tuple[int, Owner] | None:
-    """Watch the deployment's FFN slots every ``poll`` seconds and claim the first lost one: the
-    slot and this process's ownership of it, or None once ``stop`` is set."""
+def _beat_key(slot: int, owner: Owner) -> str:
+    return f"beat/{slot}/{owner.generation}/{owner.pid}/{owner.host}"
+
+
+def keep_beating(rendezvous: Rendezvous, slot: int, owner: Owner, stop: threading.Event, poll: float) -> None:
+    """Say every ``poll`` seconds that ``owner`` is alive, until ``stop`` is set (a thread's target)."""
+    slots = Slots(rendezvous)
+    while not stop.wait(poll):
+        with contextlib.suppress(dist.DistError):  # the store went away: its next one knows no owner
+            slots.beat(slot, owner)
+
+
+def wait_for_a_lost_slot(rendezvous: Rendezvous, stop: threading.Event, poll: float,
+                         silent_after: float) -> tuple[int, Owner] | None:
+    """Watch the deployment's FFN slots every ``poll`` seconds and claim the first one lost, or
+    whose owner has not said it is alive for ``silent_after`` seconds: the slot and this
+    process's ownership of it, or None once ``stop`` is set."""
     slots = Slots(rendezvous)
     ffn_slots = rendezvous.layout.peers("attn")
+    heard: dict[int, tuple[Owner, int, float]] = {}  # slot -> its owner, its beats, when they last changed
     while not stop.wait(poll):
+        now = time.monotonic()
         for slot in ffn_slots:
-            owner = slots.claim(slot)
+            owner, _ = slots.owner(slot)
+            silent = None
             if owner is not None:
-                return slot, owner
+                beats = slots.beats(slot, owner)
+                last = heard.get(slot)
+                if last is None or last[:2] != (owner, beats):
+                    heard[slot] = (owner, beats, now)
+                elif now - last[2] >= silent_after:
+                    silent = owner
+            claimed = slots.claim(slot, silent)
+            if claimed is not None:
+                return slot, claimed
     return None

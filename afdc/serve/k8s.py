@@ -4,7 +4,11 @@ The attention ranks are vLLM's data-parallel ranks (:mod:`afdc.serve.data_parall
 *head* StatefulSet of one pod runs ``afdc serve --role attn`` with vLLM's API server and DP
 ranks ``0 .. L-1`` (attention rank 0 hosts the rendezvous store), a *workers* StatefulSet runs
 the other DP ranks, ``L`` per pod, ``--headless`` with ``--data-parallel-start-rank`` from the
-pod's index; an FFN StatefulSet runs one FFN rank per pod, its rank the pod's index. Headless
+pod's index; an FFN StatefulSet runs one FFN rank per pod, its rank the pod's index, and with
+``ffn_spares`` an FFN-spares StatefulSet runs that many hot spares (``afdc serve --role ffn
+--spare``, :mod:`afdc.runtime.spare`), one per pod with the FFN ranks' resources: a spare takes
+a lost rank over, and the rank's pod, restarted by Kubernetes, takes its rank back (the last start
+wins; the spare leaves, and its pod restarts as a spare). Headless
 Services give the pods stable names (the DP group and the FFN pool), a Service exposes the
 OpenAI API, the deployment token is a Secret, the head is ready when ``/health`` answers 200,
 and every pod mounts the artifact from a volume claim. Plain StatefulSets and Services: no
@@ -41,6 +45,7 @@ class Cluster:
     attention_per_pod: int = 1  # DP ranks per attention pod (vLLM's --data-parallel-size-local)
     device: str = "cuda"  # cuda: one GPU per attention rank and per FFN rank; cpu: none
     connector: str = "gloo"  # between pods: gloo or nccl
+    ffn_spares: int = 0  # hot spare FFN pods
     vllm_args: tuple[str, ...] = ()
 
 
@@ -92,8 +97,8 @@ def _container(c: Cluster, name: str, script: str, gpus: int, ports: list[tuple[
 
 def _stateful_set(c: Cluster, name: str, component: str, replicas: int, service: str, container: dict) -> dict:
     labels = _metadata(c, name, component)["labels"]
-    if service.endswith("-attn"):  # both attention StatefulSets' pods are in the DP group's Service
-        labels["afdc.dev/dp-group"] = service
+    if service.endswith(("-attn", "-ffn")):  # both StatefulSets of a role have their pods in its Service
+        labels["afdc.dev/pool"] = service
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _metadata(c, name, component),
         "spec": {
@@ -143,9 +148,9 @@ def manifests(artifact: str | Path, c: Cluster) -> list[dict]:
     objects = [
         {"apiVersion": "v1", "kind": "Secret", "metadata": _metadata(c, f"{name}-token"), "type": "Opaque",
          "stringData": {"token": secrets.token_hex(16)}},
-        _headless_service(c, dp_group, {"app.kubernetes.io/instance": name, "afdc.dev/dp-group": dp_group},
+        _headless_service(c, dp_group, {"app.kubernetes.io/instance": name, "afdc.dev/pool": dp_group},
                           attn_ports),
-        _headless_service(c, ffn_pool, _selector(c, "ffn"), []),
+        _headless_service(c, ffn_pool, {"app.kubernetes.io/instance": name, "afdc.dev/pool": ffn_pool}, []),
         {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(c, name, "api"),
          "spec": {"selector": _selector(c, "attention-head"), "ports": [{"name": "http", "port": API_PORT,
                                                                          "targetPort": "http"}]}},
@@ -153,6 +158,9 @@ def manifests(artifact: str | Path, c: Cluster) -> list[dict]:
                       _container(c, "ffn", ffn, gpus, [])),
         _stateful_set(c, f"{name}-attn-head", "attention-head", 1, dp_group, head_container),
     ]
+    if c.ffn_spares:
+        objects.append(_stateful_set(c, f"{name}-ffn-spare", "ffn-spare", c.ffn_spares, ffn_pool,
+                                     _container(c, "ffn", f"exec {serve} --role ffn --spare", gpus, [])))
     if a > per_pod:
         objects.append(_stateful_set(c, f"{name}-attn-workers", "attention-workers", a // per_pod - 1, dp_group,
                                      _container(c, "attention", workers, gpus * per_pod, attn_ports)))

@@ -3,7 +3,10 @@
 Each FFN rank is a Ray actor (:class:`FfnRank`) that takes one unit of the FFN pool's resource
 (``afdc_ffn`` unless told otherwise), so Ray places it on a node of that pool, and restarts it
 when its process dies; the restarted server rejoins the deployment as a restarted
-``afdc serve --role ffn`` does. The attention ranks are vLLM's DP engines under
+``afdc serve --role ffn`` does. With ``--ffn-spares N``, N more actors of the pool wait as hot
+spares (:mod:`afdc.runtime.spare`): one takes a lost rank over, and an actor that Ray restarts
+(a rank's or a spare's) comes back as a spare, as ``afdc up`` restarts its processes. The
+attention ranks are vLLM's DP engines under
 ``--data-parallel-backend ray``: the ``vllm serve`` process runs here (this node must be in the
 cluster) and vLLM places one engine actor per DP rank on a node with one unit of the attention
 pool's resource (afdc's platform names it as vLLM's ``ray_device_key``), local DP ranks on this
@@ -48,16 +51,30 @@ def resource_demand(resource: str) -> dict:
 
 
 class FfnRank:
-    """One FFN rank as a Ray actor: its server runs in a thread of the actor's process, and the
-    process ends when the server does, so that Ray restarts it (a new server, which rejoins)."""
+    """One FFN rank as a Ray actor, or a spare (``rank`` None): its server runs in a thread of the
+    actor's process, and the process ends when the server does, so that Ray restarts it (a new
+    server, which rejoins). ``spares``: the deployment has spares, so a restarted actor comes
+    back as one (a spare has taken its rank over, or will)."""
 
-    def __init__(self, artifact: str, rank: int, options: RuntimeOptions, device: str, backend: str | None) -> None:
-        from afdc.serve.ffn import serve_ffn_rank
+    def __init__(self, artifact: str, rank: int | None, options: RuntimeOptions, device: str, backend: str | None,
+                 spares: bool = False) -> None:
+        import ray
 
+        from afdc.serve.ffn import serve_ffn_rank, serve_ffn_spare
+
+        if spares and ray.get_runtime_context().was_current_actor_reconstructed:
+            rank = None
         self.rank = rank
-        # serve_ffn_rank ends this process when its server stops (os._exit), whatever stopped it
-        threading.Thread(target=serve_ffn_rank, args=(artifact, rank, options, device, backend), daemon=True,
-                         name=f"ffn-rank-{rank}").start()
+        # both end this process when their server stops (os._exit), whatever stopped it
+        if rank is None:
+            target, args, name = serve_ffn_spare, (artifact, options, device, backend), "ffn-spare"
+        else:
+            target, args, name = serve_ffn_rank, (artifact, rank, options, device, backend), f"ffn-rank-{rank}"
+        threading.Thread(target=target, args=args, daemon=True, name=name).start()
+
+    def started_as(self) -> int | None:
+        """The FFN rank this actor's process started as (None: a spare)."""
+        return self.rank
 
     def where(self) -> tuple[str, int]:
         """The Ray node id and the pid of the process serving this rank."""
@@ -66,11 +83,11 @@ class FfnRank:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
 
-def actor_name(artifact: str | Path, rendezvous: str, rank: int) -> str:
-    """FFN rank ``rank``'s actor name: its artifact and its deployment's store address, which no
-    other live deployment on the cluster holds (two deployments of one artifact must not collide
-    in Ray's namespace)."""
-    return f"{Path(artifact).resolve().name}-ffn-{rank}@{rendezvous}"
+def actor_name(artifact: str | Path, rendezvous: str, role: str) -> str:
+    """The actor name of ``role`` (``ffn-R``, ``spare-I``): its artifact and its deployment's store
+    address, which no other live deployment on the cluster holds (two deployments of one artifact
+    must not collide in Ray's namespace)."""
+    return f"{Path(artifact).resolve().name}-{role}@{rendezvous}"
 
 
 def _ray():
@@ -114,14 +131,17 @@ class RayDeployment(Deployment):
         s = settings
         options = replace(s.runtime, token_buckets=self.token_buckets)  # the token travels in the environment
         actor = ray.remote(FfnRank)
-        for r in range(ranks):
-            name = actor_name(s.artifact, options.rendezvous, r)
-            say(f"placing FFN rank {r} of {ranks} (Ray actor '{name}', one '{self.pools.ffn}')")
-            self.actors[f"ffn-{r}"] = actor.options(
+        roles = [(f"ffn-{r}", r, f"FFN rank {r} of {ranks}") for r in range(ranks)]
+        roles += [(f"spare-{i}", None, f"spare {i} (it takes over an FFN rank that is lost)")
+                  for i in range(self.spares)]
+        for role, rank, what in roles:
+            name = actor_name(s.artifact, options.rendezvous, role)
+            say(f"placing {what} (Ray actor '{name}', one '{self.pools.ffn}')")
+            self.actors[role] = actor.options(
                 name=name, max_restarts=self.pools.max_restarts, max_task_retries=0,
                 runtime_env={"env_vars": {"AFDC_TOKEN": env["AFDC_TOKEN"]}},  # the token, not as an argument
                 **resource_demand(self.pools.ffn),
-            ).remote(s.artifact, r, options, s.device, s.backend)
+            ).remote(s.artifact, rank, options, s.device, s.backend, self.spares > 0)
 
     def _default_threads(self, plan, settings: WorkerSettings) -> int | None:
         return None  # the roles are on the cluster's nodes, not sharing this one: torch's default

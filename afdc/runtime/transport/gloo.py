@@ -14,8 +14,10 @@ within ``timeout`` loses its link, and only that link. Gloo ends a receive that 
 closing every link of its group, so payloads go over a group of two per link (the headers'
 group is never given a deadline): a timed-out payload closes its own link's group. The link is
 then dropped (what the peer sends later is never read; the abandoned buffer is kept, since gloo
-may still fill it). When a generation is left, its receiver threads stay parked on the
-abandoned group until the process exits (one per peer per regrouping).
+may still fill it). When a generation is left, its groups' links are closed (:meth:`GlooTransport._close_links`):
+the receiver threads parked on them end, and their sockets go, whether or not the peers said BYE
+(before, a peer that never did, stalled or gone silent, kept a thread and the group's sockets of
+every generation it missed open until the process exited).
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ import torch.distributed as dist
 from afdc.runtime import wire
 from afdc.runtime.transport.base import LEFT, Failure, Transport
 
-_HEADER_TAG, _PAYLOAD_TAG = 1, 2
+_HEADER_TAG, _PAYLOAD_TAG, _CLOSING_TAG = 1, 2, 3  # nothing is ever sent on the closing tag
 _NO_DEADLINE = datetime.timedelta(days=365)  # see the module docstring: receives cannot be abandoned
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+_CLOSING_WAIT = datetime.timedelta(milliseconds=1)
 
 
 class GlooTransport(Transport):
     def _open(self) -> None:
         store = self.rendezvous.prefixed(self.group.generation, "gloo")
         self.pg = dist.ProcessGroupGloo(store, self.slot, self.layout.world, datetime.timedelta(seconds=self.timeout))
+        self._links: dict[int, tuple[dist.ProcessGroupGloo, int]] = {}  # peer -> its link's group, its rank there
         self._open_payload_plane()
         self._locks = {p: threading.Lock() for p in self.layout.peers(self.role)}
         self._pending: collections.deque = collections.deque()
@@ -56,7 +60,6 @@ class GlooTransport(Transport):
         per link (see the module docstring). Every rank forms its links' groups in the order of
         (attention slot, FFN slot), so no two ranks wait for each other's next group."""
         me = 0 if self.role == "attn" else 1  # within a link's group
-        self._links: dict[int, tuple[dist.ProcessGroupGloo, int]] = {}  # peer -> its link's group, its rank there
         for peer in self.layout.peers(self.role):
             pair = (self.slot, peer) if self.role == "attn" else (peer, self.slot)
             store = self.rendezvous.prefixed(self.group.generation, f"gloo-link-{pair[0]}-{pair[1]}")
@@ -73,16 +76,21 @@ class GlooTransport(Transport):
     def _recv_payload(self, peer: int, nbytes: int) -> torch.Tensor:
         group, rank = self._links[peer]
         payload = torch.empty(nbytes, dtype=torch.uint8)
-        work = group.recv([payload], rank, _PAYLOAD_TAG)
+        self._await_payload(payload, group.recv([payload], rank, _PAYLOAD_TAG))
+        return payload
+
+    def _await_payload(self, payload: torch.Tensor, work: dist.Work) -> None:
+        """Wait up to ``timeout`` for a payload's receive; past it, the peer loses its link
+        (:class:`wire.WireError`) and the receive's buffer is kept: the medium may still write
+        into it, so it must outlive the receive."""
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
         except RuntimeError as err:
-            self._abandoned.append((payload, work))  # gloo may still write into it: it must outlive the receive
+            self._abandoned.append((payload, work))
             raise wire.WireError(
-                f"it announced a payload of {nbytes} bytes and did not send it within {self.timeout:g} s "
+                f"it announced a payload of {payload.numel()} bytes and did not send it within {self.timeout:g} s "
                 f"({str(err).splitlines()[0]})"
             ) from err
-        return payload
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -143,3 +151,14 @@ class GlooTransport(Transport):
                     with contextlib.suppress(RuntimeError):
                         w.wait()
         self._pending = kept
+        self._close_links()
+
+    def _close_links(self) -> None:
+        """Close every link of this generation's gloo groups, so that the receives parked on them
+        end now. Gloo offers no call that does (``ProcessGroupGloo.abort`` leaves them parked), but
+        it closes every link of a group when a receive times out: a receive on a tag nobody
+        sends on, given a millisecond, does it."""
+        groups = [(self.pg, self.layout.peers(self.role)[0]), *self._links.values()]
+        for group, peer in groups:
+            with contextlib.suppress(RuntimeError):  # the timeout: what closes the links
+                group.recv([torch.empty(1, dtype=torch.uint8)], peer, _CLOSING_TAG).wait(_CLOSING_WAIT)

@@ -12,6 +12,12 @@ wait behind a receive; with a group per direction every communicator sees its se
 receives in the same order on both ends (a per-peer lock on the sender, one receiver thread per
 peer). Each rank needs its own GPU (NCCL refuses two ranks on one device; use ``shm`` there).
 
+A payload announced and not sent within ``timeout`` fails its receive and costs the peer its
+link, as over gloo (a wait given a timeout blocks the receiving thread until the receive is done
+or the timeout passed). It may cost more than that link: NCCL's watchdog aborts the communicator
+of an operation that timed out (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: without killing the
+process), and the other links of that direction then fail and regroup.
+
 Not yet run on a GPU: the sessions that built it had none. The same message path runs on CPU
 with gloo (:class:`GlooTransport`), only the payload plane differs.
 """
@@ -58,7 +64,8 @@ class NcclTransport(GlooTransport):
         sender_role, _ = self.layout.role_rank(peer)
         with torch.cuda.device(self.device):
             payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._planes[sender_role].recv([payload], peer, 0).wait()
+            # bounded by the transport's timeout, as over gloo (see the module docstring)
+            self._await_payload(payload, self._planes[sender_role].recv([payload], peer, 0))
             # delivered only once its bytes are there: the program that reads it may run on any stream
             torch.cuda.current_stream(self.device).synchronize()
         return payload
