@@ -28,6 +28,7 @@ from afdc.ops.attention import (
     causal_mask,
     open_empty_rows,
     reference_attention,
+    previous_hidden,
     sampled_rows,
 )
 from afdc.ops.mixer import MixerCall, mixer
@@ -72,6 +73,7 @@ __all__ = [
     "open_empty_rows",
     "recv",
     "reference_attention",
+    "previous_hidden",
     "sampled_rows",
     "send",
     "tp_all_reduce",

@@ -143,6 +143,31 @@ def _(hidden):
     return hidden.new_empty((hidden.shape[0], torch.library.get_ctx().new_dynamic_size(), *hidden.shape[2:]))
 
 
+def previous_hidden_body(embeds: torch.Tensor) -> torch.Tensor:
+    """The hidden states a multi-token-prediction (MTP) drafter continues from, one per token of
+    ``embeds [b, s, h]``: the target model's (or the drafter's previous pass's) at each token's
+    preceding position. They are the step's data, not the graph's: the active cache holds them
+    (``previous_hidden``), or, with no such cache, :func:`afdc.ops.context.previous_hidden_active`."""
+    hidden = getattr(context.current_cache(), "previous_hidden", None)
+    if hidden is None:
+        hidden = context.current_previous_hidden()
+    if hidden is None:
+        raise RuntimeError("an MTP drafter ran without the hidden states it continues from; run it through "
+                           "afdc's runtime, or give them with afdc.ops.context.previous_hidden_active")
+    if hidden.shape != embeds.shape:
+        raise RuntimeError(f"the MTP drafter's previous hidden states are {tuple(hidden.shape)}, its tokens' "
+                           f"embeddings {tuple(embeds.shape)}")
+    return hidden.to(embeds.dtype).clone()
+
+
+previous_hidden = torch.library.custom_op("afdc::previous_hidden", previous_hidden_body, mutates_args=())
+
+
+@previous_hidden.register_fake
+def _(embeds):
+    return torch.empty_like(embeds)
+
+
 @dataclass(frozen=True)
 class AttentionCall(OpCall):
     """One ``afdc::attention`` node's arguments by name: q, k, v, mask and sinks are graph values
