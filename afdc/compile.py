@@ -159,9 +159,9 @@ def _numbered_after(drafter: Built, target: Built) -> Built:
     for node in drafter.attention_graph.nodes:
         if node.op == "call_function" and node.target in (SendCall.OP, RecvCall.OP):
             node.args = (node.args[0], node.args[1] + layers, *node.args[2:])
-    report = dataclasses.replace(drafter.report, layers=[
-        dataclasses.replace(lay, index=lay.index + layers, segment=lay.segment + segments) for lay in drafter.report.layers
-    ])
+    numbered = [dataclasses.replace(lay, index=lay.index + layers, segment=lay.segment + segments)
+                for lay in drafter.report.layers]
+    report = dataclasses.replace(drafter.report, layers=numbered)
     return dataclasses.replace(drafter, report=report, segments=target.segments + drafter.segments, layers=[
         dataclasses.replace(b, segment=b.segment + segments) for b in drafter.layers
     ])

@@ -27,8 +27,8 @@ from afdc.ops.attention import (
     cached_keys,
     causal_mask,
     open_empty_rows,
-    reference_attention,
     previous_hidden,
+    reference_attention,
     sampled_rows,
 )
 from afdc.ops.mixer import MixerCall, mixer
@@ -71,9 +71,9 @@ __all__ = [
     "grouped_mm_local",
     "mixer",
     "open_empty_rows",
+    "previous_hidden",
     "recv",
     "reference_attention",
-    "previous_hidden",
     "sampled_rows",
     "send",
     "tp_all_reduce",

@@ -128,9 +128,13 @@ def sampled_rows_body(hidden: torch.Tensor) -> torch.Tensor:
     """The token rows of ``hidden [1, T, ...]`` whose logits are wanted.
 
     All of them, unless the active cache context lists ``logit_rows`` (a serving step samples each
-    request's last token only: the LM head then runs on R rows, not on every prefill token).
+    request's last token only: the LM head then runs on R rows, not on every prefill token). A
+    cache context that sets ``keep_hidden`` gets every row as ``hidden`` (what an MTP drafter
+    continues from: the LM head's input at each token).
     """
     cache = context.current_cache()
+    if getattr(cache, "keep_hidden", False):  # every token's, for a drafter (a copy: compiled code reuses buffers)
+        cache.hidden = hidden.clone()
     rows = getattr(cache, "logit_rows", None)
     return hidden.clone() if rows is None else hidden.index_select(1, rows)
 
