@@ -175,3 +175,15 @@ def test_served_with_mtp_greedy_tokens_are_the_models(mtp_artifact, tmp_path):
         print(f"MTP k={k}: {accepted:g} of {drafted:g} drafts accepted ({accepted / drafted:.0%}); "
               f"{tokens:g} tokens in {steps:g} steps: {tokens / steps:.2f} per FFN round trip")
         assert drafted > 0
+
+
+def test_the_drafters_first_pass_takes_the_positions_whose_next_token_is_known():
+    """After a step: a decode that ran its last token and 3 drafts and kept 2 of them plus the
+    model's token covers its last token and the 2 kept drafts (the token after each: the next one,
+    the last's the model's); one that kept none its last token (the token after: the model's); a
+    prefill chunk short of its prompt its chunk (the prompt's next tokens), proposing nothing."""
+    tokens = [[1, 2, 3, 10, 11, 12], [4, 5, 20], [7, 8, 9, 6, 5]]
+    rows = first_pass(computed=[2, 1, 0], scheduled=[4, 2, 3], drafted=[3, 1, 0], tokens=tokens,
+                      kept=[[10, 11, 12], [20], None], proposes=[True, True, True])
+    assert [(r.start, r.ids, r.drafts) for r in rows] == [(2, [10, 11, 12], True), (1, [20], True),
+                                                          (0, [8, 9, 6], False)]
