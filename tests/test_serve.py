@@ -655,7 +655,8 @@ def _lm_eval_loglikelihoods(model: str, model_args: str, tasks: Path) -> list[fl
     from lm_eval.tasks import TaskManager
 
     results = simple_evaluate(model=model, model_args=model_args, tasks=["afdc_local_loglikelihood"],
-                              task_manager=TaskManager(include_path=str(tasks)), log_samples=True, batch_size=4)
+                              task_manager=TaskManager(include_path=str(tasks)), log_samples=True, batch_size=4,
+                              bootstrap_iters=0)
     samples = sorted(results["samples"]["afdc_local_loglikelihood"], key=lambda s: s["doc_id"])
     return [s["resps"][0][0][0] for s in samples]
 
