@@ -39,6 +39,7 @@ from afdc.artifact.program_format import write_program
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
 from afdc.mtp import drafter as mtp_drafter
+from afdc.mtp import mtp_layers
 from afdc.ops import RecvCall, SendCall
 from afdc.plan import TORCH_DTYPES, Plan
 from afdc.quant.scheme import QuantScheme, recognise, scheme_from_config
@@ -170,19 +171,15 @@ def _numbered_after(drafter: Built, target: Built) -> Built:
 def _build_drafter(model: PreTrainedModel, built: Built, scheme: QuantScheme | None,
                    checkpoint: Path | None) -> Built | None:
     """The model's MTP drafter (:mod:`afdc.mtp`) built for the same plan, its FFN layers after the
-    model's; None when the model has no MTP layers, or its checkpoint ships none of their weights."""
-    draft = mtp_drafter(model)
-    if draft is None:
+    model's. None (the model compiled alone; ``--speculative-config`` MTP is then refused when it
+    is served, saying so) for a model without MTP layers, a plan-only compile, a checkpoint that
+    ships none of their weights, and a quantized one (a quantized drafter is not compiled yet)."""
+    if checkpoint is None or scheme is not None or not mtp_layers(model.config):
         return None
     prefix = f"layers.{model.config.get_text_config().num_hidden_layers}."
-    if checkpoint is not None and not any(prefix in key for key in Checkpoint.discover(checkpoint).tensors):
+    if not any(prefix in key for key in Checkpoint.discover(checkpoint).tensors):
         return None
-    if scheme is not None:
-        raise UnsupportedModelError(
-            "the checkpoint is quantized and has MTP layers: afdc does not compile a quantized MTP drafter yet; "
-            "compile a bf16 checkpoint, or strip num_nextn_predict_layers from its config to compile the model alone"
-        )
-    return _numbered_after(build(draft, built.plan), built)
+    return _numbered_after(build(mtp_drafter(model), built.plan), built)
 
 
 def _rank_targets(built: Built, drafter: Built | None = None) -> dict[str, list[TargetTensor]]:

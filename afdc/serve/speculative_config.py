@@ -18,8 +18,9 @@ _NEEDS = {
     "eagle3": "EAGLE-3 heads, which afdc does not capture or compile",
     "medusa": "Medusa heads, which afdc does not capture or compile",
     "mlp_speculator": "an MLP speculator model, which afdc does not capture or compile",
-    "mtp": ("the model's multi-token-prediction layers, which this artifact does not hold (its checkpoint has no "
-            "weights for them, or its config no num_nextn_predict_layers)"),
+    "mtp": ("the model's multi-token-prediction layers, which this artifact does not hold (its config counts none "
+            "or its checkpoint ships none, it was compiled --no-weights, or from a quantized checkpoint, whose MTP "
+            "layer afdc does not compile yet)"),
     "ngram_gpu": "vLLM's GPU n-gram proposer, which lives in vLLM's own model runner; 'ngram' proposes on the host",
 }
 
