@@ -12,7 +12,9 @@ position ``p``::
     h' = shared_head.norm(y);  logits = shared_head.head(h')
 
 where ``h`` is the target model's last hidden state (its LM head's input) at position ``p - 1``,
-and each further draft continues from the previous draft's ``h'``.
+and each further draft continues from the previous draft's ``h'``. The first MTP layer is the
+drafter (vLLM takes layer ``i % n`` for draft ``i`` of a checkpoint with ``n``; all shipped
+checkpoints we know have one).
 
 :func:`attach` appends the MTP layer to the target's own layer list, so that the model's tensor
 names are the checkpoint's (the target's forward runs its first ``num_hidden_layers`` layers only);
