@@ -159,7 +159,7 @@ def test_served_with_mtp_greedy_tokens_are_the_models(mtp_artifact, tmp_path):
         d = Deployment(art, WorkerSettings(str(art), options), port=free_port(), log_dir=tmp_path,
                        vllm_args=("--max-model-len", "128", "--api-server-count", "1", "--speculative-config", spec))
         try:
-            url = d.start(240.0, print)
+            url = d.start(480.0, print)  # a loaded host starts vLLM and its MTP draft config slowly
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
             r = client.completions.create(model=client.models.list().data[0].id, prompt=prompts, max_tokens=new,
                                           temperature=0, logprobs=0,
