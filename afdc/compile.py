@@ -19,6 +19,7 @@ Layout (see docs/artifact.md)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,6 +38,9 @@ from afdc.artifact.checkpoint import Checkpoint
 from afdc.artifact.program_format import write_program
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
+from afdc.mtp import drafter as mtp_drafter
+from afdc.mtp import mtp_layers
+from afdc.ops import RecvCall, SendCall
 from afdc.plan import TORCH_DTYPES, Plan
 from afdc.quant.scheme import QuantScheme, recognise, scheme_from_config
 from afdc.report import Crossing as ReportCrossing
@@ -149,16 +153,46 @@ def _attention_file(tp_rank: int, tp: int) -> str:
     return "attn" if tp == 1 else f"attn-tp{tp_rank}"
 
 
-def _rank_targets(built: Built) -> dict[str, list[TargetTensor]]:
-    """Weight file name -> the tensors it holds."""
+def _numbered_after(drafter: Built, target: Built) -> Built:
+    """``drafter``'s FFN layers and segments numbered after ``target``'s: one FFN program serves
+    both, the drafter's layers as its last ones (its segments are then the target's and its own)."""
+    layers, segments = len(target.layers), len(target.segments)
+    for node in drafter.attention_graph.nodes:
+        if node.op == "call_function" and node.target in (SendCall.OP, RecvCall.OP):
+            node.args = (node.args[0], node.args[1] + layers, *node.args[2:])
+    numbered = [dataclasses.replace(lay, index=lay.index + layers, segment=lay.segment + segments)
+                for lay in drafter.report.layers]
+    report = dataclasses.replace(drafter.report, layers=numbered)
+    return dataclasses.replace(drafter, report=report, segments=target.segments + drafter.segments, layers=[
+        dataclasses.replace(b, segment=b.segment + segments) for b in drafter.layers
+    ])
+
+
+def _build_drafter(model: PreTrainedModel, built: Built, scheme: QuantScheme | None,
+                   checkpoint: Path | None) -> Built | None:
+    """The model's MTP drafter (:mod:`afdc.mtp`) built for the same plan, its FFN layers after the
+    model's. None (the model compiled alone; ``--speculative-config`` MTP is then refused when it
+    is served, saying so) for a model without MTP layers, a plan-only compile, a checkpoint that
+    ships none of their weights, and a quantized one (a quantized drafter is not compiled yet)."""
+    if checkpoint is None or scheme is not None or not mtp_layers(model.config):
+        return None
+    prefix = f"layers.{model.config.get_text_config().num_hidden_layers}."
+    if not any(prefix in key for key in Checkpoint.discover(checkpoint).tensors):
+        return None
+    return _numbered_after(build(mtp_drafter(model), built.plan), built)
+
+
+def _rank_targets(built: Built, drafter: Built | None = None) -> dict[str, list[TargetTensor]]:
+    """Weight file name -> the tensors it holds (the drafter's beside the model's)."""
     targets: dict[str, list[TargetTensor]] = {}
     y, tp = built.plan.ffn_ranks, built.plan.attention_tp
     whole = Split()
+    programs = [built, drafter] if drafter is not None else [built]
+    attention_splits = {n: s for b in programs for n, s in b.attention_splits.items()}
+    names = sorted({n for b in programs for n in b.attention_names()})
     for t in range(tp):
-        targets[_attention_file(t, tp)] = [
-            TargetTensor(n, built.attention_splits.get(n, whole).slice(t, tp)) for n in built.attention_names()
-        ]
-    splits = built.ffn_splits()
+        targets[_attention_file(t, tp)] = [TargetTensor(n, attention_splits.get(n, whole).slice(t, tp)) for n in names]
+    splits = {n: s for b in programs for n, s in b.ffn_splits().items()}
     for r in range(y):
         targets[f"ffn-{r}"] = [TargetTensor(n, s.slice(r, y)) for n, s in sorted(splits.items())]
     return targets
@@ -184,17 +218,24 @@ def compile_model(
     checkpoint = _checkpoint_dir(source, revision) if weights else None
     scheme = quant_scheme(config, model, checkpoint)
     built = build(model, plan, scheme)
+    drafter = _build_drafter(model, built, scheme, checkpoint)
     checkpointed = set(model.state_dict()) | (set(built.quant.tensors()) if built.quant else set())
-    targets = _rank_targets(built)
-    state = _computed_state(model, {t.name for ts in targets.values() for t in ts} - checkpointed, built.attrs)
+    targets = _rank_targets(built, drafter)
+    programs = [built, drafter] if drafter is not None else [built]
+    all_segments = programs[-1].segments
+    attrs = {n: t for b in programs for n, t in b.attrs.items()}
+    state = _computed_state(model, {t.name for ts in targets.values() for t in ts} - checkpointed, attrs)
 
     with _staging(out, force) as tmp:
         (tmp / "programs").mkdir()
         (tmp / "weights").mkdir()
         written = ["programs/attention.json"]
         write_program(built.attention_graph, tmp / written[0])
+        if drafter is not None:
+            written.append("programs/drafter.json")
+            write_program(drafter.attention_graph, tmp / written[-1])
         segments = []
-        for i, seg in enumerate(built.segments):
+        for i, seg in enumerate(all_segments):
             rel = f"programs/ffn_segment_{i}.json"
             write_program(seg.graph, tmp / rel)
             written.append(rel)
@@ -245,9 +286,10 @@ def compile_model(
                     ffn_split=lr.ffn_split,
                     weights=binding.weights,
                     to_ffn=_crossings(lr.to_ffn),
-                    to_attn=_crossings(lr.to_attn, built.segments[lr.segment].reduce),
+                    to_attn=_crossings(lr.to_attn, all_segments[lr.segment].reduce),
                 )
-                for lr, binding in zip(built.report.layers, built.layers)
+                for b in programs
+                for lr, binding in zip(b.report.layers, b.layers)
             ],
             ranks=ranks,
             files=[_file_entry(tmp, rel, digests) for rel in written],
@@ -257,6 +299,8 @@ def compile_model(
             unpageable=_unpageable(built),
             max_positions=built.max_positions,
             quant=mf.QuantSpec.of(built.quant) if built.quant else None,
+            drafter=mf.DrafterSpec("mtp", "programs/drafter.json", pytree.treespec_dumps(drafter.out_spec),
+                                   [lay.index for lay in drafter.report.layers]) if drafter is not None else None,
         )
         (tmp / mf.MANIFEST).write_text(manifest.to_json())
     return manifest

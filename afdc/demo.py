@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, DeepseekV3Config, PreTrainedModel, Qwen3MoeConfig
 
 
 def demo_config() -> Qwen3MoeConfig:
@@ -77,6 +77,35 @@ def demo_tokenizer(vocab_size: int = 512):
 def save_demo(directory, seed: int = 0) -> None:
     """The demo model and its tokenizer, saved as a Hugging Face model directory."""
     model = demo_model(seed)
+    model.save_pretrained(directory)
+    demo_tokenizer(model.config.vocab_size).save_pretrained(directory)
+
+
+def demo_mtp_config() -> DeepseekV3Config:
+    """A DeepSeek-V3-shaped model with one multi-token-prediction layer: MLA attention, the first
+    layer dense, 8 routed experts top-2 in groups, a shared expert."""
+    return DeepseekV3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=4, topk_group=2, num_nextn_predict_layers=1, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+
+
+def save_demo_mtp(directory, seed: int = 0) -> None:
+    """The MTP demo model and its tokenizer, saved as DeepSeek-V3 ships its checkpoint: the MTP
+    layer's weights (``model.layers.{num_hidden_layers}.*``: enorm, hnorm, eh_proj, its decoder
+    layer, shared_head) beside the model's, random like them."""
+    from afdc.mtp import attach
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(demo_mtp_config()).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        for module in attach(model).modules():
+            model._init_weights(module)
     model.save_pretrained(directory)
     demo_tokenizer(model.config.vocab_size).save_pretrained(directory)
 

@@ -8,7 +8,9 @@ with m = 1 and m = 2 micro-batches, m = 1 also with its two processes always on 
 steps' size, and m = 1 under the wait that adapts to its peer (``--wait adaptive``) and always
 spinning (``--spin 0.002``) against afdc's default wait (``cores``) (``--setups``;
 ``--plans 2A2F`` adds the same artifact's model compiled for two attention ranks: vLLM's data
-parallelism, one API port). The load is
+parallelism, one API port), and m = 1 with speculative decoding: n-gram prompt lookup
+(``afd-m1-ngram``) and, on ``--model demo-mtp`` (a tiny DeepSeek-V3 with one MTP layer), the
+model's MTP layer as the drafter (``afd-m1-mtp1``, ``afd-m1-mtp2``: k = 1, 2). The load is
 ``vllm bench serve`` itself (random prompts of ``--input-len`` tokens, ``--output-len`` tokens
 out, ``--ignore-eos``, greedy), at each ``--concurrency``, so this script's figures are the
 ones a user gets from vLLM's client: output tokens/s, median and p99 time per output token
@@ -16,6 +18,9 @@ ones a user gets from vLLM's client: output tokens/s, median and p99 time per ou
 same round.
 
 Beside each run, from the same run:
+- with speculative decoding, the draft tokens accepted of those proposed (vLLM's counters), the
+  output tokens per engine step (each step is one FFN round trip per layer of the model) and the
+  drafter's time per step;
 - the CPU seconds of every process (vLLM's API server, each engine core, each FFN server,
   the client), per 1000 output tokens;
 - each rank's phases (``afdc.runtime.metrics.Phases``, logged by the ranks every
@@ -32,6 +37,8 @@ slow minute of the VM hits each alike; the tables give medians over rounds.
 
 Run:  python benchmarks/bench_serve.py [--concurrency 1,16,64] [--rounds 3] [--model demo]
       [--setups monolithic,afd-m1,afd-m1-float,afd-m2] [--plans 2A2F] [--spin S] [--threads N]
+      python benchmarks/bench_serve.py --setups monolithic,afd-m1,afd-m1-ngram
+      python benchmarks/bench_serve.py --model demo-mtp --setups monolithic,afd-m1,afd-m1-mtp1,afd-m1-mtp2
 """
 
 from __future__ import annotations
@@ -39,18 +46,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from afdc.compile import compile_model
-from afdc.demo import demo_tokenizer, save_demo
+from afdc.demo import demo_tokenizer, save_demo, save_demo_mtp
 from afdc.runtime.metrics import SNAPSHOT
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import free_port
@@ -67,6 +76,7 @@ class Setup:
     pin: bool | None = None  # afdc up --pin/--no-pin (None: afdc's default)
     wait: str | None = None  # afdc up --wait (None: afdc's default, cores)
     spin: float | None = None  # afdc up --spin (None: --spin of this script)
+    speculative: str | None = None  # vLLM's --speculative-config (None: no speculation)
 
 
 SETUPS = {
@@ -78,6 +88,13 @@ SETUPS = {
     # the shm waits against each other (issue 54): afd-m1 has afdc's default (cores)
     "afd-m1-adaptive": Setup("AFD 1A1F m=1 --wait adaptive", "shm", 1, wait="adaptive"),
     "afd-m1-spin": Setup("AFD 1A1F m=1 --spin 0.002", "shm", 1, spin=2e-3),
+    # speculative decoding (issue 55): n-gram prompt lookup, any model; the model's MTP layer, --model demo-mtp
+    "afd-m1-ngram": Setup("AFD 1A1F m=1 ngram k=3", "shm", 1, speculative=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})),
+    "afd-m1-mtp1": Setup("AFD 1A1F m=1 MTP k=1", "shm", 1,
+                         speculative=json.dumps({"method": "mtp", "num_speculative_tokens": 1})),
+    "afd-m1-mtp2": Setup("AFD 1A1F m=1 MTP k=2", "shm", 1,
+                         speculative=json.dumps({"method": "mtp", "num_speculative_tokens": 2})),
 }
 BASE = "monolithic"
 
@@ -140,10 +157,21 @@ class Run:
     cpu: dict[str, float]  # CPU seconds per process over the run, the client's too
     phases: dict[str, dict[str, tuple[int, float, float]]]  # rank -> phase -> (count, wall s, CPU s)
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # rank -> its process's CPU over the run
+    drafts: tuple[float, float] = (0.0, 0.0)  # speculative decoding: draft tokens proposed, accepted
 
     @property
     def tokens(self) -> int:
         return self.figures["total_output_tokens"]
+
+
+def spec_counts(url: str) -> tuple[float, float]:
+    """vLLM's counts so far of draft tokens proposed and accepted (its ``/metrics``)."""
+    text = urllib.request.urlopen(f"{url}/metrics").read().decode()
+
+    def counter(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+
+    return (counter("vllm:spec_decode_num_draft_tokens_total"), counter("vllm:spec_decode_num_accepted_tokens_total"))
 
 
 def bench_client(url: str, model: str, tokenizer: Path, concurrency: int, prompts: int, args, out: Path) -> tuple:
@@ -174,8 +202,9 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
     settings = WorkerSettings(str(artifact), options, micro_batches=setup.micro_batches, backend=args.backend,
                               threads=args.threads)
     max_seqs = str(max(args.concurrency))
+    spec = ("--speculative-config", setup.speculative) if setup.speculative else ()
     d = Deployment(artifact, settings, port=free_port(), log_dir=logs,
-                   vllm_args=("--max-model-len", "512", "--max-num-seqs", max_seqs), pin=setup.pin)
+                   vllm_args=("--max-model-len", "512", "--max-num-seqs", max_seqs, *spec), pin=setup.pin)
     runs = {}
     try:
         url = d.start(args.startup_timeout, lambda _: None)
@@ -190,15 +219,16 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
         for c in args.concurrency:
             prompts = max(args.min_prompts, args.waves * c)
             time.sleep(args.log_interval + 0.5)  # a fresh snapshot from every rank
-            cpu0, snaps0 = cpu_by_process(d), last_snapshots(logs)
+            cpu0, snaps0, drafts0 = cpu_by_process(d), last_snapshots(logs), spec_counts(url)
             figures, client_cpu = bench_client(url, model, tokenizer, c, prompts, args, logs / f"c{c}.json")
             time.sleep(args.log_interval + 0.5)
-            cpu1, snaps1 = cpu_by_process(d), last_snapshots(logs)
+            cpu1, snaps1, drafts1 = cpu_by_process(d), last_snapshots(logs), spec_counts(url)
             cpu = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
             cpu["client (its start-up too)"] = client_cpu
             runs[c] = Run(
                 figures, cpu, {rank: phase_delta(snaps0.get(rank, {}), s) for rank, s in snaps1.items()},
                 {rank: s["cpu_seconds"] - snaps0.get(rank, {}).get("cpu_seconds", 0.0) for rank, s in snaps1.items()},
+                (drafts1[0] - drafts0[0], drafts1[1] - drafts0[1]),
             )
     finally:
         d.stop()
@@ -293,6 +323,18 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
                 line += (f"   {_median(tput):.2f}, {_median(tpot):.2f} "
                          f"({', '.join(f'{x:.2f}' for x in tpot)})")
             print(line)
+        print("  speculative decoding: draft tokens accepted of proposed; output tokens per engine step (each step is "
+              "one FFN round trip per layer of the model; an MTP drafter adds k of its one layer)")
+        for s in setups:
+            rs = [r[c] for r in results[s.name]]
+            steps = [r.phases.get("attn 0", {}).get("step", (0, 0.0, 0.0))[0] for r in rs]
+            per_step_tokens = _median([r.tokens / n for r, n in zip(rs, steps) if n])
+            drafted, accepted = _median([r.drafts[0] for r in rs]), _median([r.drafts[1] for r in rs])
+            rate = f"{accepted:.0f} of {drafted:.0f} ({accepted / drafted:.0%})" if drafted else "none"
+            draft_ms = _median([r.phases.get("attn 0", {}).get("draft", (0, 0.0, 0.0))[1] * 1e3 / n
+                                for r, n in zip(rs, steps) if n])
+            print(f"    {s.name:22} accepted {rate}; {per_step_tokens:.2f} output tokens per engine step; "
+                  f"drafter {draft_ms:.2f} ms per step")
         print("  CPU seconds per 1000 output tokens, by process:")
         for s in setups:
             rs = [r[c] for r in results[s.name]]
@@ -335,6 +377,8 @@ def build(args) -> dict[str, Path]:
     root = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
     if args.model == "demo":
         save_demo(root / "model")
+    elif args.model == "demo-mtp":  # a tiny DeepSeek-V3 with one MTP layer, for the MTP setups
+        save_demo_mtp(root / "model")
     else:
         from models_supported import catalog
 
@@ -357,7 +401,8 @@ def main() -> None:
     ap.add_argument("--min-prompts", type=int, default=32, help="... and at least this many")
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--model", default="demo", help="'demo', or a model_type of models_supported.catalog")
+    ap.add_argument("--model", default="demo",
+                    help="'demo', 'demo-mtp' (with an MTP layer), or a model_type of models_supported.catalog")
     ap.add_argument("--setups", default="monolithic,afd-m1,afd-m1-float,afd-m2",
                     help=f"comma-separated, of {', '.join(SETUPS)}")
     ap.add_argument("--plans", default="", help="comma-separated further plans, served with shm and m = 1 (e.g. 2A2F)")

@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("afdc.runtime",)),
     ("artifact", ("afdc.artifact",)),
     ("serve", ("afdc.serve",)),
-    ("drivers", ("afdc.api", "afdc.compile", "afdc.source", "afdc.planner", "afdc.demo", "afdc.equivalence")),
+    ("drivers", ("afdc.api", "afdc.compile", "afdc.source", "afdc.mtp", "afdc.planner", "afdc.demo",
+                 "afdc.equivalence")),
     ("entry points", ("afdc.cli", "afdc")),
 ]
 

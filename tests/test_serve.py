@@ -581,13 +581,11 @@ def test_ffn_rank_lost_and_not_back_in_time_gets_a_503_after_the_recovery_timeou
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def test_up_demo_serves_the_demo_model(tmp_path):
-    """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model (MoE,
-    1A1F, over shared memory), here with its FFN rank's batches padded to token buckets, which must
-    not change a token, a small KV pool: prefix caching and preemption keep the outputs too, and a
-    step budget of 32 tokens: prompt logprobs over a chunked prefill and after a cached prefix
-    equal the Hugging Face model's; all under n-gram speculative decoding, which must not change
-    a greedy token either, and whose drafts are verified and accepted."""
+@pytest.fixture(scope="module")
+def demo_up(tmp_path_factory):
+    """`afdc up --demo` (the README's quick start): the served demo and where its files are. It
+    must stop on SIGINT, every role with it."""
+    tmp_path = tmp_path_factory.mktemp("demo-up")
     port = free_port()
     env = {**os.environ, "AFDC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
@@ -600,23 +598,95 @@ def test_up_demo_serves_the_demo_model(tmp_path):
     try:
         started = _until_ready(proc, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
-        artifact = tmp_path / "cache" / "demo" / "afdc-demo"
-        assert client.models.list().data[0].id == "afdc-demo"
-        assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
-        _assert_prefix_caching_and_preemption(client, artifact)
-        prefix = list(range(300, 340))
-        _complete(client, prefix)  # its blocks cached
-        _assert_prompt_logprobs(client, tmp_path / "cache" / "demo" / "model", [list(range(3, 73)), [*prefix, 11, 12]])
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-        drafted, accepted = (_counter(metrics, f"vllm:spec_decode_num_{n}_tokens_total") for n in ("draft", "accepted"))
-        print(f"n-gram speculation: {accepted:g} of {drafted:g} draft tokens accepted")
-        assert drafted > 0 and accepted > 0
-        _assert_placement(client, proc.pid, started)
+        yield proc, client, started, tmp_path / "cache" / "demo"
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, started + out
     assert "stopping every role" in out
+
+
+def test_up_demo_serves_the_demo_model(demo_up):
+    """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model (MoE,
+    1A1F, over shared memory), here with its FFN rank's batches padded to token buckets, which must
+    not change a token, a small KV pool: prefix caching and preemption keep the outputs too, and a
+    step budget of 32 tokens: prompt logprobs over a chunked prefill and after a cached prefix
+    equal the Hugging Face model's; all under n-gram speculative decoding, which must not change
+    a greedy token either, and whose drafts are verified and accepted."""
+    proc, client, started, demo = demo_up
+    artifact = demo / "afdc-demo"
+    assert client.models.list().data[0].id == "afdc-demo"
+    assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
+    _assert_prefix_caching_and_preemption(client, artifact)
+    prefix = list(range(300, 340))
+    _complete(client, prefix)  # its blocks cached
+    _assert_prompt_logprobs(client, demo / "model", [list(range(3, 73)), [*prefix, 11, 12]])
+    url = str(client.base_url).removesuffix("/v1/")
+    metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
+    drafted, accepted = (_counter(metrics, f"vllm:spec_decode_num_{n}_tokens_total") for n in ("draft", "accepted"))
+    print(f"n-gram speculation: {accepted:g} of {drafted:g} draft tokens accepted")
+    assert drafted > 0 and accepted > 0
+    _assert_placement(client, proc.pid, started)
+
+
+LM_EVAL_TASK = """\
+task: afdc_local_loglikelihood
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{continuation}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def _lm_eval_loglikelihoods(model: str, model_args: str, tasks: Path) -> list[float]:
+    """lm-evaluation-harness's per-example loglikelihoods of the task in ``tasks``, by ``model``."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    results = simple_evaluate(model=model, model_args=model_args, tasks=["afdc_local_loglikelihood"],
+                              task_manager=TaskManager(include_path=str(tasks)), log_samples=True, batch_size=4,
+                              bootstrap_iters=0)
+    samples = sorted(results["samples"]["afdc_local_loglikelihood"], key=lambda s: s["doc_id"])
+    return [s["resps"][0][0][0] for s in samples]
+
+
+def test_lm_eval_loglikelihoods_against_afdc_up_are_the_hf_models(demo_up, tmp_path, monkeypatch):
+    """lm-evaluation-harness (`local-completions`, its OpenAI-completions client: `echo=True`,
+    `logprobs=1`) runs a loglikelihood task over a local dataset file against `afdc up --demo`:
+    each example's loglikelihood equals the `hf` backend's on the demo's Hugging Face model. No
+    downloads: the task reads a local jsonl, and both tokenize with the demo's own tokenizer."""
+    pytest.importorskip("lm_eval")  # afdc[eval]
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, client, _, demo = demo_up
+    contexts = ["Attention and feed-forward layers", "The quick brown fox", "Mixture-of-experts models route each",
+                "Hello world, how", "Experts out of many", "The lazy dog jumps"]
+    continuations = [" run on separate pools", " jumps over the lazy dog.", " token to a few experts", " are you?",
+                     " route tokens", " over the quick fox"]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"context": c, "continuation": t}) + "\n"
+                            for c, t in zip(contexts, continuations)))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "afdc_local.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    model_dir = demo / "model"
+    served = _lm_eval_loglikelihoods(
+        "local-completions", f"model=afdc-demo,base_url={client.base_url}completions,tokenizer={model_dir},"
+        "tokenizer_backend=huggingface,max_retries=1", tmp_path / "tasks")
+    hf = _lm_eval_loglikelihoods("hf", f"pretrained={model_dir},dtype=float32,device=cpu", tmp_path / "tasks")
+    print("loglikelihoods: served", served, "hf", hf)
+    assert len(served) == len(contexts)
+    assert torch.allclose(torch.tensor(served), torch.tensor(hf), atol=2e-3), (served, hf)
 
 
 def _assert_placement(client, pid: int, started: str) -> None:

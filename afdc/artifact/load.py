@@ -93,13 +93,41 @@ def _load(
     manifest.rank_files(role, rank, tp_rank)  # a clear error for a role or rank the plan does not have
     weights = _load_weights(directory, manifest, role, rank, device, tp_rank)
     if role == "attn":
-        mf.verify(directory, manifest, [manifest.attention_program])
-        module = load_program(directory / manifest.attention_program, weights, device)
-        return AttentionProgram(module, pytree.treespec_loads(manifest.output_spec), _mixers(directory, manifest))
+        return _attention(directory, manifest, weights, device)
     mf.verify(directory, manifest, [s.program for s in manifest.segments])
     segments = [s.segment(load_program(directory / s.program, {}, device).graph) for s in manifest.segments]
     layers = [SegmentBinding(lay.segment, lay.weights) for lay in manifest.layers]
     return FFNProgram(segments=segments, layers=layers, weights=weights, rank=rank)
+
+
+def _attention(directory: Path, manifest: mf.Manifest, weights: dict[str, torch.Tensor],
+               device: torch.device) -> AttentionProgram:
+    mf.verify(directory, manifest, [manifest.attention_program])
+    module = load_program(directory / manifest.attention_program, weights, device)
+    return AttentionProgram(module, pytree.treespec_loads(manifest.output_spec), _mixers(directory, manifest))
+
+
+def load_with_drafter(
+    directory: str | Path, rank: int = 0, device: str | torch.device = "cpu", backend: str | None = None
+) -> tuple[AttentionProgram, AttentionProgram | None]:
+    """Attention rank ``rank`` (one TP rank) and the artifact's drafter (its model's MTP layer,
+    :mod:`afdc.mtp`; None when it has none), both reading the rank's weights, loaded once: its
+    file holds both programs' weights."""
+    directory, device = Path(directory), torch.device(device)
+    manifest = mf.read_manifest(directory)
+    if manifest.drafter is None:
+        return load(directory, "attn", rank, device, backend), None
+    if manifest.plan.attention_tp != 1:
+        raise mf.ArtifactError(f"{directory}: its drafter runs on one attention TP rank; the plan has "
+                               f"{manifest.plan.attention_tp}")
+    weights = _load_weights(directory, manifest, "attn", rank, device)
+    program = _attention(directory, manifest, weights, device)
+    mf.verify(directory, manifest, [manifest.drafter.program])
+    drafter = AttentionProgram(load_program(directory / manifest.drafter.program, weights, device),
+                               pytree.treespec_loads(manifest.drafter.output_spec))
+    for p in (program, drafter):
+        p.use_backend(backend or manifest.plan.backend)
+    return program, drafter
 
 
 def _mixers(directory: Path, manifest: mf.Manifest) -> Mixers | None:

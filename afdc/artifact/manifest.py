@@ -131,6 +131,17 @@ class QuantSpec:
 
 
 @dataclass
+class DrafterSpec:
+    """The drafter of speculative decoding compiled into the artifact: the model's own MTP layer
+    (:mod:`afdc.mtp`), an attention program of its own whose FFN layers are the manifest's last."""
+
+    method: str  # "mtp"
+    program: str  # its attention program
+    output_spec: str  # pytree spec of its result (``treespec_dumps``)
+    layers: list[int]  # its FFN layers' indices in ``Manifest.layers``
+
+
+@dataclass
 class RankFiles:
     role: str  # "attn" or "ffn"
     rank: int
@@ -167,6 +178,7 @@ class Manifest:
     mixers: list[MixerSite] = field(default_factory=list)
     unpageable: str = ""  # why a paged KV cache (vLLM serving) cannot run the attention program ("": it can)
     quant: QuantSpec | None = None  # a quantized checkpoint's stored tensors (None: not quantized)
+    drafter: DrafterSpec | None = None  # the model's MTP drafter (None: the checkpoint has none)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -224,6 +236,7 @@ class Manifest:
             mixers=[_mixer_site(m) for m in d.get("mixers", [])],
             unpageable=d.get("unpageable", ""),
             quant=QuantSpec.from_dict(d["quant"]) if d.get("quant") else None,
+            drafter=DrafterSpec(**d["drafter"]) if d.get("drafter") else None,
         )
 
 

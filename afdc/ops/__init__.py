@@ -27,6 +27,7 @@ from afdc.ops.attention import (
     cached_keys,
     causal_mask,
     open_empty_rows,
+    previous_hidden,
     reference_attention,
     sampled_rows,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "grouped_mm_local",
     "mixer",
     "open_empty_rows",
+    "previous_hidden",
     "recv",
     "reference_attention",
     "sampled_rows",

@@ -128,9 +128,13 @@ def sampled_rows_body(hidden: torch.Tensor) -> torch.Tensor:
     """The token rows of ``hidden [1, T, ...]`` whose logits are wanted.
 
     All of them, unless the active cache context lists ``logit_rows`` (a serving step samples each
-    request's last token only: the LM head then runs on R rows, not on every prefill token).
+    request's last token only: the LM head then runs on R rows, not on every prefill token). A
+    cache context that sets ``keep_hidden`` gets every row as ``hidden`` (what an MTP drafter
+    continues from: the LM head's input at each token).
     """
     cache = context.current_cache()
+    if getattr(cache, "keep_hidden", False):  # every token's, for a drafter (a copy: compiled code reuses buffers)
+        cache.hidden = hidden.clone()
     rows = getattr(cache, "logit_rows", None)
     return hidden.clone() if rows is None else hidden.index_select(1, rows)
 
@@ -141,6 +145,31 @@ sampled_rows = torch.library.custom_op("afdc::sampled_rows", sampled_rows_body, 
 @sampled_rows.register_fake
 def _(hidden):
     return hidden.new_empty((hidden.shape[0], torch.library.get_ctx().new_dynamic_size(), *hidden.shape[2:]))
+
+
+def previous_hidden_body(embeds: torch.Tensor) -> torch.Tensor:
+    """The hidden states a multi-token-prediction (MTP) drafter continues from, one per token of
+    ``embeds [b, s, h]``: the target model's (or the drafter's previous pass's) at each token's
+    preceding position. They are the step's data, not the graph's: the active cache holds them
+    (``previous_hidden``), or, with no such cache, :func:`afdc.ops.context.previous_hidden_active`."""
+    hidden = getattr(context.current_cache(), "previous_hidden", None)
+    if hidden is None:
+        hidden = context.current_previous_hidden()
+    if hidden is None:
+        raise RuntimeError("an MTP drafter ran without the hidden states it continues from; run it through "
+                           "afdc's runtime, or give them with afdc.ops.context.previous_hidden_active")
+    if hidden.shape != embeds.shape:
+        raise RuntimeError(f"the MTP drafter's previous hidden states are {tuple(hidden.shape)}, its tokens' "
+                           f"embeddings {tuple(embeds.shape)}")
+    return hidden.to(embeds.dtype).clone()
+
+
+previous_hidden = torch.library.custom_op("afdc::previous_hidden", previous_hidden_body, mutates_args=())
+
+
+@previous_hidden.register_fake
+def _(embeds):
+    return torch.empty_like(embeds)
 
 
 @dataclass(frozen=True)

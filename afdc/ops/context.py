@@ -107,6 +107,10 @@ def current_group() -> ReduceGroup | None:
     return _get("group")
 
 
+def current_previous_hidden() -> torch.Tensor | None:
+    return _get("previous_hidden")
+
+
 @contextlib.contextmanager
 def cache_active(cache: AttentionCache | None) -> Iterator[None]:
     """Make ``cache`` the one attention ops hand their calls to (``None``: leave the context as it is)."""
@@ -130,3 +134,9 @@ def mixers_active(mixers: MixerTable):
 def group_active(group: ReduceGroup):
     """Make ``group`` the one ``afdc::tp_all_reduce`` sums over, for the ``with`` block."""
     return _activate("group", group)
+
+
+def previous_hidden_active(hidden: torch.Tensor):
+    """Make ``hidden`` what ``afdc::previous_hidden`` returns where the active cache holds none
+    (a drafter run outside a serving step), for the ``with`` block."""
+    return _activate("previous_hidden", hidden)

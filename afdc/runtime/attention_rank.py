@@ -111,9 +111,11 @@ class AttentionRank:
     def begin_step(self, join_timeout: float | None = None) -> int:
         return self.endpoint.begin_step(join_timeout) if self.endpoint is not None else 0
 
-    def run(self, step: int, batches: list[MicroBatch]) -> tuple[list, connectors.Traffic]:
+    def run(self, step: int, batches: list[MicroBatch],
+            program: AttentionProgram | None = None) -> tuple[list, connectors.Traffic]:
         """The program's outputs for each micro-batch of step ``step`` (from :meth:`begin_step`),
-        and what crossed the cut.
+        and what crossed the cut. ``program``: another of this rank's programs whose FFN layers the
+        FFN ranks serve too (a drafter's), instead of :attr:`program`.
 
         With FFN servers and several micro-batches, one thread interleaves them where the
         program's code can pause after each send (:meth:`AttentionProgram.body_steps`): no two
@@ -121,9 +123,10 @@ class AttentionRank:
         (in-process, that lets the FFN layers of two micro-batches compute on two cores)."""
         if self.endpoint is not None:
             self.endpoint.announce(step, [b.input_ids.numel() for b in batches])
-        runs = self._stepwise(batches)
+        program = program or self.program
+        runs = self._stepwise(program, batches)
         # the waits of the only thread of the process that computes may poll without sleeping
-        alone = not self.beside and not isinstance(self.program, TensorParallelAttention)
+        alone = not self.beside and not isinstance(program, TensorParallelAttention)
         alone = alone and (runs is not None or len(batches) == 1)
         links = [self._link(step, mb, batch, alone) for mb, batch in enumerate(batches)]
         streams = self._streams_for(batches)
@@ -137,13 +140,13 @@ class AttentionRank:
             return stack
 
         if runs is not None:
-            with torch.no_grad(), self.program.active():
+            with torch.no_grad(), program.active():
                 bodies = _interleave(runs, active)
         else:
 
             def one(mb: int, batch: MicroBatch):
                 with torch.no_grad(), active(mb):
-                    return self.program.body(batch.input_ids, batch.attention_mask, batch.position_ids)
+                    return program.body(batch.input_ids, batch.attention_mask, batch.position_ids)
 
             bodies, self._pool = run_concurrently(
                 self._pool, [functools.partial(one, *b) for b in enumerate(batches)]
@@ -151,7 +154,7 @@ class AttentionRank:
         for s in streams:  # the head reads every micro-batch's rows
             torch.cuda.current_stream(s.device).wait_stream(s)
         with torch.no_grad():  # the LM head once over every micro-batch's rows: it reads its weight once
-            outputs = self.program.finish(bodies)
+            outputs = program.finish(bodies)
         return outputs, connectors.Traffic.total([link.traffic for link in links])
 
     def _link(self, step: int, mb: int, batch: MicroBatch, spin: bool) -> connectors.Connector:
@@ -164,11 +167,11 @@ class AttentionRank:
         with self.phases.timed("ffn"):
             return combine(self.ffn, layer, inputs)
 
-    def _stepwise(self, batches: list[MicroBatch]) -> list[Generator] | None:
+    def _stepwise(self, program, batches: list[MicroBatch]) -> list[Generator] | None:
         """Each micro-batch's body as a generator (see :meth:`run`), or None: threads run them."""
-        if self.endpoint is None or len(batches) == 1 or not isinstance(self.program, AttentionProgram):
+        if self.endpoint is None or len(batches) == 1 or not isinstance(program, AttentionProgram):
             return None
-        runs = [self.program.body_steps(b.input_ids, b.attention_mask, b.position_ids) for b in batches]
+        runs = [program.body_steps(b.input_ids, b.attention_mask, b.position_ids) for b in batches]
         return None if any(r is None for r in runs) else runs  # an unstarted generator needs no closing
 
     def _streams_for(self, batches: list[MicroBatch]) -> list[torch.cuda.Stream]:

@@ -169,7 +169,8 @@ class PagedBatch:
 
     ``logit_rows [N]`` (of the ``T`` tokens) are those whose logits the program's LM head
     computes under ``afdc::sampled_rows``: by default each request's last, where it samples; a
-    request that wants its prompt logprobs takes all of its own.
+    request that wants its prompt logprobs takes all of its own. ``keep_hidden``, ``hidden`` and
+    ``previous_hidden`` carry the hidden states of speculative decoding with an MTP drafter.
 
     The index tensors every layer uses are built here once; the only host sync is for the
     step's sizes.
@@ -210,6 +211,11 @@ class PagedBatch:
         self.positions = positions[None]  # [1, T]: the program's position_ids
         # the token rows whose logits the step wants: by default each request's last (where it samples)
         self.logit_rows = self.query_lens.cumsum(0) - 1 if logit_rows is None else logit_rows.to(device, torch.long)
+        # speculative decoding with an MTP drafter (afdc.mtp): each token's LM-head input, kept by
+        # afdc::sampled_rows where asked; the hidden states a drafter's tokens continue from
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None  # [1, T, hidden]
+        self.previous_hidden: torch.Tensor | None = None  # [1, T, hidden], read by afdc::previous_hidden
         self.slot_mapping = store.token_slots(self.block_table, request, positions)  # [T]
         self._query_index = request * max_q + offset  # token -> row of the padded [R * max_q] queries
 

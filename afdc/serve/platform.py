@@ -99,9 +99,12 @@ def _check_speculation(config) -> None:
 
     from vllm.config.speculative import MTPModelTypes
 
+    from afdc.artifact.manifest import read_manifest
     from afdc.serve.speculative_config import refusal
 
-    why = refusal({"method": config.method} if config is not None else None, get_args(MTPModelTypes))
+    drafter = read_manifest(Path(WorkerSettings.from_env().artifact)).drafter
+    why = refusal({"method": config.method} if config is not None else None, get_args(MTPModelTypes),
+                  drafter.method if drafter else None)
     if why:
         raise ValueError(why)
 

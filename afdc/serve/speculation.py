@@ -110,15 +110,18 @@ class Verifier:
 
 
 class Speculation:
-    """One worker's n-gram drafter and its verifier."""
+    """One worker's verifier, and its n-gram drafter (``method`` "ngram"; an MTP drafter, "mtp",
+    runs programs of the artifact: :mod:`afdc.serve.mtp_drafter`)."""
 
     def __init__(self, vllm_config, sampler: Sampler, device: torch.device):
         from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
-        self.k = vllm_config.speculative_config.num_speculative_tokens
+        config = vllm_config.speculative_config
+        self.method = config.method
+        self.k = config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.proposer = NgramProposer(vllm_config)
-        self.verifier = Verifier(sampler, vllm_config.speculative_config, device)
+        self.proposer = NgramProposer(vllm_config) if self.method == "ngram" else None
+        self.verifier = Verifier(sampler, config, device)
 
     def propose(self, req_ids: list[str], tokens: list[list[int]], sampled: list[list[int]], k: int,
                 params: Sequence) -> DraftTokenIds:

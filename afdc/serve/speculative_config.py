@@ -1,8 +1,9 @@
-"""Which of vLLM's ``--speculative-config`` afdc serves: n-gram prompt lookup
-(:mod:`afdc.serve.speculation`). Every other method needs a drafter that is not in the artifact:
-a draft model, EAGLE or Medusa heads, or the model's own multi-token-prediction (MTP) layers,
-which afdc does not compile yet. They are refused before the server starts (``afdc serve``,
-``afdc up``) and by afdc's vLLM platform (``vllm serve`` run by hand), with the reason.
+"""Which of vLLM's ``--speculative-config`` afdc serves: n-gram prompt lookup, any model, and
+``mtp`` (or vLLM's per-model names for it, ``deepseek_mtp``, ...) for an artifact compiled with
+the model's own multi-token-prediction layer (:mod:`afdc.mtp`). Every other method needs a
+drafter that is not in the artifact: a draft model, or EAGLE or Medusa heads. They are refused
+before the server starts (``afdc serve``, ``afdc up``) and by afdc's vLLM platform (``vllm
+serve`` run by hand), with the reason.
 """
 
 from __future__ import annotations
@@ -17,25 +18,29 @@ _NEEDS = {
     "eagle3": "EAGLE-3 heads, which afdc does not capture or compile",
     "medusa": "Medusa heads, which afdc does not capture or compile",
     "mlp_speculator": "an MLP speculator model, which afdc does not capture or compile",
-    "mtp": "the model's multi-token-prediction layers, which afdc does not compile into the artifact yet",
+    "mtp": ("the model's multi-token-prediction layers, which this artifact does not hold (its config counts none "
+            "or its checkpoint ships none, it was compiled --no-weights, or from a quantized checkpoint, whose MTP "
+            "layer afdc does not compile yet)"),
     "ngram_gpu": "vLLM's GPU n-gram proposer, which lives in vLLM's own model runner; 'ngram' proposes on the host",
 }
 
 
-def refusal(config: dict | None, mtp_methods: Sequence[str] = ()) -> str | None:
+def refusal(config: dict | None, mtp_methods: Sequence[str] = (), drafter: str | None = None) -> str | None:
     """Why afdc cannot serve the speculative decoding ``config`` (``--speculative-config``'s
-    fields); None when it can (no speculation, or ``ngram``). ``mtp_methods``: vLLM's per-model
-    names for MTP (``deepseek_mtp``, ...)."""
+    fields); None when it can (no speculation, ``ngram``, or ``mtp`` with an artifact that holds
+    the MTP drafter). ``mtp_methods``: vLLM's per-model names for MTP (``deepseek_mtp``, ...);
+    ``drafter``: the method of the drafter compiled into the artifact (the manifest's), if any."""
     if not config:
         return None
     method = config.get("method") or ("draft_model" if config.get("model") else None)
-    if method == "ngram" and not config.get("model"):
-        return None
     if method in mtp_methods:
         method = "mtp"
+    if method in ("ngram", drafter) and not config.get("model"):
+        return None
     needs = _NEEDS.get(method, f"a '{method}' drafter, which afdc does not run")
+    also = ", or the model's own MTP layers: {\"method\": \"mtp\", ...}" if drafter == "mtp" else ""
     return (f"--speculative-config method {config.get('method') or method!r} needs {needs}; afdc's worker "
-            "speculates with n-gram prompt lookup only: {\"method\": \"ngram\", \"num_speculative_tokens\": K}")
+            "speculates with n-gram prompt lookup: {\"method\": \"ngram\", \"num_speculative_tokens\": K}" + also)
 
 
 def config_in_args(vllm_args: Sequence[str]) -> dict | None:

@@ -66,8 +66,8 @@ def check_tokenizer(manifest: Manifest, vllm_args: Sequence[str]) -> None:
         )
 
 
-def check_speculation(vllm_args: Sequence[str]) -> None:
-    """Refuse a ``--speculative-config`` afdc's worker cannot run, before vLLM starts."""
+def check_speculation(manifest: Manifest, vllm_args: Sequence[str]) -> None:
+    """Refuse a ``--speculative-config`` afdc's worker cannot run with this artifact, before vLLM starts."""
     try:
         config = config_in_args(vllm_args)
     except ValueError as err:
@@ -78,7 +78,7 @@ def check_speculation(vllm_args: Sequence[str]) -> None:
 
     from vllm.config.speculative import MTPModelTypes
 
-    why = refusal(config, get_args(MTPModelTypes))
+    why = refusal(config, get_args(MTPModelTypes), manifest.drafter.method if manifest.drafter else None)
     if why:
         raise AfdcError(why)
 
@@ -105,7 +105,7 @@ def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args:
     manifest = read_manifest(directory)
     check_servable(manifest)
     check_tokenizer(manifest, vllm_args)
-    check_speculation(vllm_args)
+    check_speculation(manifest, vllm_args)
     dp = DataParallel.of(vllm_args).checked(manifest.plan.attention_ranks)
     model = model_dir(directory)
     argv = [

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from afdc.artifact import manifest as mf
-from afdc.artifact.load import deployment_of, load
+from afdc.artifact.load import deployment_of, load, load_with_drafter
 from afdc.errors import UnsupportedModelError
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.exchange import AttentionEndpoint
@@ -42,6 +42,7 @@ from afdc.runtime.paged import (
 )
 from afdc.runtime.rendezvous import DEGRADED, SERVING, UNAVAILABLE, Health, PeerLost, Rendezvous, RendezvousError
 from afdc.serve.cores import Placement
+from afdc.serve.mtp_drafter import MtpDrafts, first_pass
 from afdc.serve.prompt_logprobs import PromptLogprobs
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
@@ -57,6 +58,10 @@ def layer_name(slot: int) -> str:
 
 def mixer_layer_name(slot: int) -> str:
     return f"afdc.mixer.{slot}"
+
+
+def drafter_layer_name(slot: int) -> str:
+    return f"afdc.drafter.attention.{slot}"
 
 
 @dataclass
@@ -171,13 +176,30 @@ class AfdcWorker(WorkerBase):
         """This rank's attention program, and its FFN side: the FFN programs in this process
         (loopback), or none (the FFN ranks' servers run them)."""
         s = self.settings
-        program = load(directory, "attn", self.rank, self.device, backend="eager")
+        if self.speculation is not None and self.speculation.method == "mtp":
+            program, drafter = load_with_drafter(directory, self.rank, self.device, backend="eager")
+            self._prepare_drafter(directory, drafter)
+        else:
+            program = load(directory, "attn", self.rank, self.device, backend="eager")
+            self.drafter = self.drafter_slots = None
         dispatch = [manifest.segments[lay.segment].dispatch() for lay in manifest.layers]
         in_process = s.runtime.connector.in_process
         ranks = range(manifest.plan.ffn_ranks) if in_process else ()
         self.attention = AttentionRank(self.rank, program, [load(directory, "ffn", r, self.device, s.backend)
                                                             for r in ranks], dispatch)
         return program
+
+    def _prepare_drafter(self, directory: Path, drafter) -> None:
+        """The artifact's MTP drafter, prepared for vLLM's steps as the model's program is."""
+        if drafter is None:  # afdc serve refused this before vLLM started; vllm serve by hand gets here
+            raise UnsupportedModelError(f"{directory} holds no MTP drafter: the checkpoint it was compiled from has "
+                                        "no MTP layers")
+        s = self.settings
+        prepared = prepare_for_flat_batches(drafter, s.backend or mf.read_manifest(directory).plan.backend,
+                                            self.device, mixers=False)
+        if prepared.rows or not prepared.rows_only:
+            raise UnsupportedModelError("MTP drafting needs the drafter's LM head and its attention on a flat batch")
+        self.drafter, self.drafter_slots = drafter, prepared.slots
 
     def _prepare(self, program, manifest: mf.Manifest) -> None:
         """The program rewritten for vLLM's steps, and what the cache and steps take from it."""
@@ -186,6 +208,10 @@ class AfdcWorker(WorkerBase):
                                             mixers=bool(self.mixers))
         self.slots, self.key_slots, self.tp_ranks = prepared.slots, prepared.key_slots, prepared.tp_ranks
         self.rows, self.rows_only = prepared.rows, prepared.rows_only
+        if self.drafter is not None and (self.rows or not self.rows_only or self.tp_ranks > 1):
+            raise UnsupportedModelError(
+                "MTP drafting needs the model's LM head found (its input is what the drafter continues from) and "
+                "its attention on a flat batch (no sparse-attention indexers), on one TP rank (no --attn-tp)")
         self.backend, self.dtype = prepared.backend, prepared.dtype
         if self.tp_ranks > 1:  # TP ranks 1.. wait while rank 0 waits for the FFN side
             program.timeout = s.runtime.timeout + s.runtime.join_timeout
@@ -230,6 +256,10 @@ class AfdcWorker(WorkerBase):
             )
             for i, s in enumerate(self.slots)
         }
+        for i, s in enumerate(self.drafter_slots or []):  # the MTP drafter's attention: a layer of its own
+            specs[drafter_layer_name(i)] = replace(specs[layer_name(0)], num_kv_heads=s.kv_heads, head_size=s.head_dim,
+                                                   head_size_v=s.value_dim, sliding_window=None,
+                                                   attention_chunk_size=None)
         # an indexer's keys sit in the attention layers' blocks (same block ids and token slots):
         # each attention page is padded by its share of them, so that vLLM counts their memory
         key_bytes = sum(block_size * k.head_dim * self.dtype.itemsize for k in self.key_slots)
@@ -278,6 +308,10 @@ class AfdcWorker(WorkerBase):
             self.slots, num_blocks, self.block_size, self.dtype, self.device, tp_ranks=self.tp_ranks
         )
         self.states = MixerStateStore(self.mixers, num_blocks, self.device) if self.mixers else None
+        self.drafts = None
+        if self.drafter is not None:  # on the same block ids as the model's cache
+            store = PagedKVStore(self.drafter_slots, num_blocks, self.block_size, self.dtype, self.device)
+            self.drafts = MtpDrafts(self.drafter, store, self.speculation.k)
         self.keys = (
             PagedKVStore(self.key_slots, num_blocks, self.block_size, self.dtype, self.device) if self.rows else None
         )
@@ -315,6 +349,7 @@ class AfdcWorker(WorkerBase):
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
         stores = [self.store] + ([self.keys] if self.keys is not None else [])
+        stores += [self.drafts.store] if self.drafts is not None else []
         for store in stores:
             if so.new_block_ids_to_zero:
                 store.zero_blocks(so.new_block_ids_to_zero)
@@ -367,6 +402,8 @@ class AfdcWorker(WorkerBase):
         else:
             groups = [scheduled[g] for g in _micro_batches(sizes, self.micro_batches)]
         batches = [self._micro_batch(g) for g in groups]
+        for batch in batches:  # the MTP drafter continues from the LM head's input at every token
+            batch.cache.keep_hidden = self.drafts is not None
         if self._placement is not None:  # by the size the FFN ranks hear in the step's plan
             self._placement.step(sum(b.input_ids.numel() for b in batches))
         self.metrics.phases.add("prepare", time.perf_counter() - started, time.thread_time() - cpu)
@@ -380,7 +417,8 @@ class AfdcWorker(WorkerBase):
             # where each request samples: its last token's row, after its drafts' (verified) rows
             logits = torch.cat([rows[len(rows) - 1 - len(r.drafts):] for r, rows in zip(requests, taken)])
             prompt_logprobs = self._prompt_logprobs(requests, taken)
-        self._pending = (so, requests, logits, prompt_logprobs)
+        hidden = torch.cat([b.cache.hidden[0] for b in batches]) if self.drafts is not None else None
+        self._pending = (so, requests, logits, prompt_logprobs, hidden)
         return None
 
     def _taken(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
@@ -402,7 +440,7 @@ class AfdcWorker(WorkerBase):
                 done[r.id], r.prompt_logprobs = asked.tensors, None
         return done
 
-    def _run(self, batches: list[MicroBatch]) -> list:
+    def _run(self, batches: list[MicroBatch], program=None) -> list:
         """Run the step. While an FFN rank is lost the step is held: no token is sampled and no
         state committed; this rank reports itself degraded, waits for the rank's return, and runs
         the same step again (a rerun rewrites the same cache slots with the same keys and values,
@@ -412,11 +450,11 @@ class AfdcWorker(WorkerBase):
         the step goes on waiting, so serving resumes when the rank is back."""
         self._holding = True  # the idle rank's regrouping stays away: the held step regroups, within its hold
         try:
-            return self._run_held(batches)
+            return self._run_held(batches, program)
         finally:
             self._holding = False
 
-    def _run_held(self, batches: list[MicroBatch]) -> list:
+    def _run_held(self, batches: list[MicroBatch], program=None) -> list:
         while True:
             options = self.settings.runtime
             # while degraded, a regrouping waits no longer than the hold has left
@@ -424,7 +462,7 @@ class AfdcWorker(WorkerBase):
             join_timeout = min(options.join_timeout, left) if left is not None and left > 0 else None
             try:
                 with self._step_lock:
-                    outputs, _ = self.attention.run(self.attention.begin_step(join_timeout), batches)
+                    outputs, _ = self.attention.run(self.attention.begin_step(join_timeout), batches, program)
                     self._stepped_at = time.monotonic()
                 for batch in batches:
                     batch.cache.commit_states()
@@ -511,7 +549,7 @@ class AfdcWorker(WorkerBase):
         return out
 
     def _sample(self, grammar_output) -> ModelRunnerOutput:
-        so, scheduled, logits, prompt_logprobs = self._pending
+        so, scheduled, logits, prompt_logprobs, hidden = self._pending
         self._pending = None
         if grammar_output is not None:
             apply_grammar_bitmask(so, grammar_output, _Batch([r.id for r in scheduled]), logits)
@@ -539,7 +577,9 @@ class AfdcWorker(WorkerBase):
                 r.tokens.extend(kept)
                 r.sampling.output.extend(kept)
             sampled.append(kept if done else [])
-        if self.speculation is not None:
+        if self.drafts is not None:
+            self._drafts = self._mtp_drafts(scheduled, sampled, complete, hidden, so.num_spec_tokens_to_schedule)
+        elif self.speculation is not None:
             self._drafts = self.speculation.propose(
                 [r.id for r in scheduled], [r.tokens for r in scheduled], sampled, so.num_spec_tokens_to_schedule,
                 [r.params for r in requests],
@@ -551,6 +591,21 @@ class AfdcWorker(WorkerBase):
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
         )
+
+    def _mtp_drafts(self, scheduled: list[Request], sampled: list[list[int]], complete: list[bool],
+                    hidden: torch.Tensor, k: int) -> DraftTokenIds:
+        """The MTP drafter's passes after a step (:mod:`afdc.serve.mtp_drafter`): its cache
+        written at the step's positions, and up to ``k`` drafts per request that may take them."""
+        with self.metrics.phases.timed("draft"):
+            rows = first_pass(
+                [r.computed for r in scheduled], [r.scheduled for r in scheduled], [len(r.drafts) for r in scheduled],
+                [r.tokens for r in scheduled], [s if done else None for s, done in zip(sampled, complete)],
+                [self.speculation.verifier.verifies([r.sampling.params]) for r in scheduled],
+            )
+            offsets = list(itertools.accumulate([r.scheduled for r in scheduled], initial=0))
+            tables = [r.block_ids[self.attention_group] for r in scheduled]
+            drafts = self.drafts.propose(rows, hidden, offsets, tables, k, self._run)
+        return DraftTokenIds([r.id for r in scheduled], [drafts.get(i, []) for i in range(len(scheduled))])
 
     # -- the rest of vLLM's worker interface -------------------------------------------------
 
