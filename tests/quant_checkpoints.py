@@ -13,6 +13,9 @@ Formats (float8 is float8_e4m3fn, whose largest value is 448):
   ``q = fp8(w / scale)``; ``w = q * scale``. Edge blocks may be partial.
 - fp8 per channel / per tensor (compressed-tensors): ``weight_scale`` [out, 1] or [1], in the
   model's dtype, = max |w| over the row / tensor / 448.
+- int4 pack-quantized (compressed-tensors): written by compressed-tensors' own observer math
+  (``calculate_qparams``) and compressor (``PackedQuantizationCompressor``), so the layout is the
+  library's: ``weight_packed`` int32, ``weight_scale`` bf16 per group of 32, ``weight_shape``.
 - MXFP4: along the last dim, groups of 32 share the exponent ``e = floor(log2(max |w|)) - 2``
   (e2m1's largest value is 6 = 1.5 * 2**2), stored as the byte ``e + 127``; each value is the
   e2m1 code nearest ``w / 2**e`` (saturating at 6), two a byte, the even element in the low nibble.
@@ -289,10 +292,85 @@ def llama_compressed_fp8(
     return _write(directory, config, quantization, quantize, seed)
 
 
+INT4_GROUP = 32
+# Kimi-K2-Thinking's quantization_config: routed experts int4, attention, shared experts, dense MLPs
+# and the LM head in bf16
+KIMI_INT4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
+
+
+def _int4_quantization(ignore: list[str]) -> dict:
+    weights = {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": INT4_GROUP,
+        "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {},
+    }  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None}},
+        "ignore": ignore, "kv_cache_scheme": None,
+    }  # fmt: skip
+
+
+def _int4_quantizer(quantization: dict) -> Quantizer:
+    """Each routed expert's linear (the hub's per-expert tensors) through compressed-tensors' own
+    observer math and pack-quantized compressor; the dequantized value by its own decompressor."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    group = quantization["config_groups"]["group_0"]
+    scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
+
+    def quantize(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        if ".mlp.experts." not in name or not name.endswith(".weight"):
+            return None
+        grouped = tensor.unflatten(-1, (-1, INT4_GROUP))
+        scale, zero = calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), scheme.weights)
+        parts = PackedQuantizationCompressor.compress({"weight": tensor, "weight_scale": scale.to(tensor.dtype),
+                                                       "weight_zero_point": zero}, scheme)
+        module = name.removesuffix(".weight")
+        shipped = {f"{module}.{k}": v for k, v in parts.items()}
+        back = PackedQuantizationCompressor.decompress(dict(parts), scheme)["weight"]
+        return shipped, back.float()
+
+    return quantize
+
+
+def deepseek_v3_int4(directory: Path, seed: int = 0, moe_intermediate_size: int = 32) -> QuantCheckpoint:
+    """DeepSeek-V3-shaped (one dense layer, one MoE layer of 4 routed experts and a shared one) as
+    Kimi-K2-Thinking ships: the routed experts int4 pack-quantized, groups of 32, the rest bf16."""
+    config = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    quantization = _int4_quantization(KIMI_INT4_IGNORE)
+    return _write(directory, config, quantization, _int4_quantizer(quantization), seed)
+
+
+def qwen3_moe_int4(
+    directory: Path, seed: int = 0, moe_intermediate_size: int = 64, vocab_size: int = 128
+) -> QuantCheckpoint:
+    """Qwen3-MoE-shaped, its routed experts int4 pack-quantized in groups of 32 (attention, router
+    and LM head ignored, as compressed-tensors' W4A16 MoE recipes leave them)."""
+    layers = 2
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=layers, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    quantization = _int4_quantization(["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$"])
+    return _write(directory, config, quantization, _int4_quantizer(quantization), seed)
+
+
 BUILDERS: dict[str, Callable[[Path], QuantCheckpoint]] = {
     "deepseek_v3_fp8": deepseek_v3_fp8,
     "qwen3_moe_fp8": qwen3_moe_fp8,
     "gpt_oss_mxfp4": gpt_oss_mxfp4,
     "llama_fp8_channel": llama_compressed_fp8,
+    "deepseek_v3_int4": deepseek_v3_int4,
+    "qwen3_moe_int4": qwen3_moe_int4,
     "llama_fp8_tensor": lambda directory: llama_compressed_fp8(directory, per_channel=False, static_input=True),
 }

@@ -17,12 +17,15 @@ from afdc.codegen.fused_moe_quant import (
     fused_moe_fp8,
     fused_moe_fp8_reference,
     fused_moe_fp8_triton,
+    fused_moe_int4,
+    fused_moe_int4_reference,
+    fused_moe_int4_triton,
     fused_moe_mxfp4,
     fused_moe_mxfp4_reference,
     fused_moe_mxfp4_triton,
 )
 from afdc.codegen.quant_tiles import quantize_token_groups, quantize_token_groups_reference
-from afdc.quant.formats import FP8_DTYPE, Fp8Block, Fp8Scaled, Mxfp4, TokenGroupQuant
+from afdc.quant.formats import FP8_DTYPE, Fp8Block, Fp8Scaled, Int4Group, Mxfp4, TokenGroupQuant
 
 EXPERTS, HIDDEN, INTER, TOKENS, TOP_K = 4, 40, 24, 5, 2
 BLOCK = (16, 16)  # neither 40 nor 24 is a multiple
@@ -293,4 +296,67 @@ def test_mxfp4_experts_expert_parallel_slice(triton_interpret):
     out = fused_moe_mxfp4(x, gb[2:], db[2:], weights, ids, 2, "silu", gs[2:], ds[2:], b1[2:], b2[2:])
     held = (ids >= 2).float()
     expected = fused_moe_mxfp4_reference(x, gb, db, weights * held, ids, 0, "silu", gs, ds, b1, b2)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+# -- int4 pack-quantized experts ------------------------------------------------------------------------
+
+
+def test_int4_matches_compressed_tensors_bit_for_bit():
+    """The format's definition against compressed-tensors' own unpacking and dequantization (which
+    refuses a K that is no multiple of the group), every int4 value."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    gen = torch.Generator().manual_seed(0)
+    for shape, group in (((3, 6, 64), 32), ((5, 96), 32), ((2, 4, 48), 16)):
+        values = torch.randint(-8, 8, shape, dtype=torch.int8, generator=gen)
+        packed = pack_to_int32(values, 4)
+        scale = torch.rand(*shape[:-1], -(-shape[-1] // group), generator=gen).to(torch.bfloat16)
+        assert torch.equal(Int4Group(group).unpack(packed), unpack_from_int32(packed, 4, torch.Size(shape)))
+        for dtype in (torch.float32, torch.bfloat16):  # the library multiplies in the scale's dtype
+            theirs = [dequantize(v, s.to(dtype), torch.zeros_like(s)) for v, s in
+                      zip(values.reshape(-1, *shape[-2:]), scale.reshape(-1, *scale.shape[-2:]))]
+            assert torch.equal(Int4Group(group).dequantize(packed, scale, dtype), torch.stack(theirs).reshape(shape))
+
+
+I4_HIDDEN, I4_INTER = 64, 40  # the down projection's K (40) ends in a partial group of 8
+
+
+def _int4_experts(inter: int = I4_INTER, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    fmt = Int4Group(32)
+    return (fmt.quantize(torch.randn(EXPERTS, 2 * inter, I4_HIDDEN, generator=gen)),
+            fmt.quantize(torch.randn(EXPERTS, I4_HIDDEN, inter, generator=gen)))
+
+
+def test_int4_experts_reference_is_dequantize_then_fused_moe():
+    (gp, gs), (dp, ds) = _int4_experts()
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, I4_HIDDEN)
+    fmt = Int4Group(32)
+    out = fused_moe_int4_reference(x, gp, dp, weights, ids, 0, "silu", gs, ds, 32)
+    expected = fused_moe_reference(x, fmt.dequantize(gp, gs), fmt.dequantize(dp, ds), weights, ids, 0, "silu")
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("inter", "dtype"), [(32, torch.float32), (I4_INTER, torch.bfloat16), (96, torch.bfloat16)],
+                         ids=["smaller", "ragged", "larger"])
+def test_int4_experts_kernel_matches_reference(triton_interpret, dtype, inter):
+    (gp, gs), (dp, ds) = _int4_experts(inter)
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, I4_HIDDEN).to(dtype)
+    args = (x, gp, dp, weights, ids, 0, "silu", gs, ds, 32)
+    out, expected = fused_moe_int4_triton(*args), fused_moe_int4_reference(*args)
+    torch.testing.assert_close(out, expected, atol=TOL[dtype]["atol"] * expected.abs().max().item(),
+                               rtol=TOL[dtype]["rtol"])
+
+
+def test_int4_experts_expert_parallel_slice(triton_interpret):
+    (gp, gs), (dp, ds) = _int4_experts()
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, I4_HIDDEN)
+    out = fused_moe_int4(x, gp[2:], dp[2:], weights, ids, 2, "silu", gs[2:], ds[2:], 32)
+    held = (ids >= 2).float()
+    expected = fused_moe_int4_reference(x, gp, dp, weights * held, ids, 0, "silu", gs, ds, 32)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)

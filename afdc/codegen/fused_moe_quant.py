@@ -1,6 +1,6 @@
 """Routed experts whose weights stay quantized as the checkpoint ships them: custom ops, references.
 
-Two ops, each ``afdc::fused_moe``'s computation (:mod:`afdc.codegen.fused_moe`, whose kernels run
+Three ops, each ``afdc::fused_moe``'s computation (:mod:`afdc.codegen.fused_moe`, whose kernels run
 them) with the weights in a quantized format, dequantized tile by tile inside the kernels. Their
 first seven arguments are ``fused_moe``'s, so a graph rewrite swaps the target and appends the
 scales::
@@ -14,6 +14,11 @@ scales::
         Tensor topk_weights, Tensor topk_ids, SymInt first_expert, str activation,
         Tensor w_gate_up_scales, Tensor w_down_scales, Tensor? b_gate_up=None,
         Tensor? b_down=None, bool interleaved=False, float? alpha=None, float? limit=None) -> Tensor
+
+    afdc::fused_moe_int4(Tensor x, Tensor w_gate_up_packed, Tensor w_down_packed,
+        Tensor topk_weights, Tensor topk_ids, SymInt first_expert, str activation,
+        Tensor w_gate_up_scale, Tensor w_down_scale, SymInt group_size, Tensor? b_gate_up=None,
+        Tensor? b_down=None, float? alpha=None, float? limit=None) -> Tensor
 
 ``fused_moe_fp8``: :class:`afdc.quant.formats.Fp8Block` experts in transformers' fused form,
 ``w_gate_up`` [E_local, 2I, H] and ``w_down`` [E_local, H, I] float8_e4m3fn, output-major; the
@@ -32,7 +37,12 @@ down projection) and multiplies fp8 by fp8 with fp32 accumulators (GPUs with fp8
 experts there is no ``transposed``. gpt-oss's gate and up rows alternate (``interleaved``), it has
 biases and ``swigluoai``. Weight-only: dequantized to x's dtype in the kernel.
 
-Both take the local experts of an expert-parallel rank from ``first_expert`` on, as
+``fused_moe_int4``: :class:`afdc.quant.formats.Int4Group` experts (compressed-tensors
+pack-quantized, Kimi-K2-Thinking): ``*_packed`` int32 [E_local, 2I, H / 8] and [E_local, H, I / 8],
+``*_scale`` (bf16 as shipped) [E_local, 2I, ceil(H / group_size)] and [E_local, H, ceil(I / group_size)],
+output-major, gate rows then up rows. Weight-only: dequantized to x's dtype in the kernel.
+
+All take the local experts of an expert-parallel rank from ``first_expert`` on, as
 ``fused_moe`` does, and no shared expert (a shared expert's linears are ``afdc::fp8_linear``).
 The references dequantize by the format's definition and run ``fused_moe``'s reference loop,
 rounding where the kernels do.
@@ -48,7 +58,7 @@ import torch.fx as fx
 from afdc.codegen.fused_moe import Experts, ExpertScales, experts_reference, launch
 from afdc.codegen.triton_support import launches
 from afdc.codegen.typed_calls import EmittedCall, takes_arguments_of
-from afdc.quant.formats import Fp8Block, Mxfp4, TokenGroupQuant
+from afdc.quant.formats import INT4_PACK, Fp8Block, Int4Group, Mxfp4, TokenGroupQuant
 
 
 def _tensors(args: object) -> tuple[torch.Tensor, ...]:
@@ -163,6 +173,48 @@ class Mxfp4Experts:
         return launch(experts, scales, tiles, "fused_moe_mxfp4")
 
 
+@dataclass(frozen=True)
+class Int4Experts:
+    """The arguments of ``afdc::fused_moe_int4`` (the op's schema is read from these fields)."""
+
+    x: torch.Tensor
+    w_gate_up_packed: torch.Tensor
+    w_down_packed: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    first_expert: int
+    activation: str
+    w_gate_up_scale: torch.Tensor
+    w_down_scale: torch.Tensor
+    group_size: int
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    alpha: float | None = None
+    limit: float | None = None
+
+    def experts(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> Experts:
+        return Experts(self.x, w_gate_up, w_down, self.topk_weights, self.topk_ids, self.first_expert,
+                       self.activation, self.b_gate_up, self.b_down, alpha=self.alpha, limit=self.limit)
+
+    def check(self) -> None:
+        fmt = Int4Group(self.group_size)
+        fmt.check("fused_moe_int4 gate_up", self.w_gate_up_packed, self.w_gate_up_scale)
+        fmt.check("fused_moe_int4 down", self.w_down_packed, self.w_down_scale)
+        logical = [torch.empty(*p.shape[:-1], p.shape[-1] * INT4_PACK, device="meta")
+                   for p in (self.w_gate_up_packed, self.w_down_packed)]
+        self.experts(*logical).check()
+
+    def reference(self) -> torch.Tensor:
+        fmt, dtype = Int4Group(self.group_size), self.x.dtype
+        return experts_reference(self.experts(fmt.dequantize(self.w_gate_up_packed, self.w_gate_up_scale, dtype),
+                                              fmt.dequantize(self.w_down_packed, self.w_down_scale, dtype)))
+
+    def launch(self, tiles: tuple[int | None, int | None, int | None]) -> torch.Tensor:
+        experts = self.experts(self.w_gate_up_packed, self.w_down_packed)  # the kernels find k's word and nibble
+        scales = ExpertScales("int4", self.w_gate_up_scale, self.w_down_scale, 1, self.group_size)
+        return launch(experts, scales, tiles, "fused_moe_int4")
+
+
 @takes_arguments_of(Fp8Experts)
 def fused_moe_fp8_reference(*args, **kwargs) -> torch.Tensor:
     call = Fp8Experts(*args, **kwargs)
@@ -226,6 +278,37 @@ def _(*args, **kwargs):
     return torch.empty_like(call.x)
 
 
+@takes_arguments_of(Int4Experts)
+def fused_moe_int4_reference(*args, **kwargs) -> torch.Tensor:
+    call = Int4Experts(*args, **kwargs)
+    call.check()
+    return call.reference()
+
+
+def fused_moe_int4_triton(*args, tiles: tuple[int | None, int | None, int | None] = (None, None, None),
+                          **kwargs) -> torch.Tensor:
+    """:func:`fused_moe_int4` by the Triton kernels (``tiles`` as :func:`fused_moe_fp8_triton`)."""
+    call = Int4Experts(*args, **kwargs)
+    call.check()
+    return call.launch(tiles)
+
+
+@torch.library.custom_op("afdc::fused_moe_int4", mutates_args=())
+@takes_arguments_of(Int4Experts)
+def fused_moe_int4(*args, **kwargs) -> torch.Tensor:
+    """``afdc::fused_moe`` over int4 pack-quantized experts (the module docstring has the layout)."""
+    call = Int4Experts(*args, **kwargs)
+    call.check()
+    return call.launch((None, None, None)) if launches(*_tensors(call)) else call.reference()
+
+
+@fused_moe_int4.register_fake
+def _(*args, **kwargs):
+    call = Int4Experts(*args, **kwargs)
+    call.check()
+    return torch.empty_like(call.x)
+
+
 @dataclass(frozen=True)
 class FusedMoeFp8Call(EmittedCall):
     """One ``afdc::fused_moe_fp8`` node's arguments by name (tensors are graph values)."""
@@ -272,3 +355,26 @@ class FusedMoeMxfp4Call(EmittedCall):
     limit: float | None = None
 
     OP = torch.ops.afdc.fused_moe_mxfp4.default
+
+
+@dataclass(frozen=True)
+class FusedMoeInt4Call(EmittedCall):
+    """One ``afdc::fused_moe_int4`` node's arguments by name (tensors are graph values)."""
+
+    node: fx.Node
+    x: fx.Node
+    w_gate_up_packed: fx.Node
+    w_down_packed: fx.Node
+    topk_weights: fx.Node
+    topk_ids: fx.Node
+    first_expert: object
+    activation: str
+    w_gate_up_scale: fx.Node
+    w_down_scale: fx.Node
+    group_size: int
+    b_gate_up: fx.Node | None = None
+    b_down: fx.Node | None = None
+    alpha: float | None = None
+    limit: float | None = None
+
+    OP = torch.ops.afdc.fused_moe_int4.default

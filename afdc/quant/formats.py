@@ -24,6 +24,12 @@ fused experts store them.
   ``w = E2M1_VALUES[code] * 2 ** (scale - 127)``. transformers' ``convert_moe_packed_tensors``
   (integrations/mxfp4.py) is the reference this reproduces bit for bit; it returns the transpose
   ``[..., K, N]``, gpt-oss's input-major parameters.
+- :class:`Int4Group`: compressed-tensors ``pack-quantized`` int4 (Kimi-K2-Thinking's experts,
+  W4A16 releases): ``weight_packed`` int32 ``[..., N, K / 8]``, eight 4-bit values a word, the
+  lowest bits the first ``k``, each the signed value plus 8; ``weight_scale`` ``[..., N, K / group]``
+  (the model's float dtype) per ``group`` values along K, symmetric (no zero point):
+  ``w = (nibble - 8) * scale``. compressed-tensors' ``unpack_from_int32`` and ``dequantize`` are the
+  reference this reproduces.
 - :class:`TokenGroupQuant`: the dynamic activation quantization of DeepSeek's fp8 GEMMs: each
   row's groups of ``group`` values along K share one float32 scale ``max(amax, eps) / 448``, and
   ``x_q = fp8(clamp(x / scale, -448, 448))``.
@@ -44,6 +50,8 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value, torch.finfo(torch.float8_e4m
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_BIAS = 127
 MXFP4_BLOCK = 32
+INT4_PACK = 8  # 4-bit values an int32 holds
+INT4_OFFSET = 8  # stored unsigned: the signed value plus 8
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -188,6 +196,56 @@ class Mxfp4:
         codes = torch.bucketize(scaled.abs(), midpoints) | torch.where(scaled < 0, 8, 0)
         codes = codes.to(torch.uint8)
         return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+@dataclass(frozen=True)
+class Int4Group:
+    """Symmetric int4 weights, eight a little-endian int32, one float scale per ``group`` values along K."""
+
+    group: int = 32
+
+    def __post_init__(self) -> None:
+        if self.group < 1:
+            raise ValueError(f"int4 group size must be positive, got {self.group}")
+
+    def check(self, name: str, packed: torch.Tensor, scale: torch.Tensor) -> None:
+        """Raises naming ``name`` unless ``packed`` is int32 ``[..., N, K / 8]`` and ``scale`` a float
+        ``[..., N, ceil(K / group)]``."""
+        k = packed.shape[-1] * INT4_PACK if packed.dim() >= 2 else 0
+        expected = (*packed.shape[:-1], _cdiv(k, self.group))
+        if packed.dtype != torch.int32 or packed.dim() < 2 or tuple(scale.shape) != expected or \
+                not scale.dtype.is_floating_point:
+            raise ValueError(f"{name}: int4 weights are int32 [..., N, K/{INT4_PACK}] with float scales "
+                             f"[..., N, ceil(K/{self.group})]; got {packed.dtype} {tuple(packed.shape)} and "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """The signed int4 values ``[..., N, K]`` (int8) of the packed words."""
+        shifts = torch.arange(INT4_PACK, dtype=torch.int32, device=packed.device) * 4
+        nibbles = (packed[..., None] >> shifts) & 0xF
+        return (nibbles - INT4_OFFSET).flatten(-2).to(torch.int8)
+
+    def dequantize(self, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[..., N, K]`` weight, ``value * scale`` in fp32, rounded once to ``dtype``."""
+        self.check("int4 dequantize", packed, scale)
+        values = self.unpack(packed).float()
+        full = scale.float().repeat_interleave(self.group, dim=-1)[..., : values.shape[-1]]
+        return (values * full).to(dtype)
+
+    def quantize(self, weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(packed, scale)`` of a ``[..., N, K]`` weight, K a multiple of 8: each group's scale
+        ``amax / 7.5`` (int4's range is [-8, 7]) in ``scale_dtype``, values rounded and clamped."""
+        k = weight.shape[-1]
+        if k % INT4_PACK:
+            raise ValueError(f"int4 packing needs K a multiple of {INT4_PACK}, got a weight {tuple(weight.shape)}")
+        groups = _cdiv(k, self.group)
+        padded = F.pad(weight.float(), (0, groups * self.group - k)).unflatten(-1, (groups, self.group))
+        amax = padded.abs().amax(dim=-1)
+        scale = torch.where(amax > 0, amax / 7.5, torch.ones_like(amax)).to(scale_dtype)
+        full = scale.float().repeat_interleave(self.group, dim=-1)[..., :k]
+        values = torch.round(weight.float() / full).clamp(-8, 7).to(torch.int32) + INT4_OFFSET
+        shifts = torch.arange(INT4_PACK, dtype=torch.int32, device=weight.device) * 4
+        return (values.unflatten(-1, (-1, INT4_PACK)) << shifts).sum(dim=-1, dtype=torch.int32), scale
 
 
 @dataclass(frozen=True)

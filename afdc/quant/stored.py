@@ -10,6 +10,9 @@ and its scale(s), in the checkpoint's bytes:
 - MXFP4 (gpt-oss experts): ``<name>_blocks`` uint8 ``[E, out, in / 32, 16]`` and
   ``<name>_scales`` uint8 ``[E, out, in / 32]``, output-major as the checkpoint and the kernel
   take them, whatever the bf16 parameter's orientation.
+- int4 (compressed-tensors pack-quantized): ``<name>_packed`` int32 ``[..., out, in / 8]`` and
+  ``<name>_scale`` ``[..., out, ceil(in / group)]`` in the checkpoint's float dtype, output-major
+  (fused experts' rows stacked and concatenated as their weights are).
 
 Each stored tensor names the checkpoint tensors it is read from by the key the bf16 checkpoint
 would have used (``sources``), so the resharder composes it with the very conversion that
@@ -24,7 +27,15 @@ from enum import Enum
 
 import torch
 
-from afdc.quant.scheme import MXFP4_GROUP, MXFP4_GROUP_BYTES, QuantFormat, QuantizedParameter, QuantScheme
+from afdc.quant.scheme import (
+    INT4_PACK,
+    MXFP4_GROUP,
+    MXFP4_GROUP_BYTES,
+    QuantFormat,
+    QuantizationError,
+    QuantizedParameter,
+    QuantScheme,
+)
 
 
 class Role(str, Enum):
@@ -85,6 +96,8 @@ def _stored(scheme: QuantScheme, p: QuantizedParameter) -> tuple[StoredTensor, .
             StoredTensor(f"{p.name}_scales", p.name, Role.SCALE, p.format, (*experts, out, groups), torch.uint8,
                          scale_sources),
         )  # fmt: skip
+    if p.format is QuantFormat.INT4_GROUP:
+        return _int4(p, members)
     direct = len(members) == 1 and members[0].shape == p.shape  # stored as the parameter is: shapes as stored
     scale_shape = members[0].scale.shape if direct else p.scale_shape
     scale_dtype = members[0].scale.dtype if members else torch.float32
@@ -100,6 +113,23 @@ def _stored(scheme: QuantScheme, p: QuantizedParameter) -> tuple[StoredTensor, .
         stored.append(StoredTensor(f"{p.name}_input_scale", p.name, Role.INPUT_SCALE, p.format, shape, dtype,
                                    tuple((w.name, i.name) for w, i in zip(members, inputs))))  # fmt: skip
     return tuple(stored)
+
+
+def _int4(p: QuantizedParameter, members: list) -> tuple[StoredTensor, ...]:
+    *lead, out, inner = p.shape
+    if p.block[-1] == 1 and inner != 1:
+        raise QuantizationError(f"{p.name} {list(p.shape)} is int4 with its groups along dim -2 (an input-major "
+                                "parameter); afdc runs int4 weights stored output-major only")
+    if inner % INT4_PACK:
+        raise QuantizationError(f"{p.name} {list(p.shape)}: int4 packs {INT4_PACK} input features a word, "
+                                f"and {inner} is not a multiple of {INT4_PACK}")
+    scale_dtype = members[0].scale.dtype if members else torch.bfloat16
+    return (
+        StoredTensor(f"{p.name}_packed", p.name, Role.DATA, p.format, (*lead, out, inner // INT4_PACK), torch.int32,
+                     tuple((w.name.removesuffix("_packed"), w.name) for w in members)),
+        StoredTensor(f"{p.name}_scale", p.name, Role.SCALE, p.format, p.scale_shape, scale_dtype,
+                     tuple((w.name.removesuffix("_packed"), w.scale.name) for w in members)),
+    )  # fmt: skip
 
 
 def _output_major(p: QuantizedParameter) -> tuple[tuple[int, ...], int, int]:
