@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from quant_checkpoints import deepseek_v3_fp8, gpt_oss_mxfp4, llama_compressed_fp8, qwen3_moe_fp8
+from quant_checkpoints import (
+    deepseek_v3_fp8,
+    deepseek_v3_int4,
+    gpt_oss_mxfp4,
+    llama_compressed_fp8,
+    qwen3_moe_fp8,
+    qwen3_moe_int4,
+)
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -187,6 +194,49 @@ def test_llama_compressed_tensors_mlp_sizes_against_the_library(tmp_path, inter)
     afdc.compile_model(str(ck.directory), "1A1F", tmp_path / "art", progress=False)
     _check_against_transformers(afdc.load_deployment(tmp_path / "art"), ck.directory, greedy=False,
                                 quantization_config=_DEQUANTIZED)
+
+
+@pytest.mark.parametrize(
+    ("build", "inter", "plan"),
+    [(deepseek_v3_int4, 32, "1A2F"), (deepseek_v3_int4, 96, "2A4F"), (qwen3_moe_int4, 64, "1A2F-tp"),
+     (qwen3_moe_int4, 64, "2A4F")],
+    ids=["deepseek-smaller-1A2F", "deepseek-larger-2A4F", "qwen-equal-1A2F-tp", "qwen-equal-2A4F"],
+)
+def test_int4_pack_quantized_experts_against_transformers(tmp_path, build, inter, plan):
+    """Kimi-K2-Thinking's format (compressed-tensors pack-quantized int4, groups of 32, written by
+    the library's compressor) on routed experts smaller than, as large as and larger than the hidden
+    size (64): the FFN rank files hold the packed words and bf16 group scales, whole experts under
+    EP, whole groups under TP; logits against transformers' own reading of the checkpoint."""
+    ck = build(tmp_path / "ck", moe_intermediate_size=inter)
+    plan, _, parallel = plan.partition("-")
+    art = tmp_path / "art"
+    afdc.compile_model(str(ck.directory), afdc.Plan.parse(plan, ffn_parallel=parallel or "auto"), art, progress=False)
+    ranks, layer = int(plan[-2]), f"model.layers.{1 if build is deepseek_v3_int4 else 0}.mlp.experts"
+    experts, cols = (4, inter // ranks) if parallel == "tp" else (4 // ranks, inter)
+    held = _stored(art, ranks - 1)
+    assert held[f"{layer}.gate_up_proj_packed"] == ("I32", [experts, 2 * cols, 64 // 8])
+    assert held[f"{layer}.gate_up_proj_scale"] == ("BF16", [experts, 2 * cols, 64 // 32])
+    assert held[f"{layer}.down_proj_packed"] == ("I32", [experts, 64, cols // 8])
+    assert held[f"{layer}.down_proj_scale"] == ("BF16", [experts, 64, cols // 32])
+    assert f"{layer}.gate_up_proj" not in held
+    _check_against_transformers(afdc.load_deployment(art), ck.directory, greedy=plan == "1A2F" and not parallel,
+                                quantization_config=_DEQUANTIZED)
+    if build is deepseek_v3_int4 and plan == "2A4F":
+        afdc.compile_model(str(tmp_path / "ck-bf16"), plan, tmp_path / "bf16", progress=False)
+        ratio = _ffn_bytes(art) / _ffn_bytes(tmp_path / "bf16")
+        experts_bytes = sum(math.prod(shape) * (4 if dtype == "I32" else 2) for rank in range(ranks)
+                            for name, (dtype, shape) in _stored(art, rank).items() if ".experts." in name)
+        print(f"FFN rank files, int4 experts (groups of 32) / bf16: {ratio:.3f} "
+              f"(the routed experts alone: {experts_bytes / (2 * 4 * 3 * 64 * inter):.3f})")
+        assert ratio < 0.75
+
+
+def test_int4_tp_split_that_cuts_a_group_is_refused(tmp_path):
+    ck = qwen3_moe_int4(tmp_path / "qwen", moe_intermediate_size=64)  # 4 ranks: 16 features each, half a group
+    refusal = r"experts\.(gate_up|down)_proj .*1x32 scale blocks.*F that split it on block boundaries: 1, 2 "
+    with pytest.raises(afdc.PlanError, match=refusal):
+        afdc.compile_model(str(ck.directory), afdc.Plan.parse("1A4F", ffn_parallel="tp"), tmp_path / "a",
+                           progress=False)
 
 
 def test_tp_split_that_cuts_a_block_is_refused(tmp_path):

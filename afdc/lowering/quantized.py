@@ -7,13 +7,15 @@ the scheme, by parameter name: no per-model code) and replaces the matmuls that 
 - ``aten.linear(x, w, b)`` by ``afdc::fp8_linear(x, w, w_scale, block_n, block_k, b)`` (dense
   linears on either side: attention projections, dense MLPs, shared experts);
 - the routed experts, first recognised as one ``afdc::fused_moe`` (:func:`experts_as_op`), by
-  ``afdc::fused_moe_fp8`` or ``afdc::fused_moe_mxfp4`` with the scales appended.
+  ``afdc::fused_moe_fp8``, ``afdc::fused_moe_mxfp4`` or ``afdc::fused_moe_int4`` with the scales
+  appended.
 
 An FFN segment takes each scale as a weight placeholder of its own (its own :class:`Split` and name
 in every layer's binding); the attention graph reads it with ``get_attr``. A scale is split with
 its weight: whole experts under EP, whole blocks under TP (a split that would cut a block is a
 :class:`PlanError` naming the weight, the block and the rank counts that work), per-channel scales
-with their channels; MXFP4 experts are split by expert only.
+with their channels; MXFP4 experts are split by expert only; int4 words along the input dim as
+their groups (a group is a whole number of words).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import torch.fx as fx
 
 from afdc.codegen.fp8_linear import Fp8LinearCall
 from afdc.codegen.fused_moe import FusedMoeCall
-from afdc.codegen.fused_moe_quant import FusedMoeFp8Call, FusedMoeMxfp4Call
+from afdc.codegen.fused_moe_quant import FusedMoeFp8Call, FusedMoeInt4Call, FusedMoeMxfp4Call
 from afdc.errors import PlanError, UnsupportedModelError
 from afdc.passes.graph_facts import op_name
 from afdc.passes.moe_experts import experts_as_op
-from afdc.quant.scheme import QuantFormat
+from afdc.quant.scheme import INT4_PACK, QuantFormat, QuantizedParameter
 from afdc.quant.stored import QuantizedTensors, Role, StoredTensor
 from afdc.segment import Segment, SegmentBinding, ShardSlice, Split, add_weight, inputs, weights
 
@@ -102,8 +104,15 @@ def scale_split(parameter: str, shape: tuple[int, ...], block: tuple[int, ...], 
 
 
 def _data_split(split: Split, data: StoredTensor) -> Split:
-    """The data's split: the parameter's (MXFP4 blocks: by expert only, checked by :func:`scale_split`)."""
-    return split if data.format is not QuantFormat.MXFP4 or split.dim is None else Split(0, experts=True)
+    """The data's split: the parameter's (MXFP4 blocks: by expert only, checked by :func:`scale_split`;
+    int4 words along the input dim: the sections in words, whole groups checked by :func:`scale_split`)."""
+    if split.dim is None:
+        return split
+    if data.format is QuantFormat.MXFP4:
+        return Split(0, experts=True)
+    if data.format is QuantFormat.INT4_GROUP and split.dim == len(data.shape) - 1:
+        return replace(split, sections=tuple(n // INT4_PACK for n in split.sections))
+    return split
 
 
 # -- the FFN segments ---------------------------------------------------------------------------------
@@ -153,7 +162,7 @@ def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: Quant
     for i in quantized:
         p = scheme.parameter(first[i])
         if len(p.shape) == 2:
-            _linears(graph, places[i], added[i], p.block)
+            _linears(graph, places[i], added[i], p)
     experts = [i for i in quantized if len(scheme.parameter(first[i]).shape) == 3]
     _experts(graph, {places[i]: (scheme.parameter(first[i]), added[i]) for i in experts})
     for i in experts:
@@ -163,8 +172,15 @@ def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: Quant
     return replace(seg, splits=tuple(splits))
 
 
-def _linears(graph: fx.Graph, weight: fx.Node, scales: dict[Role, fx.Node], block: tuple[int, ...]) -> None:
+def _linears(graph: fx.Graph, weight: fx.Node, scales: dict[Role, fx.Node], p: QuantizedParameter) -> None:
     """Each ``linear(x, weight, bias)`` on ``weight`` as ``fp8_linear``; any other use is refused."""
+    if p.format is QuantFormat.INT4_GROUP:
+        raise UnsupportedModelError(
+            f"{p.name} is an int4 (pack-quantized) linear outside the routed experts; afdc has int4 kernels for "
+            "routed experts only (Kimi-K2-Thinking's layout): use a checkpoint whose config ignores these "
+            "linears, or the bf16 release"
+        )
+    block = p.block
     for user in list(weight.users):
         if op_name(user) != "linear" or user.args[1] is not weight:
             raise UnsupportedModelError(
@@ -202,6 +218,13 @@ def _experts(graph: fx.Graph, quantized: dict[fx.Node, tuple]) -> None:
                 new = FusedMoeMxfp4Call.emit(graph, w_gate_up_blocks=call.w_gate_up, w_down_blocks=call.w_down,
                                              w_gate_up_scales=gate_up[Role.SCALE], w_down_scales=down[Role.SCALE],
                                              interleaved=call.interleaved, **common)
+            elif p.format is QuantFormat.INT4_GROUP:
+                if call.transposed or call.interleaved:
+                    raise UnsupportedModelError(f"{node.name}: int4 experts stored input-major or with interleaved "
+                                                "gate and up rows have no kernel")
+                new = FusedMoeInt4Call.emit(graph, w_gate_up_packed=call.w_gate_up, w_down_packed=call.w_down,
+                                            w_gate_up_scale=gate_up[Role.SCALE], w_down_scale=down[Role.SCALE],
+                                            group_size=p.block[-1], **common)
             else:
                 if call.transposed:
                     raise UnsupportedModelError(f"{node.name}: fp8 experts stored input-major have no kernel")
@@ -216,7 +239,7 @@ def _experts(graph: fx.Graph, quantized: dict[fx.Node, tuple]) -> None:
 def _only_quantized_ops(weight: fx.Node, parameter: str, unmatched: list[str]) -> None:
     """Refuses quantized experts that a graph op other than a quantized one still reads: the routed
     experts were not recognised as one fused MoE, and the bf16 op would read the stored bytes."""
-    others = [u for u in weight.users if u.target not in (FusedMoeFp8Call.OP, FusedMoeMxfp4Call.OP)]
+    others = [u for u in weight.users if u.target not in (FusedMoeFp8Call.OP, FusedMoeMxfp4Call.OP, FusedMoeInt4Call.OP)]
     if others:
         raise UnsupportedModelError(
             f"{parameter} is stored quantized but {others[0].name} ({op_name(others[0])}) reads it: afdc did not "
@@ -240,5 +263,5 @@ def _quantize_attention(graph: fx.Graph, quant: QuantizedTensors) -> None:
             scales = {Role.SCALE: graph.get_attr(scale.name)}
             if input_scale is not None:
                 scales[Role.INPUT_SCALE] = graph.get_attr(input_scale.name)
-        _linears(graph, node, scales, p.block)
+        _linears(graph, node, scales, p)
     graph.lint()
