@@ -329,7 +329,8 @@ def _int4_quantizer(quantization: dict) -> Quantizer:
         parts = PackedQuantizationCompressor.compress({"weight": tensor, "weight_scale": scale.to(tensor.dtype),
                                                        "weight_zero_point": zero}, scheme)
         module = name.removesuffix(".weight")
-        shipped = {f"{module}.{k}": v for k, v in parts.items()}
+        # the data tensor first (QuantCheckpoint.quantized names it)
+        shipped = {f"{module}.{k}": v for k, v in sorted(parts.items(), key=lambda kv: kv[0] != "weight_packed")}
         back = PackedQuantizationCompressor.decompress(dict(parts), scheme)["weight"]
         return shipped, back.float()
 

@@ -25,6 +25,8 @@ EXPECTED = {
     "gpt_oss_mxfp4": ("mxfp4", {QuantFormat.MXFP4}, None),
     "llama_fp8_channel": ("compressed-tensors", {QuantFormat.FP8_CHANNEL}, (1, -1)),
     "llama_fp8_tensor": ("compressed-tensors", {QuantFormat.FP8_TENSOR}, (-1, -1)),
+    "deepseek_v3_int4": ("compressed-tensors", {QuantFormat.INT4_GROUP}, (1, 32)),
+    "qwen3_moe_int4": ("compressed-tensors", {QuantFormat.INT4_GROUP}, (1, 32)),
 }
 
 
@@ -171,7 +173,12 @@ UNSUPPORTED = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128},
     "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
     "fbgemm_fp8": {"quant_method": "fbgemm_fp8"},
-    "pack-quantized": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
+    "pack-quantized": {  # asymmetric: zero points
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 128}}},
+    },
     "8-bit int": {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -190,14 +197,16 @@ def test_other_schemes_are_refused_by_name_listing_the_supported(what):
         scheme_from_config(config)
     message = str(refused.value)
     assert what in message and "not supported" in message
-    for supported in ("fp8 (quant_method 'fp8'", "compressed-tensors float8", "mxfp4"):
+    for supported in ("fp8 (quant_method 'fp8'", "compressed-tensors float8", "compressed-tensors int4", "mxfp4"):
         assert supported in message
     with pytest.raises(QuantizationError, match="not supported"):
         recognise(config, {})
 
 
 def _shipped_configs() -> list[Path]:
-    return sorted(p for p in CONFIGS.glob("*.json") if "quantization_config" in json.loads(p.read_text()))
+    # with the configs derived for the benchmarks (a shipped config plus its release's quantization_config)
+    found = (*CONFIGS.glob("*.json"), *(Path(__file__).parents[1] / "benchmarks" / "configs").glob("*.json"))
+    return sorted((p for p in found if "quantization_config" in json.loads(p.read_text())), key=lambda p: p.stem)
 
 
 def test_the_shipped_configs_include_quantized_ones():
