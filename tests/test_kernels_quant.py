@@ -25,7 +25,7 @@ from afdc.codegen.fused_moe_quant import (
     fused_moe_mxfp4_triton,
 )
 from afdc.codegen.quant_tiles import quantize_token_groups, quantize_token_groups_reference
-from afdc.quant.formats import FP8_DTYPE, Fp8Block, Fp8Scaled, Int4Group, Mxfp4, TokenGroupQuant
+from afdc.quant.formats import FP8_DTYPE, Fp8Block, Fp8Scaled, Int4Group, Mxfp4, Nvfp4, TokenGroupQuant
 
 EXPERTS, HIDDEN, INTER, TOKENS, TOP_K = 4, 40, 24, 5, 2
 BLOCK = (16, 16)  # neither 40 nor 24 is a multiple
@@ -360,3 +360,25 @@ def test_int4_experts_expert_parallel_slice(triton_interpret):
     held = (ids >= 2).float()
     expected = fused_moe_int4_reference(x, gp, dp, weights * held, ids, 0, "silu", gs, ds, 32)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+# -- NVFP4 ---------------------------------------------------------------------------------------------
+
+
+def test_nvfp4_matches_vllm_bit_for_bit():
+    """ModelOpt NVFP4 by the format's definition against vLLM's own dequantization (its CPU
+    emulation, unswizzled scales), per tensor and per expert, every e2m1 code and random fp8 scales."""
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
+
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (3, 24, 32), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(3, 24, 4, generator=gen) * 4).to(FP8_DTYPE)
+    global_scale = torch.rand(3, generator=gen) / 448
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = Nvfp4().dequantize(packed, scale, global_scale, dtype)
+        assert torch.equal(ours, dequantize_to_dtype(packed, scale, global_scale, dtype, 16, swizzle=False))
+        assert torch.equal(Nvfp4().dequantize(packed[0], scale[0], global_scale[0], dtype),
+                           dequantize_to_dtype(packed[0], scale[0], global_scale[0], dtype, 16, swizzle=False))
+    w = torch.randn(24, 64, generator=gen)
+    back = Nvfp4().dequantize(*Nvfp4().quantize(w))
+    assert (back - w).abs().max() <= w.abs().max() / 6  # within e2m1's widest step of the largest group
