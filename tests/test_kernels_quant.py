@@ -23,6 +23,9 @@ from afdc.codegen.fused_moe_quant import (
     fused_moe_mxfp4,
     fused_moe_mxfp4_reference,
     fused_moe_mxfp4_triton,
+    fused_moe_nvfp4,
+    fused_moe_nvfp4_reference,
+    fused_moe_nvfp4_triton,
 )
 from afdc.codegen.quant_tiles import quantize_token_groups, quantize_token_groups_reference
 from afdc.quant.formats import FP8_DTYPE, Fp8Block, Fp8Scaled, Int4Group, Mxfp4, Nvfp4, TokenGroupQuant
@@ -382,3 +385,41 @@ def test_nvfp4_matches_vllm_bit_for_bit():
     w = torch.randn(24, 64, generator=gen)
     back = Nvfp4().dequantize(*Nvfp4().quantize(w))
     assert (back - w).abs().max() <= w.abs().max() / 6  # within e2m1's widest step of the largest group
+
+
+def _nvfp4_experts(inter: int, seed: int = 0):
+    """Gate and up quantized as ModelOpt does each linear (a global scale of their own), the down too."""
+    gen = torch.Generator().manual_seed(seed)
+    fmt = Nvfp4()
+    parts = [[fmt.quantize(torch.randn(rows, cols, generator=gen) * (1 + e)) for e in range(EXPERTS)]
+             for rows, cols in ((inter, I4_HIDDEN), (inter, I4_HIDDEN), (I4_HIDDEN, inter))]
+    gate, up, down = ([torch.stack([q[i] for q in part]) for i in range(3)] for part in parts)
+    return ((torch.cat([gate[0], up[0]], 1), torch.cat([gate[1], up[1]], 1), torch.stack([gate[2], up[2]], 1)),
+            (down[0], down[1], down[2][:, None]))
+
+
+def test_nvfp4_experts_reference_is_dequantize_then_fused_moe():
+    (gp, gs, gg), (dp, ds, dg) = _nvfp4_experts(32)
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, I4_HIDDEN)
+    fmt = Nvfp4()
+    gate_up = torch.cat([fmt.dequantize(gp[:, :32], gs[:, :32], gg[:, 0]), fmt.dequantize(gp[:, 32:], gs[:, 32:],
+                                                                                          gg[:, 1])], 1)
+    expected = fused_moe_reference(x, gate_up, fmt.dequantize(dp, ds, dg[:, 0]), weights, ids, 0, "silu")
+    out = fused_moe_nvfp4_reference(x, gp, dp, weights, ids, 0, "silu", gs, ds, gg, dg)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("inter", "dtype"), [(32, torch.float32), (48, torch.bfloat16)], ids=["smaller", "tile-ragged"])
+def test_nvfp4_experts_kernel_matches_reference(triton_interpret, dtype, inter):
+    (gp, gs, gg), (dp, ds, dg) = _nvfp4_experts(inter)
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, I4_HIDDEN).to(dtype)
+    args = (x, gp, dp, weights, ids, 0, "silu", gs, ds, gg, dg)
+    out, expected = fused_moe_nvfp4_triton(*args), fused_moe_nvfp4_reference(*args)
+    torch.testing.assert_close(out, expected, atol=TOL[dtype]["atol"] * expected.abs().max().item(),
+                               rtol=TOL[dtype]["rtol"])
+    held = fused_moe_nvfp4(x, gp[2:], dp[2:], weights, ids, 2, "silu", gs[2:], ds[2:], gg[2:], dg[2:])
+    whole = fused_moe_nvfp4_reference(x, gp, dp, weights * (ids >= 2), ids, 0, "silu", gs, ds, gg, dg)
+    torch.testing.assert_close(held, whole, atol=TOL[dtype]["atol"] * whole.abs().max().item(),
+                               rtol=TOL[dtype]["rtol"])
