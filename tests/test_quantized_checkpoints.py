@@ -17,10 +17,12 @@ from click.testing import CliRunner
 from quant_checkpoints import (
     deepseek_v3_fp8,
     deepseek_v3_int4,
+    deepseek_v3_nvfp4,
     gpt_oss_mxfp4,
     llama_compressed_fp8,
     qwen3_moe_fp8,
     qwen3_moe_int4,
+    qwen3_moe_nvfp4,
 )
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
@@ -229,6 +231,37 @@ def test_int4_pack_quantized_experts_against_transformers(tmp_path, build, inter
         print(f"FFN rank files, int4 experts (groups of 32) / bf16: {ratio:.3f} "
               f"(the routed experts alone: {experts_bytes / (2 * 4 * 3 * 64 * inter):.3f})")
         assert ratio < 0.75
+
+
+@pytest.mark.parametrize(
+    ("build", "inter", "plan"),
+    [(deepseek_v3_nvfp4, 32, "1A2F"), (deepseek_v3_nvfp4, 96, "2A4F"), (qwen3_moe_nvfp4, 64, "2A4F")],
+    ids=["deepseek-smaller-1A2F", "deepseek-larger-2A4F", "qwen-equal-2A4F"],
+)
+def test_nvfp4_checkpoints_against_vllms_reading(tmp_path, build, inter, plan):
+    """ModelOpt NVFP4 as NVIDIA ships DeepSeek and Qwen3 FP4 (dense MLPs, shared and routed experts,
+    and for Qwen attention too): the rank files hold the packed bytes, fp8 group scales and float32
+    global scales, whole experts under EP and whole groups under TP; logits against the checkpoint as
+    vLLM's NVFP4 dequantization reads it (transformers does not load pre-quantized NVFP4)."""
+    ck = build(tmp_path / "ck", moe_intermediate_size=inter)
+    art = tmp_path / "art"
+    afdc.compile_model(str(ck.directory), plan, art, progress=False)
+    ranks, layer = int(plan[-2]), f"model.layers.{1 if build is deepseek_v3_nvfp4 else 0}.mlp.experts"
+    held = _stored(art, ranks - 1)
+    assert held[f"{layer}.gate_up_proj_packed"] == ("U8", [4 // ranks, 2 * inter, 64 // 2])
+    assert held[f"{layer}.gate_up_proj_scale"] == ("F8_E4M3", [4 // ranks, 2 * inter, 64 // 16])
+    assert held[f"{layer}.gate_up_proj_scale_2"] == ("F32", [4 // ranks, 2])
+    assert held[f"{layer}.down_proj_scale_2"] == ("F32", [4 // ranks, 1])
+    if build is deepseek_v3_nvfp4:  # the dense MLP by TP: 128 features in groups of 16 over the ranks
+        assert held["model.layers.0.mlp.down_proj.weight_packed"] == ("U8", [64, 128 // ranks // 2])
+        assert held["model.layers.0.mlp.down_proj.weight_scale"] == ("F8_E4M3", [64, 128 // ranks // 16])
+    _check_against_transformers(afdc.load_deployment(art), tmp_path / "ck-dequantized", greedy=plan == "1A2F")
+    if build is qwen3_moe_nvfp4:
+        with safe_open(art / "weights" / "attn.safetensors", "pt") as f:
+            assert f.get_slice("model.layers.0.self_attn.q_proj.weight_packed").get_dtype() == "U8"
+        afdc.compile_model(str(tmp_path / "ck-bf16"), plan, tmp_path / "bf16", progress=False)
+        print(f"FFN rank files, NVFP4 / bf16: {_ffn_bytes(art) / _ffn_bytes(tmp_path / 'bf16'):.3f}")
+        assert _ffn_bytes(art) / _ffn_bytes(tmp_path / "bf16") < 0.4
 
 
 def test_int4_tp_split_that_cuts_a_group_is_refused(tmp_path):

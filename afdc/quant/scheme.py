@@ -14,6 +14,10 @@ The evidence is the config's ``quantization_config`` and the checkpoint's safete
   ``X.weight_packed`` int32 ``[out, in / 8]`` (eight 4-bit values a word), ``X.weight_scale`` a
   float per ``group_size`` values along ``in`` (``[out, ceil(in / group)]``), ``X.weight_shape``
   the unpacked shape; symmetric (no zero point), weight-only.
+- ``modelopt`` NVFP4 (``quant_algo: NVFP4``; NVIDIA's DeepSeek-R1/V3 and Qwen3 ``-FP4``):
+  ``X.weight`` uint8 ``[out, in / 2]`` (two e2m1 a byte), ``X.weight_scale`` float8_e4m3fn
+  ``[out, in / 16]``, ``X.weight_scale_2`` one float32 per tensor; ``exclude_modules`` (wildcards)
+  stay in bf16. Run weight-only (the activations' ``input_scale`` is not read).
 - ``mxfp4`` (gpt-oss experts): ``E.P_blocks`` uint8 ``[..., rows, cols/32, 16]`` (two e2m1 values a
   byte, low nibble first) with ``E.P_scales`` uint8 ``[..., rows, cols/32]`` (an e8m0 exponent,
   bias 127, per 32 values along ``cols``).
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
+from fnmatch import fnmatch, translate
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -58,6 +64,7 @@ class QuantFormat(str, Enum):
     FP8_TENSOR = "fp8-tensor"  # float8_e4m3fn, one float scale for the whole weight
     MXFP4 = "mxfp4"  # packed e2m1 pairs, one e8m0 exponent per 32 values along the input dim
     INT4_GROUP = "int4-group"  # eight int4 an int32, one float scale per group along the input dim
+    NVFP4 = "nvfp4"  # packed e2m1 pairs, an fp8 scale per 16 values along the input dim, a float32 per matrix
 
 
 SUPPORTED = (
@@ -65,10 +72,14 @@ SUPPORTED = (
     "compressed-tensors float8 (format float-quantized, 8-bit float weights per channel, per tensor or per block)",
     "compressed-tensors int4 (format pack-quantized, 4-bit symmetric int weights per group, weight-only)",
     "mxfp4 (quant_method 'mxfp4', gpt-oss experts as *_blocks / *_scales)",
+    "modelopt NVFP4 (quant_method 'modelopt', quant_algo NVFP4, groups of 16, run weight-only)",
 )
 # the formats computed in the activations' dtype (weight-only): the planner's FLOPs are bf16's
-WEIGHT_ONLY = frozenset({QuantFormat.MXFP4, QuantFormat.INT4_GROUP})
+WEIGHT_ONLY = frozenset({QuantFormat.MXFP4, QuantFormat.INT4_GROUP, QuantFormat.NVFP4})
 INT4_PACK = 8  # int4 values an int32 word holds
+NVFP4_GROUP = 16
+# the packed formats stored [..., out, in / values]: input features a stored element holds
+PACKED_VALUES = {QuantFormat.INT4_GROUP: INT4_PACK, QuantFormat.NVFP4: 2}
 
 MXFP4_GROUP = 32  # values sharing one exponent
 MXFP4_GROUP_BYTES = MXFP4_GROUP // 2  # two values a byte
@@ -112,6 +123,7 @@ class QuantizedWeight:
     block: tuple[int, ...]
     scale: TensorSpec
     input_scale: TensorSpec | None = None
+    global_scale: TensorSpec | None = None  # NVFP4's per-tensor weight_scale_2
 
 
 @dataclass(frozen=True)
@@ -120,7 +132,9 @@ class QuantizedParameter:
 
     ``shape`` is the bf16 parameter's; ``block`` the elements one scale covers along each of its
     dims; ``scale_shape`` the scales it needs in that orientation. ``sources`` names the checkpoint
-    tensors (``QuantizedWeight.name``) it is assembled from, empty when known from a config alone.
+    tensors (``QuantizedWeight.name``) it is assembled from, empty when known from a config alone;
+    ``matrices`` how many checkpoint matrices each leading index concatenates (a fused gate_up: 2),
+    each with a global scale of its own in NVFP4.
     """
 
     name: str
@@ -129,6 +143,7 @@ class QuantizedParameter:
     block: tuple[int, ...]
     sources: tuple[str, ...] = ()
     static_input_scale: bool = False
+    matrices: int = 1
 
     @property
     def scale_shape(self) -> tuple[int, ...]:
@@ -153,7 +168,8 @@ class QuantScheme:
 
     def scale_names(self) -> frozenset[str]:
         """Every scale tensor of the checkpoint (weight and input scales)."""
-        return frozenset(spec.name for w in self.weights for spec in (w.scale, w.input_scale) if spec is not None)
+        specs = (spec for w in self.weights for spec in (w.scale, w.input_scale, w.global_scale))
+        return frozenset(spec.name for spec in specs if spec is not None)
 
     def formats(self) -> tuple[QuantFormat, ...]:
         return tuple(dict.fromkeys(p.format for p in self.parameters))
@@ -219,6 +235,8 @@ def _rules(qc: dict[str, Any]) -> _Rules:
         return _fp8_rules(qc)
     if method == "compressed-tensors":
         return _compressed_tensors_rules(qc)
+    if method == "modelopt":
+        return _modelopt_rules(qc)
     if method == "mxfp4":
         skip = tuple(qc.get("modules_to_not_convert") or ())
         mxfp4 = (QuantFormat.MXFP4, (1, MXFP4_GROUP))
@@ -256,6 +274,33 @@ def _fp8_rules(qc: dict[str, Any]) -> _Rules:
         return (fmt_, block, False) if cls == "Linear" else None
 
     return _Rules("fp8", "dynamic", skip, linear, lambda _name: (fmt_, block), bool(skip), frozenset({fmt_}))
+
+
+def _modelopt_rules(qc: dict[str, Any]) -> _Rules:
+    """ModelOpt's quantization_config (or hf_quant_config.json's ``quantization``): NVFP4 only."""
+    qc = {**qc, **(qc.get("quantization") or {})}
+    algo = str(qc.get("quant_algo"))
+    if algo not in ("NVFP4", "W4A16_NVFP4"):
+        raise _refuse(f"modelopt with quant_algo {algo!r}")
+    if qc.get("group_size", NVFP4_GROUP) != NVFP4_GROUP:
+        raise _refuse(f"modelopt NVFP4 with group_size {qc['group_size']!r} (NVFP4 groups are 16)")
+    if qc.get("kv_cache_quant_algo") or qc.get("kv_cache_scheme"):
+        raise _refuse("modelopt NVFP4 with a quantized KV cache")
+    exclude = tuple(qc.get("exclude_modules") or qc.get("ignore") or ())
+
+    def linear(name: str, cls: str) -> tuple[QuantFormat, tuple[int, int], bool] | None:
+        # ModelOpt's exclusions are wildcards (vLLM matches them with fnmatch)
+        if cls != "Linear" or any(fnmatch(name, pattern) for pattern in exclude):
+            return None
+        return QuantFormat.NVFP4, (1, NVFP4_GROUP), False
+
+    def experts(module: str) -> tuple[QuantFormat, tuple[int, int]] | None:
+        found = linear(f"{module}.0.gate_proj", "Linear")
+        return None if found is None else found[:2]
+
+    # transformers' module filter takes regexes: the wildcards as regexes
+    skip = tuple(translate(pattern) for pattern in exclude)
+    return _Rules("modelopt", "dynamic", skip, linear, experts, True, frozenset({QuantFormat.NVFP4}))
 
 
 @dataclass(frozen=True)
@@ -428,11 +473,10 @@ def _expert_parameters(
             continue  # biases stay in bf16
         out_in = (param.shape[2], param.shape[1]) if transposed else (param.shape[1], param.shape[2])
         step = _full(block, out_in)
-        found.append(
-            QuantizedParameter(
-                f"{module_name}.{name}", fmt, tuple(param.shape), (1, step[1], step[0]) if transposed else (1, *step)
-            )
-        )
+        block = (1, step[1], step[0]) if transposed else (1, *step)
+        # transformers' fused experts concatenate each expert's gate_proj and up_proj into gate_up_proj
+        matrices = 2 if name == "gate_up_proj" else 1
+        found.append(QuantizedParameter(f"{module_name}.{name}", fmt, tuple(param.shape), block, matrices=matrices))
     return found
 
 
@@ -463,6 +507,8 @@ def recognise(
     model = model if model is not None else meta_model(config)
     if rules.method == "mxfp4":
         weights = _mxfp4_weights(tensors)
+    elif rules.method == "modelopt":
+        weights = _nvfp4_weights(rules, tensors)
     else:
         int4 = _int4_weights(rules, tensors) if QuantFormat.INT4_GROUP in rules.formats else []
         weights = _fp8_weights(rules, tensors, {w.scale.name for w in int4}) + int4
@@ -605,6 +651,35 @@ def _mxfp4_weights(tensors: Mapping[str, TensorHeader]) -> list[QuantizedWeight]
     return weights
 
 
+def _nvfp4_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[QuantizedWeight]:
+    """ModelOpt NVFP4 weights: ``X.weight`` uint8 with ``X.weight_scale`` and ``X.weight_scale_2``."""
+    weights = []
+    for name, header in tensors.items():
+        if not name.endswith(".weight") or header.dtype != torch.uint8:
+            continue
+        scale, global_scale = tensors.get(name + "_scale"), tensors.get(name + "_scale_2")
+        if scale is None or global_scale is None:
+            raise QuantizationError(f"{name} holds packed NVFP4 but the checkpoint lacks {name}_scale or "
+                                    f"{name}_scale_2")
+        if rules.linear(_module_of(name), "Linear") is None:
+            raise QuantizationError(f"{name} is stored as NVFP4 but the quantization_config's exclude_modules "
+                                    "name its module")
+        shape = tuple(header.shape)
+        if len(shape) < 2:
+            raise QuantizationError(f"{name} is uint8 of shape {list(shape)}; an NVFP4 weight is a matrix")
+        if math.prod(global_scale.shape) != 1 or global_scale.dtype != torch.float32:
+            raise QuantizationError(f"{name}_scale_2 should be one float32 (the global scale), found "
+                                    f"{_spec(name + '_scale_2', global_scale)}")
+        logical = (*shape[:-1], shape[-1] * 2)
+        step = (1,) * (len(logical) - 1) + (NVFP4_GROUP,)
+        weights.append(QuantizedWeight(name, name, QuantFormat.NVFP4, _spec(name, header), logical, step,
+                                       _checked_scale(name + "_scale", scale, logical, step, QuantFormat.NVFP4),
+                                       global_scale=_spec(name + "_scale_2", global_scale)))
+    _no_orphans(tensors, "weight_scale", {w.scale.name for w in weights})
+    _no_orphans(tensors, "weight_scale_2", {w.global_scale.name for w in weights})
+    return weights
+
+
 def _no_orphans(tensors: Mapping[str, TensorHeader], suffix: str, used: set[str]) -> None:
     orphans = [name for name in tensors if name.endswith(suffix) and name not in used]
     if orphans:
@@ -631,7 +706,7 @@ def _checked_scale(
         fits = got in (want, want[:-1])  # compressed-tensors writes [out, 1]; [out] means the same
     else:
         fits = got == want
-    dtypes = (torch.uint8,) if fmt is QuantFormat.MXFP4 else _FLOAT_SCALES
+    dtypes = {QuantFormat.MXFP4: (torch.uint8,), QuantFormat.NVFP4: (torch.float8_e4m3fn,)}.get(fmt, _FLOAT_SCALES)
     if not fits or header.dtype not in dtypes:
         blocks = "x".join(map(str, block))
         raise QuantizationError(
@@ -642,9 +717,7 @@ def _checked_scale(
 
 
 def _with_parameter(weight: QuantizedWeight, parameter: str) -> QuantizedWeight:
-    return QuantizedWeight(
-        weight.name, parameter, weight.format, weight.data, weight.shape, weight.block, weight.scale, weight.input_scale
-    )
+    return replace(weight, parameter=parameter)
 
 
 def checkpoint_renamer(mapping: list, prefix: str | None, shapes: Mapping) -> Callable[[str], tuple[str, str | None]]:
@@ -713,7 +786,8 @@ def _parameter(
             f"{'x'.join(map(str, first.block))}, which do not line up with it"
         )
     sources = tuple(w.name for w in members)
-    return QuantizedParameter(name, first.format, shape, block, sources, first.input_scale is not None)
+    matrices = len(members) // math.prod(shape[: len(shape) - len(first.shape)])
+    return QuantizedParameter(name, first.format, shape, block, sources, first.input_scale is not None, matrices)
 
 
 def _block_along(shape: tuple[int, ...], weight: QuantizedWeight, transposed: bool) -> tuple[int, ...] | None:
