@@ -235,7 +235,7 @@ def test_int4_pack_quantized_experts_against_transformers(tmp_path, build, inter
 
 @pytest.mark.parametrize(
     ("build", "inter", "plan"),
-    [(deepseek_v3_nvfp4, 32, "1A2F"), (deepseek_v3_nvfp4, 96, "2A4F"), (qwen3_moe_nvfp4, 64, "2A4F")],
+    [(deepseek_v3_nvfp4, 32, "1A2F"), (deepseek_v3_nvfp4, 128, "2A4F"), (qwen3_moe_nvfp4, 64, "2A4F")],
     ids=["deepseek-smaller-1A2F", "deepseek-larger-2A4F", "qwen-equal-2A4F"],
 )
 def test_nvfp4_checkpoints_against_vllms_reading(tmp_path, build, inter, plan):

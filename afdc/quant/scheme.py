@@ -473,10 +473,10 @@ def _expert_parameters(
             continue  # biases stay in bf16
         out_in = (param.shape[2], param.shape[1]) if transposed else (param.shape[1], param.shape[2])
         step = _full(block, out_in)
-        block = (1, step[1], step[0]) if transposed else (1, *step)
+        along = (1, step[1], step[0]) if transposed else (1, *step)
         # transformers' fused experts concatenate each expert's gate_proj and up_proj into gate_up_proj
         matrices = 2 if name == "gate_up_proj" else 1
-        found.append(QuantizedParameter(f"{module_name}.{name}", fmt, tuple(param.shape), block, matrices=matrices))
+        found.append(QuantizedParameter(f"{module_name}.{name}", fmt, tuple(param.shape), along, matrices=matrices))
     return found
 
 
