@@ -410,7 +410,8 @@ def test_nvfp4_experts_reference_is_dequantize_then_fused_moe():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("inter", "dtype"), [(32, torch.float32), (48, torch.bfloat16)], ids=["smaller", "tile-ragged"])
+@pytest.mark.parametrize(("inter", "dtype"), [(32, torch.float32), (48, torch.bfloat16)],
+                         ids=["smaller", "tile-ragged"])
 def test_nvfp4_experts_kernel_matches_reference(triton_interpret, dtype, inter):
     (gp, gs, gg), (dp, ds, dg) = _nvfp4_experts(inter)
     weights, ids = _routing()

@@ -283,7 +283,9 @@ class Int4Group:
         full = scale.float().repeat_interleave(self.group, dim=-1)[..., : values.shape[-1]]
         return (values * full).to(dtype)
 
-    def quantize(self, weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(
+        self, weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(packed, scale)`` of a ``[..., N, K]`` weight, K a multiple of 8: each group's scale
         ``amax / 7.5`` (int4's range is [-8, 7]) in ``scale_dtype``, values rounded and clamped."""
         k = weight.shape[-1]

@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import replace
-from fnmatch import fnmatch, translate
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
+from fnmatch import fnmatch, translate
 from typing import Any, Protocol
 
 import torch
