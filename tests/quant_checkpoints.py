@@ -310,6 +310,27 @@ def llama_compressed_fp8(
     return _write(directory, config, quantization, quantize, seed)
 
 
+def _deepseek_v3_config(intermediate_size: int, moe_intermediate_size: int) -> DeepseekV3Config:
+    """One dense layer, one MoE layer (4 routed experts, a shared one), MLA attention; hidden size 64."""
+    return DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=intermediate_size,
+        moe_intermediate_size=moe_intermediate_size, num_hidden_layers=2, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+
+
+def _qwen3_moe_config(moe_intermediate_size: int, vocab_size: int = 128) -> Qwen3MoeConfig:
+    """Two MoE layers of 4 experts, GQA 4/2; hidden size 64."""
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+
+
 INT4_GROUP = 32
 # Kimi-K2-Thinking's quantization_config: routed experts int4, attention, shared experts, dense MLPs
 # and the LM head in bf16
@@ -358,13 +379,7 @@ def _int4_quantizer(quantization: dict) -> Quantizer:
 def deepseek_v3_int4(directory: Path, seed: int = 0, moe_intermediate_size: int = 32) -> QuantCheckpoint:
     """DeepSeek-V3-shaped (one dense layer, one MoE layer of 4 routed experts and a shared one) as
     Kimi-K2-Thinking ships: the routed experts int4 pack-quantized, groups of 32, the rest bf16."""
-    config = DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
-        num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-        topk_group=1, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
-        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
+    config = _deepseek_v3_config(96, moe_intermediate_size)
     quantization = _int4_quantization(KIMI_INT4_IGNORE)
     return _write(directory, config, quantization, _int4_quantizer(quantization), seed)
 
@@ -374,12 +389,7 @@ def qwen3_moe_int4(
 ) -> QuantCheckpoint:
     """Qwen3-MoE-shaped, its routed experts int4 pack-quantized in groups of 32 (attention, router
     and LM head ignored, as compressed-tensors' W4A16 MoE recipes leave them)."""
-    layers = 2
-    config = Qwen3MoeConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
-        num_hidden_layers=layers, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-    )  # fmt: skip
+    config = _qwen3_moe_config(moe_intermediate_size, vocab_size)
     quantization = _int4_quantization(["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$"])
     return _write(directory, config, quantization, _int4_quantizer(quantization), seed)
 
@@ -407,13 +417,7 @@ def deepseek_v3_nvfp4(directory: Path, seed: int = 0, moe_intermediate_size: int
     decoder layers NVFP4 (dense MLP, shared and routed experts) except attention; router, norms,
     embedding and LM head unquantized. The dense MLP's 128 features split over 4 FFN ranks on
     16-value group boundaries."""
-    config = DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=moe_intermediate_size,
-        num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-        topk_group=1, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
-        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
+    config = _deepseek_v3_config(128, moe_intermediate_size)
 
     def select(name: str, tensor: torch.Tensor) -> bool:
         return _layer_matrix(name, tensor) and ".mlp." in name and not name.endswith("mlp.gate.weight")
@@ -425,11 +429,7 @@ def deepseek_v3_nvfp4(directory: Path, seed: int = 0, moe_intermediate_size: int
 def qwen3_moe_nvfp4(directory: Path, seed: int = 0, moe_intermediate_size: int = 64) -> QuantCheckpoint:
     """Qwen3-MoE-shaped in NVFP4 with its attention too (a linear on the attention side); router
     and LM head excluded."""
-    config = Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
-        num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, max_position_embeddings=256,
-    )  # fmt: skip
+    config = _qwen3_moe_config(moe_intermediate_size)
 
     def select(name: str, tensor: torch.Tensor) -> bool:
         return _layer_matrix(name, tensor) and "norm" not in name and not name.endswith("mlp.gate.weight")

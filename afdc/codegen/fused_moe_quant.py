@@ -62,6 +62,7 @@ rounding where the kernels do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -285,129 +286,50 @@ class Nvfp4Experts:
         return launch(experts, scales, tiles, "fused_moe_nvfp4")
 
 
-@takes_arguments_of(Fp8Experts)
-def fused_moe_fp8_reference(*args, **kwargs) -> torch.Tensor:
-    call = Fp8Experts(*args, **kwargs)
-    call.check()
-    return call.reference()
+Tiles = tuple[int | None, int | None, int | None]
 
 
-def fused_moe_fp8_triton(*args, tiles: tuple[int | None, int | None, int | None] = (None, None, None),
-                         **kwargs) -> torch.Tensor:
-    """:func:`fused_moe_fp8` (its arguments) by the Triton kernels; ``tiles`` (BLOCK_M, BLOCK_N,
+def _define_ops(name: str, arguments: type, doc: str) -> tuple[Callable, Callable, Callable]:
+    """``(reference, triton, op)`` of the quantized MoE ``afdc::<name>`` whose arguments are the
+    fields of ``arguments`` (a class with ``check``, ``reference`` and ``launch``): the op runs the
+    kernels where they launch, else the reference; ``triton`` takes ``tiles`` (BLOCK_M, BLOCK_N,
     BLOCK_K), each tuned or defaulted where None as ``fused_moe_triton`` does."""
-    call = Fp8Experts(*args, **kwargs)
-    call.check()
-    return call.launch(tiles)
+
+    def checked(*args, **kwargs):
+        call = arguments(*args, **kwargs)
+        call.check()
+        return call
+
+    @takes_arguments_of(arguments)
+    def reference(*args, **kwargs) -> torch.Tensor:
+        return checked(*args, **kwargs).reference()
+
+    def triton(*args, tiles: Tiles = (None, None, None), **kwargs) -> torch.Tensor:
+        return checked(*args, **kwargs).launch(tiles)
+
+    @takes_arguments_of(arguments)
+    def op(*args, **kwargs) -> torch.Tensor:
+        call = checked(*args, **kwargs)
+        return call.launch((None, None, None)) if launches(*_tensors(call)) else call.reference()
+
+    op.__doc__ = doc
+    op = torch.library.custom_op(f"afdc::{name}", mutates_args=())(op)
+
+    @op.register_fake
+    def _(*args, **kwargs):
+        return torch.empty_like(checked(*args, **kwargs).x)
+
+    return reference, triton, op
 
 
-@torch.library.custom_op("afdc::fused_moe_fp8", mutates_args=())
-@takes_arguments_of(Fp8Experts)
-def fused_moe_fp8(*args, **kwargs) -> torch.Tensor:
-    """``afdc::fused_moe`` over fp8 block-scaled experts (the module docstring has the layout)."""
-    call = Fp8Experts(*args, **kwargs)
-    call.check()
-    return call.launch((None, None, None)) if launches(*_tensors(call)) else call.reference()
-
-
-@fused_moe_fp8.register_fake
-def _(*args, **kwargs):
-    call = Fp8Experts(*args, **kwargs)
-    call.check()
-    return torch.empty_like(call.x)
-
-
-@takes_arguments_of(Mxfp4Experts)
-def fused_moe_mxfp4_reference(*args, **kwargs) -> torch.Tensor:
-    call = Mxfp4Experts(*args, **kwargs)
-    call.check()
-    return call.reference()
-
-
-def fused_moe_mxfp4_triton(*args, tiles: tuple[int | None, int | None, int | None] = (None, None, None),
-                           **kwargs) -> torch.Tensor:
-    """:func:`fused_moe_mxfp4` by the Triton kernels (``tiles`` as :func:`fused_moe_fp8_triton`)."""
-    call = Mxfp4Experts(*args, **kwargs)
-    call.check()
-    return call.launch(tiles)
-
-
-@torch.library.custom_op("afdc::fused_moe_mxfp4", mutates_args=())
-@takes_arguments_of(Mxfp4Experts)
-def fused_moe_mxfp4(*args, **kwargs) -> torch.Tensor:
-    """``afdc::fused_moe`` over MXFP4 experts (the module docstring has the layout)."""
-    call = Mxfp4Experts(*args, **kwargs)
-    call.check()
-    return call.launch((None, None, None)) if launches(*_tensors(call)) else call.reference()
-
-
-@fused_moe_mxfp4.register_fake
-def _(*args, **kwargs):
-    call = Mxfp4Experts(*args, **kwargs)
-    call.check()
-    return torch.empty_like(call.x)
-
-
-@takes_arguments_of(Int4Experts)
-def fused_moe_int4_reference(*args, **kwargs) -> torch.Tensor:
-    call = Int4Experts(*args, **kwargs)
-    call.check()
-    return call.reference()
-
-
-def fused_moe_int4_triton(*args, tiles: tuple[int | None, int | None, int | None] = (None, None, None),
-                          **kwargs) -> torch.Tensor:
-    """:func:`fused_moe_int4` by the Triton kernels (``tiles`` as :func:`fused_moe_fp8_triton`)."""
-    call = Int4Experts(*args, **kwargs)
-    call.check()
-    return call.launch(tiles)
-
-
-@torch.library.custom_op("afdc::fused_moe_int4", mutates_args=())
-@takes_arguments_of(Int4Experts)
-def fused_moe_int4(*args, **kwargs) -> torch.Tensor:
-    """``afdc::fused_moe`` over int4 pack-quantized experts (the module docstring has the layout)."""
-    call = Int4Experts(*args, **kwargs)
-    call.check()
-    return call.launch((None, None, None)) if launches(*_tensors(call)) else call.reference()
-
-
-@fused_moe_int4.register_fake
-def _(*args, **kwargs):
-    call = Int4Experts(*args, **kwargs)
-    call.check()
-    return torch.empty_like(call.x)
-
-
-@takes_arguments_of(Nvfp4Experts)
-def fused_moe_nvfp4_reference(*args, **kwargs) -> torch.Tensor:
-    call = Nvfp4Experts(*args, **kwargs)
-    call.check()
-    return call.reference()
-
-
-def fused_moe_nvfp4_triton(*args, tiles: tuple[int | None, int | None, int | None] = (None, None, None),
-                           **kwargs) -> torch.Tensor:
-    """:func:`fused_moe_nvfp4` by the Triton kernels (``tiles`` as :func:`fused_moe_fp8_triton`)."""
-    call = Nvfp4Experts(*args, **kwargs)
-    call.check()
-    return call.launch(tiles)
-
-
-@torch.library.custom_op("afdc::fused_moe_nvfp4", mutates_args=())
-@takes_arguments_of(Nvfp4Experts)
-def fused_moe_nvfp4(*args, **kwargs) -> torch.Tensor:
-    """``afdc::fused_moe`` over NVFP4 experts (the module docstring has the layout)."""
-    call = Nvfp4Experts(*args, **kwargs)
-    call.check()
-    return call.launch((None, None, None)) if launches(*_tensors(call)) else call.reference()
-
-
-@fused_moe_nvfp4.register_fake
-def _(*args, **kwargs):
-    call = Nvfp4Experts(*args, **kwargs)
-    call.check()
-    return torch.empty_like(call.x)
+fused_moe_fp8_reference, fused_moe_fp8_triton, fused_moe_fp8 = _define_ops(
+    "fused_moe_fp8", Fp8Experts, "``afdc::fused_moe`` over fp8 block-scaled experts (the module docstring).")
+fused_moe_mxfp4_reference, fused_moe_mxfp4_triton, fused_moe_mxfp4 = _define_ops(
+    "fused_moe_mxfp4", Mxfp4Experts, "``afdc::fused_moe`` over MXFP4 experts (the module docstring).")
+fused_moe_int4_reference, fused_moe_int4_triton, fused_moe_int4 = _define_ops(
+    "fused_moe_int4", Int4Experts, "``afdc::fused_moe`` over int4 pack-quantized experts (the module docstring).")
+fused_moe_nvfp4_reference, fused_moe_nvfp4_triton, fused_moe_nvfp4 = _define_ops(
+    "fused_moe_nvfp4", Nvfp4Experts, "``afdc::fused_moe`` over NVFP4 experts (the module docstring).")
 
 
 @dataclass(frozen=True)
