@@ -27,6 +27,7 @@ from afdc.codegen.fused_moe_quant import (
     fused_moe_nvfp4_reference,
     fused_moe_nvfp4_triton,
 )
+from afdc.codegen.packed_linear import packed_linear, packed_linear_reference, packed_linear_triton
 from afdc.codegen.quant_tiles import quantize_token_groups, quantize_token_groups_reference
 from afdc.quant.formats import FP8_DTYPE, Fp8Block, Fp8Scaled, Int4Group, Mxfp4, Nvfp4, TokenGroupQuant
 
@@ -424,3 +425,26 @@ def test_nvfp4_experts_kernel_matches_reference(triton_interpret, dtype, inter):
     whole = fused_moe_nvfp4_reference(x, gp, dp, weights * (ids >= 2), ids, 0, "silu", gs, ds, gg, dg)
     torch.testing.assert_close(held, whole, atol=TOL[dtype]["atol"] * whole.abs().max().item(),
                                rtol=TOL[dtype]["rtol"])
+
+
+# -- packed 4-bit linears --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fmt", "dtype"), [("int4", torch.bfloat16), ("nvfp4", torch.float32)])
+def test_packed_linear_kernel_and_reference(triton_interpret, fmt, dtype):
+    """N = 40 and K = 96 (three int4 groups, six NVFP4 groups; neither a power of 2): the reference
+    is dequantize-then-linear, the kernel matches it, the op takes the kernel where it launches."""
+    gen = torch.Generator().manual_seed(0)
+    w, x, bias = torch.randn(40, 96, generator=gen), torch.randn(3, 5, 96, generator=gen).to(dtype), torch.randn(40)
+    if fmt == "int4":
+        packed, scale = Int4Group(32).quantize(w)
+        args, dense = (x, packed, scale, "int4", 32, None, bias), Int4Group(32).dequantize(packed, scale, dtype)
+    else:
+        packed, scale, global_scale = Nvfp4().quantize(w)
+        args = (x, packed, scale, "nvfp4", 16, global_scale.reshape(1), bias)
+        dense = Nvfp4().dequantize(packed, scale, global_scale, dtype)
+    expected = packed_linear_reference(*args)
+    torch.testing.assert_close(expected.float(), (F.linear(x.float(), dense.float(), bias)).to(dtype).float())
+    tol = TOL[dtype]
+    for out in (packed_linear_triton(*args), packed_linear(*args)):
+        torch.testing.assert_close(out, expected, atol=tol["atol"] * expected.abs().max().item(), rtol=tol["rtol"])
