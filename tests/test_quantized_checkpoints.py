@@ -345,19 +345,23 @@ def _plan(config: Path, *extra: str) -> dict:
 
 
 def _checkpoint_bytes(directory: Path) -> int:
+    """The weights' bytes (compressed-tensors' ``weight_shape``, the unpacked shape as data, is no weight)."""
     with safe_open(directory / "model.safetensors", "pt") as f:
-        return sum(_nbytes(f.get_slice(k)) for k in f.keys())  # noqa: SIM118 (safe_open handles are not iterable)
+        return sum(_nbytes(f.get_slice(k)) for k in f.keys() if not k.endswith(".weight_shape"))  # noqa: SIM118 (safe_open handles are not iterable)
 
 
 def _nbytes(tensor_slice) -> int:
-    itemsize = {"F8_E4M3": 1, "U8": 1, "BF16": 2, "F32": 4}[tensor_slice.get_dtype()]
+    itemsize = {"F8_E4M3": 1, "U8": 1, "BF16": 2, "F32": 4, "I32": 4}[tensor_slice.get_dtype()]
     return itemsize * math.prod(tensor_slice.get_shape())
 
 
-@pytest.mark.parametrize("build", [qwen3_moe_fp8, gpt_oss_mxfp4], ids=["fp8", "mxfp4"])
+@pytest.mark.parametrize(
+    "build", [qwen3_moe_fp8, gpt_oss_mxfp4, deepseek_v3_int4, qwen3_moe_nvfp4], ids=["fp8", "mxfp4", "int4", "nvfp4"]
+)
 def test_plan_prices_each_weight_at_its_stored_bytes(tmp_path, build):
-    """From the config alone, the planner holds the checkpoint's bytes (fp8 and MXFP4 data, their
-    scales, the bf16 rest), FLOPs at fp8 for fp8 only; --weight-dtype prices every weight at one dtype."""
+    """From the config alone, the planner holds the checkpoint's bytes (fp8, MXFP4, int4 and NVFP4
+    data, their scales, the bf16 rest), FLOPs at fp8 for fp8 only; --weight-dtype prices every weight
+    at one dtype."""
     ck = build(tmp_path / "ck")
     fp8 = build is qwen3_moe_fp8
     stored = _plan(ck.directory / "config.json")
