@@ -356,7 +356,7 @@ def _nbytes(tensor_slice) -> int:
 
 
 @pytest.mark.parametrize(
-    "build", [qwen3_moe_fp8, gpt_oss_mxfp4, deepseek_v3_int4, qwen3_moe_nvfp4], ids=["fp8", "mxfp4", "int4", "nvfp4"]
+    "build", [qwen3_moe_fp8, gpt_oss_mxfp4, qwen3_moe_int4, qwen3_moe_nvfp4], ids=["fp8", "mxfp4", "int4", "nvfp4"]
 )
 def test_plan_prices_each_weight_at_its_stored_bytes(tmp_path, build):
     """From the config alone, the planner holds the checkpoint's bytes (fp8, MXFP4, int4 and NVFP4
