@@ -13,6 +13,13 @@ Formats (float8 is float8_e4m3fn, whose largest value is 448):
   ``q = fp8(w / scale)``; ``w = q * scale``. Edge blocks may be partial.
 - fp8 per channel / per tensor (compressed-tensors): ``weight_scale`` [out, 1] or [1], in the
   model's dtype, = max |w| over the row / tensor / 448.
+- int4 pack-quantized (compressed-tensors): written by compressed-tensors' own observer math
+  (``calculate_qparams``) and compressor (``PackedQuantizationCompressor``), so the layout is the
+  library's: ``weight_packed`` int32, ``weight_scale`` bf16 per group of 32, ``weight_shape``.
+- NVFP4 (ModelOpt): per matrix a float32 ``weight_scale_2`` = max |w| / (6 * 448); per 16 values
+  along the last dim an fp8 ``weight_scale`` = the group's max |w| / 6 / weight_scale_2; each
+  value the e2m1 code nearest ``w / (weight_scale * weight_scale_2)``, two a byte, the even element
+  in the low nibble. The dequantized value is vLLM's own reading (``dequantize_to_dtype``).
 - MXFP4: along the last dim, groups of 32 share the exponent ``e = floor(log2(max |w|)) - 2``
   (e2m1's largest value is 6 = 1.5 * 2**2), stored as the byte ``e + 127``; each value is the
   e2m1 code nearest ``w / 2**e`` (saturating at 6), two a byte, the even element in the low nibble.
@@ -78,12 +85,26 @@ def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = weight.float().reshape(*lead, cols // MX_GROUP, MX_GROUP)
     amax = groups.abs().amax(dim=-1)
     exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127)).clamp(-127, 127)
-    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
-    magnitudes = torch.tensor(E2M1)
-    nearest = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)  # saturates at 6 by itself
+    return _e2m1_codes(groups / torch.exp2(exponent).unsqueeze(-1)), (exponent + 127).to(torch.uint8)
+
+
+def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
+    nearest = (scaled.abs().unsqueeze(-1) - torch.tensor(E2M1)).abs().argmin(dim=-1)  # saturates at 6 by itself
     codes = (nearest | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, (exponent + 127).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+NV_GROUP = 16
+
+
+def nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uint8 [rows, cols/2], float8 scales [rows, cols/16], float32 global scale []) of a 2-D weight."""
+    w = weight.float()
+    global_scale = (w.abs().amax() / (6 * FP8_MAX)).clamp(min=1e-12)
+    groups = w.reshape(w.shape[0], -1, NV_GROUP)
+    scale = (groups.abs().amax(dim=-1) / 6 / global_scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    divisor = (scale.float() * global_scale).clamp(min=1e-30).unsqueeze(-1)
+    return _e2m1_codes(groups / divisor).flatten(-2), scale, global_scale
 
 
 def mxfp4_dequantized(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -289,10 +310,141 @@ def llama_compressed_fp8(
     return _write(directory, config, quantization, quantize, seed)
 
 
+def _deepseek_v3_config(intermediate_size: int, moe_intermediate_size: int) -> DeepseekV3Config:
+    """One dense layer, one MoE layer (4 routed experts, a shared one), MLA attention; hidden size 64."""
+    return DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=intermediate_size,
+        moe_intermediate_size=moe_intermediate_size, num_hidden_layers=2, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+
+
+def _qwen3_moe_config(moe_intermediate_size: int, vocab_size: int = 128) -> Qwen3MoeConfig:
+    """Two MoE layers of 4 experts, GQA 4/2; hidden size 64."""
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+
+
+INT4_GROUP = 32
+# Kimi-K2-Thinking's quantization_config: routed experts int4, attention, shared experts, dense MLPs
+# and the LM head in bf16
+KIMI_INT4_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
+
+
+def _int4_quantization(ignore: list[str]) -> dict:
+    weights = {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": INT4_GROUP,
+        "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {},
+    }  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None}},
+        "ignore": ignore, "kv_cache_scheme": None,
+    }  # fmt: skip
+
+
+def _int4_quantizer(quantization: dict) -> Quantizer:
+    """Each routed expert's linear (the hub's per-expert tensors) through compressed-tensors' own
+    observer math and pack-quantized compressor; the dequantized value by its own decompressor."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    group = quantization["config_groups"]["group_0"]
+    scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
+
+    def quantize(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        if ".mlp.experts." not in name or not name.endswith(".weight"):
+            return None
+        grouped = tensor.unflatten(-1, (-1, INT4_GROUP))
+        scale, zero = calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), scheme.weights)
+        parts = PackedQuantizationCompressor.compress({"weight": tensor, "weight_scale": scale.to(tensor.dtype),
+                                                       "weight_zero_point": zero}, scheme)
+        module = name.removesuffix(".weight")
+        # the data tensor first (QuantCheckpoint.quantized names it)
+        shipped = {f"{module}.{k}": v for k, v in sorted(parts.items(), key=lambda kv: kv[0] != "weight_packed")}
+        back = PackedQuantizationCompressor.decompress(dict(parts), scheme)["weight"]
+        return shipped, back.float()
+
+    return quantize
+
+
+def deepseek_v3_int4(directory: Path, seed: int = 0, moe_intermediate_size: int = 32) -> QuantCheckpoint:
+    """DeepSeek-V3-shaped (one dense layer, one MoE layer of 4 routed experts and a shared one) as
+    Kimi-K2-Thinking ships: the routed experts int4 pack-quantized, groups of 32, the rest bf16."""
+    config = _deepseek_v3_config(96, moe_intermediate_size)
+    quantization = _int4_quantization(KIMI_INT4_IGNORE)
+    return _write(directory, config, quantization, _int4_quantizer(quantization), seed)
+
+
+def qwen3_moe_int4(
+    directory: Path, seed: int = 0, moe_intermediate_size: int = 64, vocab_size: int = 128
+) -> QuantCheckpoint:
+    """Qwen3-MoE-shaped, its routed experts int4 pack-quantized in groups of 32 (attention, router
+    and LM head ignored, as compressed-tensors' W4A16 MoE recipes leave them)."""
+    config = _qwen3_moe_config(moe_intermediate_size, vocab_size)
+    quantization = _int4_quantization(["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$"])
+    return _write(directory, config, quantization, _int4_quantizer(quantization), seed)
+
+
+def _nvfp4_quantizer(select: Callable[[str, torch.Tensor], bool]) -> Quantizer:
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
+
+    def quantize(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        if not select(name, tensor):
+            return None
+        packed, scale, global_scale = nvfp4(tensor)
+        parts = {name: packed, f"{name}_scale": scale, f"{name}_scale_2": global_scale}
+        return parts, dequantize_to_dtype(packed, scale, global_scale, torch.float32, NV_GROUP, swizzle=False)
+
+    return quantize
+
+
+def _modelopt_nvfp4(exclude: list[str]) -> dict:
+    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": NV_GROUP, "kv_cache_quant_algo": None,
+            "exclude_modules": exclude, "producer": {"name": "modelopt"}}
+
+
+def deepseek_v3_nvfp4(directory: Path, seed: int = 0, moe_intermediate_size: int = 32) -> QuantCheckpoint:
+    """DeepSeek-V3-shaped as NVIDIA's DeepSeek-R1/V3 FP4 releases ship: every linear of the
+    decoder layers NVFP4 (dense MLP, shared and routed experts) except attention; router, norms,
+    embedding and LM head unquantized. The dense MLP's 128 features split over 4 FFN ranks on
+    16-value group boundaries."""
+    config = _deepseek_v3_config(128, moe_intermediate_size)
+
+    def select(name: str, tensor: torch.Tensor) -> bool:
+        return _layer_matrix(name, tensor) and ".mlp." in name and not name.endswith("mlp.gate.weight")
+
+    return _write(directory, config, _modelopt_nvfp4(["lm_head", "model.layers.*.self_attn*"]),
+                  _nvfp4_quantizer(select), seed)
+
+
+def qwen3_moe_nvfp4(directory: Path, seed: int = 0, moe_intermediate_size: int = 64) -> QuantCheckpoint:
+    """Qwen3-MoE-shaped in NVFP4 with its attention too (a linear on the attention side); router
+    and LM head excluded."""
+    config = _qwen3_moe_config(moe_intermediate_size)
+
+    def select(name: str, tensor: torch.Tensor) -> bool:
+        return _layer_matrix(name, tensor) and "norm" not in name and not name.endswith("mlp.gate.weight")
+
+    return _write(directory, config, _modelopt_nvfp4(["lm_head", "*.mlp.gate"]), _nvfp4_quantizer(select), seed)
+
+
 BUILDERS: dict[str, Callable[[Path], QuantCheckpoint]] = {
     "deepseek_v3_fp8": deepseek_v3_fp8,
     "qwen3_moe_fp8": qwen3_moe_fp8,
     "gpt_oss_mxfp4": gpt_oss_mxfp4,
     "llama_fp8_channel": llama_compressed_fp8,
+    "deepseek_v3_int4": deepseek_v3_int4,
+    "qwen3_moe_int4": qwen3_moe_int4,
+    "deepseek_v3_nvfp4": deepseek_v3_nvfp4,
+    "qwen3_moe_nvfp4": qwen3_moe_nvfp4,
     "llama_fp8_tensor": lambda directory: llama_compressed_fp8(directory, per_channel=False, static_input=True),
 }

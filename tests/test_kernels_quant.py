@@ -17,12 +17,19 @@ from afdc.codegen.fused_moe_quant import (
     fused_moe_fp8,
     fused_moe_fp8_reference,
     fused_moe_fp8_triton,
+    fused_moe_int4,
+    fused_moe_int4_reference,
+    fused_moe_int4_triton,
     fused_moe_mxfp4,
     fused_moe_mxfp4_reference,
     fused_moe_mxfp4_triton,
+    fused_moe_nvfp4,
+    fused_moe_nvfp4_reference,
+    fused_moe_nvfp4_triton,
 )
+from afdc.codegen.packed_linear import packed_linear, packed_linear_reference, packed_linear_triton
 from afdc.codegen.quant_tiles import quantize_token_groups, quantize_token_groups_reference
-from afdc.quant.formats import FP8_DTYPE, Fp8Block, Fp8Scaled, Mxfp4, TokenGroupQuant
+from afdc.quant.formats import FP8_DTYPE, Fp8Block, Fp8Scaled, Int4Group, Mxfp4, Nvfp4, TokenGroupQuant
 
 EXPERTS, HIDDEN, INTER, TOKENS, TOP_K = 4, 40, 24, 5, 2
 BLOCK = (16, 16)  # neither 40 nor 24 is a multiple
@@ -294,3 +301,150 @@ def test_mxfp4_experts_expert_parallel_slice(triton_interpret):
     held = (ids >= 2).float()
     expected = fused_moe_mxfp4_reference(x, gb, db, weights * held, ids, 0, "silu", gs, ds, b1, b2)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+# -- int4 pack-quantized experts ------------------------------------------------------------------------
+
+
+def test_int4_matches_compressed_tensors_bit_for_bit():
+    """The format's definition against compressed-tensors' own unpacking and dequantization (which
+    refuses a K that is no multiple of the group), every int4 value."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    gen = torch.Generator().manual_seed(0)
+    for shape, group in (((3, 6, 64), 32), ((5, 96), 32), ((2, 4, 48), 16)):
+        values = torch.randint(-8, 8, shape, dtype=torch.int8, generator=gen)
+        packed = pack_to_int32(values, 4)
+        scale = torch.rand(*shape[:-1], -(-shape[-1] // group), generator=gen).to(torch.bfloat16)
+        assert torch.equal(Int4Group(group).unpack(packed), unpack_from_int32(packed, 4, torch.Size(shape)))
+        for dtype in (torch.float32, torch.bfloat16):  # the library multiplies in the scale's dtype
+            theirs = [dequantize(v, s.to(dtype), torch.zeros_like(s)) for v, s in
+                      zip(values.reshape(-1, *shape[-2:]), scale.reshape(-1, *scale.shape[-2:]))]
+            assert torch.equal(Int4Group(group).dequantize(packed, scale, dtype), torch.stack(theirs).reshape(shape))
+
+
+I4_HIDDEN, I4_INTER = 64, 40  # the down projection's K (40) ends in a partial group of 8
+
+
+def _int4_experts(inter: int = I4_INTER, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    fmt = Int4Group(32)
+    return (fmt.quantize(torch.randn(EXPERTS, 2 * inter, I4_HIDDEN, generator=gen)),
+            fmt.quantize(torch.randn(EXPERTS, I4_HIDDEN, inter, generator=gen)))
+
+
+def test_int4_experts_reference_is_dequantize_then_fused_moe():
+    (gp, gs), (dp, ds) = _int4_experts()
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, I4_HIDDEN)
+    fmt = Int4Group(32)
+    out = fused_moe_int4_reference(x, gp, dp, weights, ids, 0, "silu", gs, ds, 32)
+    expected = fused_moe_reference(x, fmt.dequantize(gp, gs), fmt.dequantize(dp, ds), weights, ids, 0, "silu")
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("inter", "dtype"), [(32, torch.float32), (I4_INTER, torch.bfloat16), (96, torch.bfloat16)],
+                         ids=["smaller", "ragged", "larger"])
+def test_int4_experts_kernel_matches_reference(triton_interpret, dtype, inter):
+    (gp, gs), (dp, ds) = _int4_experts(inter)
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, I4_HIDDEN).to(dtype)
+    args = (x, gp, dp, weights, ids, 0, "silu", gs, ds, 32)
+    out, expected = fused_moe_int4_triton(*args), fused_moe_int4_reference(*args)
+    torch.testing.assert_close(out, expected, atol=TOL[dtype]["atol"] * expected.abs().max().item(),
+                               rtol=TOL[dtype]["rtol"])
+
+
+def test_int4_experts_expert_parallel_slice(triton_interpret):
+    (gp, gs), (dp, ds) = _int4_experts()
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, I4_HIDDEN)
+    out = fused_moe_int4(x, gp[2:], dp[2:], weights, ids, 2, "silu", gs[2:], ds[2:], 32)
+    held = (ids >= 2).float()
+    expected = fused_moe_int4_reference(x, gp, dp, weights * held, ids, 0, "silu", gs, ds, 32)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+# -- NVFP4 ---------------------------------------------------------------------------------------------
+
+
+def test_nvfp4_matches_vllm_bit_for_bit():
+    """ModelOpt NVFP4 by the format's definition against vLLM's own dequantization (its CPU
+    emulation, unswizzled scales), per tensor and per expert, every e2m1 code and random fp8 scales."""
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
+
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (3, 24, 32), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(3, 24, 4, generator=gen) * 4).to(FP8_DTYPE)
+    global_scale = torch.rand(3, generator=gen) / 448
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = Nvfp4().dequantize(packed, scale, global_scale, dtype)
+        assert torch.equal(ours, dequantize_to_dtype(packed, scale, global_scale, dtype, 16, swizzle=False))
+        assert torch.equal(Nvfp4().dequantize(packed[0], scale[0], global_scale[0], dtype),
+                           dequantize_to_dtype(packed[0], scale[0], global_scale[0], dtype, 16, swizzle=False))
+    w = torch.randn(24, 64, generator=gen)
+    back = Nvfp4().dequantize(*Nvfp4().quantize(w))
+    assert (back - w).abs().max() <= w.abs().max() / 6  # within e2m1's widest step of the largest group
+
+
+def _nvfp4_experts(inter: int, seed: int = 0):
+    """Gate and up quantized as ModelOpt does each linear (a global scale of their own), the down too."""
+    gen = torch.Generator().manual_seed(seed)
+    fmt = Nvfp4()
+    parts = [[fmt.quantize(torch.randn(rows, cols, generator=gen) * (1 + e)) for e in range(EXPERTS)]
+             for rows, cols in ((inter, I4_HIDDEN), (inter, I4_HIDDEN), (I4_HIDDEN, inter))]
+    gate, up, down = ([torch.stack([q[i] for q in part]) for i in range(3)] for part in parts)
+    return ((torch.cat([gate[0], up[0]], 1), torch.cat([gate[1], up[1]], 1), torch.stack([gate[2], up[2]], 1)),
+            (down[0], down[1], down[2][:, None]))
+
+
+def test_nvfp4_experts_reference_is_dequantize_then_fused_moe():
+    (gp, gs, gg), (dp, ds, dg) = _nvfp4_experts(32)
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, I4_HIDDEN)
+    fmt = Nvfp4()
+    gate_up = torch.cat([fmt.dequantize(gp[:, :32], gs[:, :32], gg[:, 0]), fmt.dequantize(gp[:, 32:], gs[:, 32:],
+                                                                                          gg[:, 1])], 1)
+    expected = fused_moe_reference(x, gate_up, fmt.dequantize(dp, ds, dg[:, 0]), weights, ids, 0, "silu")
+    out = fused_moe_nvfp4_reference(x, gp, dp, weights, ids, 0, "silu", gs, ds, gg, dg)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("inter", "dtype"), [(32, torch.float32), (48, torch.bfloat16)],
+                         ids=["smaller", "tile-ragged"])
+def test_nvfp4_experts_kernel_matches_reference(triton_interpret, dtype, inter):
+    (gp, gs, gg), (dp, ds, dg) = _nvfp4_experts(inter)
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, I4_HIDDEN).to(dtype)
+    args = (x, gp, dp, weights, ids, 0, "silu", gs, ds, gg, dg)
+    out, expected = fused_moe_nvfp4_triton(*args), fused_moe_nvfp4_reference(*args)
+    torch.testing.assert_close(out, expected, atol=TOL[dtype]["atol"] * expected.abs().max().item(),
+                               rtol=TOL[dtype]["rtol"])
+    held = fused_moe_nvfp4(x, gp[2:], dp[2:], weights, ids, 2, "silu", gs[2:], ds[2:], gg[2:], dg[2:])
+    whole = fused_moe_nvfp4_reference(x, gp, dp, weights * (ids >= 2), ids, 0, "silu", gs, ds, gg, dg)
+    torch.testing.assert_close(held, whole, atol=TOL[dtype]["atol"] * whole.abs().max().item(),
+                               rtol=TOL[dtype]["rtol"])
+
+
+# -- packed 4-bit linears --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fmt", "dtype"), [("int4", torch.bfloat16), ("nvfp4", torch.float32)])
+def test_packed_linear_kernel_and_reference(triton_interpret, fmt, dtype):
+    """N = 40 and K = 96 (three int4 groups, six NVFP4 groups; neither a power of 2): the reference
+    is dequantize-then-linear, the kernel matches it, the op takes the kernel where it launches."""
+    gen = torch.Generator().manual_seed(0)
+    w, x, bias = torch.randn(40, 96, generator=gen), torch.randn(3, 5, 96, generator=gen).to(dtype), torch.randn(40)
+    if fmt == "int4":
+        packed, scale = Int4Group(32).quantize(w)
+        args, dense = (x, packed, scale, "int4", 32, None, bias), Int4Group(32).dequantize(packed, scale, dtype)
+    else:
+        packed, scale, global_scale = Nvfp4().quantize(w)
+        args = (x, packed, scale, "nvfp4", 16, global_scale.reshape(1), bias)
+        dense = Nvfp4().dequantize(packed, scale, global_scale, dtype)
+    expected = packed_linear_reference(*args)
+    torch.testing.assert_close(expected.float(), (F.linear(x.float(), dense.float(), bias)).to(dtype).float())
+    tol = TOL[dtype]
+    for out in (packed_linear_triton(*args), packed_linear(*args)):
+        torch.testing.assert_close(out, expected, atol=tol["atol"] * expected.abs().max().item(), rtol=tol["rtol"])

@@ -25,6 +25,10 @@ EXPECTED = {
     "gpt_oss_mxfp4": ("mxfp4", {QuantFormat.MXFP4}, None),
     "llama_fp8_channel": ("compressed-tensors", {QuantFormat.FP8_CHANNEL}, (1, -1)),
     "llama_fp8_tensor": ("compressed-tensors", {QuantFormat.FP8_TENSOR}, (-1, -1)),
+    "deepseek_v3_int4": ("compressed-tensors", {QuantFormat.INT4_GROUP}, (1, 32)),
+    "qwen3_moe_int4": ("compressed-tensors", {QuantFormat.INT4_GROUP}, (1, 32)),
+    "deepseek_v3_nvfp4": ("modelopt", {QuantFormat.NVFP4}, (1, 16)),
+    "qwen3_moe_nvfp4": ("modelopt", {QuantFormat.NVFP4}, (1, 16)),
 }
 
 
@@ -54,7 +58,7 @@ def test_each_shipping_format_is_recognised_tensor_by_tensor(built, name):
         if block is not None and len(weight.shape) == 2:
             assert weight.block == tuple(size if step == -1 else step for step, size in zip(block, weight.shape))
     # every scale the checkpoint holds belongs to a weight, and nothing else is taken for one
-    scales = {n for n in stored if n.endswith(("_scale_inv", "weight_scale", "_scales", "input_scale"))}
+    scales = {n for n in stored if n.endswith(("_scale_inv", "weight_scale", "_scales", "input_scale", "_scale_2"))}
     assert scheme.scale_names() == scales
     # the parameters are the reference model's, with their shapes
     shapes = {n: tuple(p.shape) for n, p in checkpoint.reference.named_parameters()}
@@ -99,8 +103,8 @@ def test_a_config_alone_gives_the_same_parameters_as_its_checkpoint(built, name)
     directory = built[name].directory
     from_checkpoint = _recognise(directory)
     from_config = scheme_from_config(AutoConfig.from_pretrained(directory))
-    assert {(p.name, p.format, p.shape, p.block) for p in from_config.parameters} == {
-        (p.name, p.format, p.shape, p.block) for p in from_checkpoint.parameters
+    assert {(p.name, p.format, p.shape, p.block, p.matrices) for p in from_config.parameters} == {
+        (p.name, p.format, p.shape, p.block, p.matrices) for p in from_checkpoint.parameters
     }
     assert all(p.sources == () for p in from_config.parameters)
 
@@ -171,13 +175,19 @@ UNSUPPORTED = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128},
     "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
     "fbgemm_fp8": {"quant_method": "fbgemm_fp8"},
-    "pack-quantized": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
+    "pack-quantized": {  # asymmetric: zero points
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 128}}},
+    },
     "8-bit int": {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int"}}},
     },
     "e5m2": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
+    "FP8": {"quant_method": "modelopt", "quant_algo": "FP8"},  # ModelOpt's other algorithms
     "static": {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
 }
 
@@ -190,14 +200,17 @@ def test_other_schemes_are_refused_by_name_listing_the_supported(what):
         scheme_from_config(config)
     message = str(refused.value)
     assert what in message and "not supported" in message
-    for supported in ("fp8 (quant_method 'fp8'", "compressed-tensors float8", "mxfp4"):
+    for supported in ("fp8 (quant_method 'fp8'", "compressed-tensors float8", "compressed-tensors int4", "mxfp4",
+                      "modelopt NVFP4"):
         assert supported in message
     with pytest.raises(QuantizationError, match="not supported"):
         recognise(config, {})
 
 
 def _shipped_configs() -> list[Path]:
-    return sorted(p for p in CONFIGS.glob("*.json") if "quantization_config" in json.loads(p.read_text()))
+    # with the configs derived for the benchmarks (a shipped config plus its release's quantization_config)
+    found = (*CONFIGS.glob("*.json"), *(Path(__file__).parents[1] / "benchmarks" / "configs").glob("*.json"))
+    return sorted((p for p in found if "quantization_config" in json.loads(p.read_text())), key=lambda p: p.stem)
 
 
 def test_the_shipped_configs_include_quantized_ones():

@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from quant_checkpoints import deepseek_v3_fp8, gpt_oss_mxfp4, llama_compressed_fp8, qwen3_moe_fp8
+from quant_checkpoints import (
+    deepseek_v3_fp8,
+    deepseek_v3_int4,
+    deepseek_v3_nvfp4,
+    gpt_oss_mxfp4,
+    llama_compressed_fp8,
+    qwen3_moe_fp8,
+    qwen3_moe_int4,
+    qwen3_moe_nvfp4,
+)
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -189,6 +198,80 @@ def test_llama_compressed_tensors_mlp_sizes_against_the_library(tmp_path, inter)
                                 quantization_config=_DEQUANTIZED)
 
 
+@pytest.mark.parametrize(
+    ("build", "inter", "plan"),
+    [(deepseek_v3_int4, 32, "1A2F"), (deepseek_v3_int4, 96, "2A4F"), (qwen3_moe_int4, 64, "1A2F-tp"),
+     (qwen3_moe_int4, 64, "2A4F")],
+    ids=["deepseek-smaller-1A2F", "deepseek-larger-2A4F", "qwen-equal-1A2F-tp", "qwen-equal-2A4F"],
+)
+def test_int4_pack_quantized_experts_against_transformers(tmp_path, build, inter, plan):
+    """Kimi-K2-Thinking's format (compressed-tensors pack-quantized int4, groups of 32, written by
+    the library's compressor) on routed experts smaller than, as large as and larger than the hidden
+    size (64): the FFN rank files hold the packed words and bf16 group scales, whole experts under
+    EP, whole groups under TP; logits against transformers' own reading of the checkpoint."""
+    ck = build(tmp_path / "ck", moe_intermediate_size=inter)
+    plan, _, parallel = plan.partition("-")
+    art = tmp_path / "art"
+    afdc.compile_model(str(ck.directory), afdc.Plan.parse(plan, ffn_parallel=parallel or "auto"), art, progress=False)
+    ranks, layer = int(plan[-2]), f"model.layers.{1 if build is deepseek_v3_int4 else 0}.mlp.experts"
+    experts, cols = (4, inter // ranks) if parallel == "tp" else (4 // ranks, inter)
+    held = _stored(art, ranks - 1)
+    assert held[f"{layer}.gate_up_proj_packed"] == ("I32", [experts, 2 * cols, 64 // 8])
+    assert held[f"{layer}.gate_up_proj_scale"] == ("BF16", [experts, 2 * cols, 64 // 32])
+    assert held[f"{layer}.down_proj_packed"] == ("I32", [experts, 64, cols // 8])
+    assert held[f"{layer}.down_proj_scale"] == ("BF16", [experts, 64, cols // 32])
+    assert f"{layer}.gate_up_proj" not in held
+    _check_against_transformers(afdc.load_deployment(art), ck.directory, greedy=plan == "1A2F" and not parallel,
+                                quantization_config=_DEQUANTIZED)
+    if build is deepseek_v3_int4 and plan == "2A4F":
+        afdc.compile_model(str(tmp_path / "ck-bf16"), plan, tmp_path / "bf16", progress=False)
+        ratio = _ffn_bytes(art) / _ffn_bytes(tmp_path / "bf16")
+        experts_bytes = sum(math.prod(shape) * (4 if dtype == "I32" else 2) for rank in range(ranks)
+                            for name, (dtype, shape) in _stored(art, rank).items() if ".experts." in name)
+        print(f"FFN rank files, int4 experts (groups of 32) / bf16: {ratio:.3f} "
+              f"(the routed experts alone: {experts_bytes / (2 * 4 * 3 * 64 * inter):.3f})")
+        assert ratio < 0.75
+
+
+@pytest.mark.parametrize(
+    ("build", "inter", "plan"),
+    [(deepseek_v3_nvfp4, 32, "1A2F"), (deepseek_v3_nvfp4, 128, "2A4F"), (qwen3_moe_nvfp4, 64, "2A4F")],
+    ids=["deepseek-smaller-1A2F", "deepseek-larger-2A4F", "qwen-equal-2A4F"],
+)
+def test_nvfp4_checkpoints_against_vllms_reading(tmp_path, build, inter, plan):
+    """ModelOpt NVFP4 as NVIDIA ships DeepSeek and Qwen3 FP4 (dense MLPs, shared and routed experts,
+    and for Qwen attention too): the rank files hold the packed bytes, fp8 group scales and float32
+    global scales, whole experts under EP and whole groups under TP; logits against the checkpoint as
+    vLLM's NVFP4 dequantization reads it (transformers does not load pre-quantized NVFP4)."""
+    ck = build(tmp_path / "ck", moe_intermediate_size=inter)
+    art = tmp_path / "art"
+    afdc.compile_model(str(ck.directory), plan, art, progress=False)
+    ranks, layer = int(plan[-2]), f"model.layers.{1 if build is deepseek_v3_nvfp4 else 0}.mlp.experts"
+    held = _stored(art, ranks - 1)
+    assert held[f"{layer}.gate_up_proj_packed"] == ("U8", [4 // ranks, 2 * inter, 64 // 2])
+    assert held[f"{layer}.gate_up_proj_scale"] == ("F8_E4M3", [4 // ranks, 2 * inter, 64 // 16])
+    assert held[f"{layer}.gate_up_proj_scale_2"] == ("F32", [4 // ranks, 2])
+    assert held[f"{layer}.down_proj_scale_2"] == ("F32", [4 // ranks, 1])
+    if build is deepseek_v3_nvfp4:  # the dense MLP by TP: 128 features in groups of 16 over the ranks
+        assert held["model.layers.0.mlp.down_proj.weight_packed"] == ("U8", [64, 128 // ranks // 2])
+        assert held["model.layers.0.mlp.down_proj.weight_scale"] == ("F8_E4M3", [64, 128 // ranks // 16])
+    _check_against_transformers(afdc.load_deployment(art), tmp_path / "ck-dequantized", greedy=plan == "1A2F")
+    if build is qwen3_moe_nvfp4:
+        with safe_open(art / "weights" / "attn.safetensors", "pt") as f:
+            assert f.get_slice("model.layers.0.self_attn.q_proj.weight_packed").get_dtype() == "U8"
+        afdc.compile_model(str(tmp_path / "ck-bf16"), plan, tmp_path / "bf16", progress=False)
+        print(f"FFN rank files, NVFP4 / bf16: {_ffn_bytes(art) / _ffn_bytes(tmp_path / 'bf16'):.3f}")
+        assert _ffn_bytes(art) / _ffn_bytes(tmp_path / "bf16") < 0.4
+
+
+def test_int4_tp_split_that_cuts_a_group_is_refused(tmp_path):
+    ck = qwen3_moe_int4(tmp_path / "qwen", moe_intermediate_size=64)  # 4 ranks: 16 features each, half a group
+    refusal = r"experts\.(gate_up|down)_proj .*1x32 scale blocks.*F that split it on block boundaries: 1, 2 "
+    with pytest.raises(afdc.PlanError, match=refusal):
+        afdc.compile_model(str(ck.directory), afdc.Plan.parse("1A4F", ffn_parallel="tp"), tmp_path / "a",
+                           progress=False)
+
+
 def test_tp_split_that_cuts_a_block_is_refused(tmp_path):
     """fp8 blocks: refused naming the weight, the block and the F that work; MXFP4: TP refused."""
     ck = deepseek_v3_fp8(tmp_path / "ds")  # 16x16 blocks: 96 intermediate features over 4 ranks is 24 each
@@ -262,19 +345,23 @@ def _plan(config: Path, *extra: str) -> dict:
 
 
 def _checkpoint_bytes(directory: Path) -> int:
+    """The weights' bytes (compressed-tensors' ``weight_shape``, the unpacked shape as data, is no weight)."""
     with safe_open(directory / "model.safetensors", "pt") as f:
-        return sum(_nbytes(f.get_slice(k)) for k in f.keys())  # noqa: SIM118 (safe_open handles are not iterable)
+        return sum(_nbytes(f.get_slice(k)) for k in f.keys() if not k.endswith(".weight_shape"))  # noqa: SIM118 (safe_open handles are not iterable)
 
 
 def _nbytes(tensor_slice) -> int:
-    itemsize = {"F8_E4M3": 1, "U8": 1, "BF16": 2, "F32": 4}[tensor_slice.get_dtype()]
+    itemsize = {"F8_E4M3": 1, "U8": 1, "BF16": 2, "F32": 4, "I32": 4}[tensor_slice.get_dtype()]
     return itemsize * math.prod(tensor_slice.get_shape())
 
 
-@pytest.mark.parametrize("build", [qwen3_moe_fp8, gpt_oss_mxfp4], ids=["fp8", "mxfp4"])
+@pytest.mark.parametrize(
+    "build", [qwen3_moe_fp8, gpt_oss_mxfp4, qwen3_moe_int4, qwen3_moe_nvfp4], ids=["fp8", "mxfp4", "int4", "nvfp4"]
+)
 def test_plan_prices_each_weight_at_its_stored_bytes(tmp_path, build):
-    """From the config alone, the planner holds the checkpoint's bytes (fp8 and MXFP4 data, their
-    scales, the bf16 rest), FLOPs at fp8 for fp8 only; --weight-dtype prices every weight at one dtype."""
+    """From the config alone, the planner holds the checkpoint's bytes (fp8, MXFP4, int4 and NVFP4
+    data, their scales, the bf16 rest), FLOPs at fp8 for fp8 only; --weight-dtype prices every weight
+    at one dtype."""
     ck = build(tmp_path / "ck")
     fp8 = build is qwen3_moe_fp8
     stored = _plan(ck.directory / "config.json")

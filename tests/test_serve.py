@@ -154,23 +154,27 @@ def _engine_counter(metrics: str, name: str) -> dict[str, float]:
     return counts
 
 
-def test_quantized_checkpoint_served_equals_afdc_generate(models, tmp_path, monkeypatch):
-    """A Qwen3-MoE-shaped checkpoint in fp8 blocks, compiled as shipped: the vLLM worker and the FFN
-    rank processes, which load fp8 rank files, run the fp8 ops' torch references, as on a CPU host
-    without the interpreter (the kernels in it are tests/test_kernels_quant.py's: here they took a
-    third of the test's time)."""
-    from quant_checkpoints import qwen3_moe_fp8
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_quantized_checkpoint_served_equals_afdc_generate(models, tmp_path, monkeypatch, scheme):
+    """A Qwen3-MoE-shaped checkpoint in fp8 blocks, or with its experts int4 pack-quantized
+    (compressed-tensors, Kimi-K2-Thinking's format), compiled as shipped: the vLLM worker and the FFN
+    rank processes, which load the quantized rank files, run the ops' torch references, as on a CPU
+    host without the interpreter (the kernels in it are tests/test_kernels_quant.py's: here they took
+    a third of the test's time)."""
+    from quant_checkpoints import qwen3_moe_fp8, qwen3_moe_int4
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by conftest on a CPU host only
 
-    ck = qwen3_moe_fp8(models / "qwen3-fp8", vocab_size=512)
+    build = qwen3_moe_fp8 if scheme == "fp8" else qwen3_moe_int4
+    ck = build(models / f"qwen3-{scheme}", vocab_size=512)
     demo_tokenizer(512).save_pretrained(ck.directory)
     config = json.loads((ck.directory / "config.json").read_text())  # the demo tokenizer's special tokens
     (ck.directory / "config.json").write_text(json.dumps({**config, "pad_token_id": 0, "bos_token_id": 1,
                                                           "eos_token_id": 2}))
-    artifact = models / "qwen3-fp8-1A2F"
+    artifact = models / f"qwen3-{scheme}-1A2F"
     compile_model(str(ck.directory), "1A2F", artifact, progress=False)
-    assert read_manifest(artifact).quant.method == "fp8"
+    method = read_manifest(artifact).quant.method
+    assert method == ("fp8" if scheme == "fp8" else "compressed-tensors")
     with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",)) as (client, _):
         assert [_complete(client, p) for p in PROMPTS] == _reference(artifact, PROMPTS)
 

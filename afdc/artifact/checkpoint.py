@@ -270,6 +270,11 @@ class Layout:
     def whole(cls, key: str, shape: tuple[int, ...]) -> Layout:
         return cls(shape, (Piece.whole(key, shape),))
 
+    @classmethod
+    def lifted(cls, key: str) -> Layout:
+        """A 0-d tensor as shape [1] (its one axis added, as stacking adds one)."""
+        return cls((1,), (Piece(key, (None,), (), (0,), (1,)),))
+
     def keys(self) -> list[str]:
         return list(dict.fromkeys(piece.key for piece in self.pieces))
 
@@ -436,12 +441,14 @@ def _convert(converter: WeightConverter, collected: Values, ctx: _Context) -> di
 
 
 def _source_layouts(
-    checkpoint: Checkpoint, model: PreTrainedModel, shapes: dict[str, tuple[int, ...]]
+    checkpoint: Checkpoint, model: PreTrainedModel, shapes: dict[str, tuple[int, ...]], lift_scalars: bool = False
 ) -> dict[str, Layout | Unstreamable | Misfit]:
     """Every model tensor the checkpoint provides, as a layout of checkpoint tensors.
 
     Key matching follows ``convert_and_load_state_dict_in_model``: keys in natural order, renamings
     then at most one converter per key, the base-model prefix added or dropped as the model needs.
+    ``lift_scalars`` reads a 0-d tensor as one of shape [1] (per-tensor scales, which the conversion
+    then stacks and concatenates as it does their weights).
     """
     mapping = get_model_conversion_mapping(model)  # what from_pretrained uses (legacy renames included)
     converters = [transform for transform in mapping if isinstance(transform, WeightConverter)]
@@ -454,7 +461,8 @@ def _source_layouts(
         name, pattern = rename(key)
         if name not in shapes:
             continue  # a tensor this model does not have (from_pretrained reports it as unexpected)
-        whole = Layout.whole(key, checkpoint.tensors[key].shape)
+        shape = tuple(checkpoint.tensors[key].shape)
+        whole = Layout.lifted(key) if lift_scalars and not shape else Layout.whole(key, shape)
         if pattern is None:
             layouts.setdefault(name, whole)
         else:
@@ -486,7 +494,7 @@ def _stored_layouts(
     for tensors in by_role.values():
         keys = {bf16: key for t in tensors for bf16, key in t.sources}
         view = Checkpoint(checkpoint.directory, checkpoint.files, {b: checkpoint.tensors[k] for b, k in keys.items()})
-        found = _source_layouts(view, model, {t.parameter: t.shape for t in tensors})
+        found = _source_layouts(view, model, {t.parameter: t.shape for t in tensors}, lift_scalars=True)
         for t in tensors:
             layout = found.get(t.parameter)
             if isinstance(layout, Layout):

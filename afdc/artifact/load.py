@@ -18,6 +18,7 @@ from afdc.artifact import manifest as mf
 from afdc.artifact.program_format import load_program
 from afdc.codegen import fp8_linear as _fp8_linear_op  # noqa: F401 (registers the quantized ops programs call)
 from afdc.codegen import fused_moe_quant as _fused_moe_quant_ops  # noqa: F401
+from afdc.codegen import packed_linear as _packed_linear_op  # noqa: F401
 from afdc.runtime.exchange import deployment_id
 from afdc.runtime.mixer_modules import Mixers
 from afdc.runtime.model import DisaggregatedModel, ModelTraits

@@ -118,6 +118,7 @@ def _fp8_linear_kernel(
     stride_om,
     scale_n,
     scale_k,
+    FORMAT: tl.constexpr,
     W8A8: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -150,7 +151,7 @@ def _fp8_linear_kernel(
             acc += tl.dot(a, w, input_precision=PRECISION) * a_s[:, None] * w_s[None, :]
         else:
             w = weight_tile(w_ptr, ws_ptr, kk, cols, w_mask, stride_wn, stride_wk, stride_wsn, stride_wsk, scale_n,
-                            scale_k, "fp8", UPCAST, GRID_MANTISSA, GRID_MIN_EXP).to(x_ptr.dtype.element_ty)
+                            scale_k, FORMAT, UPCAST, GRID_MANTISSA, GRID_MIN_EXP).to(x_ptr.dtype.element_ty)
             if UPCAST:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
@@ -168,6 +169,14 @@ def fp8_linear_triton(*args, **kwargs) -> torch.Tensor:
     call = Fp8Linear(*args, **kwargs)
     scale = call.block_scale()
     x, weight, block_n, block_k, bias, w8a8 = call.x, call.weight, call.block_n, call.block_k, call.bias, call.w8a8
+    return launch_linear(x, weight, scale, block_n, block_k, bias, "fp8", w8a8, call.input_scale)
+
+
+def launch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+                  bias: torch.Tensor | None, fmt: str, w8a8: bool = False,
+                  input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + bias`` by the kernel, ``W`` read tile by tile in quant_tiles' format ``fmt`` with
+    ``scale`` [rows of blocks, blocks of K] (checked by the caller); ``[..., N]`` in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     m, k = rows.shape
@@ -182,7 +191,7 @@ def fp8_linear_triton(*args, **kwargs) -> torch.Tensor:
     if w8a8:
         # a tile must not cross a scale block (unless one block covers all of K)
         tile_k = tile_k if block_k >= k else w8a8_block_k(tile_k, block_k)
-        a, a_scales = quantize_token_groups(rows, block_k, call.input_scale)
+        a, a_scales = quantize_token_groups(rows, block_k, input_scale)
     upcast = interpreting()
     grid = rounding_grid(x.dtype)
     jit(_fp8_linear_kernel)[(-(-m // tile_m), -(-n // tile_n))](
@@ -202,6 +211,7 @@ def fp8_linear_triton(*args, **kwargs) -> torch.Tensor:
         out.stride(0),
         block_n,
         block_k,
+        FORMAT=fmt,
         W8A8=w8a8,
         HAS_BIAS=bias is not None,
         UPCAST=upcast,

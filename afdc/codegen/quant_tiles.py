@@ -12,6 +12,12 @@ in memory. Formats (the ``FORMAT`` constexpr):
   exponent per ``scale_k`` (32) values of a row; the e2m1 value is decoded arithmetically. One
   difference from the format's definition: the exponent byte 0 (``2 ** -127``, a subnormal
   float32) decodes to a zero scale; its products are under ``6 * 2 ** -127`` (about 3.5e-38).
+- ``"int4"``: int32 words holding eight 4-bit values (the first ``k`` in the lowest bits), each the
+  signed value plus 8, and a float scale (bf16 as shipped, widened here) per ``scale_k`` values of
+  a row (compressed-tensors pack-quantized).
+- ``"nvfp4"``: bytes of two e2m1 codes as for MXFP4, and a float32 scale per ``scale_k`` (16)
+  values of a row: the checkpoint's fp8 scale times its per-tensor global scale, which the ops
+  multiply once per call (:func:`nvfp4_scales`).
 
 :func:`quantize_token_groups` is the dynamic fp8 activation quantization of w8a8 GEMMs
 (:class:`afdc.quant.formats.TokenGroupQuant`): one Triton program per (row, group), or a static
@@ -25,7 +31,14 @@ import torch
 from afdc.codegen.triton_support import device_function, interpreting, jit, launches, next_power_of_2, tl
 from afdc.quant.formats import FP8_DTYPE, FP8_MAX, Fp8Scaled, TokenGroupQuant
 
-WEIGHT_FORMATS = ("fp8", "mxfp4")
+WEIGHT_FORMATS = ("fp8", "mxfp4", "int4", "nvfp4")
+
+
+def nvfp4_scales(scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4's fp8 group scales times their tensor's global scale (one value, or one per leading
+    index), in float32: the scale the ``"nvfp4"`` tile reads."""
+    g = global_scale.float().reshape(*global_scale.shape, *(1,) * (scale.dim() - global_scale.dim()))
+    return scale.float() * g
 
 
 def rounding_grid(dtype: torch.dtype) -> tuple[int, int]:
@@ -68,7 +81,7 @@ def weight_tile(w_ptr, s_ptr, k, n, mask, stride_wn, stride_wk, stride_sn, strid
 @device_function
 def _dequantized(w_ptr, s_ptr, k, n, mask, stride_wn, stride_wk, stride_sn, stride_sk, scale_n, scale_k,
                  FORMAT: tl.constexpr):
-    if FORMAT == "mxfp4":
+    if FORMAT == "mxfp4" or FORMAT == "nvfp4":
         packed = tl.load(w_ptr + n[None, :] * stride_wn + (k // 2)[:, None] * stride_wk, mask=mask, other=0)
         code = (packed.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 15
         exponent = (code >> 1) & 3
@@ -76,9 +89,17 @@ def _dequantized(w_ptr, s_ptr, k, n, mask, stride_wn, stride_wk, stride_sn, stri
         # twice the magnitude: the mantissa bit for exponent 0 (0 or 0.5), else (2 + m) * 2 ** (exponent - 1)
         twice = tl.where(exponent == 0, mantissa, (2 + mantissa) << tl.maximum(exponent - 1, 0))
         value = tl.where(code >= 8, -0.5, 0.5) * twice.to(tl.float32)
+        if FORMAT == "nvfp4":
+            s = tl.load(s_ptr + n[None, :] * stride_sn + (k // scale_k)[:, None] * stride_sk, mask=mask, other=0.0)
+            return value * s
         e8m0 = tl.load(s_ptr + n[None, :] * stride_sn + (k // scale_k)[:, None] * stride_sk, mask=mask, other=127)
         # 2 ** (e - 127) is the float32 whose exponent field is e
         return value * (e8m0.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    if FORMAT == "int4":
+        word = tl.load(w_ptr + n[None, :] * stride_wn + (k // 8)[:, None] * stride_wk, mask=mask, other=0)
+        nibble = (word >> ((k % 8) * 4)[:, None]) & 15
+        s = tl.load(s_ptr + n[None, :] * stride_sn + (k // scale_k)[:, None] * stride_sk, mask=mask, other=0.0)
+        return (nibble - 8).to(tl.float32) * s.to(tl.float32)
     w = tl.load(w_ptr + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + (n // scale_n)[None, :] * stride_sn + (k // scale_k)[:, None] * stride_sk, mask=mask,
                 other=0.0)

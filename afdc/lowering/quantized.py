@@ -4,16 +4,20 @@ The partition and sharding run on the bf16-shaped graph, so the split and the by
 those of the bf16 model. This rewrite then finds each weight the checkpoint stores quantized (from
 the scheme, by parameter name: no per-model code) and replaces the matmuls that read it:
 
-- ``aten.linear(x, w, b)`` by ``afdc::fp8_linear(x, w, w_scale, block_n, block_k, b)`` (dense
-  linears on either side: attention projections, dense MLPs, shared experts);
+- ``aten.linear(x, w, b)`` by ``afdc::fp8_linear(x, w, w_scale, block_n, block_k, b)``, or
+  ``afdc::packed_linear`` for int4 and NVFP4 weights (dense linears on either side: attention
+  projections, dense MLPs, shared experts);
 - the routed experts, first recognised as one ``afdc::fused_moe`` (:func:`experts_as_op`), by
-  ``afdc::fused_moe_fp8`` or ``afdc::fused_moe_mxfp4`` with the scales appended.
+  ``afdc::fused_moe_fp8``, ``afdc::fused_moe_mxfp4``, ``afdc::fused_moe_int4`` or
+  ``afdc::fused_moe_nvfp4`` with the scales appended.
 
 An FFN segment takes each scale as a weight placeholder of its own (its own :class:`Split` and name
 in every layer's binding); the attention graph reads it with ``get_attr``. A scale is split with
 its weight: whole experts under EP, whole blocks under TP (a split that would cut a block is a
 :class:`PlanError` naming the weight, the block and the rank counts that work), per-channel scales
-with their channels; MXFP4 experts are split by expert only.
+with their channels; MXFP4 experts are split by expert only; int4 words and NVFP4 bytes along
+the input dim as their groups (a group is a whole number of them); NVFP4's per-matrix global
+scales with their experts, whole under TP.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ import torch.fx as fx
 
 from afdc.codegen.fp8_linear import Fp8LinearCall
 from afdc.codegen.fused_moe import FusedMoeCall
-from afdc.codegen.fused_moe_quant import FusedMoeFp8Call, FusedMoeMxfp4Call
+from afdc.codegen.fused_moe_quant import FusedMoeFp8Call, FusedMoeInt4Call, FusedMoeMxfp4Call, FusedMoeNvfp4Call
+from afdc.codegen.packed_linear import PackedLinearCall
 from afdc.errors import PlanError, UnsupportedModelError
 from afdc.passes.graph_facts import op_name
 from afdc.passes.moe_experts import experts_as_op
-from afdc.quant.scheme import QuantFormat
+from afdc.quant.scheme import PACKED_VALUES, QuantFormat, QuantizedParameter
 from afdc.quant.stored import QuantizedTensors, Role, StoredTensor
 from afdc.segment import Segment, SegmentBinding, ShardSlice, Split, add_weight, inputs, weights
 
@@ -70,6 +75,17 @@ def _stored(quant: QuantizedTensors, parameter: str) -> tuple[StoredTensor, Stor
     return data, scale, quant.role(parameter, Role.INPUT_SCALE)
 
 
+def _extra_roles(quant: QuantizedTensors, p: QuantizedParameter, split: Split) -> dict[Role, Split]:
+    """The split of each stored tensor beside the data and its scale: a static input scale (one
+    value) whole; NVFP4's global scales (one per matrix) with their experts under EP, else whole."""
+    roles = {}
+    if quant.role(p.name, Role.INPUT_SCALE) is not None:
+        roles[Role.INPUT_SCALE] = Split()
+    if quant.role(p.name, Role.GLOBAL_SCALE) is not None:
+        roles[Role.GLOBAL_SCALE] = split if split.experts else Split()
+    return roles
+
+
 def _workable(sizes: tuple[int, ...], block: int) -> list[int]:
     return [f for f in range(1, 65) if all(n % (f * block) == 0 for n in sizes)]
 
@@ -102,8 +118,15 @@ def scale_split(parameter: str, shape: tuple[int, ...], block: tuple[int, ...], 
 
 
 def _data_split(split: Split, data: StoredTensor) -> Split:
-    """The data's split: the parameter's (MXFP4 blocks: by expert only, checked by :func:`scale_split`)."""
-    return split if data.format is not QuantFormat.MXFP4 or split.dim is None else Split(0, experts=True)
+    """The data's split: the parameter's (MXFP4 blocks: by expert only, checked by :func:`scale_split`;
+    int4 words along the input dim: the sections in words, whole groups checked by :func:`scale_split`)."""
+    if split.dim is None:
+        return split
+    if data.format is QuantFormat.MXFP4:
+        return Split(0, experts=True)
+    if data.format in PACKED_VALUES and split.dim == len(data.shape) - 1:
+        return replace(split, sections=tuple(n // PACKED_VALUES[data.format] for n in split.sections))
+    return split
 
 
 # -- the FFN segments ---------------------------------------------------------------------------------
@@ -130,11 +153,10 @@ def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: Quant
     added: dict[int, dict[Role, fx.Node]] = {}
     for i in quantized:
         p = quant.scheme.parameter(first[i])
-        data, _, input_scale = _stored(quant, p.name)
+        data = quant.role(p.name, Role.DATA)
         splits[i] = _data_split(seg.splits[i], data)
-        roles = {Role.SCALE: scale_split(p.name, p.shape, p.block, seg.splits[i], ranks, p.format)}
-        if input_scale is not None:
-            roles[Role.INPUT_SCALE] = Split()
+        roles = {Role.SCALE: scale_split(p.name, p.shape, p.block, seg.splits[i], ranks, p.format),
+                 **_extra_roles(quant, p, seg.splits[i])}
         added[i] = {}
         for role, split in roles.items():
             with graph.inserting_before(inputs(graph)[0]):
@@ -153,7 +175,7 @@ def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: Quant
     for i in quantized:
         p = scheme.parameter(first[i])
         if len(p.shape) == 2:
-            _linears(graph, places[i], added[i], p.block)
+            _linears(graph, places[i], added[i], p)
     experts = [i for i in quantized if len(scheme.parameter(first[i]).shape) == 3]
     _experts(graph, {places[i]: (scheme.parameter(first[i]), added[i]) for i in experts})
     for i in experts:
@@ -163,8 +185,9 @@ def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: Quant
     return replace(seg, splits=tuple(splits))
 
 
-def _linears(graph: fx.Graph, weight: fx.Node, scales: dict[Role, fx.Node], block: tuple[int, ...]) -> None:
+def _linears(graph: fx.Graph, weight: fx.Node, scales: dict[Role, fx.Node], p: QuantizedParameter) -> None:
     """Each ``linear(x, weight, bias)`` on ``weight`` as ``fp8_linear``; any other use is refused."""
+    block = p.block
     for user in list(weight.users):
         if op_name(user) != "linear" or user.args[1] is not weight:
             raise UnsupportedModelError(
@@ -173,8 +196,14 @@ def _linears(graph: fx.Graph, weight: fx.Node, scales: dict[Role, fx.Node], bloc
             )
         x, bias = user.args[0], (user.args[2] if len(user.args) > 2 else user.kwargs.get("bias"))
         with graph.inserting_before(user):
-            new = Fp8LinearCall.emit(graph, x=x, weight=weight, weight_scale=scales[Role.SCALE], block_n=block[-2],
-                                     block_k=block[-1], bias=bias, w8a8=False, input_scale=scales.get(Role.INPUT_SCALE))
+            if p.format in PACKED_VALUES:
+                new = PackedLinearCall.emit(graph, x=x, weight=weight, weight_scale=scales[Role.SCALE],
+                                            format=_KERNEL_FORMAT[p.format], group_size=block[-1],
+                                            weight_scale_2=scales.get(Role.GLOBAL_SCALE), bias=bias)
+            else:
+                new = Fp8LinearCall.emit(graph, x=x, weight=weight, weight_scale=scales[Role.SCALE],
+                                         block_n=block[-2], block_k=block[-1], bias=bias, w8a8=False,
+                                         input_scale=scales.get(Role.INPUT_SCALE))
         new.meta = dict(user.meta)
         user.replace_all_uses_with(new)
         graph.erase_node(user)
@@ -202,6 +231,17 @@ def _experts(graph: fx.Graph, quantized: dict[fx.Node, tuple]) -> None:
                 new = FusedMoeMxfp4Call.emit(graph, w_gate_up_blocks=call.w_gate_up, w_down_blocks=call.w_down,
                                              w_gate_up_scales=gate_up[Role.SCALE], w_down_scales=down[Role.SCALE],
                                              interleaved=call.interleaved, **common)
+            elif p.format in PACKED_VALUES:
+                if call.transposed or call.interleaved:
+                    raise UnsupportedModelError(f"{node.name}: {p.format.value} experts stored input-major or with "
+                                                "interleaved gate and up rows have no kernel")
+                packed = dict(w_gate_up_packed=call.w_gate_up, w_down_packed=call.w_down,
+                              w_gate_up_scale=gate_up[Role.SCALE], w_down_scale=down[Role.SCALE], **common)
+                if p.format is QuantFormat.INT4_GROUP:
+                    new = FusedMoeInt4Call.emit(graph, group_size=p.block[-1], **packed)
+                else:
+                    new = FusedMoeNvfp4Call.emit(graph, w_gate_up_scale_2=gate_up[Role.GLOBAL_SCALE],
+                                                 w_down_scale_2=down[Role.GLOBAL_SCALE], **packed)
             else:
                 if call.transposed:
                     raise UnsupportedModelError(f"{node.name}: fp8 experts stored input-major have no kernel")
@@ -213,10 +253,14 @@ def _experts(graph: fx.Graph, quantized: dict[fx.Node, tuple]) -> None:
         graph.erase_node(node)
 
 
+_EXPERT_OPS = (FusedMoeFp8Call.OP, FusedMoeMxfp4Call.OP, FusedMoeInt4Call.OP, FusedMoeNvfp4Call.OP)
+_KERNEL_FORMAT = {QuantFormat.INT4_GROUP: "int4", QuantFormat.NVFP4: "nvfp4"}  # quant_tiles' names
+
+
 def _only_quantized_ops(weight: fx.Node, parameter: str, unmatched: list[str]) -> None:
     """Refuses quantized experts that a graph op other than a quantized one still reads: the routed
     experts were not recognised as one fused MoE, and the bf16 op would read the stored bytes."""
-    others = [u for u in weight.users if u.target not in (FusedMoeFp8Call.OP, FusedMoeMxfp4Call.OP)]
+    others = [u for u in weight.users if u.target not in _EXPERT_OPS]
     if others:
         raise UnsupportedModelError(
             f"{parameter} is stored quantized but {others[0].name} ({op_name(others[0])}) reads it: afdc did not "
@@ -233,12 +277,15 @@ def _quantize_attention(graph: fx.Graph, quant: QuantizedTensors) -> None:
         p = quant.scheme.parameter(node.target)
         if p is None:
             continue
-        data, scale, input_scale = _stored(quant, p.name)
-        if data.name != node.target or len(p.shape) != 2:
+        data, scale, _ = _stored(quant, p.name)
+        if len(p.shape) != 2:
             raise UnsupportedModelError(f"{node.target} ({p.format.value}) on the attention side has no quantized op")
+        node.target = data.name  # packed formats store the data under a name of its own
+        node.meta["val"] = torch.empty(data.shape, dtype=data.dtype, device="meta")
         with graph.inserting_after(node):
             scales = {Role.SCALE: graph.get_attr(scale.name)}
-            if input_scale is not None:
-                scales[Role.INPUT_SCALE] = graph.get_attr(input_scale.name)
-        _linears(graph, node, scales, p.block)
+            for role in (Role.INPUT_SCALE, Role.GLOBAL_SCALE):
+                if (extra := quant.role(p.name, role)) is not None:
+                    scales[role] = graph.get_attr(extra.name)
+        _linears(graph, node, scales, p)
     graph.lint()

@@ -24,6 +24,17 @@ fused experts store them.
   ``w = E2M1_VALUES[code] * 2 ** (scale - 127)``. transformers' ``convert_moe_packed_tensors``
   (integrations/mxfp4.py) is the reference this reproduces bit for bit; it returns the transpose
   ``[..., K, N]``, gpt-oss's input-major parameters.
+- :class:`Int4Group`: compressed-tensors ``pack-quantized`` int4 (Kimi-K2-Thinking's experts,
+  W4A16 releases): ``weight_packed`` int32 ``[..., N, K / 8]``, eight 4-bit values a word, the
+  lowest bits the first ``k``, each the signed value plus 8; ``weight_scale`` ``[..., N, K / group]``
+  (the model's float dtype) per ``group`` values along K, symmetric (no zero point):
+  ``w = (nibble - 8) * scale``. compressed-tensors' ``unpack_from_int32`` and ``dequantize`` are the
+  reference this reproduces.
+- :class:`Nvfp4`: NVIDIA ModelOpt NVFP4 (``quant_algo: NVFP4``; DeepSeek-R1/V3 and Qwen3 ``-FP4``):
+  ``weight`` uint8 ``[..., N, K / 2]``, two e2m1 codes a byte (low nibble first, the even ``k``),
+  ``weight_scale`` float8_e4m3fn ``[..., N, K / 16]`` per 16 values, and ``weight_scale_2`` a
+  float32 per tensor (``amax / (6 * 448)``): ``w = E2M1_VALUES[code] * weight_scale * weight_scale_2``.
+  vLLM's ``dequantize_to_dtype`` (nvfp4_emulation_utils.py, unswizzled scales) is the reference.
 - :class:`TokenGroupQuant`: the dynamic activation quantization of DeepSeek's fp8 GEMMs: each
   row's groups of ``group`` values along K share one float32 scale ``max(amax, eps) / 448``, and
   ``x_q = fp8(clamp(x / scale, -448, 448))``.
@@ -44,6 +55,8 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value, torch.finfo(torch.float8_e4m
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_BIAS = 127
 MXFP4_BLOCK = 32
+INT4_PACK = 8  # 4-bit values an int32 holds
+INT4_OFFSET = 8  # stored unsigned: the signed value plus 8
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -150,6 +163,20 @@ class Fp8Scaled:
         return _to_fp8(x.float() / input_scale.float().reshape(()))
 
 
+def _e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of bytes holding two e2m1 codes each, low nibble first: ``[..., 2 * bytes]``."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    return lut[torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).long()]
+
+
+def _e2m1_packed(scaled: torch.Tensor) -> torch.Tensor:
+    """Each value rounded to the nearest e2m1 (saturating at 6), two codes a byte, the even one low."""
+    # the nearest of e2m1's magnitudes by the midpoints between them (a tie goes to the smaller)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=scaled.device)
+    codes = (torch.bucketize(scaled.abs(), midpoints) | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
 @dataclass(frozen=True)
 class Mxfp4:
     """OCP MX fp4: e2m1 values packed two per byte, an e8m0 exponent per 32 of them."""
@@ -169,9 +196,7 @@ class Mxfp4:
     ) -> torch.Tensor:
         """The ``[..., N, K]`` weight (output-major), computed in fp32 and rounded once to ``dtype``."""
         self.check("MXFP4 dequantize", blocks, scales)
-        lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # low nibble first
-        values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - E8M0_BIAS)
+        values = torch.ldexp(_e2m1_values(blocks), scales.to(torch.int32)[..., None] - E8M0_BIAS)
         return values.flatten(-2).to(dtype)
 
     def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,12 +207,98 @@ class Mxfp4:
         groups = weight.float().unflatten(-1, (-1, self.block))
         amax = groups.abs().amax(dim=-1)
         exponent = torch.ceil(torch.log2(torch.where(amax > 0, amax, 1.0) / 6.0)).clamp(-E8M0_BIAS, E8M0_BIAS)
-        scaled = groups / torch.exp2(exponent)[..., None]
-        # the nearest of e2m1's magnitudes by the midpoints between them (a tie goes to the smaller)
-        midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=weight.device)
-        codes = torch.bucketize(scaled.abs(), midpoints) | torch.where(scaled < 0, 8, 0)
-        codes = codes.to(torch.uint8)
-        return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + E8M0_BIAS).to(torch.uint8)
+        return _e2m1_packed(groups / torch.exp2(exponent)[..., None]), (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+@dataclass(frozen=True)
+class Nvfp4:
+    """e2m1 values packed two a byte, an fp8 e4m3 scale per 16 of them, and a float32 scale per tensor."""
+
+    group: int = 16
+
+    def check(self, name: str, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> None:
+        k = packed.shape[-1] * 2 if packed.dim() >= 2 else 0
+        expected = (*packed.shape[:-1], _cdiv(k, self.group))
+        if packed.dtype != torch.uint8 or scale.dtype != FP8_DTYPE or tuple(scale.shape) != expected or \
+                global_scale.dtype != torch.float32:
+            raise ValueError(f"{name}: NVFP4 is uint8 [..., N, K/2] with float8_e4m3fn scales [..., N, K/{self.group}] "
+                             f"and a float32 global scale; got {packed.dtype} {tuple(packed.shape)}, {scale.dtype} "
+                             f"{tuple(scale.shape)} and {global_scale.dtype}")
+
+    def dequantize(self, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[..., N, K]`` weight in fp32, rounded once to ``dtype``; ``global_scale`` one value, or
+        one per leading index (per expert)."""
+        self.check("NVFP4 dequantize", packed, scale, global_scale)
+        values = _e2m1_values(packed).unflatten(-1, (-1, self.group))
+        g = global_scale.float().reshape(*global_scale.shape, *(1,) * (scale.dim() - global_scale.dim()))
+        return (values * (scale.float() * g)[..., None]).flatten(-2).to(dtype)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(packed, scale, global_scale)`` as ModelOpt makes them: the global ``amax / (6 * 448)``,
+        each group's fp8 scale ``group amax / 6 / global``, each value the nearest e2m1."""
+        if weight.shape[-1] % self.group:
+            raise ValueError(f"NVFP4 needs K a multiple of {self.group}, got a weight {tuple(weight.shape)}")
+        w = weight.float()
+        amax = w.abs().amax()
+        global_scale = torch.where(amax > 0, amax / (6.0 * FP8_MAX), torch.ones_like(amax)).float()
+        groups = w.unflatten(-1, (-1, self.group))
+        scale = _to_fp8(groups.abs().amax(dim=-1) / 6.0 / global_scale)
+        divisor = scale.float() * global_scale
+        scaled = groups / torch.where(divisor > 0, divisor, 1.0)[..., None]
+        return _e2m1_packed(scaled).flatten(-2), scale, global_scale
+
+
+@dataclass(frozen=True)
+class Int4Group:
+    """Symmetric int4 weights, eight a little-endian int32, one float scale per ``group`` values along K."""
+
+    group: int = 32
+
+    def __post_init__(self) -> None:
+        if self.group < 1:
+            raise ValueError(f"int4 group size must be positive, got {self.group}")
+
+    def check(self, name: str, packed: torch.Tensor, scale: torch.Tensor) -> None:
+        """Raises naming ``name`` unless ``packed`` is int32 ``[..., N, K / 8]`` and ``scale`` a float
+        ``[..., N, ceil(K / group)]``."""
+        k = packed.shape[-1] * INT4_PACK if packed.dim() >= 2 else 0
+        expected = (*packed.shape[:-1], _cdiv(k, self.group))
+        if packed.dtype != torch.int32 or packed.dim() < 2 or tuple(scale.shape) != expected or \
+                not scale.dtype.is_floating_point:
+            raise ValueError(f"{name}: int4 weights are int32 [..., N, K/{INT4_PACK}] with float scales "
+                             f"[..., N, ceil(K/{self.group})]; got {packed.dtype} {tuple(packed.shape)} and "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """The signed int4 values ``[..., N, K]`` (int8) of the packed words."""
+        shifts = torch.arange(INT4_PACK, dtype=torch.int32, device=packed.device) * 4
+        nibbles = (packed[..., None] >> shifts) & 0xF
+        return (nibbles - INT4_OFFSET).flatten(-2).to(torch.int8)
+
+    def dequantize(self, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[..., N, K]`` weight, ``value * scale`` in fp32, rounded once to ``dtype``."""
+        self.check("int4 dequantize", packed, scale)
+        values = self.unpack(packed).float()
+        full = scale.float().repeat_interleave(self.group, dim=-1)[..., : values.shape[-1]]
+        return (values * full).to(dtype)
+
+    def quantize(
+        self, weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(packed, scale)`` of a ``[..., N, K]`` weight, K a multiple of 8: each group's scale
+        ``amax / 7.5`` (int4's range is [-8, 7]) in ``scale_dtype``, values rounded and clamped."""
+        k = weight.shape[-1]
+        if k % INT4_PACK:
+            raise ValueError(f"int4 packing needs K a multiple of {INT4_PACK}, got a weight {tuple(weight.shape)}")
+        groups = _cdiv(k, self.group)
+        padded = F.pad(weight.float(), (0, groups * self.group - k)).unflatten(-1, (groups, self.group))
+        amax = padded.abs().amax(dim=-1)
+        scale = torch.where(amax > 0, amax / 7.5, torch.ones_like(amax)).to(scale_dtype)
+        full = scale.float().repeat_interleave(self.group, dim=-1)[..., :k]
+        values = torch.round(weight.float() / full).clamp(-8, 7).to(torch.int32) + INT4_OFFSET
+        shifts = torch.arange(INT4_PACK, dtype=torch.int32, device=weight.device) * 4
+        return (values.unflatten(-1, (-1, INT4_PACK)) << shifts).sum(dim=-1, dtype=torch.int32), scale
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Which quantized format each weight of a model is stored in, recognised from the model itself.
 
 The evidence is the config's ``quantization_config`` and the checkpoint's safetensors headers
-(names, dtypes, shapes), never a model name or type. Three schemes are recognised:
+(names, dtypes, shapes), never a model name or type. These schemes are recognised:
 
 - ``fp8`` (DeepSeek-V3 / Kimi K2 / Qwen3 ``-FP8``): ``X.weight`` float8_e4m3fn with a float32
   ``X.weight_scale_inv`` per ``weight_block_size`` block (ceil at the edges), multiplied in;
@@ -10,6 +10,14 @@ The evidence is the config's ``quantization_config`` and the checkpoint's safete
 - ``compressed-tensors`` float8: ``X.weight`` float8_e4m3fn with ``X.weight_scale`` per output
   channel (``[out, 1]``), per tensor (``[1]``) or per block, and a static ``X.input_scale`` when
   the input activations are static; the ``ignore`` list stays in bf16.
+- ``compressed-tensors`` ``pack-quantized`` int4 (Kimi-K2-Thinking's experts, W4A16 releases):
+  ``X.weight_packed`` int32 ``[out, in / 8]`` (eight 4-bit values a word), ``X.weight_scale`` a
+  float per ``group_size`` values along ``in`` (``[out, ceil(in / group)]``), ``X.weight_shape``
+  the unpacked shape; symmetric (no zero point), weight-only.
+- ``modelopt`` NVFP4 (``quant_algo: NVFP4``; NVIDIA's DeepSeek-R1/V3 and Qwen3 ``-FP4``):
+  ``X.weight`` uint8 ``[out, in / 2]`` (two e2m1 a byte), ``X.weight_scale`` float8_e4m3fn
+  ``[out, in / 16]``, ``X.weight_scale_2`` one float32 per tensor; ``exclude_modules`` (wildcards)
+  stay in bf16. Run weight-only (the activations' ``input_scale`` is not read).
 - ``mxfp4`` (gpt-oss experts): ``E.P_blocks`` uint8 ``[..., rows, cols/32, 16]`` (two e2m1 values a
   byte, low nibble first) with ``E.P_scales`` uint8 ``[..., rows, cols/32]`` (an e8m0 exponent,
   bias 127, per 32 values along ``cols``).
@@ -27,8 +35,9 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
+from fnmatch import fnmatch, translate
 from typing import Any, Protocol
 
 import torch
@@ -53,13 +62,23 @@ class QuantFormat(str, Enum):
     FP8_CHANNEL = "fp8-channel"  # float8_e4m3fn, one float scale per output channel
     FP8_TENSOR = "fp8-tensor"  # float8_e4m3fn, one float scale for the whole weight
     MXFP4 = "mxfp4"  # packed e2m1 pairs, one e8m0 exponent per 32 values along the input dim
+    INT4_GROUP = "int4-group"  # eight int4 an int32, one float scale per group along the input dim
+    NVFP4 = "nvfp4"  # packed e2m1 pairs, an fp8 scale per 16 values along the input dim, a float32 per matrix
 
 
 SUPPORTED = (
     "fp8 (quant_method 'fp8', fmt e4m3, dynamic activations, weight_block_size or per-tensor scales)",
     "compressed-tensors float8 (format float-quantized, 8-bit float weights per channel, per tensor or per block)",
+    "compressed-tensors int4 (format pack-quantized, 4-bit symmetric int weights per group, weight-only)",
     "mxfp4 (quant_method 'mxfp4', gpt-oss experts as *_blocks / *_scales)",
+    "modelopt NVFP4 (quant_method 'modelopt', quant_algo NVFP4, groups of 16, run weight-only)",
 )
+# the formats computed in the activations' dtype (weight-only): the planner's FLOPs are bf16's
+WEIGHT_ONLY = frozenset({QuantFormat.MXFP4, QuantFormat.INT4_GROUP, QuantFormat.NVFP4})
+INT4_PACK = 8  # int4 values an int32 word holds
+NVFP4_GROUP = 16
+# the packed formats stored [..., out, in / values]: input features a stored element holds
+PACKED_VALUES = {QuantFormat.INT4_GROUP: INT4_PACK, QuantFormat.NVFP4: 2}
 
 MXFP4_GROUP = 32  # values sharing one exponent
 MXFP4_GROUP_BYTES = MXFP4_GROUP // 2  # two values a byte
@@ -103,6 +122,7 @@ class QuantizedWeight:
     block: tuple[int, ...]
     scale: TensorSpec
     input_scale: TensorSpec | None = None
+    global_scale: TensorSpec | None = None  # NVFP4's per-tensor weight_scale_2
 
 
 @dataclass(frozen=True)
@@ -111,7 +131,9 @@ class QuantizedParameter:
 
     ``shape`` is the bf16 parameter's; ``block`` the elements one scale covers along each of its
     dims; ``scale_shape`` the scales it needs in that orientation. ``sources`` names the checkpoint
-    tensors (``QuantizedWeight.name``) it is assembled from, empty when known from a config alone.
+    tensors (``QuantizedWeight.name``) it is assembled from, empty when known from a config alone;
+    ``matrices`` how many checkpoint matrices each leading index concatenates (a fused gate_up: 2),
+    each with a global scale of its own in NVFP4.
     """
 
     name: str
@@ -120,6 +142,7 @@ class QuantizedParameter:
     block: tuple[int, ...]
     sources: tuple[str, ...] = ()
     static_input_scale: bool = False
+    matrices: int = 1
 
     @property
     def scale_shape(self) -> tuple[int, ...]:
@@ -144,7 +167,8 @@ class QuantScheme:
 
     def scale_names(self) -> frozenset[str]:
         """Every scale tensor of the checkpoint (weight and input scales)."""
-        return frozenset(spec.name for w in self.weights for spec in (w.scale, w.input_scale) if spec is not None)
+        specs = (spec for w in self.weights for spec in (w.scale, w.input_scale, w.global_scale))
+        return frozenset(spec.name for spec in specs if spec is not None)
 
     def formats(self) -> tuple[QuantFormat, ...]:
         return tuple(dict.fromkeys(p.format for p in self.parameters))
@@ -172,8 +196,10 @@ class _Rules:
     not_converted: tuple[str, ...]
     # module name, class name -> (format, block over [out, in], static input scale), or None if left in bf16
     linear: Callable[[str, str], tuple[QuantFormat, tuple[int, int], bool] | None]
-    experts: tuple[QuantFormat, tuple[int, int]] | None
+    # an experts module's name -> the format and block of its stacked matrices, or None if left in bf16
+    experts: Callable[[str], tuple[QuantFormat, tuple[int, int]] | None]
     explicit_skips: bool  # False: transformers also keeps the output embedding in bf16
+    formats: frozenset[QuantFormat]  # every format the config names
 
 
 def quantization_config(config: PretrainedConfig) -> dict[str, Any] | None:
@@ -191,8 +217,7 @@ def planned_weight_dtype(config: PretrainedConfig) -> str | None:
     qc = quantization_config(config)
     if qc is None:
         return None
-    rules = _rules(qc)
-    return None if rules.method == "mxfp4" else "fp8"
+    return None if _rules(qc).formats <= WEIGHT_ONLY else "fp8"
 
 
 def _refuse(what: str) -> QuantizationError:
@@ -209,11 +234,13 @@ def _rules(qc: dict[str, Any]) -> _Rules:
         return _fp8_rules(qc)
     if method == "compressed-tensors":
         return _compressed_tensors_rules(qc)
+    if method == "modelopt":
+        return _modelopt_rules(qc)
     if method == "mxfp4":
         skip = tuple(qc.get("modules_to_not_convert") or ())
-        return _Rules(
-            method, "dynamic", skip, lambda _name, _cls: None, (QuantFormat.MXFP4, (1, MXFP4_GROUP)), bool(skip)
-        )
+        mxfp4 = (QuantFormat.MXFP4, (1, MXFP4_GROUP))
+        return _Rules(method, "dynamic", skip, lambda _name, _cls: None, lambda _name: mxfp4, bool(skip),
+                      frozenset({QuantFormat.MXFP4}))
     raise _refuse(f"quantization_config.quant_method {method or '(none)'!r}")
 
 
@@ -245,7 +272,34 @@ def _fp8_rules(qc: dict[str, Any]) -> _Rules:
     def linear(_name: str, cls: str) -> tuple[QuantFormat, tuple[int, int], bool] | None:
         return (fmt_, block, False) if cls == "Linear" else None
 
-    return _Rules("fp8", "dynamic", skip, linear, (fmt_, block), bool(skip))
+    return _Rules("fp8", "dynamic", skip, linear, lambda _name: (fmt_, block), bool(skip), frozenset({fmt_}))
+
+
+def _modelopt_rules(qc: dict[str, Any]) -> _Rules:
+    """ModelOpt's quantization_config (or hf_quant_config.json's ``quantization``): NVFP4 only."""
+    qc = {**qc, **(qc.get("quantization") or {})}
+    algo = str(qc.get("quant_algo"))
+    if algo not in ("NVFP4", "W4A16_NVFP4"):
+        raise _refuse(f"modelopt with quant_algo {algo!r}")
+    if qc.get("group_size", NVFP4_GROUP) != NVFP4_GROUP:
+        raise _refuse(f"modelopt NVFP4 with group_size {qc['group_size']!r} (NVFP4 groups are 16)")
+    if qc.get("kv_cache_quant_algo") or qc.get("kv_cache_scheme"):
+        raise _refuse("modelopt NVFP4 with a quantized KV cache")
+    exclude = tuple(qc.get("exclude_modules") or qc.get("ignore") or ())
+
+    def linear(name: str, cls: str) -> tuple[QuantFormat, tuple[int, int], bool] | None:
+        # ModelOpt's exclusions are wildcards (vLLM matches them with fnmatch)
+        if cls != "Linear" or any(fnmatch(name, pattern) for pattern in exclude):
+            return None
+        return QuantFormat.NVFP4, (1, NVFP4_GROUP), False
+
+    def experts(module: str) -> tuple[QuantFormat, tuple[int, int]] | None:
+        found = linear(f"{module}.0.gate_proj", "Linear")
+        return None if found is None else found[:2]
+
+    # transformers' module filter takes regexes: the wildcards as regexes
+    skip = tuple(translate(pattern) for pattern in exclude)
+    return _Rules("modelopt", "dynamic", skip, linear, experts, True, frozenset({QuantFormat.NVFP4}))
 
 
 @dataclass(frozen=True)
@@ -256,9 +310,12 @@ class _Group:
     static_input: bool
 
 
+_CT_FORMATS = ("float-quantized", "pack-quantized")
+
+
 def _compressed_tensors_rules(qc: dict[str, Any]) -> _Rules:
     fmt = qc.get("format")
-    if fmt != "float-quantized":
+    if fmt not in (*_CT_FORMATS, "mixed-precision"):
         raise _refuse(f"compressed-tensors format {fmt!r}")
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
@@ -269,7 +326,7 @@ def _compressed_tensors_rules(qc: dict[str, Any]) -> _Rules:
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise QuantizationError("compressed-tensors quantization_config has no config_groups")
-    parsed = [_ct_group(name, group) for name, group in groups.items()]
+    parsed = [_ct_group(name, group, fmt) for name, group in groups.items()]
     ignore = tuple(qc.get("ignore") or ())
     statics = {g.static_input for g in parsed}
 
@@ -279,8 +336,14 @@ def _compressed_tensors_rules(qc: dict[str, Any]) -> _Rules:
             return None
         return group.format, group.block, group.static_input
 
+    def experts(module: str) -> tuple[QuantFormat, tuple[int, int]] | None:
+        # the checkpoint stores each expert as its own linear, which the config's targets select
+        found = linear(f"{module}.0.gate_proj", "Linear")
+        return None if found is None else found[:2]
+
     activation = "static" if statics == {True} else "dynamic" if statics == {False} else "mixed"
-    return _Rules("compressed-tensors", activation, ignore, linear, None, True)
+    formats = frozenset(g.format for g in parsed)
+    return _Rules("compressed-tensors", activation, ignore, linear, experts, True, formats)
 
 
 def _ct_matches(target: str, name: str, cls: str) -> bool:
@@ -290,10 +353,15 @@ def _ct_matches(target: str, name: str, cls: str) -> bool:
     return target in (cls, name)
 
 
-def _ct_group(name: str, group: Any) -> _Group:
+def _ct_group(name: str, group: Any, top_format: str) -> _Group:
     weights = group.get("weights") if isinstance(group, dict) else None
     if not isinstance(weights, dict):
         raise QuantizationError(f"compressed-tensors config group {name!r} has no weights entry")
+    fmt = group.get("format") or top_format
+    if fmt == "pack-quantized":
+        return _ct_int4_group(name, group, weights)
+    if fmt != "float-quantized":
+        raise _refuse(f"compressed-tensors group {name!r} in format {fmt!r}")
     kind = f"{weights.get('num_bits')}-bit {weights.get('type')} weights, strategy {weights.get('strategy')}"
     if weights.get("num_bits") != 8 or weights.get("type") != "float" or not weights.get("symmetric", True):
         raise _refuse(f"compressed-tensors group {name!r} with {kind}")
@@ -323,6 +391,25 @@ def _ct_group(name: str, group: Any) -> _Group:
     if not targets:
         raise QuantizationError(f"compressed-tensors config group {name!r} has no targets")
     return _Group(targets, fmt, block, static)
+
+
+def _ct_int4_group(name: str, group: dict, weights: dict) -> _Group:
+    """A pack-quantized group: symmetric 4-bit ints per group along the input dim, weight-only."""
+    kind = (f"{weights.get('num_bits')}-bit {weights.get('type')} weights, strategy {weights.get('strategy')}, "
+            f"{'symmetric' if weights.get('symmetric', True) else 'asymmetric (zero points)'}")
+    size = weights.get("group_size")
+    if (weights.get("num_bits") != 4 or weights.get("type") != "int" or not weights.get("symmetric", True)
+            or weights.get("strategy") != "group" or not isinstance(size, int) or isinstance(size, bool)
+            or size < 1 or size % INT4_PACK):
+        raise _refuse(f"compressed-tensors pack-quantized group {name!r} with {kind}, group size {size}")
+    if weights.get("dynamic") or weights.get("actorder") == "group":
+        raise _refuse(f"compressed-tensors group {name!r} with dynamic weight scales or activation-ordered groups")
+    if group.get("input_activations") or group.get("output_activations"):
+        raise _refuse(f"compressed-tensors pack-quantized group {name!r} with quantized activations")
+    targets = tuple(group.get("targets") or ())
+    if not targets:
+        raise QuantizationError(f"compressed-tensors config group {name!r} has no targets")
+    return _Group(targets, QuantFormat.INT4_GROUP, (1, size), False)
 
 
 def _full(block: tuple[int, int], shape: tuple[int, int]) -> tuple[int, int]:
@@ -369,8 +456,8 @@ def scheme_from_config(config: PretrainedConfig, model: nn.Module | None = None)
                 parameters.append(
                     QuantizedParameter(f"{module_name}.weight", fmt, shape, _full(block, shape), (), static)
                 )
-        elif module_name.endswith(".experts") and rules.experts is not None:
-            parameters += _expert_parameters(module_name, module, *rules.experts)
+        elif module_name.endswith(".experts") and (found := rules.experts(module_name)) is not None:
+            parameters += _expert_parameters(module_name, module, *found)
     return QuantScheme(rules.method, rules.activation_scheme, rules.not_converted, tuple(parameters))
 
 
@@ -385,11 +472,10 @@ def _expert_parameters(
             continue  # biases stay in bf16
         out_in = (param.shape[2], param.shape[1]) if transposed else (param.shape[1], param.shape[2])
         step = _full(block, out_in)
-        found.append(
-            QuantizedParameter(
-                f"{module_name}.{name}", fmt, tuple(param.shape), (1, step[1], step[0]) if transposed else (1, *step)
-            )
-        )
+        along = (1, step[1], step[0]) if transposed else (1, *step)
+        # transformers' fused experts concatenate each expert's gate_proj and up_proj into gate_up_proj
+        matrices = 2 if name == "gate_up_proj" else 1
+        found.append(QuantizedParameter(f"{module_name}.{name}", fmt, tuple(param.shape), along, matrices=matrices))
     return found
 
 
@@ -418,11 +504,17 @@ def recognise(
         return None
     rules = _rules(qc)
     model = model if model is not None else meta_model(config)
-    weights = _mxfp4_weights(tensors) if rules.method == "mxfp4" else _fp8_weights(rules, tensors)
+    if rules.method == "mxfp4":
+        weights = _mxfp4_weights(tensors)
+    elif rules.method == "modelopt":
+        weights = _nvfp4_weights(rules, tensors)
+    else:
+        int4 = _int4_weights(rules, tensors) if QuantFormat.INT4_GROUP in rules.formats else []
+        weights = _fp8_weights(rules, tensors, {w.scale.name for w in int4}) + int4
     if not weights:
         raise QuantizationError(
             f"the config says quant_method {rules.method!r} but no checkpoint tensor is stored quantized "
-            "(no float8 weight with its scale, no *_blocks with *_scales)"
+            "(no float8 weight with its scale, no *_blocks with *_scales, no weight_packed with its weight_scale)"
         )
     for w in weights:
         if not should_convert_module(_module_of(w.name), list(rules.not_converted)):
@@ -440,7 +532,9 @@ def _module_of(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _fp8_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[QuantizedWeight]:
+def _fp8_weights(
+    rules: _Rules, tensors: Mapping[str, TensorHeader], other_scales: set[str] = frozenset()
+) -> list[QuantizedWeight]:
     suffix = "_scale_inv" if rules.method == "fp8" else "_scale"
     weights = []
     for name, header in tensors.items():
@@ -452,7 +546,7 @@ def _fp8_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[Qua
         if scale is None:
             raise QuantizationError(f"{name} is float8 but the checkpoint has no {name + suffix} to scale it")
         if rules.method == "fp8":
-            fmt, block = rules.experts  # type: ignore[misc]  # fp8 rules always give one
+            fmt, block = rules.experts(_module_of(name))  # type: ignore[misc]  # fp8 rules always give one
             static = False
         else:
             found = rules.linear(_module_of(name), "Linear")
@@ -462,6 +556,8 @@ def _fp8_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[Qua
                     "(or the ignore list names it)"
                 )
             fmt, block, static = found
+            if fmt is QuantFormat.INT4_GROUP:
+                raise QuantizationError(f"{name} is float8 but the config gives its module int4 pack-quantized")
         shape = tuple(header.shape)
         if len(shape) < 2:
             raise QuantizationError(f"{name} is float8 of shape {list(shape)}; a quantized weight is a matrix")
@@ -480,7 +576,34 @@ def _fp8_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[Qua
         )
     # compressed-tensors also writes `input_scale`, which is not a weight's scale
     orphan_suffix = "weight" + suffix if rules.method == "compressed-tensors" else suffix
-    _no_orphans(tensors, orphan_suffix, {w.scale.name for w in weights})
+    _no_orphans(tensors, orphan_suffix, {w.scale.name for w in weights} | other_scales)
+    return weights
+
+
+def _int4_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[QuantizedWeight]:
+    """compressed-tensors pack-quantized weights: ``X.weight_packed`` int32 with ``X.weight_scale``."""
+    weights = []
+    for name, header in tensors.items():
+        if not name.endswith(".weight_packed"):
+            continue
+        stem = name.removesuffix("_packed")
+        found = rules.linear(_module_of(name), "Linear")
+        if found is None or found[0] is not QuantFormat.INT4_GROUP:
+            raise QuantizationError(
+                f"{name} holds packed int4 but no pack-quantized config group targets its module "
+                "(or the ignore list names it)"
+            )
+        scale = tensors.get(stem + "_scale")
+        if scale is None:
+            raise QuantizationError(f"{name} holds packed int4 but the checkpoint has no {stem}_scale")
+        shape = tuple(header.shape)
+        if header.dtype != torch.int32 or len(shape) < 2:
+            raise QuantizationError(f"{name} should be int32 [..., out, in / {INT4_PACK}] (packed int4), "
+                                    f"found {_spec(name, header)}")
+        logical = (*shape[:-1], shape[-1] * INT4_PACK)
+        step = (1,) * (len(logical) - 1) + (found[1][1],)
+        weights.append(QuantizedWeight(name, stem, QuantFormat.INT4_GROUP, _spec(name, header), logical, step,
+                                       _checked_scale(stem + "_scale", scale, logical, step, QuantFormat.INT4_GROUP)))
     return weights
 
 
@@ -527,6 +650,35 @@ def _mxfp4_weights(tensors: Mapping[str, TensorHeader]) -> list[QuantizedWeight]
     return weights
 
 
+def _nvfp4_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[QuantizedWeight]:
+    """ModelOpt NVFP4 weights: ``X.weight`` uint8 with ``X.weight_scale`` and ``X.weight_scale_2``."""
+    weights = []
+    for name, header in tensors.items():
+        if not name.endswith(".weight") or header.dtype != torch.uint8:
+            continue
+        scale, global_scale = tensors.get(name + "_scale"), tensors.get(name + "_scale_2")
+        if scale is None or global_scale is None:
+            raise QuantizationError(f"{name} holds packed NVFP4 but the checkpoint lacks {name}_scale or "
+                                    f"{name}_scale_2")
+        if rules.linear(_module_of(name), "Linear") is None:
+            raise QuantizationError(f"{name} is stored as NVFP4 but the quantization_config's exclude_modules "
+                                    "name its module")
+        shape = tuple(header.shape)
+        if len(shape) < 2:
+            raise QuantizationError(f"{name} is uint8 of shape {list(shape)}; an NVFP4 weight is a matrix")
+        if math.prod(global_scale.shape) != 1 or global_scale.dtype != torch.float32:
+            raise QuantizationError(f"{name}_scale_2 should be one float32 (the global scale), found "
+                                    f"{_spec(name + '_scale_2', global_scale)}")
+        logical = (*shape[:-1], shape[-1] * 2)
+        step = (1,) * (len(logical) - 1) + (NVFP4_GROUP,)
+        weights.append(QuantizedWeight(name, name, QuantFormat.NVFP4, _spec(name, header), logical, step,
+                                       _checked_scale(name + "_scale", scale, logical, step, QuantFormat.NVFP4),
+                                       global_scale=_spec(name + "_scale_2", global_scale)))
+    _no_orphans(tensors, "weight_scale", {w.scale.name for w in weights})
+    _no_orphans(tensors, "weight_scale_2", {w.global_scale.name for w in weights})
+    return weights
+
+
 def _no_orphans(tensors: Mapping[str, TensorHeader], suffix: str, used: set[str]) -> None:
     orphans = [name for name in tensors if name.endswith(suffix) and name not in used]
     if orphans:
@@ -553,7 +705,7 @@ def _checked_scale(
         fits = got in (want, want[:-1])  # compressed-tensors writes [out, 1]; [out] means the same
     else:
         fits = got == want
-    dtypes = (torch.uint8,) if fmt is QuantFormat.MXFP4 else _FLOAT_SCALES
+    dtypes = {QuantFormat.MXFP4: (torch.uint8,), QuantFormat.NVFP4: (torch.float8_e4m3fn,)}.get(fmt, _FLOAT_SCALES)
     if not fits or header.dtype not in dtypes:
         blocks = "x".join(map(str, block))
         raise QuantizationError(
@@ -564,9 +716,7 @@ def _checked_scale(
 
 
 def _with_parameter(weight: QuantizedWeight, parameter: str) -> QuantizedWeight:
-    return QuantizedWeight(
-        weight.name, parameter, weight.format, weight.data, weight.shape, weight.block, weight.scale, weight.input_scale
-    )
+    return replace(weight, parameter=parameter)
 
 
 def checkpoint_renamer(mapping: list, prefix: str | None, shapes: Mapping) -> Callable[[str], tuple[str, str | None]]:
@@ -635,7 +785,8 @@ def _parameter(
             f"{'x'.join(map(str, first.block))}, which do not line up with it"
         )
     sources = tuple(w.name for w in members)
-    return QuantizedParameter(name, first.format, shape, block, sources, first.input_scale is not None)
+    matrices = len(members) // math.prod(shape[: len(shape) - len(first.shape)])
+    return QuantizedParameter(name, first.format, shape, block, sources, first.input_scale is not None, matrices)
 
 
 def _block_along(shape: tuple[int, ...], weight: QuantizedWeight, transposed: bool) -> tuple[int, ...] | None:

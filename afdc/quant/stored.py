@@ -10,6 +10,13 @@ and its scale(s), in the checkpoint's bytes:
 - MXFP4 (gpt-oss experts): ``<name>_blocks`` uint8 ``[E, out, in / 32, 16]`` and
   ``<name>_scales`` uint8 ``[E, out, in / 32]``, output-major as the checkpoint and the kernel
   take them, whatever the bf16 parameter's orientation.
+- int4 (compressed-tensors pack-quantized): ``<name>_packed`` int32 ``[..., out, in / 8]`` and
+  ``<name>_scale`` ``[..., out, ceil(in / group)]`` in the checkpoint's float dtype, output-major
+  (fused experts' rows stacked and concatenated as their weights are).
+- NVFP4 (ModelOpt): ``<name>_packed`` uint8 ``[..., out, in / 2]``, ``<name>_scale`` float8_e4m3fn
+  ``[..., out, in / 16]`` and ``<name>_scale_2`` float32, the global scale of each checkpoint
+  matrix: ``[1]`` for a linear, ``[E, 2]`` for fused experts' gate_up (gate's, up's), ``[E, 1]``
+  for their down.
 
 Each stored tensor names the checkpoint tensors it is read from by the key the bf16 checkpoint
 would have used (``sources``), so the resharder composes it with the very conversion that
@@ -24,13 +31,22 @@ from enum import Enum
 
 import torch
 
-from afdc.quant.scheme import MXFP4_GROUP, MXFP4_GROUP_BYTES, QuantFormat, QuantizedParameter, QuantScheme
+from afdc.quant.scheme import (
+    MXFP4_GROUP,
+    MXFP4_GROUP_BYTES,
+    PACKED_VALUES,
+    QuantFormat,
+    QuantizationError,
+    QuantizedParameter,
+    QuantScheme,
+)
 
 
 class Role(str, Enum):
     DATA = "data"
     SCALE = "scale"
     INPUT_SCALE = "input_scale"
+    GLOBAL_SCALE = "global_scale"
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,8 @@ def _stored(scheme: QuantScheme, p: QuantizedParameter) -> tuple[StoredTensor, .
             StoredTensor(f"{p.name}_scales", p.name, Role.SCALE, p.format, (*experts, out, groups), torch.uint8,
                          scale_sources),
         )  # fmt: skip
+    if p.format in PACKED_VALUES:
+        return _packed(p, members)
     direct = len(members) == 1 and members[0].shape == p.shape  # stored as the parameter is: shapes as stored
     scale_shape = members[0].scale.shape if direct else p.scale_shape
     scale_dtype = members[0].scale.dtype if members else torch.float32
@@ -99,6 +117,31 @@ def _stored(scheme: QuantScheme, p: QuantizedParameter) -> tuple[StoredTensor, .
         shape, dtype = (inputs[0].shape, inputs[0].dtype) if inputs else ((1,), torch.float32)
         stored.append(StoredTensor(f"{p.name}_input_scale", p.name, Role.INPUT_SCALE, p.format, shape, dtype,
                                    tuple((w.name, i.name) for w, i in zip(members, inputs))))  # fmt: skip
+    return tuple(stored)
+
+
+def _packed(p: QuantizedParameter, members: list) -> tuple[StoredTensor, ...]:
+    """int4 words or NVFP4 bytes, output-major, their group scales, and NVFP4's global scales."""
+    *lead, out, inner = p.shape
+    per = PACKED_VALUES[p.format]
+    if p.block[-1] == 1 and inner != 1:
+        raise QuantizationError(f"{p.name} {list(p.shape)} is {p.format.value} with its groups along dim -2 (an "
+                                "input-major parameter); afdc runs packed weights stored output-major only")
+    if inner % per:
+        raise QuantizationError(f"{p.name} {list(p.shape)}: {p.format.value} packs {per} input features an "
+                                f"element, and {inner} is not a multiple of {per}")
+    int4 = p.format is QuantFormat.INT4_GROUP
+    keys = [w.name.removesuffix("_packed") if int4 else w.name for w in members]  # the bf16 checkpoint's key
+    stored = [
+        StoredTensor(f"{p.name}_packed", p.name, Role.DATA, p.format, (*lead, out, inner // per),
+                     torch.int32 if int4 else torch.uint8, tuple(zip(keys, (w.name for w in members)))),
+        StoredTensor(f"{p.name}_scale", p.name, Role.SCALE, p.format, p.scale_shape,
+                     members[0].scale.dtype if members else (torch.bfloat16 if int4 else torch.float8_e4m3fn),
+                     tuple(zip(keys, (w.scale.name for w in members)))),
+    ]  # fmt: skip
+    if not int4:
+        stored.append(StoredTensor(f"{p.name}_scale_2", p.name, Role.GLOBAL_SCALE, p.format, (*lead, p.matrices),
+                                   torch.float32, tuple(zip(keys, (w.global_scale.name for w in members)))))
     return tuple(stored)
 
 
