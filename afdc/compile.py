@@ -154,13 +154,14 @@ def _rank_targets(built: Built) -> dict[str, list[TargetTensor]]:
     targets: dict[str, list[TargetTensor]] = {}
     y, tp = built.plan.ffn_ranks, built.plan.attention_tp
     whole = Split()
+    view = built.views.get
     for t in range(tp):
         targets[_attention_file(t, tp)] = [
-            TargetTensor(n, built.attention_splits.get(n, whole).slice(t, tp)) for n in built.attention_names()
+            TargetTensor(n, built.attention_splits.get(n, whole).slice(t, tp), view(n)) for n in built.attention_names()
         ]
     splits = built.ffn_splits()
     for r in range(y):
-        targets[f"ffn-{r}"] = [TargetTensor(n, s.slice(r, y)) for n, s in sorted(splits.items())]
+        targets[f"ffn-{r}"] = [TargetTensor(n, s.slice(r, y), view(n)) for n, s in sorted(splits.items())]
     return targets
 
 

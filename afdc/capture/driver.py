@@ -33,7 +33,7 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     model.eval()
     argument = cache_argument(model)
     mixers: set[type] = set()
-    with afdc_attention(model), torch.no_grad(), as_grouped_experts(model):
+    with afdc_attention(model), torch.no_grad(), as_grouped_experts(model) as views:
         while True:  # each module type found asking the cache for state is made a mixer op, then again
             try:
                 with as_mixer_ops(model, mixers):
@@ -45,6 +45,7 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
                         f"the forward reads per-layer cache state outside a token mixer ({found})"
                     ) from None
                 mixers.add(type(found.module))
+    captured.views = views
     if captured.specialized:
         captured.state_outside_cache = state_outside_cache(model)
     return captured

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -35,6 +36,7 @@ from transformers import PreTrainedModel
 from transformers.integrations.moe import _default_apply_gate, _grouped_linear, grouped_mm_experts_forward
 
 from afdc.errors import UnsupportedModelError
+from afdc.segment import RowView
 
 CONTRACT = ("hidden_states", "top_k_index", "top_k_weights")
 
@@ -175,11 +177,12 @@ def _check(path: str, module: torch.nn.Module, stacks: ExpertStacks, hidden_size
 
 
 @contextlib.contextmanager
-def as_grouped_experts(model: PreTrainedModel) -> Iterator[None]:
+def as_grouped_experts(model: PreTrainedModel) -> Iterator[dict[str, RowView]]:
     """Every loop-experts module of ``model`` computed by grouped matmuls while the block runs;
-    stacks it holds beyond the experts that compute, or holds flat, exported as their views."""
+    stacks it holds beyond the experts that compute, or holds flat, exported as their views.
+    Yields those views by parameter name, as rows of what the checkpoint stores."""
     hidden_size = model.config.get_text_config().hidden_size
-    patched = []
+    patched, views = [], {}
     try:
         for path, m in loop_experts(model):
             stacks = stacks_of(path, m)
@@ -188,10 +191,14 @@ def as_grouped_experts(model: PreTrainedModel) -> Iterator[None]:
             owners = {name: _owner(m, name) for name in stacks.exported}
             saved = {name: getattr(owner, leaf) for name, (owner, leaf) in owners.items()}
             for name, (owner, leaf) in owners.items():
-                setattr(owner, leaf, torch.nn.Parameter(stacks.exported[name], requires_grad=False))
+                view = stacks.exported[name]
+                setattr(owner, leaf, torch.nn.Parameter(view, requires_grad=False))
+                if view.shape != saved[name].shape:
+                    rows = view.numel() // math.prod(saved[name].shape[1:])
+                    views[f"{path}.{name}" if path else name] = RowView(rows, tuple(view.shape))
             m.forward = functools.partial(_forward_of, m, stacks)
             patched.append((m, owners, saved))
-        yield
+        yield views
     finally:
         for m, owners, saved in patched:
             del m.forward
