@@ -156,7 +156,7 @@ def _apart_forward(stacks: ExpertStacks, x: torch.Tensor, ids: torch.Tensor, wei
     return out[inverse].view(x.shape[0], k, x.shape[-1]).sum(dim=1).to(x.dtype)
 
 
-def _check(path: str, module: torch.nn.Module, stacks: ExpertStacks, hidden_size: int) -> None:
+def check_against_own_forward(path: str, module: torch.nn.Module, stacks: ExpertStacks, hidden_size: int) -> None:
     """The replacement against the module's own forward, every expert (and one identity id) hit."""
     ids = torch.arange(stacks.experts + stacks.identity).repeat_interleave(2).view(-1, 2)
     ids = torch.cat([ids, ids.flip(0)], dim=-1)
@@ -187,7 +187,7 @@ def as_grouped_experts(model: PreTrainedModel) -> Iterator[dict[str, RowView]]:
         for path, m in loop_experts(model):
             stacks = stacks_of(path, m)
             if not stacks.down.is_meta:
-                _check(path, m, stacks, hidden_size)
+                check_against_own_forward(path, m, stacks, hidden_size)
             owners = {name: _owner(m, name) for name in stacks.exported}
             saved = {name: getattr(owner, leaf) for name, (owner, leaf) in owners.items()}
             for name, (owner, leaf) in owners.items():
