@@ -45,18 +45,19 @@ def test_loop_experts_split_at_1a1f_and_1a2f_and_decode_incrementally(model_type
         assert dm.incremental and not report.decode_recomputes, report.decode_recomputes
         if plan == "1A2F":
             assert {layer.ffn_split for layer in report.layers if layer.kind == "moe"} == {"ep"}
+        elif model_type == "longcat_flash":
+            _check_shortcut_and_identity_experts(model, dm)
         out = dm(ids, attention_mask=mask).logits
         assert (out[valid] - ref[valid]).abs().max() <= 1e-4 * ref[valid].abs().max(), plan
         assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected), plan
 
 
-def test_longcat_shortcut_moe_overlaps_the_next_attention_and_its_identity_experts_hold_nothing():
-    """The shortcut-connected MoE reads the stream after the first attention and is added after the
-    second attention and MLP: it is sent before that attention and received after it, so the FFN
-    side computes it meanwhile. Its zero-computation experts take no FFN weights: the stacked
-    gate/up rows the checkpoint keeps for them are not held, and only the hidden state crosses."""
-    model = _model("longcat_flash")
-    dm = afdc.disaggregate(model, "1A1F")
+def _check_shortcut_and_identity_experts(model, dm) -> None:
+    """LongCat-Flash's shortcut-connected MoE reads the stream after the first attention and is
+    added after the second attention and MLP: it is sent before that attention and received after
+    it, so the FFN side computes it meanwhile. Its zero-computation experts take no FFN weights:
+    the stacked gate/up rows the checkpoint keeps for them are not held, and only the hidden state
+    crosses."""
     report = dm.report()
     moe = next(layer for layer in report.layers if layer.kind == "moe")
     graph = dm.attention.module.graph
