@@ -167,8 +167,11 @@ class _Finder:
         if not gf.is_op(combined, aten.add) or self.residual_operands(combined) is None:
             return None
         shape = branch.meta["val"].shape
-        common = gf.nodes_of(self.anc[branch] & self.anc[combined], self.order)
-        for a in reversed(common):
+        common = self.anc[branch] & self.anc[combined]
+        while common:  # the latest first: the highest bit
+            latest = common.bit_length() - 1
+            common ^= 1 << latest
+            a = self.order[latest]
             if a not in self.free and gf.is_tensor(a) and gf.same_shape(a.meta["val"].shape, shape):
                 return a if self.is_ffn(a, self.region(a, branch)) else None
         return None
