@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -38,7 +38,7 @@ from afdc.runtime.model import DefaultPositions, DisaggregatedModel, ModelTraits
 from afdc.runtime.programs import AttentionProgram, FFNProgram
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.runtime.transport import ConnectorKind
-from afdc.segment import Segment, SegmentBinding, Split
+from afdc.segment import RowView, Segment, SegmentBinding, Split
 
 
 @dataclass(kw_only=True)
@@ -57,6 +57,7 @@ class Built:
     max_positions: int | None  # the longest key length the captured graph is valid for (None: any)
     mixers: list[MixerSite]  # the attention graph's stateful-mixer call sites, with their state
     quant: QuantizedTensors | None = None  # the checkpoint's quantized parameters as the programs take them
+    views: dict[str, RowView] = field(default_factory=dict)  # weights read as views of stored rows (capture's)
 
     def weight_bytes(self, name: str) -> int:
         """The bytes of weight ``name`` as the checkpoint stores it (:func:`stored_size`)."""
@@ -155,6 +156,7 @@ def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None, 
         max_positions=captured.max_positions,
         mixers=mixers,
         quant=stored,
+        views=captured.views,
     )
 
 

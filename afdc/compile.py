@@ -189,12 +189,15 @@ def _rank_targets(built: Built, drafter: Built | None = None) -> dict[str, list[
     whole = Split()
     programs = [built, drafter] if drafter is not None else [built]
     attention_splits = {n: s for b in programs for n, s in b.attention_splits.items()}
+    view = {n: v for b in programs for n, v in b.views.items()}.get
     names = sorted({n for b in programs for n in b.attention_names()})
     for t in range(tp):
-        targets[_attention_file(t, tp)] = [TargetTensor(n, attention_splits.get(n, whole).slice(t, tp)) for n in names]
+        targets[_attention_file(t, tp)] = [
+            TargetTensor(n, attention_splits.get(n, whole).slice(t, tp), view(n)) for n in names
+        ]
     splits = {n: s for b in programs for n, s in b.ffn_splits().items()}
     for r in range(y):
-        targets[f"ffn-{r}"] = [TargetTensor(n, s.slice(r, y)) for n, s in sorted(splits.items())]
+        targets[f"ffn-{r}"] = [TargetTensor(n, s.slice(r, y), view(n)) for n, s in sorted(splits.items())]
     return targets
 
 

@@ -105,6 +105,34 @@ def as_rows(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class RowView:
+    """A weight the programs read as a view of the tensor the checkpoint stores: its first ``rows``
+    rows along dim 0 read as ``shape``, whose dim 0 counts blocks of ``rows // shape[0]`` rows
+    (stacked experts a module keeps flat as ``[E*I, H]``, or past the experts that compute). A
+    rank's slice is taken of ``shape``; its bytes are the same rows of the stored tensor."""
+
+    rows: int
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(self.shape))
+        if not self.shape or self.rows % self.shape[0]:
+            raise ValueError(f"{self}: rows must be whole blocks of dim 0 of shape")
+
+    @property
+    def block(self) -> int:
+        return self.rows // self.shape[0]
+
+    def stored_ranges(self, part: ShardSlice) -> list[tuple[int, int]]:
+        """The stored tensor's dim-0 row ranges that hold ``part`` of the view."""
+        if part.dim is None:
+            return [(0, self.rows)]
+        if part.dim != 0:
+            raise ValueError(f"{part} splits dim {part.dim} of a view of stored rows (only dim 0 can be split)")
+        return [(lo * self.block, hi * self.block) for lo, hi in part.index(self.shape)]
+
+
+@dataclass(frozen=True)
 class ShardSlice:
     """Which part of a full tensor one rank holds.
 

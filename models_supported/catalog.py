@@ -242,6 +242,18 @@ ENTRIES: list[ModelEntry] = [
     _e("MiniMax-M3 (text)", "minimax_m3_vl_text", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K}, moe=2),
     _e("Aria (text)", "aria_text", "moe", {"moe_num_experts": _E, "moe_topk": _K, "moe_num_shared_experts": 1},
        "shared expert", moe=2, transformers="5.24"),  # 5.17's routing is data-dependent under torch.export
+    _e("DBRX", "dbrx", "moe",
+       {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 128,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": _E, "moe_top_k": _K}},
+       "clipped fused qkv; experts in a Python loop over those hit, flat [E*I, H] stacks (captured as grouped "
+       "matmuls)", moe=2),
+    _e("LongCat-Flash", "longcat_flash", "moe",
+       {"num_layers": 1, "n_routed_experts": _E, "zero_expert_num": 2, "moe_topk": _K,
+        "expert_ffn_hidden_size": _MOE_I, "ffn_hidden_size": 64, **_MLA},
+       "MLA, two attention and two dense MLP sub-layers per layer; experts in a Python loop (captured as grouped "
+       "matmuls), 2 zero-computation (identity) experts adding weight * x; shortcut-connected MoE, added after "
+       "the next attention and MLP: its FFN work overlaps that attention", moe=1, dense=2),
     # -- hyper-connections ------------------------------------------------------------------------
     _e("HY-V4", "hy_v4", "hyper",
        {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
@@ -344,9 +356,10 @@ CORE: frozenset[str] = frozenset({
     "gpt_neox", "cohere", "phi", "falcon",
     "gpt2",
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "granitemoe", "phimoe",
+    "dbrx", "longcat_flash",  # experts in a Python loop; identity experts and a shortcut-connected MoE
     "lfm2", "qwen3_next", "granitemoehybrid",
     # refusals
-    "jamba", "dbrx",
+    "jamba", "rwkv",
 })
 
 _SPECIALIZES = (
@@ -356,15 +369,7 @@ _NO_FFN_SSM = (
     "no FFN region found: this is a pure sequence-mixer (state-space) model with no position-wise weight branch "
     "added to the residual stream"
 )
-_EXPERT_LOOP = (
-    "the MoE loops over the experts that received tokens (nonzero(): a data-dependent loop); capturing it needs "
-    "a batched formulation of its experts (transformers' experts interface does not cover this block) or an "
-    "opaque expert op that FFN ranks run with the block's own code"
-)
 _STATE_OUTSIDE_CACHE = "the forward keeps per-sequence state outside transformers' per-layer cache API"
-_DATA_DEPENDENT = (
-    "torch.export could not capture the forward: incremental: Could not guard on data-dependent expression"
-)
 
 # model_type -> the UnsupportedModelError text afdc raises for it (the message starts with this).
 REFUSED: dict[str, str] = {
@@ -375,8 +380,6 @@ REFUSED: dict[str, str] = {
     "rwkv": _SPECIALIZES,
     "mamba": _NO_FFN_SSM,
     "falcon_mamba": _NO_FFN_SSM,
-    "dbrx": _DATA_DEPENDENT,
-    "longcat_flash": _DATA_DEPENDENT,
     "deepseek_v4": _SPECIALIZES,
 }
 
@@ -393,8 +396,6 @@ REFUSED_CAUSE: dict[str, str] = {
     "rwkv": "the WKV recurrence scans the sequence in a Python loop",
     "mamba": "pure state-space model: no FFN to disaggregate",
     "falcon_mamba": "pure state-space model: no FFN to disaggregate",
-    "dbrx": _EXPERT_LOOP,
-    "longcat_flash": _EXPERT_LOOP + "; its zero-compute (identity) experts too",
     "deepseek_v4": "compressed sparse attention's compressor assumes a full block of 4 tokens: the graph holds only "
                    "from 4 tokens on (its hyper-connections and hash routing split as they should)",
 }
@@ -408,11 +409,6 @@ REFUSED_OVERRIDES: dict[str, dict] = {
     "mamba": {"state_size": 4},
     "falcon_mamba": {"state_size": 4},
     "rwkv": {"attention_hidden_size": 32},
-    "dbrx": {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 128,
-             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-             "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": _E, "moe_top_k": _K}},
-    "longcat_flash": {"num_layers": 1, "n_routed_experts": _E, "zero_expert_num": 2, "moe_topk": _K,
-                      "expert_ffn_hidden_size": _MOE_I, "ffn_hidden_size": 64, **_MLA},
     "deepseek_v4": {"n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
                     "n_shared_experts": 1, "q_lora_rank": 16, "qk_rope_head_dim": 8, "hc_mult": 2,
                     "mlp_layer_types": ["hash_moe", "moe"], "index_topk": 4,

@@ -66,6 +66,7 @@ def _check_completions(client, artifact: Path) -> None:
         ("deepseek_v32", "2A2F", 2, None),
         ("qwen3_5_moe_text", "1A1F", 1, None),
         ("nemotron_h", "1A1F", 1, None),
+        ("longcat_flash", "1A2F", 1, None),
     ],
 )
 def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micro_batches, backend):
@@ -74,7 +75,10 @@ def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micr
     decoding requests run as the rows of one padded batch per micro-batch, prefills alone. Under
     ``inductor`` the program runs in pieces, and the worker's warm-up steps before serving (their
     keys and mixer states written into the null block) leave every request's tokens as they were.
-    (Granite 4 hybrid, and Qwen3-Next under --attn-tp 2: test_hybrid_preemption_keeps_outputs.)"""
+    (Granite 4 hybrid, and Qwen3-Next under --attn-tp 2: test_hybrid_preemption_keeps_outputs.)
+    LongCat-Flash has no mixer but two MLA calls per layer, experts captured from a Python loop
+    (its identity experts' gate/up rows not in the FFN files) and a MoE received after the next
+    attention."""
     artifact = _artifact(tmp_path, model_type, plan, micro_batches)
     with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",), backend=backend) as (client, _):
         _check_completions(client, artifact)

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 
 from afdc.artifact.checkpoint import DTYPES, Checkpoint, Layout, Piece, SourceReader, resolve
 from afdc.quant.stored import StoredTensor
-from afdc.segment import ShardSlice
+from afdc.segment import RowView, ShardSlice
 
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 WORKERS = min(4, os.cpu_count() or 1)  # file writes are memory-bound: more threads than this only contend
@@ -41,6 +41,7 @@ class TargetTensor:
 
     name: str
     slice: ShardSlice = field(default_factory=ShardSlice)
+    view: RowView | None = None  # the programs read the stored tensor's rows as this view (slice is of it)
 
 
 @dataclass
@@ -136,7 +137,7 @@ class _HashingWriter:
 @dataclass(frozen=True)
 class _Entry:
     placement: Placement
-    layout: Layout  # of the rank's local tensor: shape == placement.shape
+    layout: Layout  # of the rank's local tensor: its elements those of placement.shape, in row-major order
 
 
 @dataclass(frozen=True)
@@ -169,12 +170,16 @@ def _plan_file(
     specs = []
     for tensor in file.tensors:
         full = layouts[tensor.name]
-        rank = full if tensor.slice.dim is None else full.take(tensor.slice.dim, tensor.slice.index(full.shape))
+        if tensor.view is not None:  # the view's rows: the same bytes, read as the view's shape
+            rank = full.take(0, tensor.view.stored_ranges(tensor.slice))
+            shape = (rank.shape[0] // tensor.view.block, *tensor.view.shape[1:])
+        else:
+            rank = full if tensor.slice.dim is None else full.take(tensor.slice.dim, tensor.slice.index(full.shape))
+            shape = rank.shape
         local[tensor.name] = rank
         source_dtype = checkpoint.tensors[full.pieces[0].key].dtype
         # a quantized parameter's tensors (scales included) mean something only as stored
-        specs.append((tensor.name, source_dtype if tensor.name in keep else _output_dtype(source_dtype, dtype),
-                      rank.shape))
+        specs.append((tensor.name, source_dtype if tensor.name in keep else _output_dtype(source_dtype, dtype), shape))
     header, placements = encode_header(specs, file.metadata)
     entries = tuple(_Entry(placement, local[placement.name]) for placement in placements)
     size = placements[-1].offset + placements[-1].nbytes if placements else len(header)
@@ -225,7 +230,7 @@ def _write_entry(writer: _HashingWriter, reader: SourceReader, entry: _Entry, pr
         box = piece.arrange(reader.read(piece.key, piece.source_index()))
         data = memoryview(box.to(placement.dtype).contiguous().reshape(-1).view(torch.uint8).numpy())
         position = 0
-        for start, count in _runs(placement.shape, piece):
+        for start, count in _runs(entry.layout.shape, piece):
             writer.write(placement.offset + start * itemsize, data[position : position + count * itemsize])
             position += count * itemsize
         progress.advance(data.nbytes)

@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from afdc.mixer_site import MixerSite
+from afdc.segment import RowView
 
 INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
 
@@ -37,6 +38,8 @@ class CapturedGraph:
     # layers, where afdc finds no mixer to keep it per sequence ("": none found)
     state_outside_cache: str = ""
     mixers: list[MixerSite] = field(default_factory=list)  # the graph's afdc::mixer call sites, by slot
+    # parameters the graph reads as views of what the checkpoint stores (a loop-experts module's stacks)
+    views: dict[str, RowView] = field(default_factory=dict)
 
 
 def key_length_tied(graph: fx.Graph) -> bool:

@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 from afdc.capture.attention_hooks import afdc_attention
 from afdc.capture.canonical import canonical_names, to_get_attr_graph, unwrap_module_stack
 from afdc.capture.captured import NO_POSITIONS, ONE_LENGTH, TIED, CapturedGraph, key_length_tied
+from afdc.capture.expert_loops import as_grouped_experts
 from afdc.capture.export import Specialized, export_forward, relaxed_limit, takes_positions
 from afdc.capture.mixer_discovery import as_mixer_ops
 from afdc.capture.outside_state import state_outside_cache
@@ -32,7 +33,7 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
     model.eval()
     argument = cache_argument(model)
     mixers: set[type] = set()
-    with afdc_attention(model), torch.no_grad():
+    with afdc_attention(model), torch.no_grad(), as_grouped_experts(model) as views:
         while True:  # each module type found asking the cache for state is made a mixer op, then again
             try:
                 with as_mixer_ops(model, mixers):
@@ -44,6 +45,7 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
                         f"the forward reads per-layer cache state outside a token mixer ({found})"
                     ) from None
                 mixers.add(type(found.module))
+    captured.views = views
     if captured.specialized:
         captured.state_outside_cache = state_outside_cache(model)
     return captured

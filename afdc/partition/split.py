@@ -54,8 +54,13 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     emitter = SymEmitter(new, [])
 
+    lazy = _reshapes_of(graph, returned, ffn_nodes, needs)
+
     def lookup(n: fx.Node) -> fx.Node:
         if n in env:
+            return env[n]
+        if n in lazy:
+            place(n)
             return env[n]
         if n in returned:
             cut, i = returned[n]
@@ -70,7 +75,8 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
 
     def waits(node: fx.Node) -> bool:
         unsent = (p in returned and returned[p][0].region.index not in tickets for p in node.all_input_nodes)
-        return any(unsent) or any(p in deferred for p in node.all_input_nodes)
+        inputs = node.all_input_nodes
+        return any(unsent) or any(p in deferred or (p in lazy and waits(p)) for p in inputs)
 
     def place(node: fx.Node) -> bool:
         """Copy ``node``; whether that emitted a send."""
@@ -93,7 +99,7 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
     # returns partial sums for the attention side to normalize).
     deferred: dict[fx.Node, None] = {}
     for node in graph.nodes:
-        if node in ffn_nodes:
+        if node in ffn_nodes or node in lazy:
             continue
         if waits(node):
             deferred[node] = None
@@ -108,6 +114,28 @@ def build_attention_graph(graph: fx.Graph, cuts: list[Cut]) -> fx.Graph:
     new.eliminate_dead_code()
     new.lint()
     return new
+
+
+# ops that only reshape or cast a value: placed where their result is first used
+_RESHAPES = (
+    torch.ops.aten.view, torch.ops.aten.reshape, torch.ops.aten._unsafe_view, torch.ops.aten.unsqueeze,
+    torch.ops.aten.squeeze, torch.ops.aten.flatten, torch.ops.aten.to, torch.ops.aten._to_copy, torch.ops.aten.alias,
+)
+
+
+def _reshapes_of(graph: fx.Graph, returned, ffn_nodes: set[fx.Node], needs) -> set[fx.Node]:
+    """The attention-side nodes that only reshape or cast an FFN output (or such a reshape), and
+    are no FFN input: copied where first used, so that their FFN output is received as late as
+    the computation allows. A branch added to the stream past later sub-layers (a
+    shortcut-connected MoE) then runs on the FFN side while the attention side computes those."""
+    lazy: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node in ffn_nodes or node in needs or not gf.is_op(node, *_RESHAPES):
+            continue
+        tensors = [p for p in node.all_input_nodes if gf.is_tensor(p)]
+        if len(tensors) == 1 and (tensors[0] in returned or tensors[0] in lazy):
+            lazy.add(node)
+    return lazy
 
 
 def _segment_closure(cut: Cut, free: set[fx.Node]) -> list[fx.Node]:

@@ -152,6 +152,28 @@ class _Finder:
             stream = self._stream_within(combined, branch)
             if stream is not None:
                 return stream, branch
+        for combined, branch in ((x, y), (y, x)):
+            stream = self._shortcut_stream(combined, branch)
+            if stream is not None:
+                return stream, branch
+        return None
+
+    def _shortcut_stream(self, combined: fx.Node, branch: fx.Node) -> fx.Node | None:
+        """The stream value of a shortcut-connected branch: one computed from an earlier value of
+        the stream and added to a later one (``combined``, itself a residual add), past the
+        sub-layers between (LongCat-Flash's MoE, added after the next attention and MLP). It is
+        the latest value of the branch's shape that both descend from, when its region to the
+        branch is an FFN."""
+        if not gf.is_op(combined, aten.add) or self.residual_operands(combined) is None:
+            return None
+        shape = branch.meta["val"].shape
+        common = self.anc[branch] & self.anc[combined]
+        while common:  # the latest first: the highest bit
+            latest = common.bit_length() - 1
+            common ^= 1 << latest
+            a = self.order[latest]
+            if a not in self.free and gf.is_tensor(a) and gf.same_shape(a.meta["val"].shape, shape):
+                return a if self.is_ffn(a, self.region(a, branch)) else None
         return None
 
     def _stream_within(self, combined: fx.Node, branch: fx.Node) -> fx.Node | None:
