@@ -183,8 +183,7 @@ def _resources(up: psutil.Process) -> dict[str, tuple[int, int]]:
 
 
 def soak(artifact: Path, log_dir: Path, requests: int, concurrency: int, tokens: int, kills: int,
-         spares: int = 1, startup: float = 600.0, say=print, clean: int | None = None) -> Soak:
-    """The clean run serves the first ``clean`` requests (default: all), the faulted run all of them."""
+         spares: int = 1, startup: float = 600.0, say=print) -> Soak:
     import openai
 
     ids = prompts(requests)
@@ -210,8 +209,8 @@ def soak(artifact: Path, log_dir: Path, requests: int, concurrency: int, tokens:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the spares were not waiting within {startup:g} s; see {log_dir}")
             time.sleep(0.2)
-        baseline = _serve(client, ids[:clean], ref, tokens, concurrency)
-        say(f"clean run: {len(baseline.latencies)}/{len(ids[:clean])} done")
+        clean = _serve(client, ids, ref, tokens, concurrency)
+        say(f"clean run: {len(clean.latencies)}/{requests} done")
         faults = Faults(up, artifact, url)
         at = sorted({max(1, requests * k // (kills + 1)) for k in range(1, kills + 1)})[:2]
         first = faults.serving(1)
@@ -229,7 +228,7 @@ def soak(artifact: Path, log_dir: Path, requests: int, concurrency: int, tokens:
         faults.join()
         after = _resources(up)
         resources = {name: (*before[name], *after[name]) for name in before if name in after}
-        return Soak(baseline, faulted, faults.takeovers, resources, faults.kills)
+        return Soak(clean, faulted, faults.takeovers, resources, faults.kills)
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)

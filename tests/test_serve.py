@@ -955,21 +955,20 @@ def _read(path: Path) -> str:
 
 def test_soak_under_faults_loses_no_request(models, tmp_path):
     """benchmarks/soak_faults.py, shortened: `afdc up` of the MoE model at 2A2F with one hot spare
-    serves 16 requests, 8 in flight (after 8 without faults), while the process serving FFN rank 0 is
-    SIGKILLed, then the one serving rank 1, then the spare that claims rank 1 while it loads: every
-    request completes with the tokens of dm.generate, none errors, and the processes that served
-    through the run kept their open file descriptors and about their resident memory."""
+    serves 24 requests, 8 in flight, while the process serving FFN rank 0 is SIGKILLed, then the
+    one serving rank 1, then the spare that claims rank 1 while it loads: every request completes
+    with the tokens of dm.generate, none errors, and the processes that served through the run
+    kept their open file descriptors and about their resident memory."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     from soak_faults import soak
 
-    s = soak(_artifact(models, "moe", "2A2F"), tmp_path / "logs", requests=16, concurrency=8, tokens=8, kills=3,
-             clean=8)
+    s = soak(_artifact(models, "moe", "2A2F"), tmp_path / "logs", requests=24, concurrency=8, tokens=8, kills=3)
     print(f"soak: p50 {s.faulted.percentile(50):.2f} s, p99 {s.faulted.percentile(99):.2f} s with faults "
           f"(clean {s.clean.percentile(50):.2f} s, {s.clean.percentile(99):.2f} s); takeovers {s.takeovers}; "
           f"kills {s.kills}")
-    for run, requests in ((s.clean, 8), (s.faulted, 16)):
+    for run in (s.clean, s.faulted):
         assert not run.errors and not run.mismatches, (run.errors, run.mismatches)
-        assert len(run.latencies) == requests
+        assert len(run.latencies) == 24
     assert len(s.kills) == 3, s.kills
     served = {name: r for name, r in s.resources.items() if not name.endswith("spare")}  # a spare's grow as it serves
     assert len(served) >= 4, s.resources  # afdc up, the API server, the engines, an FFN server at least
