@@ -109,14 +109,11 @@ def stacks_of(path: str, module: torch.nn.Module) -> ExpertStacks:
 class _Interface:
     """What transformers' grouped-matmul experts function reads of an experts module."""
 
-    has_gate, has_bias, is_transposed, has_post_expert_norm = True, False, False, False
+    has_gate, has_bias, is_transposed, has_post_expert_norm, _is_expert_parallel = True, False, False, False, False
 
     def __init__(self, stacks: ExpertStacks):
         self.num_experts = stacks.experts
         self.gate_up_proj, self.down_proj, self.act_fn = stacks.gate_up, stacks.down, stacks.act
-        # ids past the last expert (identity experts) sort to the tail, which the grouped matmuls
-        # skip; the function's sentinel masks then zero those rows (the kernel leaves them unset)
-        self._is_expert_parallel = stacks.identity
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         return _default_apply_gate(self, gate_up)
@@ -125,27 +122,32 @@ class _Interface:
 def grouped_forward(stacks: ExpertStacks, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
     """The experts contract over ``stacks``, by grouped matmuls (no data-dependent control flow)."""
     x = hidden.reshape(-1, hidden.shape[-1])
-    if stacks.gate_up is not None:
+    if stacks.gate_up is not None and not stacks.identity:
         out = grouped_mm_experts_forward(_Interface(stacks), x, ids, weights)
     else:
-        out = _apart_forward(stacks, x, ids, weights)
+        out = _own_grouped_forward(stacks, x, ids, weights)
     if stacks.identity:  # zero-computation experts: each adds its weight times the token
         picked = (weights * (ids >= stacks.experts)).sum(-1, keepdim=True)
         out = out + (picked * x).to(out.dtype)
     return out.view(hidden.shape)
 
 
-def _apart_forward(stacks: ExpertStacks, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-    """transformers' grouped-matmul experts with gate and up as two stacks: sort the (token,
-    choice) pairs by expert, one grouped matmul per projection, scale, unsort, sum the choices."""
+def _own_grouped_forward(stacks: ExpertStacks, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """transformers' grouped-matmul experts where its function does not fit: gate and up as two
+    stacks, or ids past the last expert (identity experts), whose rows the grouped matmuls leave
+    unset and which are zeroed out of place (transformers' in-place masks would make the cut
+    split an in-place write, and capture trace the model twice). Sort the (token, choice) pairs
+    by expert, grouped matmuls, scale, unsort, sum the choices."""
     k = ids.shape[-1]
     flat_ids, flat_weights = ids.reshape(-1), weights.reshape(-1)
     sorted_ids, perm = torch.sort(flat_ids)
     rows = x[perm // k]
     counts = torch.histc(sorted_ids.float(), bins=stacks.experts, min=0, max=stacks.experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    gate = _grouped_linear(rows, stacks.gate, offsets)
-    up = _grouped_linear(rows, stacks.up, offsets)
+    if stacks.gate_up is not None:
+        gate, up = _grouped_linear(rows, stacks.gate_up, offsets).chunk(2, dim=-1)
+    else:
+        gate, up = _grouped_linear(rows, stacks.gate, offsets), _grouped_linear(rows, stacks.up, offsets)
     h = stacks.act(gate) * up
     out = _grouped_linear(h, stacks.down, offsets, is_transposed=stacks.down_input_major)
     if stacks.identity:
