@@ -43,6 +43,7 @@ from afdc.serve.up import Deployment
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serve import bench_client
+from gpu_summary import ratio_table
 
 CONFIG = Path(__file__).with_name("configs") / "qwen3-30b-a3b.json"
 VOCAB = 512  # the demo tokenizer's
@@ -207,20 +208,6 @@ def report(results: dict, args) -> int:
             if key.startswith("causes_") or key == "traceback":
                 print(f"--- {name} {key}:\n{text}")
     return 1 if failed else 0
-
-
-def ratio_table(mono: dict, afd: dict) -> list[str]:
-    """AFD's figures against the monolith's at each concurrency both measured (also read by
-    ``gpu_summary.py`` from the JSON)."""
-    rows = [f"{'in flight':>9} {'mono tok/s':>11} {'AFD tok/s':>10} {'ratio':>6} {'mono TPOT':>10} "
-            f"{'AFD TPOT':>9} {'ratio':>6} {'mono TTFT':>10} {'AFD TTFT':>9}"]
-    for key in sorted((k for k in mono if k[:1] == "c" and k[1:].isdigit() and k in afd), key=lambda k: int(k[1:])):
-        m, a = mono[key], afd[key]
-        rows.append(f"{key[1:]:>9} {m['output_throughput']:>11.0f} {a['output_throughput']:>10.0f} "
-                    f"{a['output_throughput'] / m['output_throughput']:>6.2f} {m['median_tpot_ms']:>10.2f} "
-                    f"{a['median_tpot_ms']:>9.2f} {a['median_tpot_ms'] / m['median_tpot_ms']:>6.2f} "
-                    f"{m['median_ttft_ms']:>10.1f} {a['median_ttft_ms']:>9.1f}")
-    return rows
 
 
 if __name__ == "__main__":

@@ -14,9 +14,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_gpu_serve import ratio_table
-
 
 def _read(out: Path, name: str) -> dict | None:
     try:
@@ -24,6 +21,20 @@ def _read(out: Path, name: str) -> dict | None:
     except (OSError, ValueError):
         print(f"{name}: no results (the section did not run, or failed before writing them)")
         return None
+
+
+def ratio_table(mono: dict, afd: dict) -> list[str]:
+    """AFD's figures against the monolith's at each concurrency both measured (``bench_gpu_serve``
+    prints it too; defined here, where nothing heavy is imported, so the summary starts at once)."""
+    rows = [f"{'in flight':>9} {'mono tok/s':>11} {'AFD tok/s':>10} {'ratio':>6} {'mono TPOT':>10} "
+            f"{'AFD TPOT':>9} {'ratio':>6} {'mono TTFT':>10} {'AFD TTFT':>9}"]
+    for key in sorted((k for k in mono if k[:1] == "c" and k[1:].isdigit() and k in afd), key=lambda k: int(k[1:])):
+        m, a = mono[key], afd[key]
+        rows.append(f"{key[1:]:>9} {m['output_throughput']:>11.0f} {a['output_throughput']:>10.0f} "
+                    f"{a['output_throughput'] / m['output_throughput']:>6.2f} {m['median_tpot_ms']:>10.2f} "
+                    f"{a['median_tpot_ms']:>9.2f} {a['median_tpot_ms'] / m['median_tpot_ms']:>6.2f} "
+                    f"{m['median_ttft_ms']:>10.1f} {a['median_ttft_ms']:>9.1f}")
+    return rows
 
 
 def served(data: dict) -> None:
