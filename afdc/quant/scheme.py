@@ -473,8 +473,9 @@ def _expert_parameters(
         out_in = (param.shape[2], param.shape[1]) if transposed else (param.shape[1], param.shape[2])
         step = _full(block, out_in)
         along = (1, step[1], step[0]) if transposed else (1, *step)
-        # transformers' fused experts concatenate each expert's gate_proj and up_proj into gate_up_proj
-        matrices = 2 if name == "gate_up_proj" else 1
+        # transformers' fused experts concatenate each expert's gate_proj and up_proj into gate_up_proj;
+        # only NVFP4 stores anything per matrix (its global scale), and its checkpoints ship them apart
+        matrices = 2 if name == "gate_up_proj" and fmt is QuantFormat.NVFP4 else 1
         found.append(QuantizedParameter(f"{module_name}.{name}", fmt, tuple(param.shape), along, matrices=matrices))
     return found
 
@@ -785,7 +786,10 @@ def _parameter(
             f"{'x'.join(map(str, first.block))}, which do not line up with it"
         )
     sources = tuple(w.name for w in members)
-    matrices = len(members) // math.prod(shape[: len(shape) - len(first.shape)])
+    # a per-matrix scale is NVFP4's alone: an fp8 gate_up assembled from two tensors stores none
+    matrices = 1
+    if first.format is QuantFormat.NVFP4:
+        matrices = len(members) // math.prod(shape[: len(shape) - len(first.shape)])
     return QuantizedParameter(name, first.format, shape, block, sources, first.input_scale is not None, matrices)
 
 
