@@ -348,8 +348,8 @@ ENTRIES: list[ModelEntry] = [
        "layer, MoE on both", moe=2),
 ]
 
-# One entry per structural variant: what AFDC_QUICK=1 runs.
-# The tests check every entry and every refusal; AFDC_QUICK=1 limits them to CORE.
+# One entry per structural variant: what the default test run (CI's) checks; `pytest --sweep` checks
+# every entry.
 CORE: frozenset[str] = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "starcoder2", "smollm3",
     "gemma2", "gemma3_text", "olmo2",

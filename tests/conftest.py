@@ -19,8 +19,24 @@ def triton_interpret():
         pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does it)")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` run first, each module's in its order (its fixtures stay shared):
-    under ``-n 2 --dist worksteal`` the workers then end the run on short tests, not one idle
-    while the other finishes a server test it took last."""
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--sweep", action="store_true", default=False,
+        help="also run the cases marked `sweep`: every catalog entry and every combination of the wide "
+             "parametrizations (the default run, CI's, checks each behaviour once)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without ``--sweep``, the cases marked ``sweep`` are deselected: each repeats, on another
+    model, plan or transport, what a case that stays already checks, and together they would
+    double CI's time. Tests marked ``slow`` run first, each module's in its order (its fixtures
+    stay shared): under ``-n 2 --dist worksteal`` the workers then end the run on short tests, not
+    one idle while the other finishes a server test it took last."""
+    if not config.getoption("--sweep"):
+        swept = [item for item in items if item.get_closest_marker("sweep") is not None]
+        if swept:
+            config.hook.pytest_deselected(items=swept)
+            items[:] = [item for item in items if item.get_closest_marker("sweep") is None]
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+

@@ -56,8 +56,15 @@ def _reference(model, ids, mask):
         return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, pos
 
 
-@pytest.mark.parametrize("plan", PLANS)
-@pytest.mark.parametrize("model_type", FAMILY_MODELS)
+# each family under one plan by default, the three plans in turn; under all three with --sweep
+@pytest.mark.parametrize(
+    ("model_type", "plan"),
+    [
+        pytest.param(m, p, id=f"{m}-{p}", marks=() if j == i % len(PLANS) else pytest.mark.sweep)
+        for i, m in enumerate(FAMILY_MODELS)
+        for j, p in enumerate(PLANS)
+    ],
+)
 def test_artifact_matches_monolith(saved, tmp_path, model_type, plan):
     model, src = saved(model_type)
     out = tmp_path / "art"

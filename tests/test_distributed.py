@@ -31,6 +31,7 @@ from afdc.runtime.server import FFNServer, serve_program
 from afdc.runtime.transport.base import Incoming, Pacing
 from afdc.segment import Dispatch, ExpertRouting
 from models_supported import catalog
+from tests.tiers import sweep
 
 NEW_TOKENS = 5
 
@@ -64,24 +65,24 @@ def reference():
 # (model, plan, options): a dense model and three MoE models (routed only; shared experts and a dense
 # first layer; a gated shared expert), M:N plans with EP and TP, the router on either side, both
 # transports; dense layers replicated with each FFN rank serving its share of the tokens (3 ranks
-# need not divide any size).
+# need not divide any size). The default run has each of these once; --sweep the other pairings.
 CASES = [
-    ("llama", "1A1F", {}, "gloo"),
-    ("llama", "2A1F", {}, "gloo"),
-    ("llama", "1A2F", {}, "gloo"),
-    ("llama", "3A2F", {"dense_ffn": "replicate"}, "shm"),
-    ("llama", "1A3F", {"dense_ffn": "replicate"}, "gloo"),
-    ("qwen3_moe", "1A1F", {}, "shm"),
-    ("qwen3_moe", "2A1F", {"router": "attn"}, "gloo"),
-    ("qwen3_moe", "1A2F", {"ffn_parallel": "ep"}, "gloo"),
-    ("qwen3_moe", "1A2F", {"ffn_parallel": "tp"}, "gloo"),
-    ("qwen3_moe", "2A2F", {"router": "attn"}, "shm"),
-    ("deepseek_v3", "2A2F", {"router": "attn", "dense_ffn": "replicate"}, "gloo"),  # shared experts whole
-    ("qwen3_moe", "3A2F", {}, "gloo"),
-    ("qwen2_moe", "2A2F", {}, "shm"),  # a gated shared expert, TP-sharded
-    ("deepseek_v3", "1A2F", {"router": "attn"}, "gloo"),
-    ("deepseek_v3", "2A2F", {"ffn_parallel": "tp"}, "shm"),
-    ("deepseek_v3", "3A2F", {"ffn_parallel": "ep"}, "gloo"),
+    sweep("llama", "1A1F", {}, "gloo"),
+    pytest.param("llama", "2A1F", {}, "gloo"),
+    sweep("llama", "1A2F", {}, "gloo"),
+    pytest.param("llama", "3A2F", {"dense_ffn": "replicate"}, "shm"),
+    sweep("llama", "1A3F", {"dense_ffn": "replicate"}, "gloo"),
+    pytest.param("qwen3_moe", "1A1F", {}, "shm"),
+    sweep("qwen3_moe", "2A1F", {"router": "attn"}, "gloo"),
+    sweep("qwen3_moe", "1A2F", {"ffn_parallel": "ep"}, "gloo"),
+    pytest.param("qwen3_moe", "1A2F", {"ffn_parallel": "tp"}, "gloo"),
+    pytest.param("qwen3_moe", "2A2F", {"router": "attn"}, "shm"),
+    pytest.param("deepseek_v3", "2A2F", {"router": "attn", "dense_ffn": "replicate"}, "gloo"),  # shared experts whole
+    sweep("qwen3_moe", "3A2F", {}, "gloo"),
+    pytest.param("qwen2_moe", "2A2F", {}, "shm"),  # a gated shared expert, TP-sharded
+    sweep("deepseek_v3", "1A2F", {"router": "attn"}, "gloo"),
+    sweep("deepseek_v3", "2A2F", {"ffn_parallel": "tp"}, "shm"),
+    pytest.param("deepseek_v3", "3A2F", {"ffn_parallel": "ep"}, "gloo"),
 ]
 
 
@@ -238,7 +239,7 @@ def test_transports_give_the_same_logits(reference):
     ("model_type", "options", "fan_out"),
     [
         ("qwen3_moe", {}, "2"),  # expert-parallel, router on the FFN side: every token to both ranks
-        ("llama", {}, "2"),  # dense TP: every token to both ranks, partial sums back
+        sweep("llama", {}, "2"),  # dense TP: every token to both ranks, partial sums back
         ("llama", {"dense_ffn": "replicate"}, "1"),  # each rank serves its share of the tokens
         ("qwen3_moe", {"router": "attn"}, "<=2"),  # each token only to its experts' ranks
     ],
@@ -293,7 +294,7 @@ def test_micro_batches_ping_pong_in_one_thread(reference, backend):
     assert [e[:3] for e in events] == turns * NEW_TOKENS  # every step, prefill and decode
 
 
-@pytest.mark.parametrize(("connector", "micro_batches"), [("gloo", 1), ("shm", 1), ("shm", 2)])
+@pytest.mark.parametrize(("connector", "micro_batches"), [("gloo", 1), sweep("shm", 1), ("shm", 2)])
 def test_killed_ffn_rank_is_reported_then_rejoins(reference, connector, micro_batches):
     model, ids, mask, ref = reference("qwen3_moe")
     dm = afdc.disaggregate(model, "1A2F", connector=connector)

@@ -48,32 +48,55 @@ def test_the_session_fits_one_device_call_and_reads_only_the_repository():
     assert models and all((configs / f"{m}.json").is_file() for m in models)
 
 
-def test_dry_run_runs_every_section_on_the_cpu(tmp_path):
-    # interleave runs by name only on a GPU; here it must not rot either. transports-nomps is the
-    # transports command again (MPS stopped first), and a CPU has no MPS: the plan test checks it
-    every = [s for s in SECTIONS if s != "transports-nomps"] + ["interleave"]
-    timeout = sum(limit for _, limit, _ in _plan("--dry-run", *every)) + 60
-    done = _session(tmp_path, "--dry-run", *every, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr
-    assert f"=== all {len(every)} sections ok" in done.stdout
-
-    served = json.loads((tmp_path / "served.json").read_text())
+def _served(out: Path) -> None:
+    served = json.loads((out / "served.json").read_text())
     assert served["failed"] == [] and served["afd_ids_equal_monolithic"], served
     # the demo in fp32 on the CPU: every served prompt's ids are dm.generate's
     assert served["ids_equal_dm_generate"] == {"monolithic": 4, "afd": 4}
     assert served["afd"]["c1"]["completed"] >= 4 and served["monolithic"]["c1"]["median_tpot_ms"] > 0
-    model = json.loads((tmp_path / "model.json").read_text())
-    row = model["model/moe/fp32/auto"]
+
+
+def _model(out: Path) -> None:
+    row = json.loads((out / "model.json").read_text())["model/moe/fp32/auto"]
     assert row["ok"] and row["backend"] == "eager" and row["dm_greedy_equal"], row
     assert row["dm_rel_diff"] <= 1e-4 and row["eager"]["per_token_ms"] is not None
-    interleave = json.loads((tmp_path / "interleave.json").read_text())["interleave/moe/fp32/eager/shm"]
-    assert interleave["ok"], interleave
-    assert interleave["served_m1_greedy_equal"] and interleave["served_m2_greedy_equal"]
-    kernels = json.loads((tmp_path / "kernels.json").read_text())
+
+
+def _kernels(out: Path) -> None:
+    kernels = json.loads((out / "kernels.json").read_text())
     assert {r["model"] for r in kernels["moe"]} == {"qwen3-30b-a3b", "deepseek-v3"}
     assert all(r["check"] in ("ok", "n/a") for r in kernels["moe"] + kernels["rows"])
-    transports = (tmp_path / "transports.log").read_text()
+
+
+def _transports(out: Path) -> None:
+    transports = (out / "transports.log").read_text()
     assert [line.split()[1] for line in transports.splitlines() if line.startswith("shm ")] == ["1", "16", "256"]
+
+
+def _interleave(out: Path) -> None:
+    interleave = json.loads((out / "interleave.json").read_text())["interleave/moe/fp32/eager/shm"]
+    assert interleave["ok"], interleave
+    assert interleave["served_m1_greedy_equal"] and interleave["served_m2_greedy_equal"]
+
+
+CHECKS = {"served": _served, "model": _model, "kernels": _kernels, "transports": _transports, "interleave": _interleave}
+
+
+# every section of the plan but transports-nomps (the transports command again, MPS stopped first,
+# and a CPU has no MPS: the plan test checks it), and interleave, which runs by name only on a GPU
+# and must not rot either; the three the next GPU call needs most in CI's run, the rest with --sweep
+@pytest.mark.parametrize(
+    "sections", [pytest.param(("served", "model", "kernels"), id="first"),
+                 pytest.param(("transports", "interleave"), id="rest", marks=pytest.mark.sweep)]
+)
+def test_dry_run_runs_every_section_on_the_cpu(tmp_path, sections):
+    assert set(CHECKS) == {s for s in SECTIONS if s != "transports-nomps"} | {"interleave"}
+    timeout = sum(limit for _, limit, _ in _plan("--dry-run", *sections)) + 60
+    done = _session(tmp_path, "--dry-run", *sections, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr
+    assert f"=== all {len(sections)} sections ok" in done.stdout
+    for section in sections:
+        CHECKS[section](tmp_path)
 
 
 def test_a_section_out_of_time_fails_the_session_and_says_so(tmp_path):

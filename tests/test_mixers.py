@@ -21,6 +21,7 @@ from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore, PagedR
 from afdc.runtime.programs import combine
 from afdc.serve.up import check_servable
 from models_supported import catalog
+from tests.tiers import sweep
 
 NEW_TOKENS = 8
 
@@ -47,7 +48,7 @@ def _batch(vocab: int, rows: int = 3, length: int = 11) -> tuple[torch.Tensor, t
         ("qwen3_next", "2A2F", {"micro_batches": 2}),
         ("granitemoehybrid", "2A2F", {"router": "attn"}),
         ("lfm2_moe", "1A2F", {"ffn_parallel": "tp"}),
-        ("qwen3_next", "1A1F", {"attention_tp": 2}),
+        sweep("qwen3_next", "1A1F", {"attention_tp": 2}),
     ],
 )
 def test_mixers_decode_incrementally_and_match_the_monolith(model_type, plan, options):
@@ -186,7 +187,7 @@ def test_paged_steps_keep_each_requests_state(model_type, tp):
         assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "hy_v4"])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", sweep("hy_v4")])
 def test_sparse_attention_indexer_keys_are_cached(tmp_path, model_type):
     """DeepSeek-V3.2-style sparse attention: the indexer's keys are kept beside the KV cache
     (``afdc::cached_keys``), so decode feeds one token a step and still picks the same keys; the
@@ -206,7 +207,7 @@ def test_sparse_attention_indexer_keys_are_cached(tmp_path, model_type):
     check_servable(manifest)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [sweep(1), 2])
 def test_paged_rows_pick_each_requests_keys(tp):
     """vLLM-style steps of a DeepSeek-V3.2-style model as the serving worker runs them
     (:class:`PagedRows`): prefills alone, then decodes of requests with different context lengths
