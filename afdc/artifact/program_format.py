@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-import afdc.ops  # noqa: F401  (registers the afdc ops the programs call, and transformers' that they keep)
+import afdc.ops  # registers the afdc ops the programs call; another library's on demand
 from afdc.artifact.manifest import ArtifactError
 from afdc.errors import AfdcError
 
@@ -229,13 +229,16 @@ class _Reader:
 
 def _resolve(target: Any, node: str = "?") -> Any:
     """The function a program's call ``target`` names, if the allow-list holds it; else
-    :class:`_Refused` naming it. Looks names up in tables and op registries, never imports."""
+    :class:`_Refused` naming it. Looks names up in tables and op registries, and imports nothing
+    a name chooses (an allowed library's ops are registered by one fixed import)."""
     if not isinstance(target, str):
         raise _Refused(f"node {node} calls {target!r}, which is not a name")
     if target in PYTHON_FUNCTIONS:
         return PYTHON_FUNCTIONS[target]
     parts = target.split(".")
     if len(parts) in (2, 3) and _allowed_op(target) and all(_IDENTIFIER.fullmatch(p) for p in parts[1:]):
+        if parts[0] in afdc.ops.LIBRARY_NAMESPACES:
+            afdc.ops.register_library_ops()
         op = _op(*parts)
         if op is not None:
             return op

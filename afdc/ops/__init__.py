@@ -10,15 +10,16 @@ Each op's body is a plain function that runs on every device; :func:`body_of` fi
 eager execution (:mod:`afdc.lowering.straight_line`) calls the body without the dispatcher's round
 trip.
 
-Importing this package also registers the one op of another library that captured graphs keep,
-``transformers::grouped_mm_fallback`` (an unsharded MoE segment's grouped matmul): every process
-that runs a program imports the afdc ops, a spawned FFN server unpickling its program included.
+One op of another library stays in captured graphs, ``transformers::grouped_mm_fallback`` (an
+unsharded MoE segment's grouped matmul). It is registered on demand (:func:`register_library_ops`),
+not by importing this package: transformers' MoE integration imports ``torch._dynamo`` and DTensor,
+about a quarter of an FFN server's start, which a server whose programs never call it need not pay.
 """
 
 from collections.abc import Callable
 
 import torch
-import transformers.integrations.moe  # noqa: F401
+import torch.fx as fx
 from torch._library import custom_ops
 
 from afdc.ops.attention import (
@@ -40,6 +41,30 @@ from afdc.ops.parallel import (
 from afdc.ops.send_recv import RecvCall, SendCall, recv, send
 from afdc.ops.slot import SlotSpec
 
+LIBRARY_NAMESPACES = ("transformers",)  # of the ops of other libraries that captured graphs keep
+
+
+def register_library_ops() -> None:
+    """Register the ops of other libraries that captured graphs keep (transformers' grouped
+    expert matmul), before a program naming one is read or traced again."""
+    import transformers.integrations.moe  # noqa: F401
+
+
+def calls_library_ops(module: fx.GraphModule) -> bool:
+    """Whether ``module``'s graph calls an op of another library."""
+    return any(
+        isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in LIBRARY_NAMESPACES
+        for node in module.graph.nodes
+    )
+
+
+class LibraryOps:
+    """Pickled ahead of a graph module that calls another library's op: unpickling it registers
+    the op before the module's code is traced again, which looks every op up by name."""
+
+    def __reduce__(self):
+        return register_library_ops, ()
+
 
 def body_of(op) -> Callable | None:
     """The function a Python custom op (``torch.library.custom_op``: afdc's, transformers' grouped
@@ -59,6 +84,7 @@ def body_of(op) -> Callable | None:
 
 __all__ = [
     "AttentionCall",
+    "LibraryOps",
     "MixerCall",
     "RecvCall",
     "SendCall",
@@ -66,6 +92,7 @@ __all__ = [
     "attention",
     "body_of",
     "cached_keys",
+    "calls_library_ops",
     "causal_mask",
     "gather_local",
     "grouped_mm_local",
@@ -74,6 +101,7 @@ __all__ = [
     "previous_hidden",
     "recv",
     "reference_attention",
+    "register_library_ops",
     "sampled_rows",
     "send",
     "tp_all_reduce",

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from afdc.lowering import backends
 from afdc.lowering.lm_head import split_head
 from afdc.lowering.straight_line import StraightLine
+from afdc.ops import LibraryOps, calls_library_ops
 from afdc.ops.context import MixerTable, mixers_active
 from afdc.runtime.static_shapes import StaticShapes, paddable
 from afdc.segment import Dispatch, ExpertRouting, Segment, SegmentBinding, as_rows, at_tokens
@@ -222,6 +223,15 @@ class FFNProgram(torch.nn.Module):
         self._parameters_owned = {n for n, w in weights.items() if isinstance(w, torch.nn.Parameter)}
         self.token_buckets = 0  # see use_buckets
         self._static: list[StaticShapes | None] | None = None  # per segment, while token_buckets
+
+    def __getstate__(self):  # first, what registers another library's op its segments call
+        first = {"_library_ops": LibraryOps()} if any(calls_library_ops(s) for s in self.segments) else {}
+        return {**first, **self.__dict__}
+
+    def __setstate__(self, state):
+        state = dict(state)
+        state.pop("_library_ops", None)
+        super().__setstate__(state)
 
     def run(self, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.layers[layer]

@@ -36,6 +36,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from afdc.codegen.triton_support import source_lock
 from afdc.errors import AfdcError
 from afdc.runtime import wire
 from afdc.runtime.gathering import Gathering
@@ -356,6 +357,9 @@ def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, option
     """Entry point of an FFN server process (``afdc serve`` and ``dm.launch()``); exits the process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
+    # what lowering a segment at its first step imports (Dynamo's compile lock, a second or more
+    # of CPU), paid before the server joins: its first reply is not later than its others
+    source_lock()
     code = 0
     try:
         FFNServer(program, layout, deployment, options, on_step, claim).serve()
