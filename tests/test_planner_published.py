@@ -9,12 +9,15 @@ meets one turns its mark into a failure, and the mark goes.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from afdc.planner.compare import compare
 from afdc.planner.hardware import get_profile
-from afdc.planner.published import config_facts, scenarios
+from afdc.planner.published import DEEPSEEK_V32_W8A8, config_facts, scenarios
+from afdc.planner.roofline import Assumptions
 
 pytestmark = pytest.mark.slow  # three real-size captures, tens of seconds each
 
@@ -45,6 +48,14 @@ def test_every_scenario_states_its_source_and_what_it_assumes():
         assert (CONFIGS / model.config).is_file()
 
 
+@pytest.mark.parametrize("name", ["910C 64A16F vs EP64 at 16K", "MegaScale-Infer vs TensorRT-LLM"])
+def test_gap_splits_the_prediction_and_says_what_step_ratio_the_published_figure_needs(name):
+    model, s = _scenario(name)
+    g = s.gap(_facts(model))
+    assert g.batch * g.step * g.share == pytest.approx(s.predict(_facts(model)), rel=1e-9)
+    assert g.batch * g.implied_step * g.share == pytest.approx(s.published, rel=1e-9)
+
+
 @pytest.mark.parametrize("context", [16, 32])
 def test_910c_64a16f_beats_48a16f_per_die_as_published(context):
     wide, published_wide = _predict(f"910C 64A16F vs EP64 at {context}K")
@@ -52,6 +63,16 @@ def test_910c_64a16f_beats_48a16f_per_die_as_published(context):
     assert published_wide > published_narrow and wide > narrow
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "with the 910C's per-message UB latency from DeepEP-Ascend (~100 us; 30 us assumed before, when this"
+        " held) the roofline's AFD margin grows by 0.4-1.2 points from 16K to 32K where the published one"
+        " shrinks by 2.3 and 4.7: halving the batch shrinks both steps' byte terms while the per-message"
+        " terms, which the EP step pays unhidden, stay; what makes the measured margin shrink with context"
+        " is in the step terms the model lacks (see _MISS)"
+    ),
+)
 @pytest.mark.parametrize("ratio", [64, 48])
 def test_910c_margin_shrinks_from_16k_to_32k_as_published(ratio):
     at_16k, published_16k = _predict(f"910C {ratio}A16F vs EP64 at 16K")
@@ -83,10 +104,16 @@ def test_megascale_infer_afd_beats_its_baseline():
     assert published > 1 and predicted > 1
 
 
+# Each prediction is batch x step x share (Scenario.gap); the batches (KV capacity beside each
+# side's weights) and shares are the model's, so a published figure says which step-time ratio
+# (EP's TPOT over AFD's) it needs. The misses are all in the step: the terms it lacks are named.
 _MISS = (
-    "the roofline predicts AFD 15-30 points below the published 910C figures: it has no term for "
-    "the losses that make the measured EP64 2.3x slower than its roofline and AFD only 1.7x "
-    "(docs/planner.md, 'Predicted against published'; benchmarks/bench_planner.py prints each gap)"
+    "the roofline's step-time ratio (EP64's TPOT over AFD's) is 0.75-0.78 where the published figures"
+    " need 0.99 and 0.93 (64A16F at 16K, 32K) and 0.90 and 0.82 (48A16F): the FFN dies' re-read of their"
+    " 41 GB of int8 experts per micro-batch sets AFD's step, and what slows the measured EP64 about 2x below"
+    " its roofline (framework and per-layer overheads beyond the exchange's per-message latency) is not"
+    " modelled. 48A16F needs a slower step than 64A16F on the same FFN pool, which no model where fewer"
+    " attention dies cannot slow the FFN side gives (benchmarks/bench_planner.py prints each factor)"
 )
 
 
@@ -99,13 +126,49 @@ def test_910c_within_5_points_with_the_right_sign(name):
     assert abs(predicted - published) <= 0.05 and (predicted > 1) == (published > 1)
 
 
-@pytest.mark.xfail(strict=True, reason="predicted 1.13x against 1.90x: " + _MISS)
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "predicted 1.13x against 1.90x: the figure needs AFD's step 1.13x faster than the baseline's at the"
+        " model's batches where the roofline gives 0.67x; the paper's baseline is TensorRT-LLM/vLLM (TP"
+        " within a node), whose kernel and scheduling losses the roofline does not model, and the paper's"
+        " model, context and node counts for the 1.90x are not in the scenario's sources (see its assumed)"
+    ),
+)
 def test_megascale_infer_headline_within_15_percent():
     predicted, published = _predict("MegaScale-Infer vs TensorRT-LLM")
     assert abs(predicted / published - 1) <= 0.15
 
 
-@pytest.mark.xfail(strict=True, reason="predicted 0.79x against 1.19x: " + _MISS)
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "predicted 0.79x against 1.19x: the figure needs AFD's step 1.52x faster than EP32's at the model's"
+        " batches where the roofline gives them equal; Baidu states no model, chip count or context for the"
+        " +19% (the scenario assumes them) and its production EP baseline's losses are not modelled"
+    ),
+)
 def test_baidu_gain_within_15_percent():
     predicted, published = _predict("Baidu production AFD at 100 ms")
     assert abs(predicted / published - 1) <= 0.15
+
+
+def test_compare_deepseek_v3_on_h100_names_the_winner_and_a_72_gpu_domain_narrows_the_dead_zone():
+    # issue 57: the shipped DeepSeek-V3 config (W8A8, as the 910C scenarios capture it) on H100s,
+    # 8 per NVLink node (a scale-out cluster) against the same chips in one 72-GPU scale-up domain
+    facts = _facts(DEEPSEEK_V32_W8A8)(4096)
+    h100 = get_profile("H100")
+    a = Assumptions(dispatch_dtype="int8")
+    margins = {}
+    for domain in (8, 72):
+        hw = dataclasses.replace(h100, scale_up_domain=domain)
+        c = compare({4096: facts}, hw, hw, [2, 3, 4], 50.0, a, ffn_gpus=20, ep_gpus=64)
+        best = c.best(4096)
+        text = str(c)
+        # the verdict names the winner and the ratio, and the three factors of the margin follow it
+        assert f"{best.afd.name} ({best.ratio:g}:1)" in text and ("AFD wins" in text or "AFD loses" in text)
+        assert all(f in text for f in ("batch x", "step x", "GPUs decoding x"))
+        margins[domain] = best.margin
+    # Baidu's roofline (arXiv 2602.09721): the NIC caps the FFN batch off a superpod; in one
+    # scale-up domain AFD's exchange stops paying the NIC, so its best margin rises
+    assert margins[72] > margins[8]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from transformers import AutoConfig
 
 from afdc.errors import PlanError
+from afdc.planner.compare import Point, factors
 from afdc.planner.deployment import Deployment, afd_deployment, mono_deployment
 from afdc.planner.facts import ModelFacts, model_facts, split_for_planning
 from afdc.planner.hardware import HardwareProfile
@@ -73,6 +74,28 @@ class Scenario:
         if base is None:
             raise PlanError(f"{self.name}: the baseline meets the target at no batch")
         return afd.tokens_per_gpu_s / base.tokens_per_gpu_s if afd else 0.0
+
+    def gap(self, facts_at: Callable[[int], ModelFacts]) -> Gap | None:
+        """The prediction split into :func:`~afdc.planner.compare.factors`, and the step-time ratio
+        the published figure implies at the same batches and GPU shares (None when AFD cannot run)."""
+        afd, base = self.deployments(facts_at(self.context))
+        if afd is None or base is None:
+            return None
+        batch, step, share = factors(Point(self.context, afd.attention_gpus / afd.ffn_gpus, afd, base))
+        return Gap(batch, step, share, self.published / (batch * share))
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Where a prediction parts from its published figure. Both are batch x step x share; the
+    batches and shares are the model's (memory and GPU counts), so the published figure says what
+    the step-time ratio must have been: a published step ratio far from the modelled one names the
+    step's terms (kernels, overheads, exchange) as what the model misses, not the memory."""
+
+    batch: float  # sequences per AFD attention GPU over per baseline GPU
+    step: float  # the baseline's modelled TPOT over AFD's
+    share: float  # AFD GPUs that decode: x / (x + y)
+    implied_step: float  # the baseline's TPOT over AFD's that the published figure needs
 
 
 def config_facts(
