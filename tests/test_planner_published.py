@@ -42,13 +42,13 @@ def _predict(name: str) -> tuple[float, float]:
 
 
 def test_every_scenario_states_its_source_and_what_it_assumes():
-    assert len(SCENARIOS) == 6
+    assert len(SCENARIOS) == 7
     for model, s in SCENARIOS:
         assert s.source and s.stated and s.assumed and model.note
         assert (CONFIGS / model.config).is_file()
 
 
-@pytest.mark.parametrize("name", ["910C 64A16F vs EP64 at 16K", "MegaScale-Infer vs TensorRT-LLM"])
+@pytest.mark.parametrize("name", ["910C 64A16F vs EP64 at 16K", "MegaScale-Infer DBRX vs TensorRT-LLM"])
 def test_gap_splits_the_prediction_and_says_what_step_ratio_the_published_figure_needs(name):
     model, s = _scenario(name)
     g = s.gap(_facts(model))
@@ -99,9 +99,15 @@ def test_step3_table2_attention_cost_at_32k_within_10_percent(config):
     assert facts.cost.attention_flops == pytest.approx(flops, rel=0.10)
 
 
-def test_megascale_infer_afd_beats_its_baseline():
-    predicted, published = _predict("MegaScale-Infer vs TensorRT-LLM")
-    assert published > 1 and predicted > 1
+MEGASCALE = ("MegaScale-Infer Mixtral-8x22B vs TensorRT-LLM", "MegaScale-Infer DBRX vs TensorRT-LLM")
+
+
+def test_megascale_infer_against_tensorrt_llm_tp_within_15_percent():
+    # "up to 1.28x" over TensorRT-LLM on Mixtral-8x22B and DBRX: the larger of the two predictions
+    predicted = [_predict(name) for name in MEGASCALE]
+    assert all(p > 1 for p, _ in predicted)
+    best = max(p for p, _ in predicted)
+    assert abs(best / predicted[0][1] - 1) <= 0.15
 
 
 # Each prediction is batch x step x share (Scenario.gap); the batches (KV capacity beside each
@@ -129,15 +135,15 @@ def test_910c_within_5_points_with_the_right_sign(name):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "predicted 1.13x against 1.90x: the figure needs AFD's step 1.13x faster than the baseline's at the"
-        " model's batches where the roofline gives 0.67x; the paper's baseline is TensorRT-LLM/vLLM (TP"
-        " within a node), whose kernel and scheduling losses the roofline does not model, and the paper's"
-        " model, context and node counts for the 1.90x are not in the scenario's sources (see its assumed)"
+        "the 1.90x headline is Scaled-MoE's (317B parameters, 32 experts, top-4, multi-node against"
+        " TensorRT-LLM with pipeline parallelism across nodes): an in-house model whose architecture the"
+        " paper does not publish, so no scenario can be built from its stated setup; Mixtral-8x22B and DBRX,"
+        " whose configs are public, are checked against their 1.28x instead"
     ),
 )
 def test_megascale_infer_headline_within_15_percent():
-    predicted, published = _predict("MegaScale-Infer vs TensorRT-LLM")
-    assert abs(predicted / published - 1) <= 0.15
+    model, s = next((m, s) for m, s in SCENARIOS if "Scaled-MoE" in s.name)
+    assert abs(s.predict(_facts(model)) / 1.90 - 1) <= 0.15
 
 
 @pytest.mark.xfail(
