@@ -29,14 +29,14 @@ def main() -> None:
     facts = {}
     rows = []
     for model, s in scenarios(get_profile):
-        if model.config not in facts:
+        if model.key not in facts:
             start = time.perf_counter()
-            facts[model.config] = config_facts(str(CONFIGS / model.config), model.overrides, model.weight_dtype)
-            print(f"captured {model.config} in {time.perf_counter() - start:.0f} s")
-        predicted = s.predict(facts[model.config])
-        rows.append((s, predicted, s.gap(facts[model.config])))
+            facts[model.key] = config_facts(str(CONFIGS / model.config), model.overrides, model.weight_dtype)
+            print(f"captured {model.config} ({model.weight_dtype}) in {time.perf_counter() - start:.0f} s")
+        predicted = s.predict(facts[model.key])
+        rows.append((s, predicted, s.gap(facts[model.key])))
         if args.verbose:
-            afd, base = s.deployments(facts[model.config](s.context))
+            afd, base = s.deployments(facts[model.key](s.context))
             for d in (afd, base):
                 if d is not None:
                     print(
@@ -46,12 +46,12 @@ def main() -> None:
             print(f"  model: {model.note}\n  stated: {s.stated}\n  assumed: {s.assumed}")
     # predicted = batch x step x share; the published figure at the model's batch and share needs
     # the step ratio in the last column: the distance between the two step columns is the miss
-    print(f"\n{'scenario':<36} {'predicted':>9} {'published':>9} {'gap':>8} {'batch':>6} {'share':>6}"
+    print(f"\n{'scenario':<46} {'predicted':>9} {'published':>9} {'gap':>8} {'batch':>6} {'share':>6}"
           f" {'step':>6} {'needed':>6}  source")
     for s, predicted, g in rows:
         gap = f"{(predicted - s.published) * 100:+.1f}pp"
         split = f"{g.batch:>6.2f} {g.share:>6.2f} {g.step:>6.2f} {g.implied_step:>6.2f}" if g else f"{'-':>27}"
-        print(f"{s.name:<36} {predicted:>9.3f} {s.published:>9.3f} {gap:>8} {split}  {s.source}")
+        print(f"{s.name:<46} {predicted:>9.3f} {s.published:>9.3f} {gap:>8} {split}  {s.source}")
 
 
 if __name__ == "__main__":

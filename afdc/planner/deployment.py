@@ -7,18 +7,20 @@ the TPOT target.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from afdc.planner.facts import LayerFacts, ModelFacts
 from afdc.planner.hardware import HardwareProfile, dtype_bytes
-from afdc.planner.interconnect import link_name, local_share, round_time, shared_domain
+from afdc.planner.interconnect import link_name, local_share, round_time, shared_domain, two_stage_round_time
 from afdc.planner.roofline import (
     GB,
     Assumptions,
     attention_batch_memory,
     attention_time,
     busiest,
+    expected_distinct,
     fan_out,
     ffn_memory,
     ffn_time,
@@ -119,8 +121,15 @@ def _afd_layer(facts, hw_a, hw_f, x, y, b, a: Assumptions) -> list[tuple[int, fl
         t_f = ffn_time(layer, hw_f, facts.weight_dtype, y, busiest(layer, x * b, a), a)
         copies = b * fan_out(layer, y, a.dense_ffn)  # hidden states one attention GPU sends per micro-batch
         load = busiest(layer, x / y, a)  # attention GPUs' worth of traffic the busiest FFN GPU carries
-        to_ffn = _m2n_time(copies * dispatch_bytes(facts, layer, a), load, local, hw_a, hw_f, a)
-        to_attn = _m2n_time(copies * layer.to_attn_bytes, load, local, hw_a, hw_f, a)
+        if a.two_stage_exchange and local < 1:
+            domains = math.ceil(y / hw_f.scale_up_domain)
+            # one copy per FFN domain holding any of the token's experts (all of them for a dense FFN)
+            nodes = b * (expected_distinct(domains, 1 / domains, layer.top_k) if layer.moe else domains)
+            to_ffn = _two_stage_time(copies, nodes, dispatch_bytes(facts, layer, a), load, local, hw_a, hw_f, a)
+            to_attn = _two_stage_time(copies, nodes, layer.to_attn_bytes, load, local, hw_a, hw_f, a)
+        else:
+            to_ffn = _m2n_time(copies * dispatch_bytes(facts, layer, a), load, local, hw_a, hw_f, a)
+            to_attn = _m2n_time(copies * layer.to_attn_bytes, load, local, hw_a, hw_f, a)
         rows.append((layer.count, t_a, t_f, to_ffn, to_attn))
     return rows
 
@@ -130,6 +139,16 @@ def _m2n_time(per_attention_gpu: float, load: float, local: float, hw_a, hw_f, a
     ``load`` attention GPUs' worth (the Baidu roofline's scale-out cap on the FFN batch)."""
     eff = a.network_efficiency
     return max(round_time(per_attention_gpu, local, hw_a, eff), round_time(load * per_attention_gpu, local, hw_f, eff))
+
+
+def _two_stage_time(copies, nodes, nbytes, load, local, hw_a, hw_f, a: Assumptions) -> float:
+    """:func:`_m2n_time` with the exchange in two stages: ``nodes`` copies cross the NIC,
+    ``copies`` the receiving domain's interconnect (the attention GPU's own interconnect carries
+    nothing: it sends each domain's copy once)."""
+    eff = a.network_efficiency
+    sender = round_time(nodes * nbytes, local, hw_a, eff)
+    receiver = two_stage_round_time(load * copies * nbytes, load * nodes * nbytes, local, hw_f, eff)
+    return max(sender, receiver)
 
 
 def _sum_times(rows) -> LayerTimes:

@@ -46,6 +46,10 @@ class Assumptions:
     # and sends every token to every GPU; "replicate" keeps it whole on each GPU and sends each
     # token to one of them
     dense_ffn: str = "tp"
+    # AFD exchange in two stages (Baidu's production AFD): a token crosses the NIC once per FFN
+    # scale-up domain that holds any of its experts, and that domain's interconnect fans it out
+    # to the GPUs (and sums their results before the way back); False: one copy per FFN GPU
+    two_stage_exchange: bool = False
 
 
 def usable_memory(hw: HardwareProfile, a: Assumptions) -> float:
