@@ -531,7 +531,7 @@ def test_cli_plan_compare_json_and_plot(llama_config_file, tmp_path):
     png = tmp_path / "compare.png"
     args = ["plan", llama_config_file, "--compare", "--ratios", "1,2", "--contexts", "1024,4096", "--ffn-gpus", "1",
             "--ep-gpus", "2", "--micro-batches", "2", "--expert-skew", "1.2", "--dispatch-dtype", "fp8",
-            "--scale-up-domain", "72", "--json", "--plot", str(png)]  # fmt: skip
+            "--scale-up-domain", "72", "--two-stage-exchange", "--json", "--plot", str(png)]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
