@@ -461,9 +461,12 @@ def _inspect_demo(plan: str, router: str, as_json: bool) -> None:
               help="Dtype hidden states travel to the FFN in [default: the model's].")
 @click.option("--scale-up-domain", type=click.IntRange(min=1),
               help="GPUs per scale-up domain (NVLink/UB), overriding the profiles'.")
+@click.option("--two-stage-exchange", is_flag=True,
+              help="AFD exchange in two stages: one NIC copy per FFN scale-up domain, fanned out over its "
+                   "interconnect (Baidu's production AFD) [default: one copy per FFN GPU].")
 def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense_ffn, hw_file, as_json,
          plot_path, compare, ratios, contexts, ffn_gpus, ep_gpus, micro_batches, expert_skew, dispatch_dtype,
-         scale_up_domain) -> None:
+         scale_up_domain, two_stage_exchange) -> None:
     """Per-token decode cost of MODEL and a recommended AFD deployment against the monolithic one.
 
     MODEL (hub id, model directory or config.json) is built on the meta device: no weights are read.
@@ -487,7 +490,7 @@ def plan(model, context, attn_hw, ffn_hw, tpot_ms, kv_dtype, weight_dtype, dense
     weight_dtype = weight_dtype or planned_weight_dtype(config) or "bf16"
     built, layers = planner.split_for_planning(meta, scheme)
     assumptions = planner.Assumptions(dense_ffn=dense_ffn, micro_batches=micro_batches, expert_skew=expert_skew,
-                                      dispatch_dtype=dispatch_dtype)
+                                      dispatch_dtype=dispatch_dtype, two_stage_exchange=two_stage_exchange)
 
     def facts_at(ctx: int) -> planner.ModelFacts:
         return planner.model_facts(built, ctx, weight_dtype, kv_dtype, name=model, layers=layers,

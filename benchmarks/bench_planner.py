@@ -3,6 +3,11 @@
 Each scenario (``afdc.planner.published``) is built from its source's stated setup; what the
 source leaves out is printed as assumed. The models are captured from ``benchmarks/configs`` on
 the meta device (no GPU, no weights): ``python benchmarks/bench_planner.py [--verbose]``.
+
+Each prediction is the product of three factors (``afdc.planner.compare.factors``): sequences per
+AFD attention GPU over per baseline GPU (batch), the baseline's step time over AFD's (step), and
+the share of AFD's GPUs that decode (share). The last column is the step ratio the published
+figure needs at the model's batch and share.
 """
 
 from __future__ import annotations
@@ -24,14 +29,14 @@ def main() -> None:
     facts = {}
     rows = []
     for model, s in scenarios(get_profile):
-        if model.config not in facts:
+        if model.key not in facts:
             start = time.perf_counter()
-            facts[model.config] = config_facts(str(CONFIGS / model.config), model.overrides, model.weight_dtype)
-            print(f"captured {model.config} in {time.perf_counter() - start:.0f} s")
-        predicted = s.predict(facts[model.config])
-        rows.append((s, predicted))
+            facts[model.key] = config_facts(str(CONFIGS / model.config), model.overrides, model.weight_dtype)
+            print(f"captured {model.config} ({model.weight_dtype}) in {time.perf_counter() - start:.0f} s")
+        predicted = s.predict(facts[model.key])
+        rows.append((s, predicted, s.gap(facts[model.key])))
         if args.verbose:
-            afd, base = s.deployments(facts[model.config](s.context))
+            afd, base = s.deployments(facts[model.key](s.context))
             for d in (afd, base):
                 if d is not None:
                     print(
@@ -39,10 +44,14 @@ def main() -> None:
                         f" {d.tokens_per_gpu_s:.0f} tokens/GPU/s"
                     )
             print(f"  model: {model.note}\n  stated: {s.stated}\n  assumed: {s.assumed}")
-    print(f"\n{'scenario':<36} {'predicted':>9} {'published':>9} {'gap':>8}  source")
-    for s, predicted in rows:
+    # predicted = batch x step x share; the published figure at the model's batch and share needs
+    # the step ratio in the last column: the distance between the two step columns is the miss
+    print(f"\n{'scenario':<46} {'predicted':>9} {'published':>9} {'gap':>8} {'batch':>6} {'share':>6}"
+          f" {'step':>6} {'needed':>6}  source")
+    for s, predicted, g in rows:
         gap = f"{(predicted - s.published) * 100:+.1f}pp"
-        print(f"{s.name:<36} {predicted:>9.3f} {s.published:>9.3f} {gap:>8}  {s.source}")
+        split = f"{g.batch:>6.2f} {g.share:>6.2f} {g.step:>6.2f} {g.implied_step:>6.2f}" if g else f"{'-':>27}"
+        print(f"{s.name:<46} {predicted:>9.3f} {s.published:>9.3f} {gap:>8} {split}  {s.source}")
 
 
 if __name__ == "__main__":

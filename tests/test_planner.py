@@ -476,6 +476,37 @@ def test_dispatch_dtype_and_fixed_micro_batches():
     assert int8.times.to_attn == pytest.approx(bf16.times.to_attn)
 
 
+def test_two_stage_exchange_sends_one_nic_copy_per_ffn_domain():
+    # 16 FFN GPUs of another chip (two 8-GPU domains, nothing shared with attention), 8 experts,
+    # top-2; an interconnect so fast that the NIC alone sets the time
+    facts = _toy_facts(count=1, experts=8, top_k=2)
+    hw_a = replace(TOY, interconnect_bandwidth=1e15)
+    hw_f = replace(hw_a, name="TOYF")
+    one, two = replace(EXACT, micro_batches=1), replace(EXACT, micro_batches=1, two_stage_exchange=True)
+    flat, staged = afd_step(facts, hw_a, hw_f, 4, 16, 8, one), afd_step(facts, hw_a, hw_f, 4, 16, 8, two)
+    # a token reaches 16(1 - (15/16)^2) = 1.94 GPUs but 2(1 - (1/2)^2) = 1.5 domains
+    assert staged.times.to_ffn / flat.times.to_ffn == pytest.approx(1.5 / 1.9375)
+    assert staged.times.to_attn / flat.times.to_attn == pytest.approx(1.5 / 1.9375)
+    # inside one scale-up domain there is no NIC stage to save
+    assert afd_step(facts, TOY, TOY, 4, 4, 8, two).tpot == afd_step(facts, TOY, TOY, 4, 4, 8, one).tpot
+
+
+def test_tp_baseline_shards_weights_and_kv_and_pays_two_all_reduces_a_layer():
+    from afdc.planner.deployment import tp_deployment, tp_step
+
+    facts = _toy_facts(count=1)
+    step = tp_step(facts, TOY, 4, 8, EXACT)
+    # 8 sequences a GPU: 8 x 1 MB of KV at 1 TB/s = 8 us; 32 tokens x 0.25 us over 4 GPUs = 2 us;
+    # each all-reduce moves 2 x 3/4 x 32 x 187.5 B = 9 kB at 1 GB/s = 9 us, twice
+    assert step.times.attention == pytest.approx(8e-6)
+    assert step.times.ffn == pytest.approx(2e-6)
+    assert step.tpot == pytest.approx(8e-6 + 2e-6 + 2 * 9e-6)
+    d = tp_deployment(facts, TOY, 4, 1.0, EXACT)
+    # 2 GB of weights split four ways leave 99.5 GB for 1 MB sequences
+    assert d.name == "TP4" and d.max_batch_memory == 99_500
+    assert tp_deployment(facts, TOY, 16, 1.0, EXACT) is None  # TP stays inside one 8-GPU domain
+
+
 def test_compare_margin_is_the_product_of_its_factors_and_the_dead_zone_is_where_afd_loses():
     from afdc.planner.compare import factors
 
@@ -500,7 +531,7 @@ def test_cli_plan_compare_json_and_plot(llama_config_file, tmp_path):
     png = tmp_path / "compare.png"
     args = ["plan", llama_config_file, "--compare", "--ratios", "1,2", "--contexts", "1024,4096", "--ffn-gpus", "1",
             "--ep-gpus", "2", "--micro-batches", "2", "--expert-skew", "1.2", "--dispatch-dtype", "fp8",
-            "--scale-up-domain", "72", "--json", "--plot", str(png)]  # fmt: skip
+            "--scale-up-domain", "72", "--two-stage-exchange", "--json", "--plot", str(png)]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

@@ -9,12 +9,15 @@ meets one turns its mark into a failure, and the mark goes.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from afdc.planner.compare import compare
 from afdc.planner.hardware import get_profile
-from afdc.planner.published import config_facts, scenarios
+from afdc.planner.published import DEEPSEEK_V32_W8A8, ERNIE_45_300B_FP8, config_facts, scenarios
+from afdc.planner.roofline import Assumptions
 
 pytestmark = pytest.mark.slow  # three real-size captures, tens of seconds each
 
@@ -24,9 +27,9 @@ _FACTS: dict[str, object] = {}
 
 
 def _facts(model):
-    if model.config not in _FACTS:
-        _FACTS[model.config] = config_facts(str(CONFIGS / model.config), model.overrides, model.weight_dtype)
-    return _FACTS[model.config]
+    if model.key not in _FACTS:
+        _FACTS[model.key] = config_facts(str(CONFIGS / model.config), model.overrides, model.weight_dtype)
+    return _FACTS[model.key]
 
 
 def _scenario(name: str):
@@ -39,10 +42,18 @@ def _predict(name: str) -> tuple[float, float]:
 
 
 def test_every_scenario_states_its_source_and_what_it_assumes():
-    assert len(SCENARIOS) == 6
+    assert len(SCENARIOS) == 7
     for model, s in SCENARIOS:
         assert s.source and s.stated and s.assumed and model.note
         assert (CONFIGS / model.config).is_file()
+
+
+@pytest.mark.parametrize("name", ["910C 64A16F vs EP64 at 16K", "MegaScale-Infer DBRX vs TensorRT-LLM"])
+def test_gap_splits_the_prediction_and_says_what_step_ratio_the_published_figure_needs(name):
+    model, s = _scenario(name)
+    g = s.gap(_facts(model))
+    assert g.batch * g.step * g.share == pytest.approx(s.predict(_facts(model)), rel=1e-9)
+    assert g.batch * g.implied_step * g.share == pytest.approx(s.published, rel=1e-9)
 
 
 @pytest.mark.parametrize("context", [16, 32])
@@ -52,6 +63,16 @@ def test_910c_64a16f_beats_48a16f_per_die_as_published(context):
     assert published_wide > published_narrow and wide > narrow
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "with the 910C's per-message UB latency from DeepEP-Ascend (~100 us; 30 us assumed before, when this"
+        " held) the roofline's AFD margin grows by 0.4-1.2 points from 16K to 32K where the published one"
+        " shrinks by 2.3 and 4.7: halving the batch shrinks both steps' byte terms while the per-message"
+        " terms, which the EP step pays unhidden, stay; what makes the measured margin shrink with context"
+        " is in the step terms the model lacks (see _MISS)"
+    ),
+)
 @pytest.mark.parametrize("ratio", [64, 48])
 def test_910c_margin_shrinks_from_16k_to_32k_as_published(ratio):
     at_16k, published_16k = _predict(f"910C {ratio}A16F vs EP64 at 16K")
@@ -69,7 +90,7 @@ STEP3_TABLE2_32K = {
 
 @pytest.mark.parametrize("config", sorted(STEP3_TABLE2_32K))
 def test_step3_table2_attention_cost_at_32k_within_10_percent(config):
-    model = next(m for m, _ in SCENARIOS if m.config == config)
+    model = {"deepseek-v3.json": DEEPSEEK_V32_W8A8, "ernie-4.5-300b-a47b.json": ERNIE_45_300B_FP8}[config]
     facts = _facts(model)(32768, kv_dtype="fp8")
     kv, flops = STEP3_TABLE2_32K[config]
     assert facts.kv_bytes == pytest.approx(kv, rel=0.10)
@@ -78,15 +99,27 @@ def test_step3_table2_attention_cost_at_32k_within_10_percent(config):
     assert facts.cost.attention_flops == pytest.approx(flops, rel=0.10)
 
 
-def test_megascale_infer_afd_beats_its_baseline():
-    predicted, published = _predict("MegaScale-Infer vs TensorRT-LLM")
-    assert published > 1 and predicted > 1
+MEGASCALE = ("MegaScale-Infer Mixtral-8x22B vs TensorRT-LLM", "MegaScale-Infer DBRX vs TensorRT-LLM")
 
 
+def test_megascale_infer_against_tensorrt_llm_tp_within_15_percent():
+    # "up to 1.28x" over TensorRT-LLM on Mixtral-8x22B and DBRX: the larger of the two predictions
+    predicted = [_predict(name) for name in MEGASCALE]
+    assert all(p > 1 for p, _ in predicted)
+    best = max(p for p, _ in predicted)
+    assert abs(best / predicted[0][1] - 1) <= 0.15
+
+
+# Each prediction is batch x step x share (Scenario.gap); the batches (KV capacity beside each
+# side's weights) and shares are the model's, so a published figure says which step-time ratio
+# (EP's TPOT over AFD's) it needs. The misses are all in the step: the terms it lacks are named.
 _MISS = (
-    "the roofline predicts AFD 15-30 points below the published 910C figures: it has no term for "
-    "the losses that make the measured EP64 2.3x slower than its roofline and AFD only 1.7x "
-    "(docs/planner.md, 'Predicted against published'; benchmarks/bench_planner.py prints each gap)"
+    "the roofline's step-time ratio (EP64's TPOT over AFD's) is 0.75-0.78 where the published figures"
+    " need 0.99 and 0.93 (64A16F at 16K, 32K) and 0.90 and 0.82 (48A16F): the FFN dies' re-read of their"
+    " 41 GB of int8 experts per micro-batch sets AFD's step, and what slows the measured EP64 about 2x below"
+    " its roofline (framework and per-layer overheads beyond the exchange's per-message latency) is not"
+    " modelled. 48A16F needs a slower step than 64A16F on the same FFN pool, which no model where fewer"
+    " attention dies cannot slow the FFN side gives (benchmarks/bench_planner.py prints each factor)"
 )
 
 
@@ -99,13 +132,50 @@ def test_910c_within_5_points_with_the_right_sign(name):
     assert abs(predicted - published) <= 0.05 and (predicted > 1) == (published > 1)
 
 
-@pytest.mark.xfail(strict=True, reason="predicted 1.13x against 1.90x: " + _MISS)
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "the 1.90x headline is Scaled-MoE's (317B parameters, 32 experts, top-4, multi-node against"
+        " TensorRT-LLM with pipeline parallelism across nodes): an in-house model whose architecture the"
+        " paper does not publish, so no scenario can be built from its stated setup; Mixtral-8x22B and DBRX,"
+        " whose configs are public, are checked against their 1.28x instead"
+    ),
+)
 def test_megascale_infer_headline_within_15_percent():
-    predicted, published = _predict("MegaScale-Infer vs TensorRT-LLM")
-    assert abs(predicted / published - 1) <= 0.15
+    model, s = next((m, s) for m, s in SCENARIOS if "Scaled-MoE" in s.name)
+    assert abs(s.predict(_facts(model)) / 1.90 - 1) <= 0.15
 
 
-@pytest.mark.xfail(strict=True, reason="predicted 0.79x against 1.19x: " + _MISS)
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "predicted 0.97x against 1.19x (18.7% under): at the model's batches the figure needs AFD's step"
+        " 1.16x as fast as EP40's where the roofline, with Baidu's two-stage exchange, gives 0.94x; Baidu"
+        " states no chip, GPU counts or context for the +19% (the scenario assumes H800, at most 64 GPUs,"
+        " 4K) and the roofline has no term for its production EP baseline's losses"
+    ),
+)
 def test_baidu_gain_within_15_percent():
     predicted, published = _predict("Baidu production AFD at 100 ms")
     assert abs(predicted / published - 1) <= 0.15
+
+
+def test_compare_deepseek_v3_on_h100_names_the_winner_and_a_72_gpu_domain_narrows_the_dead_zone():
+    # issue 57: the shipped DeepSeek-V3 config (W8A8, as the 910C scenarios capture it) on H100s,
+    # 8 per NVLink node (a scale-out cluster) against the same chips in one 72-GPU scale-up domain
+    facts = _facts(DEEPSEEK_V32_W8A8)(4096)
+    h100 = get_profile("H100")
+    a = Assumptions(dispatch_dtype="int8")
+    margins = {}
+    for domain in (8, 72):
+        hw = dataclasses.replace(h100, scale_up_domain=domain)
+        c = compare({4096: facts}, hw, hw, [2, 3, 4], 50.0, a, ffn_gpus=20, ep_gpus=64)
+        best = c.best(4096)
+        text = str(c)
+        # the verdict names the winner and the ratio, and the three factors of the margin follow it
+        assert f"{best.afd.name} ({best.ratio:g}:1)" in text and ("AFD wins" in text or "AFD loses" in text)
+        assert all(f in text for f in ("batch x", "step x", "GPUs decoding x"))
+        margins[domain] = best.margin
+    # Baidu's roofline (arXiv 2602.09721): the NIC caps the FFN batch off a superpod; in one
+    # scale-up domain AFD's exchange stops paying the NIC, so its best margin rises
+    assert margins[72] > margins[8]

@@ -21,9 +21,10 @@ dtype, so parameter counts are multiplied by the weight dtype's bytes and the KV
 for the KV dtype's); matmuls run at the weight dtype's peak where the chip has it, else at bf16
 (weight-only quantization); the hidden states crossing the cut stay in the model's dtype.
 
-Left out on purpose: kernel-launch and synchronization overheads, router skew and the load
-imbalance it causes (routing is taken as uniform), prefill sharing the GPUs, and tensor
-parallelism inside an attention rank. Every figure is an estimate at datasheet rates scaled by
+Left out on purpose: kernel-launch and framework overheads beyond each message's fixed
+latency, natural router skew (``Assumptions.expert_skew`` states it, 1 by default: balanced),
+prefill sharing the GPUs, and tensor parallelism inside an attention rank (docs/planner.md).
+Every figure is an estimate at datasheet rates scaled by
 :class:`Assumptions`; it ranks deployments and names what binds them, it does not replace a
 measurement.
 

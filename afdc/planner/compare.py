@@ -197,7 +197,8 @@ def render(c: Comparison) -> str:
     lines = [
         f"model {c.model}  attention {c.attention_hw.name}  FFN {c.ffn_hw.name}  TPOT target {c.tpot_target_ms:g} ms",
         f"micro-batches {c.assumptions.micro_batches or 'by 2(1 + Tc/Tf)'}  expert skew {c.assumptions.expert_skew:g}"
-        f"  dispatch dtype {c.assumptions.dispatch_dtype or 'model dtype'}",
+        f"  dispatch dtype {c.assumptions.dispatch_dtype or 'model dtype'}"
+        f"  exchange {'two-stage' if c.assumptions.two_stage_exchange else 'one copy per FFN GPU'}",
         "",
         f"{'context':>8} {'A:F':>5} {'AFD':>9} {'tok/GPU/s':>10} {'EP':>6} {'tok/GPU/s':>10} {'margin':>8}  winner",
     ]

@@ -7,21 +7,24 @@ the TPOT target.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from afdc.planner.facts import LayerFacts, ModelFacts
 from afdc.planner.hardware import HardwareProfile, dtype_bytes
-from afdc.planner.interconnect import link_name, local_share, round_time, shared_domain
+from afdc.planner.interconnect import link_name, local_share, round_time, shared_domain, two_stage_round_time
 from afdc.planner.roofline import (
     GB,
     Assumptions,
     attention_batch_memory,
     attention_time,
     busiest,
+    expected_distinct,
     fan_out,
     ffn_memory,
     ffn_time,
+    usable_memory,
 )
 
 
@@ -44,7 +47,7 @@ class LayerTimes:
 class Deployment:
     """A sized deployment and what the model predicts for it."""
 
-    kind: str  # "afd" or "monolithic"
+    kind: str  # "afd", "monolithic" (DP attention + EP) or "tp" (the whole model tensor-parallel)
     attention_hw: str
     ffn_hw: str
     attention_gpus: int  # afd: x; monolithic: every GPU (each runs attention and FFN)
@@ -70,7 +73,7 @@ class Deployment:
     def name(self) -> str:
         if self.kind == "afd":
             return f"{self.attention_gpus}A{self.ffn_gpus}F"
-        return f"EP{self.attention_gpus}"
+        return f"{'TP' if self.kind == 'tp' else 'EP'}{self.attention_gpus}"
 
     @property
     def tokens_per_s(self) -> float:
@@ -118,8 +121,15 @@ def _afd_layer(facts, hw_a, hw_f, x, y, b, a: Assumptions) -> list[tuple[int, fl
         t_f = ffn_time(layer, hw_f, facts.weight_dtype, y, busiest(layer, x * b, a), a)
         copies = b * fan_out(layer, y, a.dense_ffn)  # hidden states one attention GPU sends per micro-batch
         load = busiest(layer, x / y, a)  # attention GPUs' worth of traffic the busiest FFN GPU carries
-        to_ffn = _m2n_time(copies * dispatch_bytes(facts, layer, a), load, local, hw_a, hw_f, a)
-        to_attn = _m2n_time(copies * layer.to_attn_bytes, load, local, hw_a, hw_f, a)
+        if a.two_stage_exchange and local < 1:
+            domains = math.ceil(y / hw_f.scale_up_domain)
+            # one copy per FFN domain holding any of the token's experts (all of them for a dense FFN)
+            nodes = b * (expected_distinct(domains, 1 / domains, layer.top_k) if layer.moe else domains)
+            to_ffn = _two_stage_time(copies, nodes, dispatch_bytes(facts, layer, a), load, local, hw_a, hw_f, a)
+            to_attn = _two_stage_time(copies, nodes, layer.to_attn_bytes, load, local, hw_a, hw_f, a)
+        else:
+            to_ffn = _m2n_time(copies * dispatch_bytes(facts, layer, a), load, local, hw_a, hw_f, a)
+            to_attn = _m2n_time(copies * layer.to_attn_bytes, load, local, hw_a, hw_f, a)
         rows.append((layer.count, t_a, t_f, to_ffn, to_attn))
     return rows
 
@@ -129,6 +139,16 @@ def _m2n_time(per_attention_gpu: float, load: float, local: float, hw_a, hw_f, a
     ``load`` attention GPUs' worth (the Baidu roofline's scale-out cap on the FFN batch)."""
     eff = a.network_efficiency
     return max(round_time(per_attention_gpu, local, hw_a, eff), round_time(load * per_attention_gpu, local, hw_f, eff))
+
+
+def _two_stage_time(copies, nodes, nbytes, load, local, hw_a, hw_f, a: Assumptions) -> float:
+    """:func:`_m2n_time` with the exchange in two stages: ``nodes`` copies cross the NIC,
+    ``copies`` the receiving domain's interconnect (the attention GPU's own interconnect carries
+    nothing: it sends each domain's copy once)."""
+    eff = a.network_efficiency
+    sender = round_time(nodes * nbytes, local, hw_a, eff)
+    receiver = two_stage_round_time(load * copies * nbytes, load * nodes * nbytes, local, hw_f, eff)
+    return max(sender, receiver)
 
 
 def _sum_times(rows) -> LayerTimes:
@@ -184,6 +204,28 @@ def mono_step(facts: ModelFacts, hw: HardwareProfile, gpus: int, batch: int, a: 
     return best
 
 
+def tp_step(facts: ModelFacts, hw: HardwareProfile, gpus: int, batch: int, a: Assumptions) -> Step:
+    """TPOT of the whole model tensor-parallel over ``gpus`` GPUs of one scale-up domain
+    (TensorRT-LLM's or vLLM's TP, the baseline MegaScale-Infer measured against), ``batch``
+    sequences per GPU: every GPU reads its 1/n of each weight the batch touches and of the KV
+    cache (KV heads sharded, no copies), and each layer all-reduces its attention and FFN outputs
+    over the interconnect (a ring: 2(n - 1)/n of the bytes each way, one message latency each).
+    Nothing overlaps: the two all-reduces sit between the halves."""
+    total = gpus * batch
+    eff = a.network_efficiency
+    rows = []
+    for layer in facts.layers:
+        read = layer.attention_weight_bytes / gpus + batch * layer.kv_bytes
+        flops = total * (layer.attention_flops / hw.flops("bf16") + layer.linear_flops / hw.flops(facts.weight_dtype))
+        t_a = max(read / (hw.hbm_bandwidth * a.hbm_efficiency), flops / gpus / a.compute_efficiency)
+        t_f = ffn_time(layer, hw, facts.weight_dtype, gpus, busiest(layer, total, a), a, tensor_parallel=True)
+        ring = 2 * (gpus - 1) / gpus * total * layer.to_attn_bytes if gpus > 1 else 0.0
+        reduce = ring / (hw.interconnect_bandwidth * eff) + hw.scale_up_latency if ring else 0.0
+        rows.append((layer.count, t_a, t_f, reduce, reduce))
+    tpot = sum(c * (ta + tf + c1 + c2) for c, ta, tf, c1, c2 in rows)
+    return Step(tpot, 1, None, _sum_times(rows))
+
+
 def largest(ok: Callable[[int], bool], hi: int) -> int:
     """The largest n in [1, hi] with ok(n), for ok true up to some n and false after (0: none)."""
     lo, best = 1, 0
@@ -223,7 +265,11 @@ def _deployment(kind, hw_a, hw_f, x, y, batch, cap, point: Step, link, facts, fm
         cost_per_million_tokens=_cost(tokens_per_s, dollars),
         link=link,
         times_ms=LayerTimes(t.attention * 1e3, t.ffn * 1e3, t.to_ffn * 1e3, t.to_attn * 1e3),
-        attention_memory_gb=(facts.attention_weight_bytes + batch * facts.kv_bytes + (fmem if kind != "afd" else 0))
+        attention_memory_gb=(
+            facts.attention_weight_bytes / (x if kind == "tp" else 1)
+            + batch * facts.kv_bytes
+            + (fmem if kind != "afd" else 0)
+        )
         / GB,
         ffn_memory_gb=fmem / GB,
     )
@@ -254,6 +300,23 @@ def mono_deployment(
     point = mono_step(facts, hw, gpus, batch, a)
     link = link_name(local_share(gpus, hw.scale_up_domain))
     return _deployment("monolithic", hw, hw, gpus, 0, batch, cap, point, link, facts, fmem)
+
+
+def tp_deployment(
+    facts: ModelFacts, hw: HardwareProfile, gpus: int, target: float, a: Assumptions
+) -> Deployment | None:
+    """``TPn``: the whole model split over ``gpus`` GPUs of one scale-up domain, with the largest
+    batch meeting the target (None: none does, or the GPUs span more than one domain)."""
+    if gpus > hw.scale_up_domain:
+        return None
+    weights = (facts.attention_weight_bytes + facts.ffn_weight_bytes) / gpus
+    free = usable_memory(hw, a) - weights
+    cap = max(int(free // facts.kv_bytes), 0) if facts.kv_bytes > 0 else 0
+    batch = largest(lambda b: tp_step(facts, hw, gpus, b, a).tpot <= target, cap)
+    if batch == 0:
+        return None
+    point = tp_step(facts, hw, gpus, batch, a)
+    return _deployment("tp", hw, hw, gpus, 0, batch, cap, point, "interconnect", facts, facts.ffn_weight_bytes / gpus)
 
 
 def better(d: Deployment | None, best: Deployment | None) -> bool:

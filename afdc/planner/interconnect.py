@@ -59,3 +59,18 @@ def round_time(nbytes: float, local: float, hw: HardwareProfile, efficiency: flo
 def link_name(local: float) -> str:
     """What carries a round: the scale-up "interconnect", the "NIC", or both."""
     return "interconnect" if local >= 1 else "NIC" if local <= 0 else "interconnect+NIC"
+
+
+def two_stage_round_time(
+    gpu_bytes: float, domain_bytes: float, local: float, hw: HardwareProfile, efficiency: float
+) -> float:
+    """A round sent in two stages: ``domain_bytes`` (one copy per destination scale-up domain)
+    cross the NIC for the ``1 - local`` share of peers beyond the domain, and ``gpu_bytes`` (one
+    copy per destination GPU) cross the interconnect, where the receiving domain fans them out.
+    The stages run one after the other per message, so both latencies count."""
+    if gpu_bytes <= 0:
+        return 0.0
+    up, out = scale_up(hw), scale_out(hw)
+    t_up = gpu_bytes / (up.bandwidth * efficiency)
+    t_out = domain_bytes * (1 - local) / (out.bandwidth * efficiency)
+    return max(t_up, t_out) + up.latency + (out.latency if local < 1 else 0.0)

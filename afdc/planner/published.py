@@ -12,6 +12,7 @@ a scenario takes a function from context length to :class:`~afdc.planner.facts.M
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,10 +20,12 @@ from dataclasses import dataclass, field
 from transformers import AutoConfig
 
 from afdc.errors import PlanError
-from afdc.planner.deployment import Deployment, afd_deployment, mono_deployment
+from afdc.planner.compare import Point, factors
+from afdc.planner.deployment import Deployment, afd_deployment, mono_deployment, tp_deployment
 from afdc.planner.facts import ModelFacts, model_facts, split_for_planning
 from afdc.planner.hardware import HardwareProfile
-from afdc.planner.roofline import Assumptions
+from afdc.planner.roofline import Assumptions, ffn_gpus_needed
+from afdc.planner.search import pool_sizes
 from afdc.source import empty_model
 
 # A throughput run with no latency target: every deployment decodes all its memory holds
@@ -31,19 +34,45 @@ NO_TARGET_MS = 1e6
 
 @dataclass(frozen=True)
 class Deploy:
-    """One side of a comparison: AFD ``xAyF`` (ffn > 0) or ``EPn`` (ffn == 0) on one chip."""
+    """One side of a comparison on one chip: AFD ``xAyF`` (ffn > 0), ``EPn`` (ffn == 0), ``TPn``
+    (``tensor_parallel``), or, with ``search_within`` GPUs, the best AFD deployment the planner
+    finds on at most that many (the source's own planner chose its node counts; likewise
+    ``ep_search_within`` for the EP baseline)."""
 
     hw: HardwareProfile
-    attention: int
+    attention: int = 0
     ffn: int = 0
     ffn_hw: HardwareProfile | None = None
+    tensor_parallel: bool = False
+    search_within: int = 0
+    ep_search_within: int = 0  # the best EPn for n a multiple of the scale-up domain up to this
 
     def size(self, facts: ModelFacts, tpot_ms: float, a: Assumptions) -> Deployment | None:
+        target = tpot_ms / 1e3
+        if self.search_within:
+            return best_afd_within(facts, self.hw, self.search_within, target, a)
+        if self.ep_search_within:
+            sizes = range(self.hw.scale_up_domain, self.ep_search_within + 1, self.hw.scale_up_domain)
+            found = [d for n in sizes if (d := mono_deployment(facts, self.hw, n, target, a)) is not None]
+            return max(found, key=lambda d: d.tokens_per_gpu_s, default=None)
         if self.ffn:
-            return afd_deployment(
-                facts, self.hw, self.ffn_hw or self.hw, self.attention, self.ffn, tpot_ms / 1e3, a
-            )
-        return mono_deployment(facts, self.hw, self.attention, tpot_ms / 1e3, a)
+            return afd_deployment(facts, self.hw, self.ffn_hw or self.hw, self.attention, self.ffn, target, a)
+        if self.tensor_parallel:
+            return tp_deployment(facts, self.hw, self.attention, target, a)
+        return mono_deployment(facts, self.hw, self.attention, target, a)
+
+
+def best_afd_within(facts: ModelFacts, hw: HardwareProfile, gpus: int, target: float, a: Assumptions):
+    """The AFD deployment with the most tokens per GPU on at most ``gpus`` GPUs of ``hw``: every
+    FFN pool the plan search tries, every attention pool that fits beside it."""
+    least = ffn_gpus_needed(facts, hw, a)
+    best = None
+    for y in pool_sizes(least or gpus, a.ffn_pool_multiples):
+        for x in range(1, gpus - y + 1):
+            d = afd_deployment(facts, hw, hw, x, y, target, a)
+            if d is not None and (best is None or d.tokens_per_gpu_s > best.tokens_per_gpu_s):
+                best = d
+    return best
 
 
 @dataclass(frozen=True)
@@ -74,17 +103,46 @@ class Scenario:
             raise PlanError(f"{self.name}: the baseline meets the target at no batch")
         return afd.tokens_per_gpu_s / base.tokens_per_gpu_s if afd else 0.0
 
+    def gap(self, facts_at: Callable[[int], ModelFacts]) -> Gap | None:
+        """The prediction split into :func:`~afdc.planner.compare.factors`, and the step-time ratio
+        the published figure implies at the same batches and GPU shares (None when AFD cannot run)."""
+        afd, base = self.deployments(facts_at(self.context))
+        if afd is None or base is None:
+            return None
+        batch, step, share = factors(Point(self.context, afd.attention_gpus / afd.ffn_gpus, afd, base))
+        return Gap(batch, step, share, self.published / (batch * share))
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Where a prediction parts from its published figure. Both are batch x step x share; the
+    batches and shares are the model's (memory and GPU counts), so the published figure says what
+    the step-time ratio must have been: a published step ratio far from the modelled one names the
+    step's terms (kernels, overheads, exchange) as what the model misses, not the memory."""
+
+    batch: float  # sequences per AFD attention GPU over per baseline GPU
+    step: float  # the baseline's modelled TPOT over AFD's
+    share: float  # AFD GPUs that decode: x / (x + y)
+    implied_step: float  # the baseline's TPOT over AFD's that the published figure needs
+
+
+@functools.cache
+def _captured(path: str, overrides: str):
+    """The split model of config file ``path`` with ``overrides`` (JSON), captured once however
+    many dtypes the scenarios price it at (the weight dtype enters only the facts)."""
+    with open(path) as f:
+        values = {**json.load(f), **json.loads(overrides)}
+    model_type = values.pop("model_type")
+    values.pop("quantization_config", None)  # the scenario's weight dtype says how it ran
+    return split_for_planning(empty_model(AutoConfig.for_model(model_type, **values)))
+
 
 def config_facts(
     path: str, overrides: dict, weight_dtype: str, kv_dtype: str = "bf16"
 ) -> Callable[..., ModelFacts]:
     """``facts_at(context, kv_dtype=kv_dtype)``: :class:`ModelFacts` of the model in config file
     ``path`` (with ``overrides``), captured once on the meta device like any ``afdc plan``."""
-    with open(path) as f:
-        values = {**json.load(f), **overrides}
-    model_type = values.pop("model_type")
-    values.pop("quantization_config", None)  # the scenario's weight dtype says how it ran
-    built, layers = split_for_planning(empty_model(AutoConfig.for_model(model_type, **values)))
+    built, layers = _captured(path, json.dumps(overrides, sort_keys=True))
     cache: dict[tuple[int, str], ModelFacts] = {}
     default_kv = kv_dtype
 
@@ -105,6 +163,11 @@ class Model:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     note: str = ""
+
+    @property
+    def key(self) -> tuple:
+        """What its captured facts depend on (two models may share a config file)."""
+        return self.config, tuple(sorted(self.overrides.items())), self.weight_dtype
 
 
 # DeepSeek-V3.2 is DeepSeek-V3's architecture plus the DSA indexer. The cost walk counts DSA's
@@ -129,6 +192,11 @@ MIXTRAL_8X22B = Model(
     },
     note="Mixtral-8x22B (its config.json), bf16",
 )
+DBRX = Model("dbrx.json", note="DBRX (its config.json), bf16")
+DEEPSEEK_V3_FP8 = Model("deepseek-v3.json", weight_dtype="fp8", note="DeepSeek-V3, fp8 weights (its checkpoint's)")
+# MegaScale-Infer's workload: median input 571 tokens, output 159; a decode step sees on average
+# the input plus half the output
+MEGASCALE_CONTEXT = 571 + 159 // 2
 ERNIE_45_300B_FP8 = Model("ernie-4.5-300b-a47b.json", weight_dtype="fp8", note="ERNIE-4.5-300B-A47B, fp8 weights")
 
 
@@ -164,45 +232,57 @@ def scenarios(profiles: Callable[[str], HardwareProfile]) -> list[tuple[Model, S
                     ),
                 )
             )
-    a100 = profiles("A100")
-    out.append(
-        (
-            MIXTRAL_8X22B,
-            Scenario(
-                "MegaScale-Infer vs TensorRT-LLM",
-                "MegaScale-Infer (arXiv 2504.02263)",
-                4096,
-                Deploy(a100, 24, 8),
-                Deploy(a100, 8),
-                1.90,
-                Assumptions(),
-                tpot_ms=150.0,
-                stated="up to 1.90x per-GPU decode throughput; its planner picks micro-batches and node counts",
-                assumed=(
-                    "Mixtral-8x22B on 80 GB Ampere (A100) GPUs, 8 per NVLink node; the baseline as EP8 on one node"
-                    " (TensorRT-LLM's TP8 holds the same weights and KV); AFD 24A8F (three attention nodes per"
-                    " expert node), micro-batches by MegaScale-Infer's own rule; 4K context, 150 ms TPOT"
+    a800 = profiles("A800")
+    msi = "MegaScale-Infer (arXiv 2504.02263), section 7"
+    for model, name in ((MIXTRAL_8X22B, "Mixtral-8x22B"), (DBRX, "DBRX")):
+        out.append(
+            (
+                model,
+                Scenario(
+                    f"MegaScale-Infer {name} vs TensorRT-LLM",
+                    msi,
+                    MEGASCALE_CONTEXT,
+                    Deploy(a800, search_within=64),
+                    Deploy(a800, 8, tensor_parallel=True),
+                    1.28,
+                    Assumptions(max_micro_batches=4),
+                    tpot_ms=150.0,
+                    stated=(
+                        "up to 1.28x per-GPU decode throughput over TensorRT-LLM on Mixtral-8x22B and DBRX (the larger"
+                        " of the two); 8 nodes of 8 80GB Ampere GPUs, NVLink 400 GB/s, 8x 200 Gbps NICs a node;"
+                        " bf16 weights, activations and KV; production traces, median input 571 and output 159"
+                        " tokens; TBT SLO 150 ms; its planner picks node counts and 3-4 micro-batches; TensorRT-LLM"
+                        " with tensor parallelism"
+                    ),
+                    assumed=(
+                        "decode at the median request's mean context (571 + 159/2 tokens); the baseline TP8 on one"
+                        " node (both models fit one); AFD the best the planner finds on at most the 64 GPUs"
+                    ),
                 ),
-            ),
+            )
         )
-    )
     h800 = profiles("H800")
     out.append(
         (
-            ERNIE_45_300B_FP8,
+            DEEPSEEK_V3_FP8,
             Scenario(
                 "Baidu production AFD at 100 ms",
-                "Baidu production AFD (afd-systems survey 2026-11-28); analysis arXiv 2602.09721",
-                8192,
-                Deploy(h800, 32, 16),
-                Deploy(h800, 32),
+                "Baidu Baige, 'AE disaggregation for DeepSeek V3 models' (SGLang Meetup Beijing, 2025-12-14; InfoQ)",
+                4096,
+                Deploy(h800, search_within=64),
+                Deploy(h800, ep_search_within=64),
                 1.19,
-                Assumptions(micro_batches=3, dispatch_dtype="fp8"),
+                Assumptions(micro_batches=3, dispatch_dtype="fp8", two_stage_exchange=True),
                 tpot_ms=100.0,
-                stated="up to +19% throughput at a 100 ms latency target, three micro-batches",
+                stated=(
+                    "DeepSeek-V3 series in Baidu's online service; baseline DP attention + EP; AFD with three"
+                    " micro-batches (3BO) and a two-stage cross-node exchange that cuts RDMA traffic 4-8x; up to"
+                    " +19% throughput at a 100 ms SLO"
+                ),
                 assumed=(
-                    "ERNIE-4.5-300B-A47B in fp8 on H800 (8 per NVLink node, 400 Gb/s RDMA: an ordinary scale-out"
-                    " cluster), 32A16F against EP32, fp8 dispatch, 8K context"
+                    "H800 (8 per NVLink node, 400 Gb/s RDMA: the standard cluster arXiv 2602.09721 analyses), fp8"
+                    " weights and dispatch as DeepSeek-V3's checkpoint, 4K context, the best AFD and EP deployments"
+                    " the planner finds on at most 64 GPUs"
                 ),
             ),
         )

@@ -46,6 +46,10 @@ class Assumptions:
     # and sends every token to every GPU; "replicate" keeps it whole on each GPU and sends each
     # token to one of them
     dense_ffn: str = "tp"
+    # AFD exchange in two stages (Baidu's production AFD): a token crosses the NIC once per FFN
+    # scale-up domain that holds any of its experts, and that domain's interconnect fans it out
+    # to the GPUs (and sums their results before the way back); False: one copy per FFN GPU
+    two_stage_exchange: bool = False
 
 
 def usable_memory(hw: HardwareProfile, a: Assumptions) -> float:
@@ -108,13 +112,23 @@ def attention_time(layer: LayerFacts, hw: HardwareProfile, weight_dtype: str, ba
 
 
 def ffn_time(
-    layer: LayerFacts, hw: HardwareProfile, weight_dtype: str, gpus: int, tokens: float, a: Assumptions
+    layer: LayerFacts,
+    hw: HardwareProfile,
+    weight_dtype: str,
+    gpus: int,
+    tokens: float,
+    a: Assumptions,
+    tensor_parallel: bool = False,
 ) -> float:
     """One layer's FFN on one of ``gpus`` GPUs for a micro-batch of ``tokens`` tokens in all,
-    assuming the tokens spread evenly over the GPUs."""
+    assuming the tokens spread evenly over the GPUs. ``tensor_parallel``: every GPU holds 1/n of
+    every expert and reads that share of each expert the tokens touch (TP instead of EP)."""
     compute = tokens * layer.ffn_flops / gpus / (hw.flops(weight_dtype) * a.compute_efficiency)
-    memory = ffn_read_per_gpu(layer, gpus, tokens, a.dense_ffn) / (hw.hbm_bandwidth * a.hbm_efficiency)
-    return max(compute, memory)
+    if tensor_parallel:
+        read = ffn_read_per_gpu(layer, 1, tokens, "replicate") / gpus
+    else:
+        read = ffn_read_per_gpu(layer, gpus, tokens, a.dense_ffn)
+    return max(compute, read / (hw.hbm_bandwidth * a.hbm_efficiency))
 
 
 def attention_batch_memory(facts: ModelFacts, hw: HardwareProfile, a: Assumptions, ffn_bytes: float = 0.0) -> int:
