@@ -51,6 +51,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -258,15 +259,19 @@ def per_step(run: Run, rank: str, cpu: bool = False) -> dict[str, float]:
         return {}
     ms = {name: (cpu_s if cpu else wall) * 1e3 / steps for name, (_, wall, cpu_s) in p.items()}
     not_attention = sum(ms.get(k, 0.0) for k in ("send", "wait", "plan", "ffn"))
+    # an MTP drafter's passes run within sampling (phase "draft"), each a step of its own through the
+    # FFN ranks: their exchanges are in send / wait / plan, their programs beside the model's
+    draft = ms.get("draft", 0.0)
     return {
         "vLLM between steps": ms.get("engine", 0.0),
         "prepare": ms.get("prepare", 0.0),
-        "attention program": ms["step"] - not_attention,
+        "attention program (and drafter's)": ms["step"] + draft - not_attention,
         "FFN in process": ms.get("ffn", 0.0),
         "send": ms.get("send", 0.0),
         "wait for replies": ms.get("wait", 0.0),
         "STEP plan": ms.get("plan", 0.0),
-        "sample": ms.get("sample", 0.0),
+        "sample": ms.get("sample", 0.0) - draft,
+        "drafter (its exchanges too)": draft,
     }
 
 
@@ -293,7 +298,7 @@ def model_work(runs: list[Run]) -> tuple[float, float, float, float]:
     steps = [st for st in (per_step(r, "attn 0", True) for r in runs) if st]
     ffn = [ffn_per_step(r) for r in runs]
     exchange = [st["send"] + st["wait for replies"] + st["STEP plan"] for st in steps]
-    return (_median([st["attention program"] for st in steps]), _median([f[0] for f in ffn]),
+    return (_median([st["attention program (and drafter's)"] for st in steps]), _median([f[0] for f in ffn]),
             _median(exchange), _median([f[1] for f in ffn]))
 
 
@@ -469,6 +474,9 @@ def main() -> None:
     if setups[0].name != BASE:
         ap.error(f"the first setup must be {BASE}: the others are given as ratios to it")
     setups += [Setup(f"AFD {plan} m=1", "shm", 1, plan) for plan in args.plans]
+    # a SIGTERM (a job stopped by its process group: every role hears it at once) ends the run through
+    # its finally blocks, saying so, after the headlines printed so far; it used to end it silently
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_serve: stopped by SIGTERM; the figures so far are above"))
     artifacts = build(args)
     results: dict[str, list[dict[int, Run]]] = {s.name: [] for s in setups}
     for _ in range(args.rounds):
