@@ -1,7 +1,8 @@
 """The model's own MTP layer as the drafter of speculative decoding (afdc.mtp), compiled into the
 artifact and run as afdc's vLLM worker runs it, against vLLM's MTP math on transformers' own
-reading of the checkpoint. Serving with it (vLLM's rejection sampler, greedy outputs unchanged)
-is tests/test_serve.py's."""
+reading of the checkpoint; served through `afdc up` at k = 0, 1 and 2 by one server (greedy
+outputs unchanged); and refused, saying why, where afdc compiles no drafter or would ignore a
+setting."""
 
 from __future__ import annotations
 
