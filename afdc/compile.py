@@ -168,18 +168,37 @@ def _numbered_after(drafter: Built, target: Built) -> Built:
     ])
 
 
+def _no_drafter(model: PreTrainedModel, built: Built, scheme: QuantScheme | None, checkpoint: Path | None) -> str:
+    """Why a model with MTP layers gets no drafter compiled beside it, every reason ("": it gets
+    one); serving refuses ``--speculative-config`` MTP with them. afdc's drafter runs on one
+    attention TP rank and on a flat batch (steps of a model with sparse-attention indexers run as
+    rows of a padded batch, which its passes do not), from the checkpoint's unquantized MTP weights."""
+    why = []
+    if built.plan.attention_tp > 1:
+        why.append(f"the plan has --attn-tp {built.plan.attention_tp} and afdc runs the MTP drafter on one "
+                   "attention TP rank (compile without --attn-tp to serve it)")
+    if built.attention_graph.find_nodes(op="call_function", target=torch.ops.afdc.cached_keys.default):
+        why.append("the model's attention has sparse-attention indexers, which afdc's MTP drafter does not run yet")
+    if scheme is not None:
+        why.append(f"the checkpoint is quantized ({scheme.method}) and afdc does not compile a quantized MTP "
+                   "layer yet")
+    if checkpoint is None:
+        why.append("it was compiled without weights (plan only)")
+    else:
+        prefix = f"layers.{model.config.get_text_config().num_hidden_layers}."
+        if not any(prefix in key for key in Checkpoint.discover(checkpoint).tensors):
+            why.append("the checkpoint ships no weights of its MTP layers")
+    return "; ".join(why)
+
+
 def _build_drafter(model: PreTrainedModel, built: Built, scheme: QuantScheme | None,
-                   checkpoint: Path | None) -> Built | None:
+                   checkpoint: Path | None) -> tuple[Built | None, str]:
     """The model's MTP drafter (:mod:`afdc.mtp`) built for the same plan, its FFN layers after the
-    model's. None (the model compiled alone; ``--speculative-config`` MTP is then refused when it
-    is served, saying so) for a model without MTP layers, a plan-only compile, a checkpoint that
-    ships none of their weights, and a quantized one (a quantized drafter is not compiled yet)."""
-    if checkpoint is None or scheme is not None or not mtp_layers(model.config):
-        return None
-    prefix = f"layers.{model.config.get_text_config().num_hidden_layers}."
-    if not any(prefix in key for key in Checkpoint.discover(checkpoint).tensors):
-        return None
-    return _numbered_after(build(mtp_drafter(model), built.plan), built)
+    model's, or None and why not (the model compiled alone; "" for a model without MTP layers)."""
+    if not mtp_layers(model.config):
+        return None, ""
+    why = _no_drafter(model, built, scheme, checkpoint)
+    return (None, why) if why else (_numbered_after(build(mtp_drafter(model), built.plan), built), "")
 
 
 def _rank_targets(built: Built, drafter: Built | None = None) -> dict[str, list[TargetTensor]]:
@@ -221,7 +240,7 @@ def compile_model(
     checkpoint = _checkpoint_dir(source, revision) if weights else None
     scheme = quant_scheme(config, model, checkpoint)
     built = build(model, plan, scheme)
-    drafter = _build_drafter(model, built, scheme, checkpoint)
+    drafter, no_drafter = _build_drafter(model, built, scheme, checkpoint)
     checkpointed = set(model.state_dict()) | (set(built.quant.tensors()) if built.quant else set())
     targets = _rank_targets(built, drafter)
     programs = [built, drafter] if drafter is not None else [built]
@@ -304,6 +323,7 @@ def compile_model(
             quant=mf.QuantSpec.of(built.quant) if built.quant else None,
             drafter=mf.DrafterSpec("mtp", "programs/drafter.json", pytree.treespec_dumps(drafter.out_spec),
                                    [lay.index for lay in drafter.report.layers]) if drafter is not None else None,
+            no_drafter=no_drafter,
         )
         (tmp / mf.MANIFEST).write_text(manifest.to_json())
     return manifest

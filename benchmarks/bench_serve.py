@@ -10,7 +10,8 @@ spinning (``--spin 0.002``) against afdc's default wait (``cores``) (``--setups`
 ``--plans 2A2F`` adds the same artifact's model compiled for two attention ranks: vLLM's data
 parallelism, one API port), and m = 1 with speculative decoding: n-gram prompt lookup
 (``afd-m1-ngram``) and, on ``--model demo-mtp`` (a tiny DeepSeek-V3 with one MTP layer), the
-model's MTP layer as the drafter (``afd-m1-mtp1``, ``afd-m1-mtp2``: k = 1, 2). The load is
+model's MTP layer as the drafter (``afd-m1-mtp1``, ``afd-m1-mtp2``: k = 1, 2; n-gram serves that
+model too, so one run compares all three with the same model served without speculation). The load is
 ``vllm bench serve`` itself (random prompts of ``--input-len`` tokens, ``--output-len`` tokens
 out, ``--ignore-eos``, greedy), at each ``--concurrency``, so this script's figures are the
 ones a user gets from vLLM's client: output tokens/s, median and p99 time per output token
@@ -19,8 +20,11 @@ same round.
 
 Beside each run, from the same run:
 - with speculative decoding, the draft tokens accepted of those proposed (vLLM's counters), the
-  output tokens per engine step (each step is one FFN round trip per layer of the model) and the
-  drafter's time per step;
+  output tokens per engine step (each step is one FFN round trip per layer of the model), the FFN
+  round trips per output token (every layer's, an MTP drafter's passes included: FFN server 0's
+  runs), the drafter's time per step, beside TPOT with and without speculation;
+- the memory (RSS) of every process at the end of each run, and each setup's headline figures as
+  soon as it has run (a run cut short still leaves them);
 - the CPU seconds of every process (vLLM's API server, each engine core, each FFN server,
   the client), per 1000 output tokens;
 - each rank's phases (``afdc.runtime.metrics.Phases``, logged by the ranks every
@@ -37,8 +41,8 @@ slow minute of the VM hits each alike; the tables give medians over rounds.
 
 Run:  python benchmarks/bench_serve.py [--concurrency 1,16,64] [--rounds 3] [--model demo]
       [--setups monolithic,afd-m1,afd-m1-float,afd-m2] [--plans 2A2F] [--spin S] [--threads N]
-      python benchmarks/bench_serve.py --setups monolithic,afd-m1,afd-m1-ngram
-      python benchmarks/bench_serve.py --model demo-mtp --setups monolithic,afd-m1,afd-m1-mtp1,afd-m1-mtp2
+      python benchmarks/bench_serve.py --model demo-mtp \
+          --setups monolithic,afd-m1,afd-m1-ngram,afd-m1-mtp1,afd-m1-mtp2
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,8 +63,6 @@ from pathlib import Path
 
 import psutil
 
-from afdc.compile import compile_model
-from afdc.demo import demo_tokenizer, save_demo, save_demo_mtp
 from afdc.runtime.metrics import SNAPSHOT
 from afdc.runtime.options import RuntimeOptions
 from afdc.runtime.rendezvous import free_port
@@ -102,8 +105,9 @@ BASE = "monolithic"
 # -- what one run measured --------------------------------------------------------------------
 
 
-def cpu_by_process(deployment: Deployment) -> dict[str, float]:
-    """CPU seconds so far of each process of ``deployment``, named by what it is."""
+def cpu_by_process(deployment: Deployment, memory: bool = False) -> dict[str, float]:
+    """CPU seconds so far of each process of ``deployment``, named by what it is (``memory``:
+    their resident memory now, in MB, instead)."""
     out: dict[str, float] = {}
     for role, popen in deployment.processes.items():
         try:
@@ -113,7 +117,7 @@ def cpu_by_process(deployment: Deployment) -> dict[str, float]:
             continue
         for proc in tree:
             try:
-                name, times = proc.name(), proc.cpu_times()
+                name, times, rss = proc.name(), proc.cpu_times(), proc.memory_info().rss
             except psutil.NoSuchProcess:
                 continue
             if role.startswith("ffn"):
@@ -124,7 +128,7 @@ def cpu_by_process(deployment: Deployment) -> dict[str, float]:
                 label = "DP coordinator"
             else:
                 label = "API server" if proc is root else "API other"
-            out[label] = out.get(label, 0.0) + times.user + times.system
+            out[label] = out.get(label, 0.0) + (rss / 2**20 if memory else times.user + times.system)
     return out
 
 
@@ -158,6 +162,7 @@ class Run:
     phases: dict[str, dict[str, tuple[int, float, float]]]  # rank -> phase -> (count, wall s, CPU s)
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # rank -> its process's CPU over the run
     drafts: tuple[float, float] = (0.0, 0.0)  # speculative decoding: draft tokens proposed, accepted
+    rss_mb: dict[str, float] = field(default_factory=dict)  # memory per process at the run's end
 
     @property
     def tokens(self) -> int:
@@ -228,8 +233,9 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
             runs[c] = Run(
                 figures, cpu, {rank: phase_delta(snaps0.get(rank, {}), s) for rank, s in snaps1.items()},
                 {rank: s["cpu_seconds"] - snaps0.get(rank, {}).get("cpu_seconds", 0.0) for rank, s in snaps1.items()},
-                (drafts1[0] - drafts0[0], drafts1[1] - drafts0[1]),
+                (drafts1[0] - drafts0[0], drafts1[1] - drafts0[1]), cpu_by_process(d, memory=True),
             )
+            print(f"[{setup.name}, {c} in flight] {headline(runs[c])}", file=sys.stderr, flush=True)
     finally:
         d.stop()
     return runs
@@ -253,15 +259,19 @@ def per_step(run: Run, rank: str, cpu: bool = False) -> dict[str, float]:
         return {}
     ms = {name: (cpu_s if cpu else wall) * 1e3 / steps for name, (_, wall, cpu_s) in p.items()}
     not_attention = sum(ms.get(k, 0.0) for k in ("send", "wait", "plan", "ffn"))
+    # an MTP drafter's passes run within sampling (phase "draft"), each a step of its own through the
+    # FFN ranks: their exchanges are in send / wait / plan, their programs beside the model's
+    draft = ms.get("draft", 0.0)
     return {
         "vLLM between steps": ms.get("engine", 0.0),
         "prepare": ms.get("prepare", 0.0),
-        "attention program": ms["step"] - not_attention,
+        "attention program (and drafter's)": ms["step"] + draft - not_attention,
         "FFN in process": ms.get("ffn", 0.0),
         "send": ms.get("send", 0.0),
         "wait for replies": ms.get("wait", 0.0),
         "STEP plan": ms.get("plan", 0.0),
-        "sample": ms.get("sample", 0.0),
+        "sample": ms.get("sample", 0.0) - draft,
+        "drafter (its exchanges too)": draft,
     }
 
 
@@ -288,8 +298,26 @@ def model_work(runs: list[Run]) -> tuple[float, float, float, float]:
     steps = [st for st in (per_step(r, "attn 0", True) for r in runs) if st]
     ffn = [ffn_per_step(r) for r in runs]
     exchange = [st["send"] + st["wait for replies"] + st["STEP plan"] for st in steps]
-    return (_median([st["attention program"] for st in steps]), _median([f[0] for f in ffn]),
+    return (_median([st["attention program (and drafter's)"] for st in steps]), _median([f[0] for f in ffn]),
             _median(exchange), _median([f[1] for f in ffn]))
+
+
+def speculation(run: Run) -> tuple[float, float]:
+    """Output tokens per engine step (each step is one FFN round trip per layer of the model) and
+    FFN round trips per output token (FFN server 0's layer runs: an MTP drafter's passes too)."""
+    steps = run.phases.get("attn 0", {}).get("step", (0, 0.0, 0.0))[0]
+    trips = run.phases.get("ffn 0", {}).get("run", (0, 0.0, 0.0))[0]
+    return (run.tokens / steps if steps else float("nan"), trips / run.tokens if trips else float("nan"))
+
+
+def headline(run: Run) -> str:
+    """One run's figures that matter most, printed as soon as it has run."""
+    drafted, accepted = run.drafts
+    per_step, trips = speculation(run)
+    return (f"TPOT p50 {run.figures['median_tpot_ms']:.1f} ms, {run.figures['output_throughput']:.1f} tok/s; "
+            f"drafts accepted {accepted:.0f} of {drafted:.0f}; {per_step:.2f} output tokens per engine step, "
+            f"{trips:.2f} FFN round trips per output token; memory {sum(run.rss_mb.values()):.0f} MB in "
+            f"{len(run.rss_mb)} processes")
 
 
 def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) -> None:
@@ -324,17 +352,28 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
                          f"({', '.join(f'{x:.2f}' for x in tpot)})")
             print(line)
         print("  speculative decoding: draft tokens accepted of proposed; output tokens per engine step (each step is "
-              "one FFN round trip per layer of the model; an MTP drafter adds k of its one layer)")
+              "one FFN round trip per layer of the model); FFN round trips per output token (every layer's, an MTP "
+              "drafter's passes too); TPOT p50 and as a ratio to the same deployment without speculation")
+        plain = [r[c].figures["median_tpot_ms"] for r in results.get(SETUPS["afd-m1"].name, [])]
         for s in setups:
             rs = [r[c] for r in results[s.name]]
-            steps = [r.phases.get("attn 0", {}).get("step", (0, 0.0, 0.0))[0] for r in rs]
-            per_step_tokens = _median([r.tokens / n for r, n in zip(rs, steps) if n])
+            per_step_tokens, trips = (_median([speculation(r)[i] for r in rs]) for i in (0, 1))
             drafted, accepted = _median([r.drafts[0] for r in rs]), _median([r.drafts[1] for r in rs])
             rate = f"{accepted:.0f} of {drafted:.0f} ({accepted / drafted:.0%})" if drafted else "none"
+            steps = [r.phases.get("attn 0", {}).get("step", (0, 0.0, 0.0))[0] for r in rs]
             draft_ms = _median([r.phases.get("attn 0", {}).get("draft", (0, 0.0, 0.0))[1] * 1e3 / n
                                 for r, n in zip(rs, steps) if n])
+            tpot = _median([r.figures["median_tpot_ms"] for r in rs])
+            versus = f" ({tpot / _median(plain):.2f})" if plain and s.connector != "loopback" else ""
             print(f"    {s.name:22} accepted {rate}; {per_step_tokens:.2f} output tokens per engine step; "
-                  f"drafter {draft_ms:.2f} ms per step")
+                  f"{trips:.2f} FFN round trips per output token; drafter {draft_ms:.2f} ms per step; "
+                  f"TPOT p50 {tpot:.1f} ms{versus}")
+        print("  memory at the run's end, MB, by process:")
+        for s in setups:
+            rs = [r[c] for r in results[s.name]]
+            names = sorted({k for r in rs for k in r.rss_mb})
+            print(f"    {s.name:22} " + "; ".join(f"{k} {_median([r.rss_mb.get(k, 0.0) for r in rs]):.0f}"
+                                                  for k in names))
         print("  CPU seconds per 1000 output tokens, by process:")
         for s in setups:
             rs = [r[c] for r in results[s.name]]
@@ -374,24 +413,34 @@ def report(setups: list[Setup], results: dict[str, list[dict[int, Run]]], args) 
 
 
 def build(args) -> dict[str, Path]:
+    """The model saved and compiled for each plan, in a child process: its memory (the model,
+    its capture) is not held by this one through the whole run."""
     root = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
-    if args.model == "demo":
+    plans = sorted({"1A1F", *args.plans})
+    subprocess.run([sys.executable, __file__, "--prepare", str(root), "--model", args.model,
+                    "--plans", ",".join(plans)], check=True)
+    return {plan: root / f"afdc-{args.model}-{plan.lower()}" for plan in plans}
+
+
+def prepare(root: Path, model: str, plans: list[str]) -> None:
+    """``--prepare``: save ``model`` under ``root`` and compile it for each of ``plans``."""
+    from afdc.compile import compile_model
+    from afdc.demo import demo_tokenizer, save_demo, save_demo_mtp
+
+    if model == "demo":
         save_demo(root / "model")
-    elif args.model == "demo-mtp":  # a tiny DeepSeek-V3 with one MTP layer, for the MTP setups
+    elif model == "demo-mtp":  # a tiny DeepSeek-V3 with one MTP layer, for the MTP setups
         save_demo_mtp(root / "model")
     else:
         from models_supported import catalog
 
         vocab = 512
         overrides = {"vocab_size": vocab, "max_position_embeddings": 512}  # the demo tokenizer; 512 positions served
-        model = catalog.build_type(args.model, {**catalog.entry(args.model).config_kwargs, **overrides})
-        model.save_pretrained(root / "model")
+        built = catalog.build_type(model, {**catalog.entry(model).config_kwargs, **overrides})
+        built.save_pretrained(root / "model")
         demo_tokenizer(vocab).save_pretrained(root / "model")
-    plans = sorted({"1A1F", *args.plans})
-    artifacts = {plan: root / f"afdc-{args.model}-{plan.lower()}" for plan in plans}
-    for plan, out in artifacts.items():
-        compile_model(str(root / "model"), plan, out, progress=False)
-    return artifacts
+    for plan in plans:
+        compile_model(str(root / "model"), plan, root / f"afdc-{model}-{plan.lower()}", progress=False)
 
 
 def main() -> None:
@@ -414,13 +463,20 @@ def main() -> None:
     ap.add_argument("--idle-seconds", type=float, default=10.0, help="how long the idle deployment's CPU is measured")
     ap.add_argument("--startup-timeout", type=float, default=300.0,
                     help="seconds a deployment may take to serve (a busy shared host needs more)")
+    ap.add_argument("--prepare", type=Path, help=argparse.SUPPRESS)  # build() runs this script with it
     args = ap.parse_args()
+    if args.prepare:
+        prepare(args.prepare, args.model, args.plans.split(","))
+        return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.plans = [p.upper() for p in args.plans.split(",") if p]
     setups = [SETUPS[name] for name in args.setups.split(",")]
     if setups[0].name != BASE:
         ap.error(f"the first setup must be {BASE}: the others are given as ratios to it")
     setups += [Setup(f"AFD {plan} m=1", "shm", 1, plan) for plan in args.plans]
+    # a SIGTERM (a job stopped by its process group: every role hears it at once) ends the run through
+    # its finally blocks, saying so, after the headlines printed so far; it used to end it silently
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_serve: stopped by SIGTERM; the figures so far are above"))
     artifacts = build(args)
     results: dict[str, list[dict[int, Run]]] = {s.name: [] for s in setups}
     for _ in range(args.rounds):

@@ -1,10 +1,12 @@
 """The model's own MTP layer as the drafter of speculative decoding (afdc.mtp), compiled into the
 artifact and run as afdc's vLLM worker runs it, against vLLM's MTP math on transformers' own
-reading of the checkpoint. Serving with it (vLLM's rejection sampler, greedy outputs unchanged)
-is tests/test_serve.py's."""
+reading of the checkpoint; served through `afdc up` at k = 0, 1 and 2 by one server (greedy
+outputs unchanged); and refused, saying why, where afdc compiles no drafter or would ignore a
+setting."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import urllib.request
@@ -133,14 +135,20 @@ def _metric(metrics: str, name: str) -> float:
     return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", metrics, re.M))
 
 
+# vLLM's dynamic speculative decoding: the drafts per request of a step by the step's batch size
+# (its first token: 1 request, none; 2 requests, 1; 3 or more, 2), so one server serves k = 0, 1, 2
+BY_BATCH_SIZE = [[1, 1, 0], [2, 2, 1], [3, 64, 2]]
+
+
 @pytest.mark.slow
 def test_served_with_mtp_greedy_tokens_are_the_models(mtp_artifact, tmp_path):
     """`afdc up` of the MTP artifact (1A2F, over shared memory) with vLLM's `--speculative-config`
-    MTP, k = 2, named as vLLM names DeepSeek's ("deepseek_mtp"; "mtp" is the same method): greedy
-    token ids of a batch of requests equal afdc's own generation without speculation, every step
-    verifying its drafts. Random MTP weights draft few tokens the model accepts: the acceptance
-    rate and the tokens per FFN round trip are logged, not asserted. (k = 1 passes as well; each k
-    is a server start of its own, and the drafter's passes are the k-th's repeated, so CI runs one.)"""
+    MTP named as vLLM names DeepSeek's ("deepseek_mtp"; "mtp" is the same method), k = 2 with a
+    batch-size schedule: each prompt served alone (no drafts: serving without speculation), two
+    together (k = 1) and three (k = 2, the steps before the third joined k = 1) give the same
+    greedy token ids, afdc's own generation's; the drafts per draft are checked from vLLM's
+    counters. Random MTP weights draft few tokens the model accepts: the acceptance rate and the
+    tokens per FFN round trip are logged, not asserted (benchmarks/bench_serve.py reports them)."""
     pytest.importorskip("vllm")
     openai = pytest.importorskip("openai")
     from afdc.artifact.load import load_deployment
@@ -153,28 +161,49 @@ def test_served_with_mtp_greedy_tokens_are_the_models(mtp_artifact, tmp_path):
     prompts, new = [[5, 9, 17, 33, 2, 71, 8, 100, 41], [300, 12, 12, 7], list(range(40, 60))], 12
     dm = load_deployment(art)
     want = [dm.generate(torch.tensor([p]), max_new_tokens=new, eos_token_id=[])[0, len(p):].tolist() for p in prompts]
-    for method, k in [("deepseek_mtp", 2)]:
-        options = RuntimeOptions(connector="shm", rendezvous=f"127.0.0.1:{free_port()}", timeout=60)
-        spec = json.dumps({"method": method, "num_speculative_tokens": k})
-        d = Deployment(art, WorkerSettings(str(art), options), port=free_port(), log_dir=tmp_path,
-                       vllm_args=("--max-model-len", "128", "--api-server-count", "1", "--speculative-config", spec))
-        try:
-            url = d.start(480.0, print)  # a loaded host starts vLLM and its MTP draft config slowly
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
-            r = client.completions.create(model=client.models.list().data[0].id, prompt=prompts, max_tokens=new,
-                                          temperature=0, logprobs=0,
+    options = RuntimeOptions(connector="shm", rendezvous=f"127.0.0.1:{free_port()}", timeout=60)
+    spec = json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 2,
+                       "num_speculative_tokens_per_batch_size": BY_BATCH_SIZE})
+    d = Deployment(art, WorkerSettings(str(art), options), port=free_port(), log_dir=tmp_path,
+                   vllm_args=("--max-model-len", "128", "--max-num-seqs", "64", "--api-server-count", "1",
+                              "--speculative-config", spec))
+    names = ("drafts", "draft_tokens", "accepted_tokens")
+    counts, got = [], {}
+    try:
+        url = d.start(480.0, print)  # a loaded host starts vLLM and its MTP draft config slowly
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
+        model = client.models.list().data[0].id
+
+        def complete(batch):
+            r = client.completions.create(model=model, prompt=batch, max_tokens=new, temperature=0, logprobs=0,
                                           extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-            got = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in r.choices]
+            return [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in r.choices]
+
+        def counters():
             metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
-        finally:
-            d.stop()
-        assert got == want, (method, k)
-        drafted, accepted = (_metric(metrics, f"vllm:spec_decode_num_{n}_tokens_total") for n in ("draft", "accepted"))
-        steps = _metric(metrics, "vllm:iteration_tokens_total_count")
-        tokens = _metric(metrics, "vllm:generation_tokens_total")
-        print(f"MTP k={k}: {accepted:g} of {drafted:g} drafts accepted ({accepted / drafted:.0%}); "
-              f"{tokens:g} tokens in {steps:g} steps: {tokens / steps:.2f} per FFN round trip")
-        assert drafted > 0
+            counts.append([_metric(metrics, f"vllm:spec_decode_num_{n}_total") for n in names])
+            return metrics
+
+        counters()
+        got["alone"] = [complete([p])[0] for p in prompts]
+        counters()
+        got["k=1"] = complete(prompts[:2])
+        counters()
+        got["k=2"] = complete(prompts)
+        metrics = counters()
+    finally:
+        d.stop()
+    assert got == {"alone": want, "k=1": want[:2], "k=2": want}
+    (drafts0, tokens0, _), (drafts1, tokens1, _), (drafts2, tokens2, _) = [
+        [b - a for a, b in zip(x, y)] for x, y in itertools.pairwise(counts)]
+    assert drafts0 == tokens0 == 0  # a batch of one: no speculation
+    assert drafts1 > 0 and tokens1 == drafts1  # two requests: one draft each
+    assert drafts2 > 0 and tokens2 > 1.5 * drafts2, (drafts2, tokens2)  # three: two each (one until all joined)
+    drafted, accepted = counts[-1][1], counts[-1][2]
+    steps = _metric(metrics, "vllm:iteration_tokens_total_count")
+    tokens = _metric(metrics, "vllm:generation_tokens_total")
+    print(f"MTP k=1, 2: {accepted:g} of {drafted:g} drafts accepted ({accepted / drafted:.0%}); "
+          f"{tokens:g} tokens in {steps:g} steps")
 
 
 def test_the_drafters_first_pass_takes_the_positions_whose_next_token_is_known():
@@ -187,3 +216,45 @@ def test_the_drafters_first_pass_takes_the_positions_whose_next_token_is_known()
                       kept=[[10, 11, 12], [20], None], proposes=[True, True, True])
     assert [(r.start, r.ids, r.drafts) for r in rows] == [(2, [10, 11, 12], True), (1, [20], True),
                                                           (0, [8, 9, 6], False)]
+
+
+def test_mtp_the_drafter_cannot_run_with_is_refused_before_vllm_starts(tmp_path):
+    """A model with MTP layers compiled for what afdc's drafter does not run gets no drafter, the
+    manifest saying why, every reason: here DeepSeek-V3.2's sparse-attention indexers and --attn-tp
+    2, in one plan-only compile (a quantized checkpoint's reason: test_quantized_checkpoints.py).
+    `afdc serve` / `afdc up` refuse `--speculative-config` MTP with those reasons before vLLM
+    starts; n-gram speculation stays served."""
+    from transformers import AutoConfig
+
+    from afdc.errors import AfdcError
+    from afdc.plan import Plan
+    from afdc.serve.up import check_speculation
+    from models_supported.catalog import entry
+
+    config = AutoConfig.for_model("deepseek_v32", **entry("deepseek_v32").config_kwargs, num_nextn_predict_layers=1)
+    config.save_pretrained(tmp_path / "model")
+    manifest = compile_model(str(tmp_path / "model" / "config.json"), Plan.parse("1A1F", attention_tp=2),
+                             tmp_path / "art", weights=False, progress=False)
+    reasons = ("--attn-tp 2", "sparse-attention indexers", "without weights")
+    assert manifest.drafter is None and all(r in manifest.no_drafter for r in reasons), manifest.no_drafter
+    with pytest.raises(AfdcError, match="multi-token-prediction layers, which this artifact does not hold") as refused:
+        check_speculation(manifest, ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'))
+    assert all(r in str(refused.value) for r in reasons) and "ngram" in str(refused.value), refused.value
+    check_speculation(manifest, ("-sc", '{"method": "ngram", "num_speculative_tokens": 2}'))
+
+
+def test_speculative_settings_afdc_would_ignore_are_refused():
+    """A --speculative-config setting that changes how drafts are made or checked, or the draft
+    runner's, which afdc's worker would ignore, is refused naming it; vLLM's defaults pass."""
+    from afdc.serve.speculative_config import refusal
+
+    served = ({"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "standard",
+               "draft_tensor_parallel_size": 1},
+              {"method": "mtp", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": BY_BATCH_SIZE})
+    assert [refusal(c, drafter="mtp") for c in served] == [None, None]
+    for setting in ({"draft_sample_method": "probabilistic"}, {"rejection_sample_method": "synthetic"},
+                    {"parallel_drafting": True}, {"draft_tensor_parallel_size": 2}, {"quantization": "fp8"},
+                    {"kv_cache_dtype": "fp8"}):
+        why = refusal({"method": "mtp", "num_speculative_tokens": 2, **setting}, drafter="mtp")
+        name, value = next(iter(setting.items()))
+        assert why is not None and f"{name}={value!r}" in why and "leave it out" in why, why

@@ -105,6 +105,8 @@ def test_deepseek_fp8_blocks_at_2a4f_ep_and_tp_half_the_bf16_bytes(tmp_path):
     manifest = afdc.compile_model(str(ck.directory), "2A4F", art, progress=False)
     assert {lay.ffn_split for lay in manifest.layers} == {"tp", "ep"}
     assert manifest.quant.method == "fp8"
+    # its config counts an MTP layer (DeepSeek-V3's default): no drafter compiled, the manifest says why
+    assert manifest.drafter is None and "quantized (fp8)" in manifest.no_drafter, manifest.no_drafter
     scale = manifest.quant.tensors["model.layers.1.mlp.experts.gate_up_proj_scale"]
     assert (scale.role, scale.format, scale.block, scale.dtype) == ("scale", "fp8-block", [1, 8, 8], "float32")
     held = _stored(art, 1)

@@ -179,6 +179,7 @@ class Manifest:
     unpageable: str = ""  # why a paged KV cache (vLLM serving) cannot run the attention program ("": it can)
     quant: QuantSpec | None = None  # a quantized checkpoint's stored tensors (None: not quantized)
     drafter: DrafterSpec | None = None  # the model's MTP drafter (None: the checkpoint has none)
+    no_drafter: str = ""  # why a model with MTP layers has no drafter compiled ("": it has, or has no MTP layers)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -237,6 +238,7 @@ class Manifest:
             unpageable=d.get("unpageable", ""),
             quant=QuantSpec.from_dict(d["quant"]) if d.get("quant") else None,
             drafter=DrafterSpec(**d["drafter"]) if d.get("drafter") else None,
+            no_drafter=d.get("no_drafter", ""),
         )
 
 

@@ -69,14 +69,16 @@ class MtpDrafts:
         (a step of its own, through the FFN ranks) and returns its outputs."""
         k = min(k, self.k)
         rows = [r for r in rows if r.ids]
-        if not rows or k <= 0:
+        if not rows:
             return {}
         previous = torch.cat([hidden[offsets[r.index]:offsets[r.index] + len(r.ids)] for r in rows])
         batch = self._batch([r.ids for r in rows], [r.start for r in rows], [block_tables[r.index] for r in rows],
                             previous)
         logits = run([batch], self.program)[0].logits
+        # the first pass runs even when the step asks for no drafts (vLLM's dynamic speculative
+        # decoding's k = 0 at some batch sizes): a later step's drafts read its cache at these positions
         proposing = [j for j, r in enumerate(rows) if r.drafts]
-        if not proposing:
+        if not proposing or k <= 0:
             return {}
         ends = torch.tensor([len(r.ids) for r in rows]).cumsum(0) - 1
         draft = logits.flatten(0, -2)[proposing].argmax(-1)

@@ -100,11 +100,14 @@ def _check_speculation(config) -> None:
     from vllm.config.speculative import MTPModelTypes
 
     from afdc.artifact.manifest import read_manifest
-    from afdc.serve.speculative_config import refusal
+    from afdc.serve.speculative_config import DRAFTING, refusal
 
-    drafter = read_manifest(Path(WorkerSettings.from_env().artifact)).drafter
-    why = refusal({"method": config.method} if config is not None else None, get_args(MTPModelTypes),
-                  drafter.method if drafter else None)
+    if config is None:
+        return
+    manifest = read_manifest(Path(WorkerSettings.from_env().artifact))
+    given = {"method": config.method, **{name: getattr(config, name, None) for name in DRAFTING}}
+    why = refusal(given, get_args(MTPModelTypes), manifest.drafter.method if manifest.drafter else None,
+                  manifest.no_drafter)
     if why:
         raise ValueError(why)
 

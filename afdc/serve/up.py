@@ -78,7 +78,8 @@ def check_speculation(manifest: Manifest, vllm_args: Sequence[str]) -> None:
 
     from vllm.config.speculative import MTPModelTypes
 
-    why = refusal(config, get_args(MTPModelTypes), manifest.drafter.method if manifest.drafter else None)
+    why = refusal(config, get_args(MTPModelTypes), manifest.drafter.method if manifest.drafter else None,
+                  manifest.no_drafter)
     if why:
         raise AfdcError(why)
 
