@@ -356,12 +356,12 @@ def _nbytes(tensor_slice) -> int:
 
 
 @pytest.mark.parametrize(
-    "build", [qwen3_moe_fp8, gpt_oss_mxfp4, qwen3_moe_int4, qwen3_moe_nvfp4], ids=["fp8", "mxfp4", "int4", "nvfp4"]
+    "build", [qwen3_moe_fp8, gpt_oss_mxfp4, deepseek_v3_int4, qwen3_moe_nvfp4], ids=["fp8", "mxfp4", "int4", "nvfp4"]
 )
 def test_plan_prices_each_weight_at_its_stored_bytes(tmp_path, build):
     """From the config alone, the planner holds the checkpoint's bytes (fp8, MXFP4, int4 and NVFP4
-    data, their scales, the bf16 rest), FLOPs at fp8 for fp8 only; --weight-dtype prices every weight
-    at one dtype."""
+    data, their scales, the bf16 rest, and DeepSeek's router score bias, a persistent buffer in
+    float32), FLOPs at fp8 for fp8 only; --weight-dtype prices every weight at one dtype."""
     ck = build(tmp_path / "ck")
     fp8 = build is qwen3_moe_fp8
     stored = _plan(ck.directory / "config.json")
