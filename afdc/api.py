@@ -142,8 +142,7 @@ def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None, 
     segments, layers, attrs = placed.segments, placed.partition.layers, captured.attrs
     if stored is not None and rewrite:
         if plan.attention_tp > 1:
-            raise PlanError(f"--attn-tp {plan.attention_tp} on a quantized checkpoint ({quant.describe()}) is not "
-                            "supported yet: compile it with --attn-tp 1")
+            _check_attention_unquantized(attention_graph, quant, plan.attention_tp)
         graphs = quantize_graphs(segments, layers, attention_graph, attrs, stored, plan.ffn_ranks)
         segments, layers, attention_graph, attrs = graphs.segments, graphs.layers, graphs.attention_graph, graphs.attrs
     return Built(
@@ -170,6 +169,19 @@ def checkpoint_names(model: PreTrainedModel, captured: CapturedGraph) -> frozens
     (rotary tables) and export's constants are computed, not stored."""
     persistent = model.state_dict(keep_vars=True).keys()
     return frozenset(captured.parameter_names) | {n for n in captured.attrs if n in persistent}
+
+
+def _check_attention_unquantized(attention_graph: fx.Graph, quant: QuantScheme, tp: int) -> None:
+    """``--attn-tp`` shards bf16 attention weights only: a checkpoint that quantizes attention-side
+    linears (their scales would have to split with them) is refused naming the first one."""
+    reads = {n.target for n in attention_graph.find_nodes(op="get_attr")}
+    quantized = sorted(reads & {p.name for p in quant.parameters})
+    if quantized:
+        raise PlanError(
+            f"--attn-tp {tp} on a checkpoint that quantizes attention-side weights ({quantized[0]} is "
+            f"{quant.parameter(quantized[0]).format.value}; {quant.describe()}) is not supported: compile it with "
+            "--attn-tp 1 (checkpoints that keep attention in bf16, as gpt-oss and the int4 MoE releases do, shard it)"
+        )
 
 
 def _recompute(captured: CapturedGraph, classification: Classification) -> str:

@@ -199,20 +199,26 @@ def test_llama_compressed_tensors_mlp_sizes_against_the_library(tmp_path, inter)
 
 
 @pytest.mark.parametrize(
-    ("build", "inter", "plan"),
-    [(deepseek_v3_int4, 32, "1A2F"), (deepseek_v3_int4, 96, "2A4F"), (qwen3_moe_int4, 64, "1A2F-tp"),
-     (qwen3_moe_int4, 64, "2A4F")],
-    ids=["deepseek-smaller-1A2F", "deepseek-larger-2A4F", "qwen-equal-1A2F-tp", "qwen-equal-2A4F"],
+    ("build", "inter", "plan", "attention_tp"),
+    [(deepseek_v3_int4, 32, "1A2F", 1), (deepseek_v3_int4, 96, "2A4F", 1), (qwen3_moe_int4, 64, "1A2F-tp", 1),
+     (qwen3_moe_int4, 64, "2A4F", 2)],
+    ids=["deepseek-smaller-1A2F", "deepseek-larger-2A4F", "qwen-equal-1A2F-tp", "qwen-equal-2A4F-attn-tp2"],
 )
-def test_int4_pack_quantized_experts_against_transformers(tmp_path, build, inter, plan):
+def test_int4_pack_quantized_experts_against_transformers(tmp_path, build, inter, plan, attention_tp):
     """Kimi-K2-Thinking's format (compressed-tensors pack-quantized int4, groups of 32, written by
     the library's compressor) on routed experts smaller than, as large as and larger than the hidden
     size (64): the FFN rank files hold the packed words and bf16 group scales, whole experts under
-    EP, whole groups under TP; logits against transformers' own reading of the checkpoint."""
+    EP, whole groups under TP; logits against transformers' own reading of the checkpoint. Attention
+    stays bf16 in these releases, so ``--attn-tp 2`` shards it as in a bf16 model."""
     ck = build(tmp_path / "ck", moe_intermediate_size=inter)
     plan, _, parallel = plan.partition("-")
     art = tmp_path / "art"
-    afdc.compile_model(str(ck.directory), afdc.Plan.parse(plan, ffn_parallel=parallel or "auto"), art, progress=False)
+    afdc.compile_model(str(ck.directory), afdc.Plan.parse(plan, ffn_parallel=parallel or "auto",
+                                                          attention_tp=attention_tp), art, progress=False)
+    assert {p.name for p in (art / "weights").glob("attn-tp*.safetensors")} == (
+        {f"attn-tp{t}{part}.safetensors" for t in range(attention_tp) for part in ("", "-state")}
+        if attention_tp > 1 else set()
+    )
     ranks, layer = int(plan[-2]), f"model.layers.{1 if build is deepseek_v3_int4 else 0}.mlp.experts"
     experts, cols = (4, inter // ranks) if parallel == "tp" else (4 // ranks, inter)
     held = _stored(art, ranks - 1)
@@ -259,6 +265,11 @@ def test_nvfp4_checkpoints_against_vllms_reading(tmp_path, build, inter, plan):
     if build is qwen3_moe_nvfp4:
         with safe_open(art / "weights" / "attn.safetensors", "pt") as f:
             assert f.get_slice("model.layers.0.self_attn.q_proj.weight_packed").get_dtype() == "U8"
+        # its attention is NVFP4 too: --attn-tp would have to split packed groups and their scales
+        with pytest.raises(afdc.PlanError, match=r"--attn-tp 2 on a checkpoint that quantizes attention-side "
+                           r"weights \(model\.layers\.0\.self_attn\..*_proj\.weight is nvfp4"):
+            afdc.compile_model(str(ck.directory), afdc.Plan.parse(plan, attention_tp=2), tmp_path / "tp",
+                               progress=False)
         afdc.compile_model(str(tmp_path / "ck-bf16"), plan, tmp_path / "bf16", progress=False)
         print(f"FFN rank files, NVFP4 / bf16: {_ffn_bytes(art) / _ffn_bytes(tmp_path / 'bf16'):.3f}")
         assert _ffn_bytes(art) / _ffn_bytes(tmp_path / "bf16") < 0.4
