@@ -213,6 +213,26 @@ def test_fp8_experts_kernel_matches_reference(triton_interpret, dtype, w8a8):
     torch.testing.assert_close(fused_moe_fp8_triton(*args), fused_moe_fp8_reference(*args), **TOL[dtype])
 
 
+def test_fp8_experts_per_channel_bf16_scales(triton_interpret):
+    """compressed-tensors' per-channel experts (FP8_DYNAMIC MoE): a bf16 ``weight_scale`` [out, 1]
+    per projection, read as one block of a row as long as the longer of H and I, against the
+    format's own dequantization (Fp8Scaled) and fused_moe's reference."""
+    gen = torch.Generator().manual_seed(0)
+    channel = Fp8Scaled("channel")
+    gate, up = (torch.randn(EXPERTS, INTER, HIDDEN, generator=gen) * 0.3 for _ in range(2))
+    down = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.3
+    (gq, gs), (uq, us), (dq, ds) = (channel.quantize(w) for w in (gate, up, down))
+    gs, us, ds = (scale.to(torch.bfloat16) for scale in (gs, us, ds))  # as llm-compressor ships them
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, HIDDEN)
+    args = (x, torch.cat([gq, uq], 1), dq, weights, ids, 0, "silu", torch.cat([gs, us], 1), ds, 1, HIDDEN)
+    dense = [torch.stack([channel.dequantize(q[e], s[e]) for e in range(EXPERTS)]) for q, s in
+             ((gq, gs), (uq, us), (dq, ds))]
+    expected = fused_moe_reference(x, torch.cat(dense[:2], 1), dense[2], weights, ids, 0, "silu")
+    torch.testing.assert_close(fused_moe_fp8_reference(*args), expected, **TOL[torch.float32])
+    torch.testing.assert_close(fused_moe_fp8_triton(*args), expected, **TOL[torch.float32])
+
+
 def test_fp8_experts_expert_parallel_halves_sum_to_the_whole(triton_interpret):
     w_gate_up, w_down, s_gate_up, s_down = _fp8_experts()
     weights, ids = _routing()

@@ -20,6 +20,7 @@ from quant_checkpoints import (
     deepseek_v3_nvfp4,
     gpt_oss_mxfp4,
     llama_compressed_fp8,
+    qwen3_moe_compressed_fp8,
     qwen3_moe_fp8,
     qwen3_moe_int4,
     qwen3_moe_nvfp4,
@@ -133,19 +134,22 @@ def test_qwen3_moe_fp8_over_shm_processes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("inter", "plan"), [(128, "1A1F"), (128, "1A2F"), (128, "2A2F"), (32, "1A2F"), (64, "2A4F")]
+    ("hidden", "inter", "plan"),
+    [(64, 128, "1A1F"), (64, 128, "1A2F"), (64, 128, "2A2F"), (96, 32, "1A2F"), (96, 96, "2A4F"), (96, 160, "2A2F")],
 )
-def test_gpt_oss_mxfp4_experts_against_transformers(tmp_path, inter, plan):
-    """Expert sizes larger than, smaller than and equal to the hidden size (64), each expert's
-    blocks stored output-major as shipped, against transformers' own reading of the checkpoint."""
-    ck = gpt_oss_mxfp4(tmp_path / "oss", intermediate_size=inter)
+def test_gpt_oss_mxfp4_experts_against_transformers(tmp_path, hidden, inter, plan):
+    """Expert sizes larger than, smaller than and equal to the hidden size, each expert's blocks
+    stored output-major as shipped, against transformers' own reading of the checkpoint. Hidden
+    size 96 and experts of 160 hold odd numbers of 32-value groups (3, 5), as gpt-oss's 2880 holds
+    90: the kernels' K tiles end part-way through a tile."""
+    ck = gpt_oss_mxfp4(tmp_path / "oss", intermediate_size=inter, hidden_size=hidden)
     art = tmp_path / "art"
     afdc.compile_model(str(ck.directory), plan, art, progress=False)
     held = _stored(art, 0)
     experts = 4 // int(plan[-2])
-    assert held["model.layers.0.mlp.experts.gate_up_proj_blocks"] == ("U8", [experts, 2 * inter, 2, 16])
-    assert held["model.layers.0.mlp.experts.gate_up_proj_scales"] == ("U8", [experts, 2 * inter, 2])
-    assert held["model.layers.0.mlp.experts.down_proj_blocks"] == ("U8", [experts, 64, inter // 32, 16])
+    assert held["model.layers.0.mlp.experts.gate_up_proj_blocks"] == ("U8", [experts, 2 * inter, hidden // 32, 16])
+    assert held["model.layers.0.mlp.experts.gate_up_proj_scales"] == ("U8", [experts, 2 * inter, hidden // 32])
+    assert held["model.layers.0.mlp.experts.down_proj_blocks"] == ("U8", [experts, hidden, inter // 32, 16])
     assert "model.layers.0.mlp.experts.gate_up_proj" not in held
     _check_against_transformers(afdc.load_deployment(art), ck.directory, greedy=plan == "1A1F")
 
@@ -195,6 +199,34 @@ def test_llama_compressed_tensors_mlp_sizes_against_the_library(tmp_path, inter)
                               intermediate_size=inter)
     afdc.compile_model(str(ck.directory), "1A1F", tmp_path / "art", progress=False)
     _check_against_transformers(afdc.load_deployment(tmp_path / "art"), ck.directory, greedy=False,
+                                quantization_config=_DEQUANTIZED)
+
+
+@pytest.mark.parametrize(
+    ("inter", "plan", "per_channel"),
+    [(32, "1A2F", True), (96, "2A4F", True), (64, "1A2F-tp", False)],
+    ids=["smaller-1A2F", "larger-2A4F", "equal-per-tensor-static-1A2F-tp"],
+)
+def test_qwen3_moe_compressed_tensors_fp8_against_the_library(tmp_path, inter, plan, per_channel):
+    """llm-compressor's FP8_DYNAMIC MoE (RedHat's ``-FP8-dynamic`` releases): attention and each routed
+    expert fp8 with a bf16 scale per channel, activations dynamic per token (run weight-only, as
+    transformers reads it); and per tensor with static input scales. Experts smaller than, as large
+    as and larger than the hidden size (64; larger failed before: down's per-channel scales were
+    read in blocks of H), by EP and by TP; logits against compressed-tensors' own reading."""
+    ck = qwen3_moe_compressed_fp8(tmp_path / "ck", moe_intermediate_size=inter, per_channel=per_channel,
+                                  static_input=not per_channel)
+    plan, _, parallel = plan.partition("-")
+    art = tmp_path / "art"
+    afdc.compile_model(str(ck.directory), afdc.Plan.parse(plan, ffn_parallel=parallel or "auto"), art, progress=False)
+    ranks = int(plan[-2])
+    experts, cols = (4, inter // ranks) if parallel == "tp" else (4 // ranks, inter)
+    held = _stored(art, ranks - 1)
+    assert held["model.layers.0.mlp.experts.gate_up_proj"] == ("F8_E4M3", [experts, 2 * cols, 64])
+    assert held["model.layers.0.mlp.experts.down_proj"] == ("F8_E4M3", [experts, 64, cols])
+    rows = (2 * cols, 64) if per_channel else (2, 1)  # a scale per row, or per matrix (gate's, up's; down's)
+    assert held["model.layers.0.mlp.experts.gate_up_proj_scale"] == ("BF16", [experts, rows[0], 1])
+    assert held["model.layers.0.mlp.experts.down_proj_scale"] == ("BF16", [experts, rows[1], 1])
+    _check_against_transformers(afdc.load_deployment(art), ck.directory, greedy=plan == "1A2F" and not parallel,
                                 quantization_config=_DEQUANTIZED)
 
 
