@@ -24,6 +24,7 @@ EXPECTED = {
     "qwen3_moe_fp8": ("fp8", {QuantFormat.FP8_BLOCK}, (32, 32)),
     "gpt_oss_mxfp4": ("mxfp4", {QuantFormat.MXFP4}, None),
     "llama_fp8_channel": ("compressed-tensors", {QuantFormat.FP8_CHANNEL}, (1, -1)),
+    "qwen3_moe_fp8_channel": ("compressed-tensors", {QuantFormat.FP8_CHANNEL}, (1, -1)),
     "llama_fp8_tensor": ("compressed-tensors", {QuantFormat.FP8_TENSOR}, (-1, -1)),
     "deepseek_v3_int4": ("compressed-tensors", {QuantFormat.INT4_GROUP}, (1, 32)),
     "qwen3_moe_int4": ("compressed-tensors", {QuantFormat.INT4_GROUP}, (1, 32)),
