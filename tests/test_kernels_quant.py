@@ -273,12 +273,12 @@ def _rescaled(w_gate_up, w_down, block):
 MX_HIDDEN, MX_INTER = 64, 32  # MXFP4 blocks are whole: multiples of 32
 
 
-def _mxfp4_experts(seed: int = 0):
+def _mxfp4_experts(seed: int = 0, hidden: int = MX_HIDDEN, inter: int = MX_INTER):
     gen = torch.Generator().manual_seed(seed)
     fmt = Mxfp4()
-    gate_up, down = fmt.quantize(torch.randn(EXPERTS, 2 * MX_INTER, MX_HIDDEN, generator=gen)), \
-        fmt.quantize(torch.randn(EXPERTS, MX_HIDDEN, MX_INTER, generator=gen))
-    biases = torch.randn(EXPERTS, 2 * MX_INTER, generator=gen), torch.randn(EXPERTS, MX_HIDDEN, generator=gen)
+    gate_up, down = fmt.quantize(torch.randn(EXPERTS, 2 * inter, hidden, generator=gen)), \
+        fmt.quantize(torch.randn(EXPERTS, hidden, inter, generator=gen))
+    biases = torch.randn(EXPERTS, 2 * inter, generator=gen), torch.randn(EXPERTS, hidden, generator=gen)
     return gate_up, down, biases
 
 
@@ -300,11 +300,15 @@ def test_mxfp4_experts_reference_is_gpt_oss_dequantized():
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_experts_kernel_matches_reference(triton_interpret, dtype):
-    (gb, gs), (db, ds), (b1, b2) = _mxfp4_experts()
+@pytest.mark.parametrize(("dtype", "hidden", "inter"),
+                         [(torch.float32, MX_HIDDEN, MX_INTER), (torch.bfloat16, MX_HIDDEN, MX_INTER),
+                          (torch.bfloat16, 96, 160)])
+def test_mxfp4_experts_kernel_matches_reference(triton_interpret, dtype, hidden, inter):
+    """Also on odd numbers of 32-value groups (3 and 5, as gpt-oss's 2880 is 90): K tiles that end
+    part-way."""
+    (gb, gs), (db, ds), (b1, b2) = _mxfp4_experts(hidden=hidden, inter=inter)
     weights, ids = _routing()
-    x = torch.randn(TOKENS, MX_HIDDEN).to(dtype)
+    x = torch.randn(TOKENS, hidden).to(dtype)
     for args in ((x, gb, db, weights, ids, 0, "swigluoai", gs, ds, b1, b2, True, 1.702, 7.0),
                  (x, gb, db, weights, ids, 0, "silu", gs, ds)):
         out = fused_moe_mxfp4_triton(*args)
