@@ -57,6 +57,8 @@ class Built:
     max_positions: int | None  # the longest key length the captured graph is valid for (None: any)
     mixers: list[MixerSite]  # the attention graph's stateful-mixer call sites, with their state
     quant: QuantizedTensors | None = None  # the checkpoint's quantized parameters as the programs take them
+    # the attrs the checkpoint stores: parameters and persistent buffers (DeepSeek's e_score_correction_bias)
+    stored_names: frozenset[str] = frozenset()
     views: dict[str, RowView] = field(default_factory=dict)  # weights read as views of stored rows (capture's)
 
     def weight_bytes(self, name: str) -> int:
@@ -136,11 +138,11 @@ def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None, 
         attention_graph, attention_splits = sharded.graph, sharded.splits
     recompute = _recompute(captured, classification)
     stored = QuantizedTensors.of(quant) if quant is not None else None
+    stored_names = checkpoint_names(model, captured)
     segments, layers, attrs = placed.segments, placed.partition.layers, captured.attrs
     if stored is not None and rewrite:
         if plan.attention_tp > 1:
-            raise PlanError(f"--attn-tp {plan.attention_tp} on a quantized checkpoint ({quant.describe()}) is not "
-                            "supported yet: compile it with --attn-tp 1")
+            _check_attention_unquantized(attention_graph, quant, plan.attention_tp)
         graphs = quantize_graphs(segments, layers, attention_graph, attrs, stored, plan.ffn_ranks)
         segments, layers, attention_graph, attrs = graphs.segments, graphs.layers, graphs.attention_graph, graphs.attrs
     return Built(
@@ -151,13 +153,35 @@ def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None, 
         layers=layers,
         attrs=attrs,
         recompute=recompute,
-        report=_report(model, plan, captured, placed, attention_splits, recompute, mixers, stored),
+        report=_report(model, plan, captured, placed, attention_splits, recompute, mixers, stored, stored_names),
         attention_splits=attention_splits,
         max_positions=captured.max_positions,
         mixers=mixers,
         quant=stored,
         views=captured.views,
+        stored_names=stored_names,
     )
+
+
+def checkpoint_names(model: PreTrainedModel, captured: CapturedGraph) -> frozenset[str]:
+    """The captured attrs a checkpoint of ``model`` stores: its parameters and persistent buffers
+    (a router's score bias is a buffer, saved and loaded like a weight); non-persistent buffers
+    (rotary tables) and export's constants are computed, not stored."""
+    persistent = model.state_dict(keep_vars=True).keys()
+    return frozenset(captured.parameter_names) | {n for n in captured.attrs if n in persistent}
+
+
+def _check_attention_unquantized(attention_graph: fx.Graph, quant: QuantScheme, tp: int) -> None:
+    """``--attn-tp`` shards bf16 attention weights only: a checkpoint that quantizes attention-side
+    linears (their scales would have to split with them) is refused naming the first one."""
+    reads = {n.target for n in attention_graph.find_nodes(op="get_attr")}
+    quantized = sorted(reads & {p.name for p in quant.parameters})
+    if quantized:
+        raise PlanError(
+            f"--attn-tp {tp} on a checkpoint that quantizes attention-side weights ({quantized[0]} is "
+            f"{quant.parameter(quantized[0]).format.value}; {quant.describe()}) is not supported: compile it with "
+            "--attn-tp 1 (checkpoints that keep attention in bf16, as gpt-oss and the int4 MoE releases do, shard it)"
+        )
 
 
 def _recompute(captured: CapturedGraph, classification: Classification) -> str:
@@ -180,13 +204,17 @@ def _report(
     recompute: str,
     mixers: list[MixerSite],
     stored: QuantizedTensors | None,
+    stored_names: frozenset[str],
 ) -> Report:
+    """The split's report; parameters counted as the model has them, bytes over every tensor the
+    checkpoint stores (persistent buffers too), each as stored."""
     params = set(captured.parameter_names)
-    attention_params = {n.target for n in placed.partition.attention_graph.nodes if n.op == "get_attr"} & params
+    attention_reads = {n.target for n in placed.partition.attention_graph.nodes if n.op == "get_attr"}
+    attention_params = attention_reads & params
     ffn_weights = {w for b in placed.partition.layers for w in b.weights}
     size = stored_size(captured.attrs, stored)
     layers = [
-        _priced(report, set(binding.weights) & params, captured.attrs, size)
+        _priced(report, set(binding.weights) & stored_names, captured.attrs, size)
         for report, binding in zip(placed.layers, placed.partition.layers)
     ]
     return Report(
@@ -197,8 +225,8 @@ def _report(
         attention_calls=len(AttentionCall.all_in(captured.graph)),
         attention_parameters=sum(captured.attrs[n].numel() for n in attention_params),
         ffn_parameters=sum(captured.attrs[n].numel() for n in ffn_weights & params),
-        attention_weight_bytes=sum(size(n) for n in attention_params),
-        ffn_weight_bytes=sum(size(n) for n in ffn_weights & params),
+        attention_weight_bytes=sum(size(n) for n in attention_reads & stored_names),
+        ffn_weight_bytes=sum(size(n) for n in ffn_weights & stored_names),
         segment_graphs=len(placed.partition.segments),
         layers=layers,
         attention_tp=plan.attention_tp,

@@ -33,7 +33,8 @@ class LayerReport:
     to_ffn: list[Crossing]
     to_attn: list[Crossing]
     ffn_parameters: int
-    ffn_weight_bytes: int = 0  # the FFN weights as the checkpoint stores them (quantized: data and scales)
+    # the FFN weights as the checkpoint stores them (quantized: data and scales; persistent buffers included)
+    ffn_weight_bytes: int = 0
     expert_weight_bytes: int = 0  # of which the stacked routed experts' tensors (all experts)
     ffn_split: str = "replicated"  # how the FFN ranks share the layer: "ep", "tp" or "replicated"
     ranks_per_token: int = 1  # FFN ranks each token goes to and comes back from under the plan
@@ -69,7 +70,8 @@ class Report:
     ffn_parameters: int
     segment_graphs: int
     layers: list[LayerReport] = field(default_factory=list)
-    attention_weight_bytes: int = 0  # the attention side's parameters as stored (quantized: data and scales)
+    # the attention side's stored tensors (parameters, persistent buffers) as stored (quantized: data and scales)
+    attention_weight_bytes: int = 0
     ffn_weight_bytes: int = 0  # the FFN side's, likewise
     attention_tp: int = 1
     attention_tp_split: int = 0  # attention-side parameters split over the TP ranks (the rest is whole)

@@ -238,18 +238,21 @@ def qwen3_moe_fp8(
     return _write(directory, config, quantization, _fp8_block_quantizer(block, select), seed)
 
 
-def gpt_oss_mxfp4(directory: Path, seed: int = 0, intermediate_size: int = 64, top_k: int = 2) -> QuantCheckpoint:
+def gpt_oss_mxfp4(
+    directory: Path, seed: int = 0, intermediate_size: int = 64, top_k: int = 2, hidden_size: int = 64
+) -> QuantCheckpoint:
     """gpt-oss-shaped: experts in MXFP4 as gpt-oss ships them, everything else bf16.
 
     The model's ``experts.gate_up_proj`` is ``[E, in, out]``; the hub stores ``gate_up_proj_blocks``
     ``[E, out, in/32, 16]`` and ``gate_up_proj_scales`` ``[E, out, in/32]`` (groups along ``in``),
     and the same for ``down_proj``; expert biases stay bf16. ``intermediate_size`` is the experts'
-    (a multiple of 32: MXFP4 has no partial groups), the hidden size 64.
+    and ``hidden_size`` the model's, each a multiple of 32 (MXFP4 has no partial groups; gpt-oss's
+    2880 is 90 of them).
     """
     config = GptOssConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2, num_local_experts=4,
-        num_experts_per_tok=top_k, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-        max_position_embeddings=131072,
+        vocab_size=128, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_local_experts=4, num_experts_per_tok=top_k, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        sliding_window=8, max_position_embeddings=131072,
     )  # fmt: skip
     quantization = {
         "modules_to_not_convert": [
@@ -268,20 +271,12 @@ def gpt_oss_mxfp4(directory: Path, seed: int = 0, intermediate_size: int = 64, t
     return _write(directory, config, quantization, quantize, seed)
 
 
-def llama_compressed_fp8(
-    directory: Path, per_channel: bool = True, static_input: bool = False, seed: int = 0, intermediate_size: int = 96
-) -> QuantCheckpoint:
-    """Llama-shaped in compressed-tensors float8 (as llm-compressor writes it): every decoder linear
-    fp8 with a ``weight_scale`` per channel ([out, 1]) or per tensor ([1]) in bf16; static input
-    scales (``input_scale`` [1], max |x| / 448 for |x| <= 8) when ``static_input``; LM head ignored.
-
-    The reference dequantizes the weights only: quantizing the activations (dynamic per token, or
-    by the static scale) is the w8a8 kernel's part, not the checkpoint's.
-    """
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-    )  # fmt: skip
+def _compressed_fp8(per_channel: bool, static_input: bool, ignore: list[str],
+                    select: Callable[[str, torch.Tensor], bool]) -> tuple[dict, Quantizer]:
+    """(quantization_config, quantizer) of compressed-tensors float8 as llm-compressor writes it:
+    the selected linears fp8 with a ``weight_scale`` per channel ([out, 1]) or per tensor ([1]) in
+    bf16; activations dynamic per token (FP8_DYNAMIC) or, ``static_input``, by a static per-tensor
+    ``input_scale`` ([1], max |x| / 448 for |x| <= 8)."""
     strategy = "channel" if per_channel else "tensor"
     inputs = (
         {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
@@ -294,11 +289,11 @@ def llama_compressed_fp8(
             "targets": ["Linear"], "input_activations": inputs, "output_activations": None,
             "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False},
         }},
-        "ignore": ["lm_head"], "kv_cache_scheme": None,
+        "ignore": ignore, "kv_cache_scheme": None,
     }  # fmt: skip
 
     def quantize(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
-        if not _layer_matrix(name, tensor) or "norm" in name:
+        if not select(name, tensor):
             return None
         q, scale = fp8_scaled(tensor, per_channel, torch.bfloat16)
         module = name.removesuffix(".weight")
@@ -307,6 +302,42 @@ def llama_compressed_fp8(
             parts[f"{module}.input_scale"] = torch.tensor([8.0 / FP8_MAX], dtype=torch.bfloat16)
         return parts, q.float() * scale.float()
 
+    return quantization, quantize
+
+
+def llama_compressed_fp8(
+    directory: Path, per_channel: bool = True, static_input: bool = False, seed: int = 0, intermediate_size: int = 96
+) -> QuantCheckpoint:
+    """Llama-shaped in compressed-tensors float8 (:func:`_compressed_fp8`): every decoder linear,
+    LM head ignored.
+
+    The reference dequantizes the weights only: quantizing the activations (dynamic per token, or
+    by the static scale) is the w8a8 kernel's part, not the checkpoint's.
+    """
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+
+    def select(name: str, tensor: torch.Tensor) -> bool:
+        return _layer_matrix(name, tensor) and "norm" not in name
+
+    return _write(directory, config, *_compressed_fp8(per_channel, static_input, ["lm_head"], select), seed)
+
+
+def qwen3_moe_compressed_fp8(
+    directory: Path, seed: int = 0, moe_intermediate_size: int = 32, per_channel: bool = True,
+    static_input: bool = False,
+) -> QuantCheckpoint:
+    """Qwen3-MoE-shaped as llm-compressor's FP8_DYNAMIC recipe ships MoE models (RedHat's
+    ``-FP8-dynamic`` releases): attention and every routed expert, one by one, fp8 per channel with
+    dynamic per-token activations; the routers (``re:.*mlp.gate$``) and LM head ignored."""
+    config = _qwen3_moe_config(moe_intermediate_size)
+
+    def select(name: str, tensor: torch.Tensor) -> bool:
+        return _layer_matrix(name, tensor) and "norm" not in name and not name.endswith("mlp.gate.weight")
+
+    quantization, quantize = _compressed_fp8(per_channel, static_input, ["lm_head", "re:.*mlp.gate$"], select)
     return _write(directory, config, quantization, quantize, seed)
 
 
@@ -442,6 +473,7 @@ BUILDERS: dict[str, Callable[[Path], QuantCheckpoint]] = {
     "qwen3_moe_fp8": qwen3_moe_fp8,
     "gpt_oss_mxfp4": gpt_oss_mxfp4,
     "llama_fp8_channel": llama_compressed_fp8,
+    "qwen3_moe_fp8_channel": qwen3_moe_compressed_fp8,
     "deepseek_v3_int4": deepseek_v3_int4,
     "qwen3_moe_int4": qwen3_moe_int4,
     "deepseek_v3_nvfp4": deepseek_v3_nvfp4,

@@ -213,6 +213,26 @@ def test_fp8_experts_kernel_matches_reference(triton_interpret, dtype, w8a8):
     torch.testing.assert_close(fused_moe_fp8_triton(*args), fused_moe_fp8_reference(*args), **TOL[dtype])
 
 
+def test_fp8_experts_per_channel_bf16_scales(triton_interpret):
+    """compressed-tensors' per-channel experts (FP8_DYNAMIC MoE): a bf16 ``weight_scale`` [out, 1]
+    per projection, read as one block of a row as long as the longer of H and I, against the
+    format's own dequantization (Fp8Scaled) and fused_moe's reference."""
+    gen = torch.Generator().manual_seed(0)
+    channel = Fp8Scaled("channel")
+    gate, up = (torch.randn(EXPERTS, INTER, HIDDEN, generator=gen) * 0.3 for _ in range(2))
+    down = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * 0.3
+    (gq, gs), (uq, us), (dq, ds) = (channel.quantize(w) for w in (gate, up, down))
+    gs, us, ds = (scale.to(torch.bfloat16) for scale in (gs, us, ds))  # as llm-compressor ships them
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, HIDDEN)
+    args = (x, torch.cat([gq, uq], 1), dq, weights, ids, 0, "silu", torch.cat([gs, us], 1), ds, 1, HIDDEN)
+    dense = [torch.stack([channel.dequantize(q[e], s[e]) for e in range(EXPERTS)]) for q, s in
+             ((gq, gs), (uq, us), (dq, ds))]
+    expected = fused_moe_reference(x, torch.cat(dense[:2], 1), dense[2], weights, ids, 0, "silu")
+    torch.testing.assert_close(fused_moe_fp8_reference(*args), expected, **TOL[torch.float32])
+    torch.testing.assert_close(fused_moe_fp8_triton(*args), expected, **TOL[torch.float32])
+
+
 def test_fp8_experts_expert_parallel_halves_sum_to_the_whole(triton_interpret):
     w_gate_up, w_down, s_gate_up, s_down = _fp8_experts()
     weights, ids = _routing()
@@ -253,12 +273,12 @@ def _rescaled(w_gate_up, w_down, block):
 MX_HIDDEN, MX_INTER = 64, 32  # MXFP4 blocks are whole: multiples of 32
 
 
-def _mxfp4_experts(seed: int = 0):
+def _mxfp4_experts(seed: int = 0, hidden: int = MX_HIDDEN, inter: int = MX_INTER):
     gen = torch.Generator().manual_seed(seed)
     fmt = Mxfp4()
-    gate_up, down = fmt.quantize(torch.randn(EXPERTS, 2 * MX_INTER, MX_HIDDEN, generator=gen)), \
-        fmt.quantize(torch.randn(EXPERTS, MX_HIDDEN, MX_INTER, generator=gen))
-    biases = torch.randn(EXPERTS, 2 * MX_INTER, generator=gen), torch.randn(EXPERTS, MX_HIDDEN, generator=gen)
+    gate_up, down = fmt.quantize(torch.randn(EXPERTS, 2 * inter, hidden, generator=gen)), \
+        fmt.quantize(torch.randn(EXPERTS, hidden, inter, generator=gen))
+    biases = torch.randn(EXPERTS, 2 * inter, generator=gen), torch.randn(EXPERTS, hidden, generator=gen)
     return gate_up, down, biases
 
 
@@ -280,11 +300,15 @@ def test_mxfp4_experts_reference_is_gpt_oss_dequantized():
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_experts_kernel_matches_reference(triton_interpret, dtype):
-    (gb, gs), (db, ds), (b1, b2) = _mxfp4_experts()
+@pytest.mark.parametrize(("dtype", "hidden", "inter"),
+                         [(torch.float32, MX_HIDDEN, MX_INTER), (torch.bfloat16, MX_HIDDEN, MX_INTER),
+                          (torch.bfloat16, 96, 160)])
+def test_mxfp4_experts_kernel_matches_reference(triton_interpret, dtype, hidden, inter):
+    """Also on odd numbers of 32-value groups (3 and 5, as gpt-oss's 2880 is 90): K tiles that end
+    part-way."""
+    (gb, gs), (db, ds), (b1, b2) = _mxfp4_experts(hidden=hidden, inter=inter)
     weights, ids = _routing()
-    x = torch.randn(TOKENS, MX_HIDDEN).to(dtype)
+    x = torch.randn(TOKENS, hidden).to(dtype)
     for args in ((x, gb, db, weights, ids, 0, "swigluoai", gs, ds, b1, b2, True, 1.702, 7.0),
                  (x, gb, db, weights, ids, 0, "silu", gs, ds)):
         out = fused_moe_mxfp4_triton(*args)

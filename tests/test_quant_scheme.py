@@ -24,6 +24,7 @@ EXPECTED = {
     "qwen3_moe_fp8": ("fp8", {QuantFormat.FP8_BLOCK}, (32, 32)),
     "gpt_oss_mxfp4": ("mxfp4", {QuantFormat.MXFP4}, None),
     "llama_fp8_channel": ("compressed-tensors", {QuantFormat.FP8_CHANNEL}, (1, -1)),
+    "qwen3_moe_fp8_channel": ("compressed-tensors", {QuantFormat.FP8_CHANNEL}, (1, -1)),
     "llama_fp8_tensor": ("compressed-tensors", {QuantFormat.FP8_TENSOR}, (-1, -1)),
     "deepseek_v3_int4": ("compressed-tensors", {QuantFormat.INT4_GROUP}, (1, 32)),
     "qwen3_moe_int4": ("compressed-tensors", {QuantFormat.INT4_GROUP}, (1, 32)),
@@ -171,8 +172,21 @@ def test_float8_tensors_without_a_quantization_config_are_refused(built, tmp_pat
 
 
 UNSUPPORTED = {
-    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128},
+    # as AutoAWQ and GPTQModel write them
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+             "checkpoint_format": "gptq"},
+    "int-quantized": {  # llm-compressor's W8A8 int8: per-channel weights, dynamic per-token activations
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                  "dynamic": True}}},
+    },
+    "nvfp4-pack-quantized": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4}}}},
     "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
     "fbgemm_fp8": {"quant_method": "fbgemm_fp8"},
     "pack-quantized": {  # asymmetric: zero points
@@ -200,6 +214,8 @@ def test_other_schemes_are_refused_by_name_listing_the_supported(what):
         scheme_from_config(config)
     message = str(refused.value)
     assert what in message and "not supported" in message
+    instead = {"awq": "compressed-tensors W4A16", "gptq": "compressed-tensors W4A16", "int-quantized": "FP8_DYNAMIC"}
+    assert instead.get(what, "") in message  # what to run instead, for the formats most asked for
     for supported in ("fp8 (quant_method 'fp8'", "compressed-tensors float8", "compressed-tensors int4", "mxfp4",
                       "modelopt NVFP4"):
         assert supported in message

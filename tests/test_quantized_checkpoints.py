@@ -20,6 +20,7 @@ from quant_checkpoints import (
     deepseek_v3_nvfp4,
     gpt_oss_mxfp4,
     llama_compressed_fp8,
+    qwen3_moe_compressed_fp8,
     qwen3_moe_fp8,
     qwen3_moe_int4,
     qwen3_moe_nvfp4,
@@ -136,19 +137,23 @@ def test_qwen3_moe_fp8_over_shm_processes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("inter", "plan"), [(128, "1A1F"), sweep(128, "1A2F"), sweep(128, "2A2F"), (32, "1A2F"), (64, "2A4F")]
+    ("hidden", "inter", "plan"),
+    [(64, 128, "1A1F"), sweep(64, 128, "1A2F"), sweep(64, 128, "2A2F"), (96, 32, "1A2F"), (96, 96, "2A4F"),
+     (96, 160, "2A2F")],
 )
-def test_gpt_oss_mxfp4_experts_against_transformers(tmp_path, inter, plan):
-    """Expert sizes larger than, smaller than and equal to the hidden size (64), each expert's
-    blocks stored output-major as shipped, against transformers' own reading of the checkpoint."""
-    ck = gpt_oss_mxfp4(tmp_path / "oss", intermediate_size=inter)
+def test_gpt_oss_mxfp4_experts_against_transformers(tmp_path, hidden, inter, plan):
+    """Expert sizes larger than, smaller than and equal to the hidden size, each expert's blocks
+    stored output-major as shipped, against transformers' own reading of the checkpoint. Hidden
+    size 96 and experts of 160 hold odd numbers of 32-value groups (3, 5), as gpt-oss's 2880 holds
+    90: the kernels' K tiles end part-way through a tile."""
+    ck = gpt_oss_mxfp4(tmp_path / "oss", intermediate_size=inter, hidden_size=hidden)
     art = tmp_path / "art"
     afdc.compile_model(str(ck.directory), plan, art, progress=False)
     held = _stored(art, 0)
     experts = 4 // int(plan[-2])
-    assert held["model.layers.0.mlp.experts.gate_up_proj_blocks"] == ("U8", [experts, 2 * inter, 2, 16])
-    assert held["model.layers.0.mlp.experts.gate_up_proj_scales"] == ("U8", [experts, 2 * inter, 2])
-    assert held["model.layers.0.mlp.experts.down_proj_blocks"] == ("U8", [experts, 64, inter // 32, 16])
+    assert held["model.layers.0.mlp.experts.gate_up_proj_blocks"] == ("U8", [experts, 2 * inter, hidden // 32, 16])
+    assert held["model.layers.0.mlp.experts.gate_up_proj_scales"] == ("U8", [experts, 2 * inter, hidden // 32])
+    assert held["model.layers.0.mlp.experts.down_proj_blocks"] == ("U8", [experts, hidden, inter // 32, 16])
     assert "model.layers.0.mlp.experts.gate_up_proj" not in held
     _check_against_transformers(afdc.load_deployment(art), ck.directory, greedy=plan == "1A1F")
 
@@ -202,20 +207,54 @@ def test_llama_compressed_tensors_mlp_sizes_against_the_library(tmp_path, inter)
 
 
 @pytest.mark.parametrize(
-    ("build", "inter", "plan"),
-    [(deepseek_v3_int4, 32, "1A2F"), (deepseek_v3_int4, 96, "2A4F"), (qwen3_moe_int4, 64, "1A2F-tp"),
-     (qwen3_moe_int4, 64, "2A4F")],
-    ids=["deepseek-smaller-1A2F", "deepseek-larger-2A4F", "qwen-equal-1A2F-tp", "qwen-equal-2A4F"],
+    ("inter", "plan", "per_channel"),
+    [(32, "1A2F", True), (96, "2A4F", True), (64, "1A2F-tp", False)],
+    ids=["smaller-1A2F", "larger-2A4F", "equal-per-tensor-static-1A2F-tp"],
 )
-def test_int4_pack_quantized_experts_against_transformers(tmp_path, build, inter, plan):
-    """Kimi-K2-Thinking's format (compressed-tensors pack-quantized int4, groups of 32, written by
-    the library's compressor) on routed experts smaller than, as large as and larger than the hidden
-    size (64): the FFN rank files hold the packed words and bf16 group scales, whole experts under
-    EP, whole groups under TP; logits against transformers' own reading of the checkpoint."""
-    ck = build(tmp_path / "ck", moe_intermediate_size=inter)
+def test_qwen3_moe_compressed_tensors_fp8_against_the_library(tmp_path, inter, plan, per_channel):
+    """llm-compressor's FP8_DYNAMIC MoE (RedHat's ``-FP8-dynamic`` releases): attention and each routed
+    expert fp8 with a bf16 scale per channel, activations dynamic per token (run weight-only, as
+    transformers reads it); and per tensor with static input scales. Experts smaller than, as large
+    as and larger than the hidden size (64; larger failed before: down's per-channel scales were
+    read in blocks of H), by EP and by TP; logits against compressed-tensors' own reading."""
+    ck = qwen3_moe_compressed_fp8(tmp_path / "ck", moe_intermediate_size=inter, per_channel=per_channel,
+                                  static_input=not per_channel)
     plan, _, parallel = plan.partition("-")
     art = tmp_path / "art"
     afdc.compile_model(str(ck.directory), afdc.Plan.parse(plan, ffn_parallel=parallel or "auto"), art, progress=False)
+    ranks = int(plan[-2])
+    experts, cols = (4, inter // ranks) if parallel == "tp" else (4 // ranks, inter)
+    held = _stored(art, ranks - 1)
+    assert held["model.layers.0.mlp.experts.gate_up_proj"] == ("F8_E4M3", [experts, 2 * cols, 64])
+    assert held["model.layers.0.mlp.experts.down_proj"] == ("F8_E4M3", [experts, 64, cols])
+    rows = (2 * cols, 64) if per_channel else (2, 1)  # a scale per row, or per matrix (gate's, up's; down's)
+    assert held["model.layers.0.mlp.experts.gate_up_proj_scale"] == ("BF16", [experts, rows[0], 1])
+    assert held["model.layers.0.mlp.experts.down_proj_scale"] == ("BF16", [experts, rows[1], 1])
+    _check_against_transformers(afdc.load_deployment(art), ck.directory, greedy=plan == "1A2F" and not parallel,
+                                quantization_config=_DEQUANTIZED)
+
+
+@pytest.mark.parametrize(
+    ("build", "inter", "plan", "attention_tp"),
+    [(deepseek_v3_int4, 32, "1A2F", 1), (deepseek_v3_int4, 96, "2A4F", 1), (qwen3_moe_int4, 64, "1A2F-tp", 1),
+     (qwen3_moe_int4, 64, "2A4F", 2)],
+    ids=["deepseek-smaller-1A2F", "deepseek-larger-2A4F", "qwen-equal-1A2F-tp", "qwen-equal-2A4F-attn-tp2"],
+)
+def test_int4_pack_quantized_experts_against_transformers(tmp_path, build, inter, plan, attention_tp):
+    """Kimi-K2-Thinking's format (compressed-tensors pack-quantized int4, groups of 32, written by
+    the library's compressor) on routed experts smaller than, as large as and larger than the hidden
+    size (64): the FFN rank files hold the packed words and bf16 group scales, whole experts under
+    EP, whole groups under TP; logits against transformers' own reading of the checkpoint. Attention
+    stays bf16 in these releases, so ``--attn-tp 2`` shards it as in a bf16 model."""
+    ck = build(tmp_path / "ck", moe_intermediate_size=inter)
+    plan, _, parallel = plan.partition("-")
+    art = tmp_path / "art"
+    afdc.compile_model(str(ck.directory), afdc.Plan.parse(plan, ffn_parallel=parallel or "auto",
+                                                          attention_tp=attention_tp), art, progress=False)
+    assert {p.name for p in (art / "weights").glob("attn-tp*.safetensors")} == (
+        {f"attn-tp{t}{part}.safetensors" for t in range(attention_tp) for part in ("", "-state")}
+        if attention_tp > 1 else set()
+    )
     ranks, layer = int(plan[-2]), f"model.layers.{1 if build is deepseek_v3_int4 else 0}.mlp.experts"
     experts, cols = (4, inter // ranks) if parallel == "tp" else (4 // ranks, inter)
     held = _stored(art, ranks - 1)
@@ -262,6 +301,11 @@ def test_nvfp4_checkpoints_against_vllms_reading(tmp_path, build, inter, plan):
     if build is qwen3_moe_nvfp4:
         with safe_open(art / "weights" / "attn.safetensors", "pt") as f:
             assert f.get_slice("model.layers.0.self_attn.q_proj.weight_packed").get_dtype() == "U8"
+        # its attention is NVFP4 too: --attn-tp would have to split packed groups and their scales
+        with pytest.raises(afdc.PlanError, match=r"--attn-tp 2 on a checkpoint that quantizes attention-side "
+                           r"weights \(model\.layers\.0\.self_attn\..*_proj\.weight is nvfp4"):
+            afdc.compile_model(str(ck.directory), afdc.Plan.parse(plan, attention_tp=2), tmp_path / "tp",
+                               progress=False)
         afdc.compile_model(str(tmp_path / "ck-bf16"), plan, tmp_path / "bf16", progress=False)
         print(f"FFN rank files, NVFP4 / bf16: {_ffn_bytes(art) / _ffn_bytes(tmp_path / 'bf16'):.3f}")
         assert _ffn_bytes(art) / _ffn_bytes(tmp_path / "bf16") < 0.4
@@ -359,12 +403,12 @@ def _nbytes(tensor_slice) -> int:
 
 
 @pytest.mark.parametrize(
-    "build", [qwen3_moe_fp8, gpt_oss_mxfp4, qwen3_moe_int4, qwen3_moe_nvfp4], ids=["fp8", "mxfp4", "int4", "nvfp4"]
+    "build", [qwen3_moe_fp8, gpt_oss_mxfp4, deepseek_v3_int4, qwen3_moe_nvfp4], ids=["fp8", "mxfp4", "int4", "nvfp4"]
 )
 def test_plan_prices_each_weight_at_its_stored_bytes(tmp_path, build):
     """From the config alone, the planner holds the checkpoint's bytes (fp8, MXFP4, int4 and NVFP4
-    data, their scales, the bf16 rest), FLOPs at fp8 for fp8 only; --weight-dtype prices every weight
-    at one dtype."""
+    data, their scales, the bf16 rest, and DeepSeek's router score bias, a persistent buffer in
+    float32), FLOPs at fp8 for fp8 only; --weight-dtype prices every weight at one dtype."""
     ck = build(tmp_path / "ck")
     fp8 = build is qwen3_moe_fp8
     stored = _plan(ck.directory / "config.json")

@@ -275,6 +275,12 @@ class Layout:
         """A 0-d tensor as shape [1] (its one axis added, as stacking adds one)."""
         return cls((1,), (Piece(key, (None,), (), (0,), (1,)),))
 
+    def unsqueezed(self) -> Layout:
+        """The same elements with a trailing axis of size 1."""
+        return Layout((*self.shape, 1), tuple(
+            Piece(p.key, (*p.axes, None), p.src_start, (*p.dst_start, 0), (*p.shape, 1)) for p in self.pieces
+        ))
+
     def keys(self) -> list[str]:
         return list(dict.fromkeys(piece.key for piece in self.pieces))
 
@@ -499,6 +505,8 @@ def _stored_layouts(
             layout = found.get(t.parameter)
             if isinstance(layout, Layout):
                 layout = Layout(layout.shape, tuple(replace(p, key=keys[p.key]) for p in layout.pieces))
+                if (*layout.shape, 1) == t.shape:  # per-tensor scales stack to [E, 2]: the grid is [E, 2, 1]
+                    layout = layout.unsqueezed()
             if layout is not None:
                 layouts[t.name] = layout
     return layouts

@@ -27,7 +27,8 @@ scales::
 
 ``fused_moe_fp8``: :class:`afdc.quant.formats.Fp8Block` experts in transformers' fused form,
 ``w_gate_up`` [E_local, 2I, H] and ``w_down`` [E_local, H, I] float8_e4m3fn, output-major; the
-scales multiply (DeepSeek's ``weight_scale_inv``): ``w_gate_up_scale`` float32
+scales multiply (DeepSeek's ``weight_scale_inv``; compressed-tensors' per-channel ``weight_scale``
+as blocks of one row, in bf16 as shipped, widened per call): ``w_gate_up_scale`` float32
 [E_local, 2 * ceil(I / block_n), ceil(H / block_k)] (each expert's gate_proj blocks, then its
 up_proj blocks, as the per-expert checkpoint tensors concatenate; with I a multiple of block_n,
 ``[E, 2I / block_n, H / block_k]``) and ``w_down_scale`` [E_local, ceil(H / block_n), ceil(I / block_k)].
@@ -74,6 +75,8 @@ from afdc.codegen.triton_support import launches
 from afdc.codegen.typed_calls import EmittedCall, takes_arguments_of
 from afdc.quant.formats import INT4_PACK, Fp8Block, Int4Group, Mxfp4, Nvfp4, TokenGroupQuant
 
+_FLOAT_SCALES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def _tensors(args: object) -> tuple[torch.Tensor, ...]:
     values = (getattr(args, f.name) for f in fields(args))
@@ -105,20 +108,32 @@ class Fp8Experts:
         return Experts(self.x, self.w_gate_up, self.w_down, self.topk_weights, self.topk_ids, self.first_expert,
                        self.activation, self.b_gate_up, self.b_down, alpha=self.alpha, limit=self.limit)
 
+    def widened(self) -> Fp8Experts:
+        """The call with its scales in float32, as the kernels and :class:`Fp8Block` take them:
+        compressed-tensors ships per-channel scales in the model's dtype (bf16), which widen exactly."""
+        if self.w_gate_up_scale.dtype not in _FLOAT_SCALES or self.w_down_scale.dtype not in _FLOAT_SCALES:
+            raise ValueError(f"fused_moe_fp8: scales {self.w_gate_up_scale.dtype} and {self.w_down_scale.dtype} are "
+                             "not float32, bfloat16 or float16")
+        return replace(self, w_gate_up_scale=self.w_gate_up_scale.float(), w_down_scale=self.w_down_scale.float())
+
     def check(self) -> None:
         self.experts().check()
+        call = self.widened()
         fmt = Fp8Block(self.block_n, self.block_k)
-        fmt.check("fused_moe_fp8 w_down", self.w_down, self.w_down_scale)
+        fmt.check("fused_moe_fp8 w_down", call.w_down, call.w_down_scale)
         num, two_inter, hidden = self.w_gate_up.shape
         gate_rows, cols = fmt.scale_shape(two_inter // 2, hidden)
         expected = (num, 2 * gate_rows, cols)
         scale = self.w_gate_up_scale
-        if self.w_gate_up.dtype != self.w_down.dtype or tuple(scale.shape) != expected or scale.dtype != torch.float32:
+        if self.w_gate_up.dtype != self.w_down.dtype or tuple(scale.shape) != expected:
             raise ValueError(f"fused_moe_fp8: w_gate_up {self.w_gate_up.dtype} {tuple(self.w_gate_up.shape)} in "
-                             f"[{self.block_n}, {self.block_k}] blocks needs fp8 weights and float32 scales {expected} "
+                             f"[{self.block_n}, {self.block_k}] blocks needs fp8 weights and float scales {expected} "
                              f"(the gate rows' blocks, then the up rows'), got {scale.dtype} {tuple(scale.shape)}")
 
     def reference(self) -> torch.Tensor:
+        return self.widened()._reference()
+
+    def _reference(self) -> torch.Tensor:
         fmt = Fp8Block(self.block_n, self.block_k)
         inter = self.w_gate_up.shape[1] // 2
         gate, up = self.w_gate_up[:, :inter], self.w_gate_up[:, inter:]
@@ -139,7 +154,8 @@ class Fp8Experts:
         return experts_reference(experts, fake_quant).to(self.x.dtype)
 
     def launch(self, tiles: tuple[int | None, int | None, int | None]) -> torch.Tensor:
-        scales = ExpertScales("fp8", self.w_gate_up_scale, self.w_down_scale, self.block_n, self.block_k, self.w8a8)
+        call = self.widened()
+        scales = ExpertScales("fp8", call.w_gate_up_scale, call.w_down_scale, self.block_n, self.block_k, self.w8a8)
         return launch(self.experts(), scales, tiles, "fused_moe_fp8" + ("_w8a8" if self.w8a8 else ""))
 
 

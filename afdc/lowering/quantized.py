@@ -104,8 +104,10 @@ def scale_split(parameter: str, shape: tuple[int, ...], block: tuple[int, ...], 
     step = block[dim]
     if split.experts or step == 1:
         return split
-    if step >= shape[dim]:
-        return Split()  # one scale along this dim (per channel along K, per tensor): every rank reads it whole
+    if step >= shape[dim] or fmt is QuantFormat.FP8_TENSOR:
+        # one scale along this dim (per channel along K), or one per matrix (per tensor, fused gate_up's
+        # two included): every rank reads them whole
+        return Split()
     sizes = ShardSlice(0, split.blocks, 0, 1, split.sections).sizes(shape[dim])
     if any(n % (ranks * step) for n in sizes):
         raise PlanError(
@@ -222,7 +224,7 @@ def _experts(graph: fx.Graph, quantized: dict[fx.Node, tuple]) -> None:
                 f"{node.name}: routed experts with only some weights quantized (or a shared expert fused in) "
                 "have no quantized kernel"
             )
-        (p, gate_up), (_, down) = quantized[call.w_gate_up], quantized[call.w_down]
+        (p, gate_up), (p_down, down) = quantized[call.w_gate_up], quantized[call.w_down]
         common = dict(x=call.x, topk_weights=call.topk_weights, topk_ids=call.topk_ids,
                       first_expert=call.first_expert, activation=call.activation, b_gate_up=call.b_gate_up,
                       b_down=call.b_down, alpha=call.alpha, limit=call.limit)
@@ -245,12 +247,27 @@ def _experts(graph: fx.Graph, quantized: dict[fx.Node, tuple]) -> None:
             else:
                 if call.transposed:
                     raise UnsupportedModelError(f"{node.name}: fp8 experts stored input-major have no kernel")
+                block_n, block_k = _fp8_expert_block(p, p_down)
                 new = FusedMoeFp8Call.emit(graph, w_gate_up=call.w_gate_up, w_down=call.w_down,
                                            w_gate_up_scale=gate_up[Role.SCALE], w_down_scale=down[Role.SCALE],
-                                           block_n=p.block[-2], block_k=p.block[-1], w8a8=False, **common)
+                                           block_n=block_n, block_k=block_k, w8a8=False, **common)
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+
+
+def _fp8_expert_block(gate_up: QuantizedParameter, down: QuantizedParameter) -> tuple[int, int]:
+    """The one ``block_n x block_k`` that ``fused_moe_fp8`` reads both matrices' scales by. fp8 blocks
+    are the same for both; a per-channel or per-tensor scale spans a whole row or matrix, whose sizes
+    differ between gate_up ``[2I, H]`` and down ``[H, I]``: a block as large as the larger one is
+    still one scale along that dim of either (the checkpoint's scales, ``[E, 2I, 1]`` and ``[E, H, 1]``
+    per channel, fit it as shipped)."""
+    if gate_up.format is QuantFormat.FP8_BLOCK:
+        if gate_up.block[-2:] != down.block[-2:]:
+            raise UnsupportedModelError(f"{gate_up.name} and {down.name} are fp8 in different blocks "
+                                        f"({gate_up.block[-2:]}, {down.block[-2:]}): fused_moe_fp8 takes one")
+        return gate_up.block[-2], gate_up.block[-1]
+    return max(gate_up.block[-2], down.block[-2]), max(gate_up.block[-1], down.block[-1])
 
 
 _EXPERT_OPS = (FusedMoeFp8Call.OP, FusedMoeMxfp4Call.OP, FusedMoeInt4Call.OP, FusedMoeNvfp4Call.OP)

@@ -119,6 +119,11 @@ def _attention_parameters(built: Built) -> dict[str, torch.Tensor]:
     return {n: attrs[n] for n in built.attention_names() if isinstance(attrs[n], nn.Parameter)}
 
 
+def _attention_stored(built: Built) -> list[str]:
+    """The tensors the attention graph reads that the checkpoint stores (persistent buffers too)."""
+    return [n for n in built.attention_names() if n in built.stored_names]
+
+
 def _embedding_only_parameters(built: Built) -> list[str]:
     """Parameters the attention graph only gathers rows from: a decode step reads a row each,
     not the table (a table tied to the LM head is read in full by the head, so it stays)."""
@@ -154,20 +159,23 @@ def _weights(built: Built, layers: LayerPattern | None) -> _Weights:
     report = built.report
     embedding_only = _embedding_only_parameters(built)
     numel = {k: p.numel() for k, p in _attention_parameters(built).items()}
-    measures = ((report.attention_parameters, numel.__getitem__), (report.attention_weight_bytes, built.weight_bytes))
+    measures = (
+        (report.attention_parameters, numel.__getitem__, list(numel)),
+        (report.attention_weight_bytes, built.weight_bytes, _attention_stored(built)),
+    )
     if layers is None:
-        sides = [_Side(total, total - sum(map(size, embedding_only))) for total, size in measures]
+        sides = [_Side(total, total - sum(map(size, embedding_only))) for total, size, _ in measures]
         return _Weights(report.layers, *sides, report.ffn_parameters, report.ffn_weight_bytes)
     owners = [layers.layer_of(r.module) for r in report.layers]
 
     def whole(total: float, size, names) -> float:
         return layers.total(total, [(layers.layer_of(k), size(k)) for k in names])
 
-    def side(total: float, size) -> _Side:
-        held = whole(total, size, numel)
+    def side(total: float, size, names) -> _Side:
+        held = whole(total, size, names)
         return _Side(held, held - whole(sum(map(size, embedding_only)), size, embedding_only))
 
-    sides = [side(total, size) for total, size in measures]
+    sides = [side(*measure) for measure in measures]
     ffn_layers = layers.expand(
         report.layers, owners,
         lambda r: (r.kind, r.experts, r.top_k, r.ffn_parameters, r.ffn_weight_bytes, r.expert_weight_bytes),

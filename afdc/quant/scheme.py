@@ -220,10 +220,22 @@ def planned_weight_dtype(config: PretrainedConfig) -> str | None:
     return None if _rules(qc).formats <= WEIGHT_ONLY else "fp8"
 
 
-def _refuse(what: str) -> QuantizationError:
+# why the formats users most often ask for are refused, and what to run instead
+_INT4_LAYOUTS = ("its int4 layout (qweight packed along the input dim, qzeros zero points, scales, g_idx) has no "
+                 "afdc kernel; the same model as compressed-tensors W4A16 (pack-quantized, symmetric) runs")
+_WHY_NOT = {
+    "gptq": _INT4_LAYOUTS,
+    "awq": _INT4_LAYOUTS,
+    "int-quantized": "8-bit integer weights (W8A8 int8, W8A16) have no afdc kernel; its fp8 release "
+                     "(compressed-tensors FP8_DYNAMIC, float-quantized) runs",
+}
+
+
+def _refuse(what: str, kind: str = "") -> QuantizationError:
     supported = "; ".join(SUPPORTED)
+    why = f" ({_WHY_NOT[kind]})" if kind in _WHY_NOT else ""
     return QuantizationError(
-        f"{what} is not supported. afdc runs checkpoints quantized as: {supported}. "
+        f"{what} is not supported{why}. afdc runs checkpoints quantized as: {supported}. "
         "Use a checkpoint in one of these, or its bf16 release."
     )
 
@@ -241,7 +253,7 @@ def _rules(qc: dict[str, Any]) -> _Rules:
         mxfp4 = (QuantFormat.MXFP4, (1, MXFP4_GROUP))
         return _Rules(method, "dynamic", skip, lambda _name, _cls: None, lambda _name: mxfp4, bool(skip),
                       frozenset({QuantFormat.MXFP4}))
-    raise _refuse(f"quantization_config.quant_method {method or '(none)'!r}")
+    raise _refuse(f"quantization_config.quant_method {method or '(none)'!r}", method)
 
 
 def _fp8_rules(qc: dict[str, Any]) -> _Rules:
@@ -316,7 +328,7 @@ _CT_FORMATS = ("float-quantized", "pack-quantized")
 def _compressed_tensors_rules(qc: dict[str, Any]) -> _Rules:
     fmt = qc.get("format")
     if fmt not in (*_CT_FORMATS, "mixed-precision"):
-        raise _refuse(f"compressed-tensors format {fmt!r}")
+        raise _refuse(f"compressed-tensors format {fmt!r}", str(fmt))
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse(f"compressed-tensors with quantization_status {status!r} (weights not stored quantized)")
@@ -361,7 +373,7 @@ def _ct_group(name: str, group: Any, top_format: str) -> _Group:
     if fmt == "pack-quantized":
         return _ct_int4_group(name, group, weights)
     if fmt != "float-quantized":
-        raise _refuse(f"compressed-tensors group {name!r} in format {fmt!r}")
+        raise _refuse(f"compressed-tensors group {name!r} in format {fmt!r}", str(fmt))
     kind = f"{weights.get('num_bits')}-bit {weights.get('type')} weights, strategy {weights.get('strategy')}"
     if weights.get("num_bits") != 8 or weights.get("type") != "float" or not weights.get("symmetric", True):
         raise _refuse(f"compressed-tensors group {name!r} with {kind}")

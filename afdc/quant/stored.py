@@ -6,7 +6,9 @@ and its scale(s), in the checkpoint's bytes:
 - fp8 (blocks, per channel, per tensor): the data keeps the parameter's name and shape in
   float8_e4m3fn; the scale is ``<name>_scale`` (float32 blocks, or as the checkpoint stores it),
   laid out like the data (fused experts' scales stacked and concatenated as their weights are);
-  a static input scale is ``<name>_input_scale``.
+  a static input scale is ``<name>_input_scale`` (of a linear: routed experts run weight-only, and
+  their per-expert input scales are not stored). Per-tensor scales of fused experts are the grid
+  ``[E, 2, 1]`` (gate's, up's) and ``[E, 1, 1]``, one block per matrix.
 - MXFP4 (gpt-oss experts): ``<name>_blocks`` uint8 ``[E, out, in / 32, 16]`` and
   ``<name>_scales`` uint8 ``[E, out, in / 32]``, output-major as the checkpoint and the kernel
   take them, whatever the bf16 parameter's orientation.
@@ -112,7 +114,8 @@ def _stored(scheme: QuantScheme, p: QuantizedParameter) -> tuple[StoredTensor, .
         StoredTensor(f"{p.name}_scale", p.name, Role.SCALE, p.format, scale_shape, scale_dtype,
                      tuple((w.name, w.scale.name) for w in members)),
     ]  # fmt: skip
-    if p.static_input_scale:
+    # routed experts run weight-only (fused_moe_fp8 takes no input scale): their per-expert input scales stay out
+    if p.static_input_scale and len(p.shape) == 2:
         inputs = [w.input_scale for w in members if w.input_scale is not None]
         shape, dtype = (inputs[0].shape, inputs[0].dtype) if inputs else ((1,), torch.float32)
         stored.append(StoredTensor(f"{p.name}_input_scale", p.name, Role.INPUT_SCALE, p.format, shape, dtype,
