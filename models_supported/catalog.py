@@ -380,7 +380,8 @@ REFUSED: dict[str, str] = {
     "rwkv": _SPECIALIZES,
     "mamba": _NO_FFN_SSM,
     "falcon_mamba": _NO_FFN_SSM,
-    "deepseek_v4": _SPECIALIZES,
+    "deepseek_v4": "model.layers.0.self_attn.compressor: the stateful mixer model.layers.0.self_attn.compressor "
+                   "takes tensors afdc does not know how to pass",
 }
 
 # model_type -> what in the model's code leads to the refusal.
@@ -396,8 +397,11 @@ REFUSED_CAUSE: dict[str, str] = {
     "rwkv": "the WKV recurrence scans the sequence in a Python loop",
     "mamba": "pure state-space model: no FFN to disaggregate",
     "falcon_mamba": "pure state-space model: no FFN to disaggregate",
-    "deepseek_v4": "compressed sparse attention's compressor assumes a full block of 4 tokens: the graph holds only "
-                   "from 4 tokens on (its hyper-connections and hash routing split as they should)",
+    "deepseek_v4": "its attention's compressors (CSA with a lightning indexer, HCA) keep a buffer, overlap and "
+                   "growing compressed keys in the cache layer they read directly, take the position ids and return "
+                   "those keys with a mask of their own, which the attention appends, uncached, to its sliding-window "
+                   "keys: afdc's mixer op passes only the hidden states and a padding mask, and its attention op "
+                   "caches every key it is given (docs/design.md, DeepSeek-V4)",
 }
 
 # The tiny configurations the refusals are checked with (on top of TINY_COMMON).
@@ -425,6 +429,25 @@ def build_type(model_type: str, config_kwargs: dict, seed: int = 0) -> PreTraine
     cfg = AutoConfig.for_model(model_type, **config_kwargs)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def greedy(name_or_type: str, seed: int = 0) -> PreTrainedModel:
+    """The entry's tiny model set up for greedy decoding that runs to the requested length (no
+    EOS, pad id 0): what the equivalence checks compare ``generate`` with."""
+    model = build(entry(name_or_type), seed)
+    gc = model.generation_config
+    gc.eos_token_id, gc.pad_token_id, gc.do_sample = None, 0, False
+    return model
+
+
+def left_padded(vocab: int, rows: int = 3, length: int = 11, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of ``rows`` left-padded rows of different lengths (row ``i``
+    has ``2 * i`` pads, id 0), the tokens drawn from ``seed``."""
+    ids = torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for i in range(rows):
+        ids[i, : 2 * i], mask[i, : 2 * i] = 0, 0
+    return ids, mask
 
 
 def unavailable(e: ModelEntry) -> str:

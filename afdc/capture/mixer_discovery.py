@@ -43,7 +43,13 @@ def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs
     if not cache:
         raise UnsupportedModelError(f"the stateful mixer {path} was called without the model's cache", path)
     tensors = [(name, v) for name, v in rest if isinstance(v, torch.Tensor)]
-    if len(tensors) > 1 or any(v.dim() != 2 for _, v in tensors) or not isinstance(hidden, torch.Tensor):
+    # the one other tensor is taken for the padding mask only where the forward calls it a mask: a
+    # 2-D tensor of another meaning (DeepSeek-V4's compressors read position ids) is not one
+    if (
+        len(tensors) > 1
+        or any(v.dim() != 2 or "mask" not in name for name, v in tensors)
+        or not isinstance(hidden, torch.Tensor)
+    ):
         raise UnsupportedModelError(
             f"the stateful mixer {path} takes tensors afdc does not know how to pass: "
             f"{[hidden_name] + [name for name, _ in tensors]} (afdc passes the hidden states and a 2-D padding mask)",
