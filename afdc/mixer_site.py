@@ -45,6 +45,17 @@ class MixerSite:
     width: int | None = None
     layer: int | None = None  # the layer of the model's cache that holds its state
     state: tuple[StateTensor, ...] = field(default=())
+    # other tensors its forward takes (position ids, RoPE tables, a 4-D attention mask), passed by the
+    # op after the weights: each a path "argument" or "argument/key/index" into the argument's
+    # nesting of dicts and tuples (DeepSeek-V4's attention takes {"main": (cos, sin), ...})
+    inputs: tuple[str, ...] = ()
+
+    @property
+    def fixed_state(self) -> bool:
+        """Whether its state is fixed-size per sequence and known (what serving can hold in a
+        block per request); a mixer taking more than the hidden states and a padding mask (an
+        attention of its own, its keys in its cache layer) keeps state that grows."""
+        return not self.inputs
 
     @property
     def state_bytes(self) -> int:

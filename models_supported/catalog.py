@@ -259,6 +259,15 @@ ENTRIES: list[ModelEntry] = [
        {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
         **_MLA, "n_group": 1, "topk_group": 1, "hc_mult": 2, "mlp_layer_types": ["dense", "sparse"], **_DSA},
        "2 residual streams, MLA, sparse attention (indexer keys cached), first layer dense", moe=1),
+    _e("DeepSeek-V4", "deepseek_v4", "hyper",
+       {"n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, "n_shared_experts": 1,
+        "q_lora_rank": 16, "qk_rope_head_dim": 8, "hc_mult": 2, "mlp_layer_types": ["hash_moe", "moe"],
+        "index_topk": 2, "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"],
+        # windows short enough that the test's sequences close several and outgrow the sliding window
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, "sliding_window": 8},
+       "2 residual streams, compressed attention (HCA, CSA with an indexer: each attention a stateful mixer, its "
+       "keys and compressed entries in the model's own cache; not servable yet), hash routing in the first MoE layer",
+       moe=2),
     _e("Gemma 4 (text, MoE)", "gemma4_text", "moe",
        {"sliding_window": 4, "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8,
         "enable_moe_block": True, "num_experts": _E, "top_k_experts": _K, "moe_intermediate_size": _MOE_I},
@@ -357,6 +366,7 @@ CORE: frozenset[str] = frozenset({
     "gpt2",
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "granitemoe", "phimoe",
     "dbrx", "longcat_flash",  # experts in a Python loop; identity experts and a shortcut-connected MoE
+    "deepseek_v4",  # attention with compressors as a stateful mixer; hyper-connections; hash routing
     "lfm2", "qwen3_next", "granitemoehybrid",
     # refusals
     "jamba", "rwkv",
@@ -380,8 +390,6 @@ REFUSED: dict[str, str] = {
     "rwkv": _SPECIALIZES,
     "mamba": _NO_FFN_SSM,
     "falcon_mamba": _NO_FFN_SSM,
-    "deepseek_v4": "model.layers.0.self_attn.compressor: the stateful mixer model.layers.0.self_attn.compressor "
-                   "takes tensors afdc does not know how to pass",
 }
 
 # model_type -> what in the model's code leads to the refusal.
@@ -397,11 +405,6 @@ REFUSED_CAUSE: dict[str, str] = {
     "rwkv": "the WKV recurrence scans the sequence in a Python loop",
     "mamba": "pure state-space model: no FFN to disaggregate",
     "falcon_mamba": "pure state-space model: no FFN to disaggregate",
-    "deepseek_v4": "its attention's compressors (CSA with a lightning indexer, HCA) keep a buffer, overlap and "
-                   "growing compressed keys in the cache layer they read directly, take the position ids and return "
-                   "those keys with a mask of their own, which the attention appends, uncached, to its sliding-window "
-                   "keys: afdc's mixer op passes only the hidden states and a padding mask, and its attention op "
-                   "caches every key it is given (docs/design.md, DeepSeek-V4)",
 }
 
 # The tiny configurations the refusals are checked with (on top of TINY_COMMON).
@@ -413,10 +416,6 @@ REFUSED_OVERRIDES: dict[str, dict] = {
     "mamba": {"state_size": 4},
     "falcon_mamba": {"state_size": 4},
     "rwkv": {"attention_hidden_size": 32},
-    "deepseek_v4": {"n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
-                    "n_shared_experts": 1, "q_lora_rank": 16, "qk_rope_head_dim": 8, "hc_mult": 2,
-                    "mlp_layer_types": ["hash_moe", "moe"], "index_topk": 4,
-                    "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"]},
 }
 
 
