@@ -258,9 +258,9 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
     cache layer, read directly: each attention (sliding window, compressors, indexer, sinks) is
     one mixer op, given the position ids, RoPE tables and mask besides the hidden states, its keys
     kept in that cache. Its hyper-connections stay per position and its hash-routed layer routes
-    by token id. In-process at 1A2F (EP) and from a 1A1F artifact: the monolith's logits on a
-    left-padded batch and its greedy tokens, decode incremental (the prefill outgrows the sliding
-    window and closes several compressed windows); serving refuses it by name."""
+    by token id. A 1A2F (EP) artifact gives the monolith's logits on a left-padded batch and its
+    greedy tokens, decode incremental (the prefill outgrows the sliding window and closes several
+    compressed windows); serving refuses it by name. (2A2F in-process: ``test_models_supported``.)"""
     model = catalog.greedy("deepseek_v4")
     experts, k = model.config.n_routed_experts, model.config.num_experts_per_tok
     tables = [m.tid2eid for m in model.modules() if hasattr(m, "tid2eid")]
@@ -273,21 +273,16 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
         ref = model(input_ids=ids, attention_mask=mask).logits
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
 
-    dm = afdc.disaggregate(model, "1A2F")
-    report = dm.report()
-    assert dm.incremental and not report.decode_recomputes
-    assert [m.module for m in report.mixers] == [f"model.layers.{i}.self_attn" for i in range(2)]
-    assert all(not m.fixed_state and "position_ids" in m.inputs for m in report.mixers)
-    assert {layer.ffn_split for layer in report.layers} == {"ep"}
+    model.save_pretrained(tmp_path / "src")
+    manifest = afdc.compile_model(str(tmp_path / "src"), "1A2F", tmp_path / "art", progress=False)
+    assert manifest.incremental_decode
+    assert [m.module for m in manifest.mixers] == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert all(not m.fixed_state and "position_ids" in m.inputs for m in manifest.mixers)
+    assert read_manifest(tmp_path / "art").mixers == manifest.mixers  # inputs round trip through JSON
+    dm = afdc.load_deployment(tmp_path / "art")
     valid = mask.bool()
     out = dm(ids, attention_mask=mask).logits
     assert (out[valid] - ref[valid]).abs().max() <= 1e-4 * ref[valid].abs().max()
     assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
-
-    model.save_pretrained(tmp_path / "src")
-    manifest = afdc.compile_model(str(tmp_path / "src"), "1A1F", tmp_path / "art", progress=False)
-    assert read_manifest(tmp_path / "art").mixers == manifest.mixers  # inputs round trip through JSON
-    loaded = afdc.load_deployment(tmp_path / "art")
-    assert torch.equal(loaded.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     with pytest.raises(afdc.UnsupportedModelError, match=r"model\.layers\.0\.self_attn.*grows with the sequence"):
         check_servable(manifest)
