@@ -52,9 +52,10 @@ class MixerSite:
 
     @property
     def fixed_state(self) -> bool:
-        """Whether its state is fixed-size per sequence and known (what serving can hold in a
-        block per request); a mixer taking more than the hidden states and a padding mask (an
-        attention of its own, its keys in its cache layer) keeps state that grows."""
+        """Whether its state is known as fixed-size tensors per sequence (what serving can hold
+        in a block per request), found by running it on the hidden states alone. A mixer that
+        takes other inputs is an attention of its own (DeepSeek-V4's, with compressors): its keys
+        and compressed entries, in its cache layer, grow with the sequence."""
         return not self.inputs
 
     @property
