@@ -45,6 +45,18 @@ class MixerSite:
     width: int | None = None
     layer: int | None = None  # the layer of the model's cache that holds its state
     state: tuple[StateTensor, ...] = field(default=())
+    # other tensors its forward takes (position ids, RoPE tables, a 4-D attention mask), passed by the
+    # op after the weights: each a path "argument" or "argument/key/index" into the argument's
+    # nesting of dicts and tuples (DeepSeek-V4's attention takes {"main": (cos, sin), ...})
+    inputs: tuple[str, ...] = ()
+
+    @property
+    def fixed_state(self) -> bool:
+        """Whether its state is known as fixed-size tensors per sequence (what serving can hold
+        in a block per request), found by running it on the hidden states alone. A mixer that
+        takes other inputs is an attention of its own (DeepSeek-V4's, with compressors): its keys
+        and compressed entries, in its cache layer, grow with the sequence."""
+        return not self.inputs
 
     @property
     def state_bytes(self) -> int:

@@ -134,7 +134,9 @@ class Report:
             ),
             *(
                 f"  mixer {m.module} (cache layer {m.layer}): "
-                + ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in m.state)
+                + (", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in m.state) if m.fixed_state else
+                   "state that grows with the sequence (its own keys, compressed entries), in the model's cache "
+                   f"layer; takes {', '.join(m.inputs)}")
                 + (" - whole on every TP rank (the op runs the module's own code)" if self.attention_tp > 1 else "")
                 for m in self.mixers
             ),

@@ -259,6 +259,15 @@ ENTRIES: list[ModelEntry] = [
        {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
         **_MLA, "n_group": 1, "topk_group": 1, "hc_mult": 2, "mlp_layer_types": ["dense", "sparse"], **_DSA},
        "2 residual streams, MLA, sparse attention (indexer keys cached), first layer dense", moe=1),
+    _e("DeepSeek-V4", "deepseek_v4", "hyper",
+       {"n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, "n_shared_experts": 1,
+        "q_lora_rank": 16, "qk_rope_head_dim": 8, "hc_mult": 2, "mlp_layer_types": ["hash_moe", "moe"],
+        "index_topk": 2, "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"],
+        # windows short enough that the test's sequences close several and outgrow the sliding window
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, "sliding_window": 8},
+       "2 residual streams, compressed attention (HCA, CSA with an indexer: each attention a stateful mixer, its "
+       "keys and compressed entries in the model's own cache; not servable yet), hash routing in the first MoE layer",
+       moe=2),
     _e("Gemma 4 (text, MoE)", "gemma4_text", "moe",
        {"sliding_window": 4, "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8,
         "enable_moe_block": True, "num_experts": _E, "top_k_experts": _K, "moe_intermediate_size": _MOE_I},
@@ -357,6 +366,7 @@ CORE: frozenset[str] = frozenset({
     "gpt2",
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "granitemoe", "phimoe",
     "dbrx", "longcat_flash",  # experts in a Python loop; identity experts and a shortcut-connected MoE
+    "deepseek_v4",  # attention with compressors as a stateful mixer; hyper-connections; hash routing
     "lfm2", "qwen3_next", "granitemoehybrid",
     # refusals
     "jamba", "rwkv",
@@ -380,7 +390,6 @@ REFUSED: dict[str, str] = {
     "rwkv": _SPECIALIZES,
     "mamba": _NO_FFN_SSM,
     "falcon_mamba": _NO_FFN_SSM,
-    "deepseek_v4": _SPECIALIZES,
 }
 
 # model_type -> what in the model's code leads to the refusal.
@@ -396,8 +405,6 @@ REFUSED_CAUSE: dict[str, str] = {
     "rwkv": "the WKV recurrence scans the sequence in a Python loop",
     "mamba": "pure state-space model: no FFN to disaggregate",
     "falcon_mamba": "pure state-space model: no FFN to disaggregate",
-    "deepseek_v4": "compressed sparse attention's compressor assumes a full block of 4 tokens: the graph holds only "
-                   "from 4 tokens on (its hyper-connections and hash routing split as they should)",
 }
 
 # The tiny configurations the refusals are checked with (on top of TINY_COMMON).
@@ -409,10 +416,6 @@ REFUSED_OVERRIDES: dict[str, dict] = {
     "mamba": {"state_size": 4},
     "falcon_mamba": {"state_size": 4},
     "rwkv": {"attention_hidden_size": 32},
-    "deepseek_v4": {"n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
-                    "n_shared_experts": 1, "q_lora_rank": 16, "qk_rope_head_dim": 8, "hc_mult": 2,
-                    "mlp_layer_types": ["hash_moe", "moe"], "index_topk": 4,
-                    "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"]},
 }
 
 
@@ -425,6 +428,25 @@ def build_type(model_type: str, config_kwargs: dict, seed: int = 0) -> PreTraine
     cfg = AutoConfig.for_model(model_type, **config_kwargs)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def greedy(name_or_type: str, seed: int = 0) -> PreTrainedModel:
+    """The entry's tiny model set up for greedy decoding that runs to the requested length (no
+    EOS, pad id 0): what the equivalence checks compare ``generate`` with."""
+    model = build(entry(name_or_type), seed)
+    gc = model.generation_config
+    gc.eos_token_id, gc.pad_token_id, gc.do_sample = None, 0, False
+    return model
+
+
+def left_padded(vocab: int, rows: int = 3, length: int = 11, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of ``rows`` left-padded rows of different lengths (row ``i``
+    has ``2 * i`` pads, id 0), the tokens drawn from ``seed``."""
+    ids = torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for i in range(rows):
+        ids[i, : 2 * i], mask[i, : 2 * i] = 0, 0
+    return ids, mask
 
 
 def unavailable(e: ModelEntry) -> str:

@@ -16,25 +16,10 @@ from models_supported import catalog
 NEW_TOKENS = 8
 
 
-def _model(model_type: str):
-    model = catalog.build(catalog.entry(model_type))
-    gc = model.generation_config
-    gc.eos_token_id, gc.pad_token_id, gc.do_sample = None, 0, False
-    return model
-
-
-def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, vocab, (3, 9), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    ids[0, :4], mask[0, :4] = 0, 0
-    ids[2, :1], mask[2, :1] = 0, 0
-    return ids, mask
-
-
 @pytest.mark.parametrize("model_type", ["dbrx", "longcat_flash"])
 def test_loop_experts_split_at_1a1f_and_1a2f_and_decode_incrementally(model_type):
-    model = _model(model_type)
-    ids, mask = _batch(model.config.vocab_size)
+    model = catalog.greedy(model_type)
+    ids, mask = catalog.left_padded(model.config.vocab_size)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)

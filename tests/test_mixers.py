@@ -26,22 +26,6 @@ from tests.tiers import sweep
 NEW_TOKENS = 8
 
 
-def _model(model_type: str):
-    model = catalog.build(catalog.entry(model_type))
-    gc = model.generation_config
-    gc.eos_token_id, gc.pad_token_id, gc.do_sample = None, 0, False
-    return model
-
-
-def _batch(vocab: int, rows: int = 3, length: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded rows of different lengths (row i has 2*i pads)."""
-    ids = torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(7))
-    mask = torch.ones_like(ids)
-    for i in range(rows):
-        ids[i, : 2 * i], mask[i, : 2 * i] = 0, 0
-    return ids, mask
-
-
 @pytest.mark.parametrize(
     ("model_type", "plan", "options"),
     [
@@ -54,8 +38,8 @@ def _batch(vocab: int, rows: int = 3, length: int = 11) -> tuple[torch.Tensor, t
 def test_mixers_decode_incrementally_and_match_the_monolith(model_type, plan, options):
     """FFN sharding (EP, TP, router on the attention side), micro-batches and attention TP (the
     mixer whole on each TP rank) work unchanged on hybrids."""
-    model = _model(model_type)
-    ids, mask = _batch(model.config.vocab_size)
+    model = catalog.greedy(model_type)
+    ids, mask = catalog.left_padded(model.config.vocab_size)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
@@ -80,8 +64,8 @@ def test_mixers_decode_incrementally_and_match_the_monolith(model_type, plan, op
 def test_chunked_prefill_continues_from_the_state():
     """Prefill in two chunks against one cache gives the logits of one prefill: the second chunk
     reads the convolution window and recurrent state the first left."""
-    model = _model("qwen3_next")
-    ids, mask = _batch(model.config.vocab_size)
+    model = catalog.greedy("qwen3_next")
+    ids, mask = catalog.left_padded(model.config.vocab_size)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     dm = afdc.disaggregate(model, "1A1F")
     caches = {(0, 0): kv_cache.KVCache()}  # the one attention rank's one micro-batch, as dm.generate keeps it
@@ -95,8 +79,8 @@ def test_chunked_prefill_continues_from_the_state():
 
 
 def test_mixers_across_processes_over_shm():
-    model = _model("bamba")
-    ids, mask = _batch(model.config.vocab_size, rows=2)
+    model = catalog.greedy("bamba")
+    ids, mask = catalog.left_padded(model.config.vocab_size, rows=2)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     dm = afdc.disaggregate(model, "1A2F", connector="shm")
     with dm.launch(timeout=60):
@@ -106,10 +90,10 @@ def test_mixers_across_processes_over_shm():
 
 
 def test_artifact_records_mixer_state_and_decodes_incrementally(tmp_path):
-    model = _model("qwen3_next")
+    model = catalog.greedy("qwen3_next")
     src = tmp_path / "src"
     model.save_pretrained(src)
-    ids, mask = _batch(model.config.vocab_size, rows=2)
+    ids, mask = catalog.left_padded(model.config.vocab_size, rows=2)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     plan = afdc.Plan.parse("1A2F", micro_batches=2)  # two threads share the rebuilt mixer modules
     manifest = afdc.compile_model(str(src), plan, tmp_path / "art", progress=False)
@@ -142,7 +126,7 @@ def test_paged_steps_keep_each_requests_state(model_type, tp):
     under --attn-tp 2 too (each TP rank runs the mixers whole, on its own view of the step), and
     for MiniMax, whose lightning attention keeps its state in a cache class of its own.
     A step run twice before its state is committed (an FFN rank lost mid-step) gives the same."""
-    model = _model(model_type)
+    model = catalog.greedy(model_type)
     dm = afdc.disaggregate(model, "1A1F", attention_tp=tp)
     program = dm.attention
     shards = program.shards if tp > 1 else [program]
@@ -192,8 +176,8 @@ def test_sparse_attention_indexer_keys_are_cached(tmp_path, model_type):
     """DeepSeek-V3.2-style sparse attention: the indexer's keys are kept beside the KV cache
     (``afdc::cached_keys``), so decode feeds one token a step and still picks the same keys; the
     compiled artifact is servable (its paged steps: ``test_paged_rows_pick_each_requests_keys``)."""
-    model = _model(model_type)
-    ids, mask = _batch(model.config.vocab_size)
+    model = catalog.greedy(model_type)
+    ids, mask = catalog.left_padded(model.config.vocab_size)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     dm = afdc.disaggregate(model, "1A2F")
     assert dm.incremental, dm.report().decode_recomputes
@@ -215,7 +199,7 @@ def test_paged_rows_pick_each_requests_keys(tp):
     --attn-tp 2 too (each TP rank its heads, the indexer's one key head shared). Each request's
     tokens equal transformers' ``generate`` of it alone (the indexer picks 4 of up to 32 keys, so a
     key taken from another row or a padded slot would show)."""
-    model = _model("deepseek_v32")
+    model = catalog.greedy("deepseek_v32")
     dm = afdc.disaggregate(model, "1A1F", attention_tp=tp)
     with pytest.raises(afdc.UnsupportedModelError, match="computed from the hidden states"):
         attention_slots(afdc.disaggregate(model).attention.module.graph)  # a flat batch cannot rebuild them
@@ -258,8 +242,8 @@ def test_paged_rows_pick_each_requests_keys(tp):
 def test_a_left_padded_row_keeps_the_state_of_the_unpadded_row(model_type):
     """Padding is masked as the model masks it: a left-padded row's logits and greedy tokens
     equal those of the same row run alone without padding."""
-    dm = afdc.disaggregate(_model(model_type), "1A1F")
-    ids, mask = _batch(dm.config.vocab_size)
+    dm = afdc.disaggregate(catalog.greedy(model_type), "1A1F")
+    ids, mask = catalog.left_padded(dm.config.vocab_size)
     batch = dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     with torch.no_grad():
         logits = dm(ids, attention_mask=mask).logits[:, -1]
@@ -268,3 +252,38 @@ def test_a_left_padded_row_keeps_the_state_of_the_unpadded_row(model_type):
         assert torch.equal(batch[i, -NEW_TOKENS:], dm.generate(row, max_new_tokens=NEW_TOKENS)[0, -NEW_TOKENS:])
         with torch.no_grad():
             torch.testing.assert_close(logits[i], dm(row).logits[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
+    """DeepSeek-V4's compressors keep a buffer and their compressed entries in the model's own
+    cache layer, read directly: each attention (sliding window, compressors, indexer, sinks) is
+    one mixer op, given the position ids, RoPE tables and mask besides the hidden states, its keys
+    kept in that cache. Its hyper-connections stay per position and its hash-routed layer routes
+    by token id. A 1A2F (EP) artifact gives the monolith's logits on a left-padded batch and its
+    greedy tokens, decode incremental (the prefill outgrows the sliding window and closes several
+    compressed windows); serving refuses it by name. (2A2F in-process: ``test_models_supported``.)"""
+    model = catalog.greedy("deepseek_v4")
+    experts, k = model.config.n_routed_experts, model.config.num_experts_per_tok
+    tables = [m.tid2eid for m in model.modules() if hasattr(m, "tid2eid")]
+    assert tables
+    gen = torch.Generator().manual_seed(3)
+    for table in tables:  # as a checkpoint's: k distinct experts per token id (the tiny model's are all 0)
+        table.copy_(torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(table.shape[0])]))
+    ids, mask = catalog.left_padded(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+
+    model.save_pretrained(tmp_path / "src")
+    manifest = afdc.compile_model(str(tmp_path / "src"), "1A2F", tmp_path / "art", progress=False)
+    assert manifest.incremental_decode
+    assert [m.module for m in manifest.mixers] == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert all(not m.fixed_state and "position_ids" in m.inputs for m in manifest.mixers)
+    assert read_manifest(tmp_path / "art").mixers == manifest.mixers  # inputs round trip through JSON
+    dm = afdc.load_deployment(tmp_path / "art")
+    valid = mask.bool()
+    out = dm(ids, attention_mask=mask).logits
+    assert (out[valid] - ref[valid]).abs().max() <= 1e-4 * ref[valid].abs().max()
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    with pytest.raises(afdc.UnsupportedModelError, match=r"model\.layers\.0\.self_attn.*grows with the sequence"):
+        check_servable(manifest)

@@ -248,6 +248,7 @@ def _mixer_site(d: dict) -> MixerSite:
         "weights": tuple(d["weights"]),
         "constants": tuple(tuple(c) for c in d["constants"]),
         "state": tuple(StateTensor(t["name"], tuple(t["shape"]), t["dtype"]) for t in d["state"]),
+        "inputs": tuple(str(i) for i in d.get("inputs", ())),
     })
 
 

@@ -11,7 +11,7 @@ from afdc.capture.canonical import canonical_names, to_get_attr_graph, unwrap_mo
 from afdc.capture.captured import NO_POSITIONS, ONE_LENGTH, TIED, CapturedGraph, key_length_tied
 from afdc.capture.expert_loops import as_grouped_experts
 from afdc.capture.export import Specialized, export_forward, relaxed_limit, takes_positions
-from afdc.capture.mixer_discovery import as_mixer_ops
+from afdc.capture.mixer_discovery import as_mixer_ops, token_mixer
 from afdc.capture.outside_state import state_outside_cache
 from afdc.capture.session import CaptureSession
 from afdc.capture.standin_cache import WRAPPED, StatefulMixer, cache_argument
@@ -40,11 +40,12 @@ def capture(model: PreTrainedModel, functional: bool = False) -> CapturedGraph:
                     captured = _capture(model, functional, argument, with_mixers=bool(mixers))
                 break
             except StatefulMixer as found:
-                if found.module is None or type(found.module) in mixers or _contains_layers(found.module, model):
+                mixer = token_mixer(found.module, model) if found.module is not None else None
+                if mixer is None or type(mixer) in mixers or _contains_layers(mixer, model):
                     raise UnsupportedModelError(
                         f"the forward reads per-layer cache state outside a token mixer ({found})"
                     ) from None
-                mixers.add(type(found.module))
+                mixers.add(type(mixer))
     captured.views = views
     if captured.specialized:
         captured.state_outside_cache = state_outside_cache(model)

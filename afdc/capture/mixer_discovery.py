@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 from transformers import PreTrainedModel
 
 from afdc import ops
@@ -42,16 +43,21 @@ def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs
     cache = [name for name, value in rest if isinstance(value, CacheLength)]
     if not cache:
         raise UnsupportedModelError(f"the stateful mixer {path} was called without the model's cache", path)
-    tensors = [(name, v) for name, v in rest if isinstance(v, torch.Tensor)]
-    if len(tensors) > 1 or any(v.dim() != 2 for _, v in tensors) or not isinstance(hidden, torch.Tensor):
-        raise UnsupportedModelError(
-            f"the stateful mixer {path} takes tensors afdc does not know how to pass: "
-            f"{[hidden_name] + [name for name, _ in tensors]} (afdc passes the hidden states and a 2-D padding mask)",
-            path,
-        )
+    if not isinstance(hidden, torch.Tensor):
+        raise UnsupportedModelError(f"the stateful mixer {path} takes no hidden states first ({hidden_name})", path)
+    # a 2-D tensor is taken for the padding mask only where the forward calls it a mask (position
+    # ids are 2-D too); any other tensors, alone or in dicts and tuples, are passed as inputs
+    masks = [(n, v) for n, v in rest if isinstance(v, torch.Tensor) and v.dim() == 2 and "mask" in n]
+    inputs = [
+        (f"{name}{_path(keys)}", leaf)
+        for name, value in rest
+        if name not in cache and all(name != n for n, _ in masks)
+        for keys, leaf in pytree.tree_flatten_with_path(value)[0]
+        if isinstance(leaf, torch.Tensor)
+    ]
     constants = []
     for name, value in rest:
-        if name in cache or isinstance(value, torch.Tensor):
+        if name in cache or any(n == name for n, _ in masks) or _holds_tensors(value):
             continue
         if value is not None and not isinstance(value, (bool, int, float, str)):
             raise UnsupportedModelError(
@@ -65,17 +71,41 @@ def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs
         module=path,
         weights=tuple(name for name, _ in weights),
         cache_argument=cache[0],
-        mask_argument=tensors[0][0] if tensors else None,
+        mask_argument=masks[0][0] if masks else None,
         constants=tuple(constants),
         width=int(hidden.shape[-1]),
+        layer=getattr(module, "layer_idx", None) if inputs else None,
+        inputs=tuple(name for name, _ in inputs),
     )
     sites.append(site)
-    mask = tensors[0][1] if tensors else None
-    out = ops.mixer(hidden, mask, [t for _, t in weights], site.slot)
+    mask = masks[0][1] if masks else None
+    out = ops.mixer(hidden, mask, [t for _, t in weights] + [t for _, t in inputs], site.slot)
     # a forward returning (output, its state) to a caller that unpacks both (MiniMax's): unpacking
     # the op's one tensor instead would split it along the batch, pinning the batch size
     unpacked = _caller_unpacks()
     return (out, *[None] * (unpacked - 1)) if unpacked else out
+
+
+def _path(keys) -> str:
+    """A pytree key path as the ``/``-joined keys and indices :attr:`MixerSite.inputs` records."""
+    return "".join(f"/{getattr(k, 'key', getattr(k, 'idx', k))}" for k in keys)
+
+
+def _holds_tensors(value) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))
+
+
+def token_mixer(module: torch.nn.Module, model: PreTrainedModel) -> torch.nn.Module:
+    """The token mixer of a decoder layer that holds ``module``: its child on the way down to
+    ``module`` (the module itself where a layer's child asked, as a Mamba mixer does). A compressor
+    inside an attention (DeepSeek-V4's) makes that attention the stateful mixer: what it returns
+    is no branch of the residual stream, and the attention's keys live beside its state."""
+    path = next((p for p, m in model.named_modules() if m is module), None)
+    parts = path.split(".") if path else []
+    layer = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    if layer is None or layer + 2 >= len(parts):
+        return module
+    return model.get_submodule(".".join(parts[: layer + 2]))
 
 
 def _caller_unpacks() -> int:

@@ -3,7 +3,7 @@
 What the forward reads of its cache (how many tokens it holds: every cache position in
 transformers is ``arange(s) + cache length``) is answered as ``kv - s``. What it has of per-layer
 state it answers by naming the module that asked (:class:`StatefulMixer`), which capture then
-makes a mixer op (:mod:`afdc.capture.mixer_discovery`).
+makes a mixer op (:mod:`afdc.capture.mixer_discovery`), and so does a read of one of its layers.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class CacheLength(Cache):
 
     def __init__(self, past, session: CaptureSession):
         super().__init__(layers=[])
+        self.layers = _NoLayers()
         self.past = past
         self.session = session
 
@@ -86,6 +87,15 @@ class StatefulMixer(AttributeError):
         del frame
         super().__init__(f"{type(module).__name__} reads per-layer state of the cache")
         self.module = module
+
+
+class _NoLayers(list):
+    """The stand-in's cache layers: none. A module that reads a layer of the cache directly
+    (DeepSeek-V4's compressors keep their buffers and compressed entries there) keeps per-layer
+    state, so reading one names it as a stateful mixer rather than failing on an index."""
+
+    def __getitem__(self, index):
+        raise StatefulMixer()
 
 
 class WithCacheLength(torch.nn.Module):

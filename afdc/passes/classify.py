@@ -55,8 +55,25 @@ def _is_mixer(node: fx.Node, free: set[fx.Node]) -> bool:
         return True
     if gf.is_op(node, *_PRODUCTS):
         activations = [a for a in node.all_input_nodes if gf.is_tensor(a) and a not in free]
-        return len(activations) >= 2
+        return len(activations) >= 2 and not _per_position(node)
     return False
+
+
+def _per_position(node: fx.Node) -> bool:
+    """A batched matmul of small matrices, one pair per position: its operands' leading dims are the
+    same (batch, tokens, ...), symbolic, and their matrix dims all static, so no token count is
+    contracted or spanned (a hyper-connection's ``comb^T @ streams``, [b, s, n, n] @ [b, s, n, d]). A product
+    that mixes tokens has a token count (symbolic) among its matrix dims."""
+    if not gf.is_op(node, aten.matmul, aten.bmm):
+        return False
+    shapes = [a.meta["val"].shape for a in node.all_input_nodes if gf.is_tensor(a)]
+    return (
+        len(shapes) == 2
+        and len(shapes[0]) == len(shapes[1]) >= 3
+        and gf.same_shape(shapes[0][:-2], shapes[1][:-2])
+        and any(not isinstance(d, int) for d in shapes[0][:-2])  # (a graph of one length says nothing)
+        and all(isinstance(d, int) for shape in shapes for d in shape[-2:])
+    )
 
 
 def _downstream(nodes: list[fx.Node]) -> set[fx.Node]:

@@ -77,6 +77,11 @@ class Mixers:
         if site.mask_argument is not None:
             # as transformers' recurrent mask: a single decoded token is never padding
             arguments[site.mask_argument] = mask if mask is not None and hidden.shape[1] > 1 else None
+        if site.inputs:
+            given = weights[len(site.weights):]
+            keys = _held_keys(state, site.layer, hidden.shape[1])
+            given = [_as_additive(t, keys, hidden.dtype) if _is_mask(t) else t for t in given]
+            arguments.update(_nest(dict(zip(site.inputs, given))))
         params = dict(zip(site.weights, weights))
         # functional_call swaps the weights into the shared module and back: micro-batch threads
         # take turns (one would otherwise run on another's restored, e.g. meta, weights)
@@ -129,6 +134,9 @@ class Mixers:
         running its module, with its own weights, once over two tokens of one sequence."""
         out = []
         for slot, site in sorted(self.sites.items()):
+            if not site.fixed_state:  # its state grows with the sequence: no fixed shape to find
+                out.append(site)
+                continue
             module, state = self.modules[slot], self.new_state()
             weight = next(iter(module.parameters()), None)
             hidden = torch.zeros(
@@ -142,6 +150,48 @@ class Mixers:
             layer, tensors = _state_of(state)
             out.append(MixerSite(**{**site.__dict__, "layer": layer, "state": tuple(tensors)}))
         return out
+
+
+def _is_mask(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bool and t.dim() == 4
+
+
+def _held_keys(state: Cache, layer: int | None, queries: int) -> int | None:
+    """How many keys the mixer's cache layer will attend over for ``queries`` new tokens (its
+    sliding window's, as transformers sizes masks); None: every key of the sequence."""
+    if layer is None or layer >= len(state.layers):
+        return None
+    return state.layers[layer].get_mask_sizes(queries)[0]
+
+
+def _as_additive(mask: torch.Tensor, keys: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The graph's boolean mask over all of a sequence's keys as the module's own eager attention
+    takes it: additive, over the last ``keys`` keys (those its cache layer holds)."""
+    if keys is not None:
+        mask = mask[..., -keys:]
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def _nest(flat: dict[str, torch.Tensor]) -> dict:
+    """Arguments from :attr:`MixerSite.inputs` paths: ``a/k/0`` is ``a["k"][0]`` (all-digit keys
+    make a tuple)."""
+    out: dict = {}
+    for path, value in flat.items():
+        node, *keys = path.split("/")
+        out.setdefault(node, []).append((keys, value))
+    return {name: _build(items) for name, items in out.items()}
+
+
+def _build(items: list) -> object:
+    if len(items) == 1 and not items[0][0]:
+        return items[0][1]
+    groups: dict[str, list] = {}
+    for (key, *rest), value in items:
+        groups.setdefault(key, []).append((rest, value))
+    built = {key: _build(group) for key, group in groups.items()}
+    if all(key.isdigit() for key in built):
+        return tuple(built[key] for key in sorted(built, key=int))
+    return built
 
 
 def _kind_index(spec: StateTensor) -> tuple[str, int]:
