@@ -27,9 +27,10 @@ from afdc.mixer_site import MixerSite
 def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs) -> torch.Tensor:
     """What a stateful mixer's ``forward`` is during capture: one ``afdc::mixer`` op.
 
-    The op takes the hidden states (the first argument), the 2-D padding mask (the one other tensor
-    argument, if any) and the module's weights; the cache argument is left to the runtime, other
-    arguments are recorded as they were traced. Arguments the forward's code never reads (what a
+    The op takes the hidden states (the first argument), the 2-D padding mask (the first 2-D tensor
+    argument named a mask, if any), the module's weights and its other tensor arguments (alone or
+    in dicts and tuples); the cache argument is left to the runtime, other arguments are recorded
+    as they were traced. Arguments the forward's code never reads (what a
     decoder layer hands every mixer alike: position embeddings, ``**kwargs``) are passed as None."""
     signature = inspect.signature(original)
     arguments = dict(signature.bind(*args, **kwargs).arguments)
@@ -47,17 +48,17 @@ def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs
         raise UnsupportedModelError(f"the stateful mixer {path} takes no hidden states first ({hidden_name})", path)
     # a 2-D tensor is taken for the padding mask only where the forward calls it a mask (position
     # ids are 2-D too); any other tensors, alone or in dicts and tuples, are passed as inputs
-    masks = [(n, v) for n, v in rest if isinstance(v, torch.Tensor) and v.dim() == 2 and "mask" in n]
+    mask_name = next((n for n, v in rest if isinstance(v, torch.Tensor) and v.dim() == 2 and "mask" in n), None)
     inputs = [
         (f"{name}{_path(keys)}", leaf)
         for name, value in rest
-        if name not in cache and all(name != n for n, _ in masks)
+        if name not in cache and name != mask_name
         for keys, leaf in pytree.tree_flatten_with_path(value)[0]
         if isinstance(leaf, torch.Tensor)
     ]
     constants = []
     for name, value in rest:
-        if name in cache or any(n == name for n, _ in masks) or _holds_tensors(value):
+        if name in cache or name == mask_name or _holds_tensors(value):
             continue
         if value is not None and not isinstance(value, (bool, int, float, str)):
             raise UnsupportedModelError(
@@ -71,14 +72,14 @@ def _mixer_forward(module: torch.nn.Module, path: str, original, *args, **kwargs
         module=path,
         weights=tuple(name for name, _ in weights),
         cache_argument=cache[0],
-        mask_argument=masks[0][0] if masks else None,
+        mask_argument=mask_name,
         constants=tuple(constants),
         width=int(hidden.shape[-1]),
         layer=getattr(module, "layer_idx", None) if inputs else None,
         inputs=tuple(name for name, _ in inputs),
     )
     sites.append(site)
-    mask = masks[0][1] if masks else None
+    mask = arguments[mask_name] if mask_name is not None else None
     out = ops.mixer(hidden, mask, [t for _, t in weights] + [t for _, t in inputs], site.slot)
     # a forward returning (output, its state) to a caller that unpacks both (MiniMax's): unpacking
     # the op's one tensor instead would split it along the batch, pinning the batch size

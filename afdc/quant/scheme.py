@@ -473,6 +473,13 @@ def scheme_from_config(config: PretrainedConfig, model: nn.Module | None = None)
     return QuantScheme(rules.method, rules.activation_scheme, rules.not_converted, tuple(parameters))
 
 
+def _matrices_apart(fmt: QuantFormat, matrices: int) -> int:
+    """:attr:`QuantizedParameter.matrices` of a parameter concatenating ``matrices`` checkpoint
+    matrices per leading index: they count apart only where the format stores something per matrix
+    (NVFP4's global scale); an fp8 or MXFP4 gate_up is one grid of scales."""
+    return matrices if fmt is QuantFormat.NVFP4 else 1
+
+
 def _expert_parameters(
     module_name: str, module: nn.Module, fmt: QuantFormat, block: tuple[int, int]
 ) -> list[QuantizedParameter]:
@@ -485,9 +492,8 @@ def _expert_parameters(
         out_in = (param.shape[2], param.shape[1]) if transposed else (param.shape[1], param.shape[2])
         step = _full(block, out_in)
         along = (1, step[1], step[0]) if transposed else (1, *step)
-        # transformers' fused experts concatenate each expert's gate_proj and up_proj into gate_up_proj;
-        # only NVFP4 stores anything per matrix (its global scale), and its checkpoints ship them apart
-        matrices = 2 if name == "gate_up_proj" and fmt is QuantFormat.NVFP4 else 1
+        # transformers' fused experts concatenate each expert's gate_proj and up_proj into gate_up_proj
+        matrices = _matrices_apart(fmt, 2 if name == "gate_up_proj" else 1)
         found.append(QuantizedParameter(f"{module_name}.{name}", fmt, tuple(param.shape), along, matrices=matrices))
     return found
 
@@ -798,10 +804,7 @@ def _parameter(
             f"{'x'.join(map(str, first.block))}, which do not line up with it"
         )
     sources = tuple(w.name for w in members)
-    # a per-matrix scale is NVFP4's alone: an fp8 gate_up assembled from two tensors stores none
-    matrices = 1
-    if first.format is QuantFormat.NVFP4:
-        matrices = len(members) // math.prod(shape[: len(shape) - len(first.shape)])
+    matrices = _matrices_apart(first.format, len(members) // math.prod(shape[: len(shape) - len(first.shape)]))
     return QuantizedParameter(name, first.format, shape, block, sources, first.input_scale is not None, matrices)
 
 

@@ -95,19 +95,14 @@ def _served_model(name: str) -> type[AfdcServedModel]:
 def _check_speculation(config) -> None:
     """Refuse a speculative decoding method afdc's worker does not run (``vllm serve`` by hand;
     ``afdc serve`` refused it before vLLM started)."""
-    from typing import get_args
-
-    from vllm.config.speculative import MTPModelTypes
-
     from afdc.artifact.manifest import read_manifest
-    from afdc.serve.speculative_config import DRAFTING, refusal
+    from afdc.serve.speculative_config import DRAFTING, artifact_refusal
 
     if config is None:
         return
     manifest = read_manifest(Path(WorkerSettings.from_env().artifact))
     given = {"method": config.method, **{name: getattr(config, name, None) for name in DRAFTING}}
-    why = refusal(given, get_args(MTPModelTypes), manifest.drafter.method if manifest.drafter else None,
-                  manifest.no_drafter)
+    why = artifact_refusal(given, manifest)
     if why:
         raise ValueError(why)
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, get_args
+
+if TYPE_CHECKING:
+    from afdc.artifact.manifest import Manifest
 
 # what --speculative-config's methods would need of afdc, by method (vLLM's names); "ngram" needs nothing
 _NEEDS = {
@@ -62,6 +66,14 @@ def refusal(config: dict | None, mtp_methods: Sequence[str] = (), drafter: str |
     also = ", or the model's own MTP layers: {\"method\": \"mtp\", ...}" if drafter == "mtp" else ""
     return (f"--speculative-config method {config.get('method') or method!r} needs {needs}; afdc's worker "
             "speculates with n-gram prompt lookup: {\"method\": \"ngram\", \"num_speculative_tokens\": K}" + also)
+
+
+def artifact_refusal(config: dict | None, manifest: Manifest) -> str | None:
+    """:func:`refusal` of ``config`` for the artifact ``manifest`` describes, under vLLM's names for MTP."""
+    from vllm.config.speculative import MTPModelTypes  # vLLM is imported only where a server starts
+
+    drafter = manifest.drafter.method if manifest.drafter else None
+    return refusal(config, get_args(MTPModelTypes), drafter, manifest.no_drafter)
 
 
 def _ignored(config: dict) -> str | None:

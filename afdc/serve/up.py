@@ -31,7 +31,7 @@ from afdc.serve.cores import PAIR_TOKENS, shared_core
 from afdc.serve.data_parallel import DataParallel
 from afdc.serve.health import MIDDLEWARE
 from afdc.serve.settings import WorkerSettings
-from afdc.serve.speculative_config import config_in_args, refusal
+from afdc.serve.speculative_config import artifact_refusal, config_in_args
 
 if TYPE_CHECKING:
     from afdc.plan import Plan
@@ -74,12 +74,7 @@ def check_speculation(manifest: Manifest, vllm_args: Sequence[str]) -> None:
         raise AfdcError(str(err)) from None
     if config is None:
         return
-    from typing import get_args
-
-    from vllm.config.speculative import MTPModelTypes
-
-    why = refusal(config, get_args(MTPModelTypes), manifest.drafter.method if manifest.drafter else None,
-                  manifest.no_drafter)
+    why = artifact_refusal(config, manifest)
     if why:
         raise AfdcError(why)
 
