@@ -211,7 +211,8 @@ def scenarios(profiles: Callable[[str], HardwareProfile]) -> list[tuple[Model, S
     )
     assumed = (
         "a throughput run (no TPOT target: every deployment decodes what its memory holds), decode at the"
-        " input length, KV cache in bf16, int8 dispatch for AFD and EP alike, the CloudMatrix384 UB fabric"
+        " input length, KV cache (MLA latent and DSA indexer keys) in bf16, int8 dispatch for AFD and EP alike"
+        " (DeepEP-Ascend dispatches in int8), the CloudMatrix384 UB fabric"
     )
     out = []
     for context, gain_64, gain_48 in ((16384, 1.113, 0.947), (32768, 1.090, 0.900)):
