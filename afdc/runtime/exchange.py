@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from afdc.runtime import wire
+from afdc.runtime import trace, wire
 from afdc.runtime.link import Connector
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
@@ -176,6 +176,7 @@ class AttentionEndpoint:
                     # the step is lost before its first FFN layer: reported there, as a send would be
                     self._fail(peer, 0, f"could not send the step plan: {err}")
 
+    @trace.phase("attn.endpoint_send")
     def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor], ffn_rank: int):
         """Send one message to FFN rank ``ffn_rank`` (a micro-batch's layer may go to several)."""
         assert self.transport is not None
@@ -202,6 +203,7 @@ class AttentionEndpoint:
         self.metrics.sent(header.payload_bytes)
         self.metrics.phases.add("send", time.perf_counter() - started, time.thread_time() - cpu)
 
+    @trace.phase("attn.wait")
     def wait(
         self, step: int, layer: int, micro_batch: int, ffn_ranks: list[int], spin: bool = True
     ) -> list[list[torch.Tensor]]:
@@ -290,6 +292,7 @@ class RemoteConnector(Connector):
         self._shares: dict[int, list[Share]] = {}  # layer -> where its tokens went
         self._replies: dict[int, list[list[torch.Tensor]]] = {}  # layer -> per share, its outputs
 
+    @trace.phase("attn.connector_send")
     def send(self, layer: int, tensors: list[torch.Tensor]) -> None:
         dispatch = self.dispatch[layer]
         shares = self._shares[layer] = dispatch.shares(tensors, self.tokens, len(self.endpoint.ffn_slots))
@@ -299,6 +302,7 @@ class RemoteConnector(Connector):
             self.traffic.to_ffn_bytes += wire.nbytes(part)
         self.traffic.messages += 1
 
+    @trace.phase("attn.connector_recv")
     def recv(self, layer: int, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         shares = self._shares[layer]
         if layer not in self._replies:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from afdc.codegen.triton_support import source_lock
 from afdc.errors import AfdcError
-from afdc.runtime import wire
+from afdc.runtime import trace, wire
 from afdc.runtime.gathering import Gathering
 from afdc.runtime.metrics import IDLE, Metrics
 from afdc.runtime.options import RuntimeOptions
@@ -214,6 +214,7 @@ class FFNServer:
     # caches cold, where each step of this path costs several times what it does in a tight loop:
     # so every check is done once (a message's tensors against its layer remembered), and one
     # message is not grouped.
+    @trace.phase("ffn.handle")
     def _handle(self, transport: Transport, gathering: Gathering, items: list[Incoming | Failure]) -> None:
         generation = transport.group.generation
         for item in items:
@@ -248,6 +249,7 @@ class FFNServer:
         for (layer, _), group in by_batch.items():
             self._run_batch(transport, layer, group)
 
+    @trace.phase("ffn.run_batch")
     def _run_batch(self, transport: Transport, layer: int, group: list[Incoming]) -> None:
         phases = self.metrics.phases
         started, cpu = time.perf_counter(), time.thread_time()
@@ -281,6 +283,7 @@ class FFNServer:
             return f"FFN layer {h.layer} does not exist (the program has {len(self.program.layers)})"
         return ""
 
+    @trace.phase("ffn.check")
     def _check_tensors(self, m: Incoming) -> str:
         """Why ``m``'s tensors cannot be taken ("" when they can): a step plan is each micro-batch's
         token count, adding up to its header's; a DATA message carries its layer's inputs, each of
@@ -316,6 +319,7 @@ class FFNServer:
         self.metrics.errors += 1
         self._reply(transport, h, wire.Kind.ERROR, [torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8)])
 
+    @trace.phase("ffn.reply")
     def _reply(self, transport: Transport, h: wire.Header, kind: wire.Kind, tensors: list[torch.Tensor]) -> None:
         header = wire.Header.carrying(
             kind,
@@ -370,6 +374,7 @@ def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, option
         traceback.print_exc()
         code = 1
     finally:
+        trace.dump()  # os._exit below runs no atexit hook
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
