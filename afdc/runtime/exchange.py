@@ -180,28 +180,27 @@ class AttentionEndpoint:
     def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor], ffn_rank: int):
         """Send one message to FFN rank ``ffn_rank`` (a micro-batch's layer may go to several)."""
         assert self.transport is not None
-        started, cpu = time.perf_counter(), time.thread_time()
-        header = wire.Header.carrying(
-            wire.Kind.DATA,
-            tensors,
-            deployment=self.rendezvous.deployment,
-            generation=self.transport.group.generation,
-            step=step,
-            layer=layer,
-            micro_batch=micro_batch,
-            tokens=tokens,
-            sender=self.slot,
-        )
-        with self._cond:
-            self._sent_at.setdefault((step, layer, micro_batch), time.monotonic())
-        self._waiter.busy()  # a reply is due: its wait starts from the spin, however long this rank idled
-        peer = self.ffn_slots[ffn_rank]
-        try:
-            self.transport.send(peer, header, tensors)
-        except (RuntimeError, OSError) as err:
-            self._fail(peer, layer, f"send failed: {err}")
-        self.metrics.sent(header.payload_bytes)
-        self.metrics.phases.add("send", time.perf_counter() - started, time.thread_time() - cpu)
+        with self.metrics.phases.timed("send", per_message=True):
+            header = wire.Header.carrying(
+                wire.Kind.DATA,
+                tensors,
+                deployment=self.rendezvous.deployment,
+                generation=self.transport.group.generation,
+                step=step,
+                layer=layer,
+                micro_batch=micro_batch,
+                tokens=tokens,
+                sender=self.slot,
+            )
+            with self._cond:
+                self._sent_at.setdefault((step, layer, micro_batch), time.monotonic())
+            self._waiter.busy()  # a reply is due: its wait starts from the spin, however long this rank idled
+            peer = self.ffn_slots[ffn_rank]
+            try:
+                self.transport.send(peer, header, tensors)
+            except (RuntimeError, OSError) as err:
+                self._fail(peer, layer, f"send failed: {err}")
+            self.metrics.sent(header.payload_bytes)
 
     @trace.phase("attn.wait")
     def wait(
@@ -212,7 +211,7 @@ class AttentionEndpoint:
         Over a polled transport the calling micro-batch thread reads its replies out of their
         slots itself (``spin=False`` where other threads of this process compute meanwhile, see
         :meth:`Waiter.pauses`); otherwise the transport's receiver threads file them and this waits."""
-        with self.metrics.phases.timed("wait"):
+        with self.metrics.phases.timed("wait", per_message=True):
             return self._wait(step, layer, micro_batch, ffn_ranks, spin)
 
     def _wait(self, step: int, layer: int, micro_batch: int, ffn_ranks: list[int], spin: bool) -> list:
@@ -310,10 +309,12 @@ class RemoteConnector(Connector):
                 self.step, layer, self.micro_batch, [s.rank for s in shares], self.spin
             )
             self.traffic.messages += 1
-        # a batched FFN run replies with [tokens, per-token...]: each rank's part takes the program's shape
+        # a batched FFN run replies with [tokens, per-token...]: each rank's part takes the program's
+        # shape (a reshape is a torch call of microseconds, skipped where the shape is already right)
+        dispatch = self.dispatch[layer]
         replies = [reply[index] for reply in self._replies[layer]]
-        if not self.dispatch[layer].partial_rows:
-            replies = [r.reshape(shape) for r in replies]
-        out = self.dispatch[layer].combine(index, replies, shares).reshape(shape)
+        if not dispatch.partial_rows:
+            replies = [r if r.shape == shape else r.reshape(shape) for r in replies]
+        out = dispatch.combine(index, replies, shares)
         self.traffic.to_attn_bytes += sum(r.numel() * r.element_size() for r in replies)
-        return out
+        return out if out.shape == shape else out.reshape(shape)

@@ -207,7 +207,7 @@ class FFNServer:
 
     def _arrived(self, transport: Transport, wait: float) -> list[Incoming | Failure]:
         """Everything that has arrived, waiting up to ``wait`` s for the first item."""
-        with self.metrics.phases.timed(IDLE):
+        with self.metrics.phases.timed(IDLE, per_message=True):
             return transport.collect(wait)
 
     # A served step's messages pass here one or two at a time, each after a wake-up that finds the
@@ -252,10 +252,10 @@ class FFNServer:
     @trace.phase("ffn.run_batch")
     def _run_batch(self, transport: Transport, layer: int, group: list[Incoming]) -> None:
         phases = self.metrics.phases
-        started, cpu = time.perf_counter(), time.thread_time()
         tokens = [m.header.tokens for m in group]
         try:
-            outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
+            with phases.timed("run", per_message=True):
+                outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
         except Exception as err:  # the program rejected these inputs: tell the senders why
             if len(group) > 1:  # one message's fault must not fail the others' tokens: each runs alone
                 for m in group:
@@ -263,12 +263,10 @@ class FFNServer:
                 return
             self._refuse(transport, group[0].header, f"FFN layer {layer} failed: {type(err).__name__}: {err}")
             return
-        ran, ran_cpu = time.perf_counter(), time.thread_time()
-        phases.add("run", ran - started, ran_cpu - cpu)
         self.metrics.batch_tokens.observe(sum(tokens))
-        for m, outs in zip(group, outputs):
-            self._reply(transport, m.header, wire.Kind.RESULT, outs)
-        phases.add("reply", time.perf_counter() - ran, time.thread_time() - ran_cpu)
+        with phases.timed("reply", per_message=True):
+            for m, outs in zip(group, outputs):
+                self._reply(transport, m.header, wire.Kind.RESULT, outs)
 
     def _check(self, h: wire.Header, generation: int) -> str:
         if h.deployment != self.deployment:
