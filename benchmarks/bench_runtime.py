@@ -40,7 +40,8 @@
     ``AFDC_TRACE`` set (:mod:`afdc.runtime.trace`), in process and over shm (the default wait, and
     always spinning), a fresh deployment each; per traced phase of either side (header, copies,
     signals, waits, the FFN run), the median wall and CPU microseconds of a call and their 10th to
-    90th percentiles. A phase includes those it calls.
+    90th percentiles. A phase includes those it calls, and the trace's own cost per traced call
+    (``trace overhead``, an empty traced function's) for each of them.
 
 The processes share this machine's cores, so (b), (c) and (d) measure overhead, not the AFD
 speed-up a separate FFN pool gives. Every process runs one torch thread by default (``--threads``):
@@ -48,7 +49,7 @@ on a small shared host, processes whose thread pools span every core stall each 
 barriers (an in-process decode fell from 250 to 36 tokens/s with one other busy process).
 
 Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8] [--rounds 5] [--connectors shm]
-                                          [--only a b e f]
+                                          [--only a b e f g]
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ import torch
 import torch.fx as fx
 
 import afdc
+from afdc.runtime import trace
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.local_cluster import LocalCluster
 from afdc.runtime.options import RuntimeOptions
@@ -579,6 +581,11 @@ def traced_decode(setup: str, batch: int, new_tokens: int) -> None:
             stack.enter_context(dm.launch(log_interval=0, **options))
         for n in (2, new_tokens):
             dm.generate(ids, torch.ones_like(ids), max_new_tokens=n, eos_token_id=[], pad_token_id=0)
+    # what the trace itself adds to each traced call (its clock reads, a system call each for CPU):
+    # a phase that calls k traced phases holds k + 1 of it
+    empty = trace.phase("trace overhead")(lambda: None)
+    for _ in range(1000):
+        empty()
 
 
 def exchange_phases(batch: int, new_tokens: int, threads: int) -> None:

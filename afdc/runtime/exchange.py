@@ -152,22 +152,20 @@ class AttentionEndpoint:
 
     # -- exchange ----------------------------------------------------------------------------
 
+    def _header(self, kind: wire.Kind, tensors: list[torch.Tensor], step: int, layer: int, micro_batch: int,
+                tokens: int) -> wire.Header:
+        """This rank's header of a ``kind`` message carrying ``tensors``, in its current generation."""
+        return wire.Header.carrying(
+            kind, tensors, deployment=self.rendezvous.deployment, generation=self.transport.group.generation,
+            step=step, layer=layer, micro_batch=micro_batch, tokens=tokens, sender=self.slot,
+        )
+
     def announce(self, step: int, tokens: list[int]) -> None:
         """Tell every FFN rank what step ``step`` holds (each micro-batch's token count), so each
         runs a layer once it has heard from every attention rank that sends it one."""
         assert self.transport is not None
         counts = [torch.tensor(tokens, dtype=torch.int64)]
-        header = wire.Header.carrying(
-            wire.Kind.STEP,
-            counts,
-            deployment=self.rendezvous.deployment,
-            generation=self.transport.group.generation,
-            step=step,
-            layer=0,
-            micro_batch=len(tokens),
-            tokens=sum(tokens),
-            sender=self.slot,
-        )
+        header = self._header(wire.Kind.STEP, counts, step, 0, len(tokens), sum(tokens))
         with self.metrics.phases.timed("plan"):
             for peer in self.ffn_slots:
                 try:
@@ -181,17 +179,7 @@ class AttentionEndpoint:
         """Send one message to FFN rank ``ffn_rank`` (a micro-batch's layer may go to several)."""
         assert self.transport is not None
         with self.metrics.phases.timed("send", per_message=True):
-            header = wire.Header.carrying(
-                wire.Kind.DATA,
-                tensors,
-                deployment=self.rendezvous.deployment,
-                generation=self.transport.group.generation,
-                step=step,
-                layer=layer,
-                micro_batch=micro_batch,
-                tokens=tokens,
-                sender=self.slot,
-            )
+            header = self._header(wire.Kind.DATA, tensors, step, layer, micro_batch, tokens)
             with self._cond:
                 self._sent_at.setdefault((step, layer, micro_batch), time.monotonic())
             self._waiter.busy()  # a reply is due: its wait starts from the spin, however long this rank idled
