@@ -185,6 +185,10 @@ def _serving_options(threads_default: str):
 @click.option("--token-buckets", type=int, default=0, show_default=True,
               help="FFN: pad each layer's batch to a power of two up to this many tokens, so the FFN runs at a few "
                    "shapes; on a GPU each is captured in a CUDA graph and replayed (0: off).")
+@click.option("--attention-graphs", type=int, default=0, show_default=True,
+              help="Attention: pad decode steps to a power of two up to this many requests per micro-batch; on a "
+                   "GPU each piece of the step between two exchanges with the FFN side is a CUDA graph per bucket "
+                   "(0: off; not yet proven on a GPU).")
 @click.option("--cpus", default=None, metavar="LIST",
               help="Cores this rank computes on, as taskset lists them (1, 0-3,6): an FFN rank's whole server, an "
                    "attention rank's step thread (each of this host's DP ranks'). Default: any.")
@@ -195,8 +199,8 @@ def _serving_options(threads_default: str):
 @_serving_options("default: torch's, a thread per core")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
-          ffn_recovery_timeout, device, host, port, micro_batches, kv_cache_mb, backend, token_buckets, cpus,
-          pin_tokens, spin, wait, threads, log_interval, vllm_args) -> None:
+          ffn_recovery_timeout, device, host, port, micro_batches, kv_cache_mb, backend, token_buckets,
+          attention_graphs, cpus, pin_tokens, spin, wait, threads, log_interval, vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -240,6 +244,7 @@ def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no
         settings = WorkerSettings(
             artifact, options, recovery_timeout=ffn_recovery_timeout, micro_batches=micro_batches,
             kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend, threads=threads, cpus=cpus,
+            attention_graphs=attention_graphs,
             pin_tokens=pin_tokens,
         )
         serve_attention(settings, host, port, vllm_args)
@@ -295,6 +300,9 @@ def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no
               help="What runs the programs (default: the artifact's): afdc kernels + Inductor, Inductor, eager.")
 @click.option("--token-buckets", type=int, default=0, show_default=True,
               help="As `afdc serve --token-buckets`, for every FFN rank (on a GPU: its layers in CUDA graphs).")
+@click.option("--attention-graphs", type=int, default=0, show_default=True,
+              help="As `afdc serve --attention-graphs`, for every attention rank (on a GPU: its decode steps in "
+                   "CUDA graphs).")
 @click.option("--pin/--no-pin", default=None,
               help="Put 1A1F's attention engine (its step thread) and FFN server on one core: they take turns, and "
                    "a host of few cores then keeps its other cores for vLLM's API server and the clients. Default: "
@@ -304,7 +312,7 @@ def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,
        micro_batches, kv_cache_mb, timeout, startup_timeout, ffn_recovery_timeout, ffn_spares, stop_timeout, log_dir,
-       backend, token_buckets, pin, spin, wait, threads, log_interval, vllm_args) -> None:
+       backend, token_buckets, attention_graphs, pin, spin, wait, threads, log_interval, vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine (or a Ray cluster) and serve the OpenAI
     API until Ctrl-C.
 
@@ -339,6 +347,7 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
     settings = WorkerSettings(
         str(artifact), options, recovery_timeout=ffn_recovery_timeout, micro_batches=micro_batches,
         kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend, threads=threads,
+        attention_graphs=attention_graphs,
     )
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)

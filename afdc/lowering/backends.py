@@ -26,7 +26,7 @@ from afdc.codegen.triton_support import source_lock
 from afdc.lowering.fuse_activation import fuse_activations
 from afdc.lowering.fuse_moe import fuse_moe, fuse_shared_experts
 from afdc.lowering.fuse_norms import fuse_norms
-from afdc.lowering.piecewise import pauses_after_piece, split_at_sends
+from afdc.lowering.piecewise import Piece, pauses_after_piece, split_at_exchange, split_at_sends
 from afdc.lowering.straight_line import StraightLine, straight_line
 from afdc.passes.matching import FusionReport, copy_graph
 from afdc.plan import BACKENDS
@@ -109,6 +109,25 @@ def lower_in_pieces(module: fx.GraphModule, backend: str, name: str = "program")
     for piece in pieces:
         piece.run = Compiled(piece.module)
     logger.info("%s: cut at its sends into %d pieces, each compiled by Inductor", name, len(pieces))
+    return straight_line(parent, pause_after=pauses_after_piece)
+
+
+def lower_at_exchange(
+    module: fx.GraphModule, backend: str, wrap: Callable[[Piece, Callable], Callable], name: str = "program"
+) -> StraightLine | None:
+    """What runs ``module`` (given :func:`with_kernels`) as pieces cut around each send and
+    receive (:func:`~afdc.lowering.piecewise.split_at_exchange`), called by straight-line code
+    that pauses after each send: each exchange piece as it is, each computing piece as
+    ``wrap(piece, what runs it under backend)`` (a CUDA graph per shape, say). None where the
+    program sends nothing or is an attention TP rank's."""
+    split = split_at_exchange(module) if not _tensor_parallel(module) else None
+    if split is None:
+        return None
+    parent, pieces = split
+    for piece in pieces:
+        run = straight_line(piece.module) or piece.module
+        piece.run = run if piece.exchange else wrap(piece, run if backend == "eager" else Compiled(piece.module))
+    logger.info("%s: cut around its sends and receives into %d pieces", name, len(pieces))
     return straight_line(parent, pause_after=pauses_after_piece)
 
 

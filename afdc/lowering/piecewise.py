@@ -12,6 +12,11 @@ The cut follows the graph's order, which is topological, so a piece reads only t
 inputs and values of earlier pieces; those it reads are passed in, and each piece returns the
 values later pieces (or the output) read. Weights stay ``get_attr`` nodes of every piece that
 reads them: a compiler sees them as the module's attributes, not as inputs of the piece.
+
+:func:`split_at_exchange` cuts before and after every send and receive instead: each exchange op
+is a piece of its own (:attr:`Piece.exchange`), which talks to the host-side connector, and the
+pieces between them compute only, which is what a CUDA graph can hold
+(:mod:`afdc.runtime.decode_graphs`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from afdc.ops import SendCall
+from afdc.ops import RecvCall, SendCall
 
 
 @dataclass(eq=False)
@@ -34,6 +39,7 @@ class Piece:
     module: fx.GraphModule
     sends: bool  # ends in a send: the parent may pause after it
     name: str
+    exchange: bool = False  # one send or receive alone (split_at_exchange): it talks to the connector
     run: Callable = field(init=False)
 
     def __post_init__(self):
@@ -52,15 +58,27 @@ def pauses_after_piece(node: fx.Node) -> bool:
 def split_at_sends(module: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece]] | None:
     """``module`` as a parent that calls its pieces (``call_function`` nodes whose target is a
     :class:`Piece`), and the pieces in order; None where the program sends nothing."""
+    return _split(module, lambda node: False)
+
+
+def split_at_exchange(module: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece]] | None:
+    """As :func:`split_at_sends`, but each ``afdc::send`` and ``afdc::recv`` is a piece of its own."""
+    return _split(module, lambda node: node.target in (SendCall.OP, RecvCall.OP))
+
+
+def _split(module: fx.GraphModule, alone: Callable[[fx.Node], bool]) -> tuple[fx.GraphModule, list[Piece]] | None:
+    """Pieces cut after each send, and around each node ``alone`` names."""
     graph = module.graph
     if not graph.find_nodes(op="call_function", target=SendCall.OP):
         return None
     cut: dict[fx.Node, int] = {}
-    k = 0
+    k, after = 0, False  # after: the next node starts a piece
     for node in graph.nodes:
         if node.op == "call_function":
+            single = alone(node)
+            k += bool(cut) and (after or single)
             cut[node] = k
-            k += node.target is SendCall.OP
+            after = single or node.target is SendCall.OP
     count = max(cut.values()) + 1
     reads = [_reads(graph, cut, i) for i in range(count)]
     later = [{v for r in reads[i + 1:] for v in r} | set(graph.output_node().all_input_nodes) for i in range(count)]
@@ -73,7 +91,8 @@ def split_at_sends(module: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece]]
         members = [n for n in graph.nodes if cut.get(n) == i]
         returns = [n for n in members if n in later[i]]
         ends_in_send = members[-1].target is SendCall.OP
-        piece = Piece(_piece_module(module, members, reads[i], returns), ends_in_send, f"piece_{i}")
+        single = len(members) == 1 and alone(members[0])
+        piece = Piece(_piece_module(module, members, reads[i], returns), ends_in_send, f"piece_{i}", single)
         call = parent.call_function(piece, tuple(env[v] for v in reads[i]))
         for j, value in enumerate(returns):
             env[value] = parent.call_function(operator.getitem, (call, j), name=value.name)

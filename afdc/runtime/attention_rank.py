@@ -105,6 +105,8 @@ class AttentionRank:
         self.dispatch = dispatch  # per FFN layer
         self.endpoint: AttentionEndpoint | None = None
         self.phases: Phases | None = None
+        # decode steps padded to buckets, in CUDA graphs on a GPU (afdc.runtime.decode_graphs.DecodeGraphs)
+        self.decode = None
         self._pool: ThreadPoolExecutor | None = None
         self._streams: list[torch.cuda.Stream] = []
 
@@ -125,11 +127,15 @@ class AttentionRank:
         if self.endpoint is not None:
             self.endpoint.announce(step, [b.input_ids.numel() for b in batches])
         program = program or self.program
-        runs = self._stepwise(program, batches)
+        static = self.decode.step(program, batches) if self.decode is not None else None
+        runs = static.runs if static is not None else self._stepwise(program, batches)
         # the waits of the only thread of the process that computes may poll without sleeping
         alone = not self.beside and not isinstance(program, TensorParallelAttention)
         alone = alone and (runs is not None or len(batches) == 1)
         links = [self._link(step, mb, batch, alone) for mb, batch in enumerate(batches)]
+        if static is not None:  # padded: the FFN side hears the real rows only
+            links = [static.link(mb, link) for mb, link in enumerate(links)]
+            batches = static.batches
         streams = self._streams_for(batches)
 
         def active(mb: int) -> contextlib.ExitStack:
@@ -138,6 +144,8 @@ class AttentionRank:
                 stack.enter_context(torch.cuda.stream(streams[mb]))
             stack.enter_context(connectors.active(links[mb]))
             stack.enter_context(kv_cache.active(batches[mb].cache))
+            if static is not None:
+                stack.enter_context(static.active(mb))
             return stack
 
         if runs is not None:
@@ -154,6 +162,8 @@ class AttentionRank:
             )
         for s in streams:  # the head reads every micro-batch's rows
             torch.cuda.current_stream(s.device).wait_stream(s)
+        if static is not None:
+            bodies = [static.real(mb, body) for mb, body in enumerate(bodies)]
         with torch.no_grad():  # the LM head once over every micro-batch's rows: it reads its weight once
             outputs = program.finish(bodies)
         return outputs, connectors.Traffic.total([link.traffic for link in links])

@@ -72,6 +72,13 @@ class _Lowered:
             run = self._pieces
         return run.steps(*args) if run is not None else None
 
+    def at_exchange(self, args: tuple, wrap: Callable) -> StraightLine | None:
+        """A new lowering of the run in pieces cut around each send and receive, its computing
+        pieces run by ``wrap`` (:func:`backends.lower_at_exchange`)."""
+        with self._lock:
+            module = self._with_kernels(args)
+        return backends.lower_at_exchange(module, self.backend, wrap, self.name)
+
     def __getstate__(self):
         return {"module": self.module, "name": self.name, "backend": self.backend}
 
@@ -132,6 +139,12 @@ class AttentionProgram(torch.nn.Module):
         value is the body's outputs), where the backend's code can pause; else None. The caller
         enters :meth:`active` around the resumes, as :meth:`body` does around its call."""
         return self._staged().body.steps(input_ids, attention_mask, position_ids)
+
+    def body_at_exchange(self, args: tuple, wrap: Callable) -> StraightLine | None:
+        """The body lowered afresh as pieces cut around its sends and receives, for ``args``
+        (input_ids, attention_mask, position_ids), each computing piece run by ``wrap(piece, run)``
+        (see :mod:`afdc.runtime.decode_graphs`); None where it sends nothing."""
+        return self._staged().body.at_exchange(args, wrap)
 
     def active(self) -> contextlib.AbstractContextManager:
         """What the program's ops need active while it runs (its mixer table)."""

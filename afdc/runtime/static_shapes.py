@@ -48,24 +48,29 @@ def paddable(layouts: list[TokenLayout | None]) -> bool:
     return bool(layouts) and all(token_major(lay) for lay in layouts)
 
 
-class _Graph:
-    """One bucket of one segment captured in a CUDA graph, with its static input buffers."""
+class CapturedGraph:
+    """``run`` over static input buffers captured in one CUDA graph (warmed up first, off the
+    capturing stream: lowering, the allocator); called, it copies its inputs into the buffers
+    (unless they are them already), replays, and returns the graph's own output tensors, which
+    the next replay overwrites. An input that is not a tensor (a size) is a constant of the graph."""
 
-    def __init__(self, run: Run, weights: list[torch.Tensor], shaped: list[torch.Tensor], rank: int, pool):
-        self.inputs = [torch.zeros_like(x) for x in shaped]
-        side = torch.cuda.Stream(self.inputs[0].device)
+    def __init__(self, run: Callable[..., tuple | list], shaped: list, pool):
+        self.inputs = [torch.zeros_like(x) if isinstance(x, torch.Tensor) else x for x in shaped]
+        device = next(x.device for x in shaped if isinstance(x, torch.Tensor))
+        side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the capturing stream (lowering, allocator)
+        with torch.cuda.stream(side):
             for _ in range(2):
-                run(*weights, *self.inputs, rank)
+                run(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = list(run(*weights, *self.inputs, rank))
+            self.outputs = list(run(*self.inputs))
 
-    def __call__(self, shaped: list[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, shaped: list) -> list[torch.Tensor]:
         for buffer, x in zip(self.inputs, shaped, strict=True):
-            buffer.copy_(x)
+            if isinstance(x, torch.Tensor) and x.data_ptr() != buffer.data_ptr():
+                buffer.copy_(x)
         self.graph.replay()
         return self.outputs
 
@@ -81,7 +86,7 @@ class StaticShapes:
         self.name = name
         # (bucket, the weights' addresses) -> its graph (None: its capture failed). A graph replays the
         # addresses it was captured with, and one segment serves every layer of its shape.
-        self._captured: dict[tuple[int, tuple[int, ...]], _Graph | None] = {}
+        self._captured: dict[tuple[int, tuple[int, ...]], CapturedGraph | None] = {}
         self._pool = None
         self._lock = threading.Lock()
 
@@ -114,13 +119,15 @@ class StaticShapes:
         padded[:tokens] = x.reshape(tokens, per_token)
         return padded.reshape(at_tokens(layout, size))
 
-    def _graph(self, size: int, weights: list[torch.Tensor], shaped: list[torch.Tensor], rank: int) -> _Graph | None:
+    def _graph(
+        self, size: int, weights: list[torch.Tensor], shaped: list[torch.Tensor], rank: int
+    ) -> CapturedGraph | None:
         key = (size, tuple(w.data_ptr() for w in weights))
         if key not in self._captured:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             try:
-                self._captured[key] = _Graph(self.run, weights, shaped, rank, self._pool)
+                self._captured[key] = CapturedGraph(lambda *xs: self.run(*weights, *xs, rank), shaped, self._pool)
             except RuntimeError as err:
                 if all(k[0] != size for k in self._captured):  # said once per bucket, not per layer
                     log.warning("%s: %d-token batches run without a CUDA graph, its capture failed: %s",

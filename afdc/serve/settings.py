@@ -28,6 +28,9 @@ class WorkerSettings:
     device: str = "cpu"
     backend: str | None = None  # what runs the programs (afdc.lowering.backends); None: the artifact's plan
     threads: int | None = None  # torch threads of the process (None: torch's default)
+    # decode steps padded to a power of two up to this many requests per micro-batch, on a GPU
+    # each piece between two exchanges a CUDA graph per bucket (afdc.runtime.decode_graphs; 0: off)
+    attention_graphs: int = 0
     cpus: tuple[int, ...] | None = None  # the cores each attention rank's step thread runs on (None: any)
     pin_tokens: int = 0  # with cpus: on them only for steps of this many tokens or more (0: every step; see cores)
     # the Ray resource vLLM's DP placement gives each attention rank (--data-parallel-backend ray,

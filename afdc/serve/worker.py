@@ -31,6 +31,7 @@ from afdc.artifact import manifest as mf
 from afdc.artifact.load import deployment_of, load, load_with_drafter
 from afdc.errors import UnsupportedModelError
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
+from afdc.runtime.decode_graphs import DecodeGraphs
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.flat_batches import prepare_for_flat_batches
 from afdc.runtime.metrics import Metrics
@@ -315,10 +316,27 @@ class AfdcWorker(WorkerBase):
         self.keys = (
             PagedKVStore(self.key_slots, num_blocks, self.block_size, self.dtype, self.device) if self.rows else None
         )
+        self._use_decode_graphs()
         logger.info(
             "afdc: KV cache of %d blocks x %d tokens%s", num_blocks, self.block_size,
             f", state blocks for {len(self.mixers)} stateful mixers" if self.mixers else "",
         )
+
+    def _use_decode_graphs(self) -> None:
+        """``attention_graphs``: decode steps padded to buckets, their pieces CUDA graphs on a GPU
+        (:mod:`afdc.runtime.decode_graphs`), where the steps are plain flat batches."""
+        largest = self.settings.attention_graphs
+        if not largest:
+            return
+        if self.rows or self.mixers or self.tp_ranks > 1:
+            logger.warning("afdc: --attention-graphs is off for this model: its steps run rows of a padded batch, "
+                           "stateful mixers or attention TP, which are not padded")
+            return
+        width = -(-self.model_config.max_model_len // self.block_size)
+        graphs = self.device.type == "cuda"
+        self.attention.decode = DecodeGraphs(self.attention.program, self.attention.dispatch, largest, width, graphs)
+        logger.info("afdc: decode steps padded to powers of two up to %d requests per micro-batch%s", largest,
+                    ", each piece a CUDA graph per bucket" if graphs else " (no CUDA graphs on a CPU)")
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         """Under a compiling backend, run the programs before any request on the step shapes that

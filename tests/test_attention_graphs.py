@@ -1,0 +1,145 @@
+"""The attention decode step at static shapes (afdc.runtime.decode_graphs) on a CPU: the same
+buckets, buffers, padding, pieces and dispatch as on a GPU, without the CUDA graphs."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import logging
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import afdc
+from afdc.ops import SlotSpec
+from afdc.runtime import link as connectors
+from afdc.runtime.attention_rank import AttentionRank, MicroBatch
+from afdc.runtime.decode_graphs import DecodeGraphs, _at_tokens, _Buffers, _RealRows, decoding
+from afdc.runtime.flat_batches import prepare_for_flat_batches
+from afdc.runtime.paged import PagedBatch, PagedKVStore
+from afdc.segment import Dispatch
+
+BLOCK, WIDTH = 4, 6  # a request holds up to 24 tokens
+
+
+def test_buffers_pad_every_input_into_the_null_block():
+    store = PagedKVStore([SlotSpec(1, 2, 8)], 8, BLOCK)
+    one = torch.ones(3, dtype=torch.long)
+    real = PagedBatch(store, torch.tensor([[3, 5], [6, 0], [2, 7]]), torch.tensor([5, 2, 7]), one)
+    batch = MicroBatch(torch.tensor([[11, 12, 13]]), torch.ones(1, 3, dtype=torch.long), real.positions, real)
+    assert decoding(batch)
+    buffers = _Buffers.new(4, WIDTH, torch.device("cpu"))
+    padded = buffers.fill(batch)
+    c = padded.cache
+    assert padded.input_ids.tolist() == [[11, 12, 13, 0]] and padded.input_ids is buffers.input_ids
+    assert c.block_table[:3, :2].tolist() == [[3, 5], [6, 0], [2, 7]] and c.block_table.shape == (4, WIDTH)
+    assert c.block_table[3].tolist() == [0] * WIDTH  # the padding row: the null block only
+    assert c.context_lens.tolist() == [5, 2, 7, 0] and c.seq_lens.tolist() == [6, 3, 8, 1]
+    assert padded.position_ids.tolist() == [[5, 2, 7, 0]]
+    assert c.slot_mapping.tolist() == [*real.slot_mapping.tolist(), 0]  # the padding row writes slot 0 of block 0
+    assert c.logit_rows.tolist() == [0, 1, 2, 3]
+    for name in ("block_table", "context_lens", "seq_lens", "slot_mapping", "logit_rows"):
+        assert getattr(c, name) is getattr(buffers, name)  # what a captured graph reads
+    # prefill, a chunk and a step holding drafts run as they are
+    prefill = PagedBatch(store, torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([3]))
+    assert not decoding(MicroBatch(torch.zeros(1, 3, dtype=torch.long), None, prefill.positions, prefill))
+
+
+def test_real_rows_reach_the_ffn_side_and_replies_are_padded():
+    sent = {}
+
+    def ffn(layer, tensors):
+        sent[layer] = tensors
+        return [tensors[0] * 2]
+
+    dispatch = [Dispatch(("sum",), ([1, -1, 8],))]
+    buffers = _Buffers.new(4, WIDTH, torch.device("cpu"))
+    link = _RealRows(connectors.LoopbackConnector(ffn), 3, 4, dispatch, buffers)
+    x = torch.arange(32.0).reshape(1, 4, 8)
+    link.send(0, [x])
+    out = link.recv(0, 0, (1, 4, 8), torch.float32)
+    assert sent[0][0].shape == (1, 3, 8) and torch.equal(sent[0][0], x[:, :3])  # the padding row never goes
+    assert out is buffers.received[0, 0] and torch.equal(out[:, :3], 2 * x[:, :3])
+    assert link.traffic.to_ffn_bytes == 3 * 8 * 4  # what crossed: the real rows
+    assert _at_tokens((1, 8, 16), 8, 5) == (1, 5, 16) and _at_tokens((16, 4), 16, 16) == (16, 4)
+
+
+@functools.cache
+def _model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval(), cfg
+
+
+def _rank(dm, largest: int | None, graphs: bool = False) -> tuple[AttentionRank, list[SlotSpec]]:
+    """Attention rank 0 with its program prepared as the vLLM worker prepares it, and its cache slots."""
+    program = copy.deepcopy(dm.attention)
+    slots = prepare_for_flat_batches(program, "eager", torch.device("cpu"), mixers=False).slots
+    dispatch = [dm.ffn.dispatch(i) for i in range(len(dm.ffn.layers))]
+    rank = AttentionRank(0, program, dm.ffn_ranks, dispatch)
+    if largest:
+        rank.decode = DecodeGraphs(program, dispatch, largest, WIDTH, graphs)
+    return rank, slots
+
+
+def _batch(store, tokens, blocks, computed) -> MicroBatch:
+    q = torch.tensor([len(t) for t in tokens])
+    width = max(len(b) for b in blocks)
+    table = torch.tensor([b + [0] * (width - len(b)) for b in blocks])
+    paged = PagedBatch(store, table, torch.tensor(computed), q)
+    ids = torch.tensor([t for row in tokens for t in row])[None]
+    return MicroBatch(ids, torch.ones_like(ids), paged.positions, paged)
+
+
+def _generate(rank: tuple[AttentionRank, list[SlotSpec]], prompts: list[list[int]], new: int, parts: int):
+    """Greedy decoding of ``prompts`` as vLLM's worker steps it: one prefill step, then decode
+    steps of every request, split into ``parts`` micro-batches. Returns the tokens, each step's
+    logits of every request and the bytes sent to the FFN side."""
+    rank, slots = rank
+    store = PagedKVStore(slots, 1 + len(prompts) * WIDTH, BLOCK)
+    blocks = [list(range(1 + i * WIDTH, 1 + (i + 1) * WIDTH)) for i in range(len(prompts))]  # block 0: null
+    tokens, logits, sent = [list(p) for p in prompts], [], 0
+    step = [list(p) for p in prompts]
+    for i in range(new):
+        computed = [len(t) - len(s) for t, s in zip(tokens, step)]
+        cut = [0, *(len(prompts) * (k + 1) // parts for k in range(parts))] if i else [0, len(prompts)]
+        batches = [_batch(store, step[a:b], blocks[a:b], computed[a:b]) for a, b in itertools.pairwise(cut) if b > a]
+        outs, traffic = rank.run(0, batches)
+        sent += traffic.to_ffn_bytes
+        rows = torch.cat([o.logits[0] for o in outs])  # the LM head ran on each request's last token only
+        assert rows.shape[0] == len(prompts)
+        logits.append(rows)
+        step = [[int(r.argmax())] for r in rows]
+        for t, s in zip(tokens, step):
+            t.extend(s)
+    return tokens, logits, sent
+
+
+def test_padded_decode_matches_the_monolith_and_sends_only_real_rows(caplog):
+    """3 requests (not a bucket) decode as 4 in one micro-batch, then 2 + 1 in two: greedy
+    tokens equal to transformers', logits equal to the unpadded step's; the FFN side hears the
+    real rows only. 5 requests are above the largest bucket: unpadded, said once."""
+    model, _ = _model()
+    dm = afdc.disaggregate(model, plan="1A1F")
+    prompts = [[5, 9, 14, 3, 7], [22, 8, 41], [17, 2, 30, 11, 6, 19, 4]]
+    padded, eager = _rank(dm, largest=4), _rank(dm, largest=None)
+    for parts in (1, 2):
+        tokens, logits, sent = _generate(padded, prompts, new=4, parts=parts)
+        want_tokens, want_logits, want_sent = _generate(eager, prompts, new=4, parts=parts)
+        assert tokens == want_tokens and sent == want_sent
+        torch.testing.assert_close(torch.stack(logits), torch.stack(want_logits), atol=1e-5, rtol=1e-5)
+    buckets = set(padded[0].decode._buffers)
+    assert buckets == {(0, 4), (0, 1), (1, 2)}  # (micro-batch, bucket): 3 -> 4; 1 -> 1, 2 -> 2
+    for prompt, row in zip(prompts, tokens):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0].tolist()
+        assert row == want
+    with caplog.at_level(logging.WARNING, logger="afdc.decode_graphs"):
+        _generate(padded, [*prompts, [1, 2], [3, 4]], new=3, parts=1)  # 2 decode steps of 5
+        # graphs asked for where decode attention is not afdc's kernel (on a CPU): padded, no graph
+        assert _generate(_rank(dm, largest=4, graphs=True), prompts, new=4, parts=2)[0] == tokens
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("more than 4 requests run unpadded" in m for m in said) == 1
+    assert sum("is not afdc's kernel here" in m for m in said) == 1
