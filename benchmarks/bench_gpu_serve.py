@@ -6,15 +6,19 @@ its vocabulary cut to the demo tokenizer's 512 ids, random weights built here in
 - ``monolithic``: ``--connector loopback``, the FFN programs run in vLLM's engine process;
 - ``afd``: the FFN rank in its own ``afdc serve --role ffn`` process over ``--connector`` (cuda-ipc on
   a GPU: both processes share the one GPU, so their kernels take turns unless MPS runs).
+- ``afd_graphs`` (on a GPU): ``afd`` again with ``--attention-graphs`` (the attention rank's decode
+  steps padded to buckets, each piece between two exchanges a CUDA graph: afdc.runtime.decode_graphs),
+  at ``--graphs-concurrency`` only, to fit the session's time.
 For each: greedy token ids of ``--probes`` prompts sent one at a time through the OpenAI API (one
 request in flight, so every step has the same shape in both setups), then ``vllm bench serve``
 (random ``--input-len`` in, ``--output-len`` out, ignore-eos, greedy) at each ``--concurrency``.
-Checks: AFD's served token ids equal the monolith's; each equals ``dm.generate``'s (the artifact
-loaded in this process) on the same prompts. Figures: output tok/s, TPOT and TTFT p50, AFD's as
-ratios to the monolith's of the same run.
+Checks: AFD's served token ids (with and without graphs) equal the monolith's; each equals
+``dm.generate``'s (the artifact loaded in this process) on the same prompts. Figures: output
+tok/s, TPOT and TTFT p50, AFD's as ratios to the monolith's of the same run.
 
 ``--dry-run``: the demo model on the CPU over shm, short prompts, so that this section cannot rot
-where no GPU is lent (tests/test_gpu_session.py).
+where no GPU is lent (tests/test_gpu_session.py); its ``afd`` setup runs with
+``--attention-graphs`` (padded decode steps, no graphs on a CPU), no third deployment.
 
 Run:  python benchmarks/bench_gpu_serve.py [--layers 4] [--concurrency 1,16,64] [--json out.json] [--dry-run]
 """
@@ -106,15 +110,17 @@ def causes(log: str, context: int = 2, most: int = 120) -> str:
     return "\n".join(lines[i] for i in sorted(keep)[:most])
 
 
-def serve_and_measure(artifact: Path, connector: str, args, logs: Path, prompts: list[list[int]]) -> dict:
+def serve_and_measure(artifact: Path, connector: str, args, logs: Path, prompts: list[list[int]],
+                      graphs: int = 0, concurrency: list[int] | None = None) -> dict:
     options = RuntimeOptions(connector=connector, rendezvous=f"127.0.0.1:{free_port()}", log_interval=0)
-    settings = WorkerSettings(str(artifact), options, device=args.device, backend=args.backend)
+    settings = WorkerSettings(str(artifact), options, device=args.device, backend=args.backend,
+                              attention_graphs=graphs)
     vllm_args = ["--max-model-len", str(args.input_len + args.output_len + 64),
                  "--max-num-seqs", str(max(args.concurrency))]
     if args.device == "cuda":
         vllm_args += ["--gpu-memory-utilization", str(args.gpu_memory)]
     d = Deployment(artifact, settings, port=free_port(), log_dir=logs, vllm_args=vllm_args)
-    out: dict = {"connector": connector}
+    out: dict = {"connector": connector, "attention_graphs": graphs}
     t0 = time.perf_counter()
     try:
         url = d.start(args.startup_timeout, lambda msg: print(f"  [{connector}] {msg}", flush=True))
@@ -122,7 +128,7 @@ def serve_and_measure(artifact: Path, connector: str, args, logs: Path, prompts:
         name = artifact.resolve().name
         out["ids"] = served_ids(url, name, prompts, args.probe_tokens)
         tokenizer = artifact / "model"
-        for c in args.concurrency:
+        for c in concurrency or args.concurrency:
             prompts_n = max(args.min_prompts, 2 * c)
             figures, _ = bench_client(url, name, tokenizer, c, prompts_n, args, logs / f"{connector}-c{c}.json")
             out[f"c{c}"] = {k: figures[k] for k in
@@ -151,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-tokens", type=int, default=16)
     ap.add_argument("--connector", default=None, help="AFD's connector (default: cuda-ipc on a GPU, else shm)")
     ap.add_argument("--backend", default="eager", help="what runs the programs in both setups")
+    ap.add_argument("--attention-graphs", type=int, default=64,
+                    help="largest decode bucket of the afd_graphs setup (the dry run's afd setup)")
+    ap.add_argument("--graphs-concurrency", default="1,64", help="where the afd_graphs setup is measured")
     ap.add_argument("--gpu-memory", type=float, default=0.4, help="vLLM's --gpu-memory-utilization")
     ap.add_argument("--startup-timeout", type=float, default=240.0)
     ap.add_argument("--json", type=Path)
@@ -161,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         # one client run per setup: each starts a Python process that imports vLLM
         args.concurrency, args.input_len, args.output_len, args.min_prompts = "1", 16, 8, 4
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    graphs_at = [int(c) for c in str(args.graphs_concurrency).split(",")]
     connector = args.connector or ("cuda-ipc" if args.device == "cuda" else "shm")
     root = Path(tempfile.mkdtemp(prefix="afdc-gpu-serve-"))
     t0 = time.perf_counter()
@@ -177,33 +187,43 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in (24, 9, 40, 17)[: args.probes]]
     results["reference_ids"] = reference_ids(artifact, prompts, args.probe_tokens, args.device)
-    for name, conn in (("monolithic", "loopback"), ("afd", connector)):
+    padded = args.attention_graphs if args.dry_run else 0  # the dry run's AFD setup: padded, no third deployment
+    setups = [("monolithic", "loopback", 0, None), ("afd", connector, padded, None)]
+    if not args.dry_run:
+        setups.append(("afd_graphs", connector, args.attention_graphs, graphs_at))
+    for name, conn, graphs, at in setups:
         logs = root / f"logs-{name}"
         logs.mkdir()
-        results[name] = serve_and_measure(artifact, conn, args, logs, prompts)
+        results[name] = serve_and_measure(artifact, conn, args, logs, prompts, graphs, at)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
     return report(results, args)
 
 
 def report(results: dict, args) -> int:
-    failed = [f"{name}: {results[name]['error']}" for name in ("monolithic", "afd") if "error" in results[name]]
+    setups = [n for n in ("monolithic", "afd", "afd_graphs") if n in results]
+    failed = [f"{name}: {results[name]['error']}" for name in setups if "error" in results[name]]
     mono, afd, ref = results["monolithic"], results["afd"], results["reference_ids"]
     if not failed:
         results["afd_ids_equal_monolithic"] = afd["ids"] == mono["ids"]
-        results["ids_equal_dm_generate"] = {n: sum(a == b for a, b in zip(results[n]["ids"], ref))
-                                            for n in ("monolithic", "afd")}
+        results["ids_equal_dm_generate"] = {n: sum(a == b for a, b in zip(results[n]["ids"], ref)) for n in setups}
         if not results["afd_ids_equal_monolithic"]:
             failed.append("AFD's served token ids differ from the monolith's")
         print(f"\nserved {results['device']}: AFD ids == monolith ids: {results['afd_ids_equal_monolithic']}; "
               f"prompts whose ids equal dm.generate's (of {len(ref)}): {results['ids_equal_dm_generate']}")
         print("\n".join(ratio_table(mono, afd)))
+        if "afd_graphs" in results:
+            results["afd_graphs_ids_equal_monolithic"] = results["afd_graphs"]["ids"] == mono["ids"]
+            if not results["afd_graphs_ids_equal_monolithic"]:
+                failed.append("AFD's served token ids with attention graphs differ from the monolith's")
+            print("with attention graphs (AFD), against the monolith without:")
+            print("\n".join(ratio_table(mono, results["afd_graphs"])))
     results["failed"] = failed
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     for f in failed:
         print(f"FAILED {f}")
-    for name in ("monolithic", "afd"):
+    for name in setups:
         for key, text in results[name].items():
             if key.startswith("causes_") or key == "traceback":
                 print(f"--- {name} {key}:\n{text}")

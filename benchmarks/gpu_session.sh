@@ -6,7 +6,8 @@
 # and at most 2 s each to stop one that outlives it), so that a hang in one leaves the others' numbers:
 #   served      afdc served under vLLM on the GPU (bench_gpu_serve.py): a Qwen3-30B-A3B-shaped model cut
 #               to 2 layers, 1A1F, as AFD (FFN rank over cuda-ipc) and monolithic, driven by vllm bench
-#               serve at 1/16/64 in flight: token ids equal, tok/s and TPOT ratios
+#               serve at 1/16/64 in flight: token ids equal, tok/s and TPOT ratios; then AFD with the
+#               attention decode step in CUDA graphs (--attention-graphs) at 1/64 in flight
 #   model       the default backend (afdc on a GPU: fused-MoE and routing kernels inside the model) on a
 #               Qwen3-MoE-shaped model: kernels substituted, correctness, speed vs the monolith
 #   kernels     afdc's fused MoE and row kernels against the GPU's peak (bench_kernels.py)
@@ -51,15 +52,15 @@ fi
 
 section() {  # section NAME: sets limit (its default, in seconds) and cmd
   case $1 in
-    served) limit=220 cmd=(python3 benchmarks/bench_gpu_serve.py "${gpu[@]}" --json "$OUT/served.json") ;;
-    model) limit=100 cmd=(python3 benchmarks/bench_gpu.py --only model --models moe "${gpu[@]}"
+    served) limit=270 cmd=(python3 benchmarks/bench_gpu_serve.py "${gpu[@]}" --json "$OUT/served.json") ;;
+    model) limit=80 cmd=(python3 benchmarks/bench_gpu.py --only model --models moe "${gpu[@]}"
       --json "$OUT/model.json") ;;
     interleave) limit=130 cmd=(python3 benchmarks/bench_gpu.py --only interleave "${gpu[@]}"
       --json "$OUT/interleave.json") ;;
     kernels) limit=60 cmd=(python3 benchmarks/bench_kernels.py --configs benchmarks/configs
       --models qwen3-30b-a3b deepseek-v3 --skip-compile "${kernels[@]}" --json "$OUT/kernels.json") ;;
     tune) limit=420 cmd=(python3 benchmarks/tune_fused_moe.py --formats --table "$OUT/autotuned.json") ;;
-    transports|transports-nomps) limit=40 cmd=(python3 benchmarks/bench_runtime.py --only a "${transports[@]}") ;;
+    transports|transports-nomps) limit=30 cmd=(python3 benchmarks/bench_runtime.py --only a "${transports[@]}") ;;
     *) return 1 ;;
   esac
 }

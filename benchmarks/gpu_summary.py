@@ -47,6 +47,9 @@ def served(data: dict) -> None:
     print(f"served on {data['device']} ({data['layers']} layers): AFD ids == monolith ids "
           f"{data['afd_ids_equal_monolithic']}; prompts equal to dm.generate's {data['ids_equal_dm_generate']}")
     print("\n".join("  " + row for row in ratio_table(data["monolithic"], data["afd"])))
+    if "afd_graphs" in data:
+        print(f"  with attention graphs (AFD ids == monolith ids {data['afd_graphs_ids_equal_monolithic']}):")
+        print("\n".join("  " + row for row in ratio_table(data["monolithic"], data["afd_graphs"])))
 
 
 def model(data: dict) -> None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afdc.codegen.paged_attention import decode_kernel_runs
 from afdc.lowering.straight_line import StraightLine
 from afdc.runtime import kv_cache
 from afdc.runtime.attention_rank import MicroBatch
@@ -244,8 +245,7 @@ class DecodeGraphs:
         where decode attention runs in afdc's kernel (see the module's docstring)."""
         key = (name, _CHAIN.get(), tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
         if key not in self._captured:
-            cache = _current_paged()
-            if cache is None or cache._kernel is not kernel_paged_attention:
+            if not _kernel_attends(_current_paged()):
                 self._say("kernel", "%s: decode attention is not afdc's kernel here; steps run padded, "
                           "without graphs", self.name)  # fmt: skip
                 self._captured[key] = None
@@ -269,3 +269,13 @@ class DecodeGraphs:
 def _current_paged() -> PagedBatch | None:
     cache = kv_cache.current()
     return cache if isinstance(cache, PagedBatch) else None
+
+
+def _kernel_attends(batch: PagedBatch | None) -> bool:
+    """Whether ``batch``'s decode attention runs in afdc's kernel (its device, the cache's
+    dtype), which reads the step's buffers only: the PyTorch path sizes tensors by the step's
+    longest sequence, which a graph would freeze."""
+    if batch is None or batch._kernel is not kernel_paged_attention:
+        return False
+    keys, values = batch.store.keys[0], batch.store.values[0]
+    return decode_kernel_runs(keys, keys, values, batch.block_table, batch.seq_lens, None)
