@@ -594,7 +594,8 @@ def demo_up(tmp_path_factory):
     env = {**os.environ, "AFDC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "afdc.cli", "up", "--demo", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-         "--token-buckets", "16", "--", "--max-model-len", "128", "--return-tokens-as-token-ids", *PREFIX_CACHING,
+         "--token-buckets", "16", "--attention-graphs", "4", "--", "--max-model-len", "128",
+         "--return-tokens-as-token-ids", *PREFIX_CACHING,
          "--max-num-batched-tokens", "32", "--speculative-config", json.dumps(NGRAM)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -612,14 +613,16 @@ def demo_up(tmp_path_factory):
 
 def test_up_demo_serves_the_demo_model(demo_up):
     """The README's quick start: `afdc up --demo` builds, compiles and serves the demo model (MoE,
-    1A1F, over shared memory), here with its FFN rank's batches padded to token buckets, which must
-    not change a token, a small KV pool: prefix caching and preemption keep the outputs too, and a
+    1A1F, over shared memory), here with its FFN rank's batches padded to token buckets and its
+    attention rank's decode steps padded to buckets of requests (up to 4; more run unpadded), which
+    must not change a token, a small KV pool: prefix caching and preemption keep the outputs too, and a
     step budget of 32 tokens: prompt logprobs over a chunked prefill and after a cached prefix
     equal the Hugging Face model's; all under n-gram speculative decoding, which must not change
     a greedy token either, and whose drafts are verified and accepted."""
     proc, client, started, demo = demo_up
     artifact = demo / "afdc-demo"
     assert client.models.list().data[0].id == "afdc-demo"
+    assert "decode steps padded to powers of two up to 4" in (demo.parents[1] / "logs" / "attn.log").read_text()
     assert _complete(client, PROMPTS[1]) == _reference(artifact, [PROMPTS[1]])[0]
     _assert_prefix_caching_and_preemption(client, artifact)
     prefix = list(range(300, 340))
