@@ -14,8 +14,9 @@ the exchange pieces talk to the connector on the host, at the real count (:class
 sends the first R rows only and pads each reply back into a static buffer), so padding rows never
 reach the FFN side nor cost it work; each computing piece is, on a GPU, a
 :class:`~afdc.runtime.static_shapes.CapturedGraph` per (micro-batch, input shapes), captured at
-first use and then replayed, its outputs feeding the next piece in place. On a CPU the same
-buffers, padding, pieces and dispatch run without graphs (what the tests check).
+first use (the worker captures every bucket at start) and then replayed; each micro-batch's
+graphs share a memory pool of their own, since micro-batches replay on CUDA streams of their own.
+On a CPU the same buffers, padding, pieces and dispatch run without graphs (what the tests check).
 
 Only plain decode steps are padded: a step with prefill or draft tokens, stateful mixers, an MTP
 drafter's hidden states, rows of a padded batch (indexers) or attention TP runs as it is, as does
@@ -193,7 +194,7 @@ class DecodeGraphs:
         self._body: StraightLine | None = None
         self._buffers: dict[tuple[int, int], _Buffers] = {}  # (micro-batch, bucket)
         self._captured: dict[tuple, CapturedGraph | None] = {}
-        self._pool = None
+        self._pools: dict[int, tuple] = {}  # micro-batch -> its graphs' memory pool
         self._said: set[str] = set()
         self._lock = threading.Lock()
 
@@ -250,10 +251,13 @@ class DecodeGraphs:
                           "without graphs", self.name)  # fmt: skip
                 self._captured[key] = None
             else:
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
+                # a memory pool per micro-batch: their pieces replay on streams of their own, at once
+                chain = _CHAIN.get()
+                if chain not in self._pools:
+                    self._pools[chain] = torch.cuda.graph_pool_handle()
+                pool = self._pools[chain]
                 try:
-                    self._captured[key] = CapturedGraph(run, list(args), self._pool)
+                    self._captured[key] = CapturedGraph(run, list(args), pool)
                 except RuntimeError as err:
                     self._say(name, "%s: %s runs without a CUDA graph, its capture failed: %s",
                               self.name, name, str(err).splitlines()[0])  # fmt: skip
