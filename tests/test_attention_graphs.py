@@ -12,7 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import afdc
-from afdc.ops import SlotSpec
+from afdc.lowering.piecewise import split_at_exchange
+from afdc.ops import RecvCall, SendCall, SlotSpec
 from afdc.runtime import link as connectors
 from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.decode_graphs import DecodeGraphs, _at_tokens, _Buffers, _RealRows, decoding
@@ -67,10 +68,12 @@ def test_real_rows_reach_the_ffn_side_and_replies_are_padded():
 
 @functools.cache
 def _model():
+    """A tiny Llama and its 1A1F split (shared by the tests: none changes it for the next)."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg).eval(), cfg
+    model = LlamaForCausalLM(cfg).eval()
+    return model, afdc.disaggregate(model, plan="1A1F")
 
 
 def _rank(dm, largest: int | None, graphs: bool = False) -> tuple[AttentionRank, list[SlotSpec]]:
@@ -121,8 +124,7 @@ def test_padded_decode_matches_the_monolith_and_sends_only_real_rows(caplog):
     """3 requests (not a bucket) decode as 4 in one micro-batch, then 2 + 1 in two: greedy
     tokens equal to transformers', logits equal to the unpadded step's; the FFN side hears the
     real rows only. 5 requests are above the largest bucket: unpadded, said once."""
-    model, _ = _model()
-    dm = afdc.disaggregate(model, plan="1A1F")
+    model, dm = _model()
     prompts = [[5, 9, 14, 3, 7], [22, 8, 41], [17, 2, 30, 11, 6, 19, 4]]
     padded, eager = _rank(dm, largest=4), _rank(dm, largest=None)
     for parts in (1, 2):
@@ -130,6 +132,12 @@ def test_padded_decode_matches_the_monolith_and_sends_only_real_rows(caplog):
         want_tokens, want_logits, want_sent = _generate(eager, prompts, new=4, parts=parts)
         assert tokens == want_tokens and sent == want_sent
         torch.testing.assert_close(torch.stack(logits), torch.stack(want_logits), atol=1e-5, rtol=1e-5)
+    # the pieces a graph holds compute only; each send and receive is a piece of its own
+    _, pieces = split_at_exchange(padded[0].program._staged().body.module)
+    for piece in pieces:
+        exchanged = [n for n in piece.module.graph.nodes if n.target in (SendCall.OP, RecvCall.OP)]
+        assert (piece.exchange, len(exchanged)) in ((True, 1), (False, 0))
+    assert sum(p.sends for p in pieces) == len(dm.ffn.layers) and not pieces[-1].exchange
     buckets = set(padded[0].decode._buffers)
     assert buckets == {(0, 4), (0, 1), (1, 2)}  # (micro-batch, bucket): 3 -> 4; 1 -> 1, 2 -> 2
     for prompt, row in zip(prompts, tokens):
@@ -141,5 +149,21 @@ def test_padded_decode_matches_the_monolith_and_sends_only_real_rows(caplog):
         # graphs asked for where decode attention is not afdc's kernel (on a CPU): padded, no graph
         assert _generate(_rank(dm, largest=4, graphs=True), prompts, new=4, parts=2)[0] == tokens
     said = [r.getMessage() for r in caplog.records]
-    assert sum("more than 4 requests run unpadded" in m for m in said) == 1
+    assert sum("more than 4 requests" in m for m in said) == 1
     assert sum("is not afdc's kernel here" in m for m in said) == 1
+
+
+def test_dm_generate_with_attention_graphs_equals_the_monolith():
+    """dm.generate over the paged cache, 3 left-padded rows decoding as a bucket of 4: the
+    monolith's greedy tokens; prefill is not padded, and use_attention_graphs(0) goes back."""
+    model, dm = _model()
+    ids = torch.tensor([[0, 0, 5, 9, 14, 3], [22, 8, 41, 7, 1, 2], [0, 0, 0, 17, 2, 30]])
+    mask = (torch.arange(6) >= torch.tensor([2, 0, 3])[:, None]).long()
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    dm.use_attention_graphs(4, max_length=16, block_size=BLOCK)
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), want)
+    assert set(dm.ranks[0].decode._buffers) == {(0, 4)}  # decode only, 3 rows as 4
+    dm.use_attention_graphs(0)
+    assert dm.ranks[0].decode is None
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), want)

@@ -206,14 +206,16 @@ class DecodeGraphs:
         tokens = [b.input_ids.numel() for b in batches]
         sizes = [bucket(t, self.largest) for t in tokens]
         if None in sizes or any(b.cache.block_table.shape[1] > self.width for b in batches):
-            self._say("above", "%s: micro-batches of more than %d requests run unpadded, without graphs",
-                      self.name, self.largest)
+            self._say("above", "%s: micro-batches of more than %d requests (or block tables wider than %d blocks) "
+                      "run unpadded, without graphs", self.name, self.largest, self.width)
             return None
         buffers = [self._buffers_for(mb, size, b.input_ids.device) for mb, (size, b) in enumerate(zip(sizes, batches))]
         padded = [buf.fill(b) for buf, b in zip(buffers, batches)]
         body = self._lowered(padded[0])
         runs = [body.steps(b.input_ids, b.attention_mask, b.position_ids) for b in padded] if body else [None]
-        if None in runs:  # sends nothing, or inputs of other dtypes than captured: as it is
+        if None in runs:
+            self._say("pieces", "%s: the program sends nothing or takes inputs of other dtypes than captured; "
+                      "decode steps run unpadded", self.name)
             return None
         return StaticStep(padded, tokens, sizes, buffers, self.dispatch, runs)
 

@@ -142,6 +142,7 @@ class DisaggregatedModel:
         self.last_traffic = connectors.Traffic()
         self._store_host: Rendezvous | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._paged = None  # generate over a paged cache, decode steps at static shapes (use_attention_graphs)
 
     @property
     def endpoints(self) -> list[AttentionEndpoint] | None:
@@ -292,6 +293,19 @@ class DisaggregatedModel:
     def forward(self, *args, **kwargs):
         return self(*args, **kwargs)
 
+    def use_attention_graphs(self, largest: int, max_length: int | None = None, block_size: int = 16) -> None:
+        """From now on, :meth:`generate` decodes as afdc's vLLM worker steps: over a paged KV cache,
+        each micro-batch's decode step padded to a power of two up to ``largest`` rows, on a GPU its
+        pieces between two exchanges replayed from CUDA graphs (:mod:`afdc.runtime.paged_generation`);
+        for prompts and new tokens of up to ``max_length`` (default: the model's position limit,
+        else 4096). ``0`` goes back to the contiguous cache."""
+        from afdc.runtime.paged_generation import PagedGeneration
+
+        for rank in self.ranks:
+            rank.decode = None
+        longest = max_length or self.max_positions or 4096
+        self._paged = PagedGeneration.of(self, largest, block_size, longest) if largest else None
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """``model.generate(input_ids, attention_mask=..., **kwargs)``: prompt and new tokens.
@@ -304,6 +318,8 @@ class DisaggregatedModel:
         recomputes the prefix each step."""
         rules = generation.decoding(self.config, self.generation_config, input_ids, attention_mask, kwargs)
         attention_mask = rules.attention_mask
+        if self._paged is not None:
+            return self._paged.generate(self, rules, input_ids, attention_mask)
         tasks = self._tasks(input_ids.shape[0])
         caches = (
             {(rank, mb): kv_cache.KVCache() for rank, parts in tasks.items() for mb, _ in parts}
