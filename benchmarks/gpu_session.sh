@@ -52,8 +52,8 @@ fi
 
 section() {  # section NAME: sets limit (its default, in seconds) and cmd
   case $1 in
-    served) limit=270 cmd=(python3 benchmarks/bench_gpu_serve.py "${gpu[@]}" --json "$OUT/served.json") ;;
-    model) limit=80 cmd=(python3 benchmarks/bench_gpu.py --only model --models moe "${gpu[@]}"
+    served) limit=250 cmd=(python3 benchmarks/bench_gpu_serve.py "${gpu[@]}" --json "$OUT/served.json") ;;
+    model) limit=100 cmd=(python3 benchmarks/bench_gpu.py --only model --models moe "${gpu[@]}"
       --json "$OUT/model.json") ;;
     interleave) limit=130 cmd=(python3 benchmarks/bench_gpu.py --only interleave "${gpu[@]}"
       --json "$OUT/interleave.json") ;;
