@@ -185,7 +185,7 @@ def _serving_options(threads_default: str):
 @click.option("--token-buckets", type=int, default=0, show_default=True,
               help="FFN: pad each layer's batch to a power of two up to this many tokens, so the FFN runs at a few "
                    "shapes; on a GPU each is captured in a CUDA graph and replayed (0: off).")
-@click.option("--attention-graphs", type=int, default=0, show_default=True,
+@click.option("--attention-graphs", type=click.IntRange(min=0), default=0, show_default=True,
               help="Attention: pad decode steps to a power of two up to this many requests per micro-batch; on a "
                    "GPU each piece of the step between two exchanges with the FFN side is a CUDA graph per bucket "
                    "(0: off; not yet proven on a GPU).")
@@ -300,7 +300,7 @@ def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no
               help="What runs the programs (default: the artifact's): afdc kernels + Inductor, Inductor, eager.")
 @click.option("--token-buckets", type=int, default=0, show_default=True,
               help="As `afdc serve --token-buckets`, for every FFN rank (on a GPU: its layers in CUDA graphs).")
-@click.option("--attention-graphs", type=int, default=0, show_default=True,
+@click.option("--attention-graphs", type=click.IntRange(min=0), default=0, show_default=True,
               help="As `afdc serve --attention-graphs`, for every attention rank (on a GPU: its decode steps in "
                    "CUDA graphs).")
 @click.option("--pin/--no-pin", default=None,
