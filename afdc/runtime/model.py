@@ -301,6 +301,8 @@ class DisaggregatedModel:
         else 4096). ``0`` goes back to the contiguous cache."""
         from afdc.runtime.paged_generation import PagedGeneration
 
+        if largest < 0:
+            raise ValueError(f"use_attention_graphs({largest}): the largest bucket is a count of rows, 0 for off")
         for rank in self.ranks:
             rank.decode = None
         longest = max_length or self.max_positions or 4096
