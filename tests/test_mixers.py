@@ -287,3 +287,57 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
     assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     with pytest.raises(afdc.UnsupportedModelError, match=r"model\.layers\.0\.self_attn.*grows with the sequence"):
         check_servable(manifest)
+
+
+def test_deepseek_v4_paged_rows_keep_each_requests_bounded_state():
+    """DeepSeek-V4's growing attention state in fixed-size state blocks sized from the longest
+    sequence (:mod:`afdc.runtime.bounded_state`), over vLLM-style steps as the serving worker runs
+    them (:class:`PagedRows`): prefills in chunks, decodes of requests with different lengths
+    (run together where they ran as many tokens), a step run twice before its state is committed,
+    and a request recomputed from its tokens (vLLM's preemption). Each request's tokens equal
+    transformers' ``generate`` of it alone."""
+    model = catalog.greedy("deepseek_v4")
+    dm = afdc.disaggregate(model, "1A1F")
+    sites = dm.attention.mixers.bound(64, torch.float32)
+    rates = model.config.compress_rates
+    entries = {s.name: s.shape[0] for m in sites for s in m.state if s.name.startswith("compressed_kv")}
+    assert entries == {"compressed_kv.compressor": 64 // rates["compressed_sparse_attention"],
+                       "compressed_kv.indexer": 64 // rates["compressed_sparse_attention"]}
+    assert all(s.shape == (1, model.config.sliding_window - 1, model.config.head_dim)
+               for m in sites for s in m.state if s.name == "keys")
+    store, states = PagedKVStore([], 1, 16), MixerStateStore(sites, 8)
+    gen = torch.Generator().manual_seed(3)
+    requests = [{"tokens": torch.randint(3, 128, (n,), generator=gen).tolist(), "prompt": n, "block": 2 + i,
+                 "done": 0} for i, n in enumerate((13, 9, 9))]  # fmt: skip
+    link = connectors.LoopbackConnector(functools.partial(combine, dm.ffn_ranks))
+
+    def step(which: list[int], tokens: int, again: bool = False) -> None:
+        reqs = [requests[i] for i in which]
+        ids = torch.tensor([r["tokens"][r["done"]:r["done"] + tokens] for r in reqs])
+        done, blocks = torch.tensor([r["done"] for r in reqs]), torch.tensor([r["block"] for r in reqs])
+        rows = PagedRows(store, torch.zeros(len(reqs), 0), done, tokens, None, None, states,
+                         {s.slot: blocks for s in sites})
+        with torch.no_grad(), connectors.active(link), kv_cache.active(rows):
+            logits = dm.attention(ids, rows.attention_mask, rows.positions).logits[:, -1]
+            if again:
+                torch.testing.assert_close(dm.attention(ids, rows.attention_mask, rows.positions).logits[:, -1], logits)
+        rows.commit_states()
+        for r, row in zip(reqs, logits):
+            r["done"] += tokens
+            if r["done"] == len(r["tokens"]):
+                r["tokens"].append(int(row.argmax()))
+
+    step([0], 6)
+    step([0], 7, again=True)  # a chunk continuing from the state: a window closes across the chunks
+    step([1], 9)
+    step([2], 9)
+    for _ in range(5):
+        step([0, 1, 2], 1)  # rows 1 and 2 ran as many tokens: one group; row 0 another
+    requests[2]["done"] = 0  # preempted: recomputed from its tokens, its state from empty
+    step([2], len(requests[2]["tokens"]) - 1)
+    for _ in range(6):
+        step([0, 1, 2], 1)
+    for r in requests:
+        prompt = torch.tensor([r["tokens"][: r["prompt"]]])
+        new = len(r["tokens"]) - r["prompt"]
+        assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
