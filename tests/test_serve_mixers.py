@@ -68,6 +68,7 @@ def _check_completions(client, artifact: Path) -> None:
         sweep("qwen3_5_moe_text", "1A1F", 1, None),  # Gated DeltaNet as qwen3_next; its vLLM import quirk
         sweep("nemotron_h", "1A1F", 1, None),  # Mamba-2 as granitemoehybrid (test_hybrid_preemption_keeps_outputs)
         ("longcat_flash", "1A2F", 1, None),
+        ("deepseek_v4", "1A2F", 1, None),
     ],
 )
 def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micro_batches, backend):

@@ -17,17 +17,16 @@ import functools
 import inspect
 import sys
 import threading
-
-import torch
 from dataclasses import replace
 
+import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PretrainedConfig
 
 from afdc.errors import AfdcError
 from afdc.mixer_site import MixerSite, StateTensor
-from afdc.runtime.bounded_state import BoundedState
 from afdc.ops.context import current_cache
+from afdc.runtime.bounded_state import BoundedState
 
 
 class Mixers:
