@@ -261,7 +261,9 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
     kept in that cache. Its hyper-connections stay per position and its hash-routed layer routes
     by token id. A 1A2F (EP) artifact gives the monolith's logits on a left-padded batch and its
     greedy tokens, decode incremental (the prefill outgrows the sliding window and closes several
-    compressed windows); serving refuses it by name. (2A2F in-process: ``test_models_supported``.)"""
+    compressed windows), and is servable (its paged steps:
+    ``test_deepseek_v4_paged_rows_keep_each_requests_bounded_state``; served:
+    ``test_serve_mixers``). (2A2F in-process: ``test_models_supported``.)"""
     model = catalog.greedy("deepseek_v4")
     experts, k = model.config.n_routed_experts, model.config.num_experts_per_tok
     tables = [m.tid2eid for m in model.modules() if hasattr(m, "tid2eid")]
@@ -285,19 +287,29 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
     out = dm(ids, attention_mask=mask).logits
     assert (out[valid] - ref[valid]).abs().max() <= 1e-4 * ref[valid].abs().max()
     assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
-    with pytest.raises(afdc.UnsupportedModelError, match=r"model\.layers\.0\.self_attn.*grows with the sequence"):
-        check_servable(manifest)
+    assert not manifest.unpageable
+    check_servable(manifest)
 
 
 def test_deepseek_v4_paged_rows_keep_each_requests_bounded_state():
-    """DeepSeek-V4's growing attention state in fixed-size state blocks sized from the longest
+    """DeepSeek-V4 at 1A1F in-process: the monolith's logits on a left-padded batch and its greedy
+    tokens. Then its growing attention state in fixed-size state blocks sized from the longest
     sequence (:mod:`afdc.runtime.bounded_state`), over vLLM-style steps as the serving worker runs
     them (:class:`PagedRows`): prefills in chunks, decodes of requests with different lengths
     (run together where they ran as many tokens), a step run twice before its state is committed,
     and a request recomputed from its tokens (vLLM's preemption). Each request's tokens equal
     transformers' ``generate`` of it alone."""
     model = catalog.greedy("deepseek_v4")
+    ids, mask = catalog.left_padded(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
     dm = afdc.disaggregate(model, "1A1F")
+    assert dm.incremental
+    valid = mask.bool()
+    out = dm(ids, attention_mask=mask).logits
+    assert (out[valid] - ref[valid]).abs().max() <= 1e-4 * ref[valid].abs().max()
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
     sites = dm.attention.mixers.bound(64, torch.float32)
     rates = model.config.compress_rates
     entries = {s.name: s.shape[0] for m in sites for s in m.state if s.name.startswith("compressed_kv")}
