@@ -165,10 +165,7 @@ def test_paged_steps_keep_each_requests_state(model_type, tp):
     step({0: 4, 1: 1, 2: 7}, again=True)
     for _ in range(3):
         step({0: 1, 1: 1, 2: 1})
-    for r in requests:
-        prompt = torch.tensor([r["tokens"][: r["prompt"]]])
-        new = len(r["tokens"]) - r["prompt"]
-        assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
+    _assert_tokens_of_each_alone(model, requests)
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v32", sweep("hy_v4")])
@@ -232,10 +229,7 @@ def test_paged_rows_pick_each_requests_keys(tp):
     step([2], 20)
     for _ in range(12):
         step([0, 1, 2], 1)
-    for r in requests:
-        prompt = torch.tensor([r["tokens"][: r["prompt"]]])
-        new = len(r["tokens"]) - r["prompt"]
-        assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
+    _assert_tokens_of_each_alone(model, requests)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "bamba", "minimax"])
@@ -349,6 +343,12 @@ def test_deepseek_v4_paged_rows_keep_each_requests_bounded_state():
     step([2], len(requests[2]["tokens"]) - 1)
     for _ in range(6):
         step([0, 1, 2], 1)
+    _assert_tokens_of_each_alone(model, requests)
+
+
+def _assert_tokens_of_each_alone(model, requests: list[dict]) -> None:
+    """Each request's tokens (its prompt, then what the steps sampled) equal transformers'
+    ``generate`` of its prompt alone."""
     for r in requests:
         prompt = torch.tensor([r["tokens"][: r["prompt"]]])
         new = len(r["tokens"]) - r["prompt"]
