@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import afdc
 from afdc.artifact.manifest import read_manifest
@@ -17,6 +18,7 @@ from afdc.lowering.cache_positions import positions_as_cache_positions
 from afdc.ops import MixerCall
 from afdc.runtime import kv_cache
 from afdc.runtime import link as connectors
+from afdc.runtime.bounded_state import BoundedState
 from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore, PagedRows
 from afdc.runtime.programs import combine
 from afdc.serve.up import check_servable
@@ -353,3 +355,31 @@ def _assert_tokens_of_each_alone(model, requests: list[dict]) -> None:
         prompt = torch.tensor([r["tokens"][: r["prompt"]]])
         new = len(r["tokens"]) - r["prompt"]
         assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
+
+
+def test_bounded_state_round_trips_every_deepseek_v4_cache_layer():
+    """Each kind of DeepSeek-V4 cache layer (sliding window only, as the released configs' first
+    layers; CSA with its indexer; HCA) packed into the fixed tensors serving holds, after prefills
+    that end inside a window, on a window's edge and past the sliding window, and unpacked into a
+    fresh cache: the model's next tokens' logits are those of the cache it came from."""
+    kwargs = {**catalog.entry("deepseek_v4").config_kwargs, "mlp_layer_types": ["hash_moe", "moe", "moe"],
+              "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]}
+    model = catalog.build_type("deepseek_v4", {**catalog.TINY_COMMON, **kwargs, "num_hidden_layers": 3})
+    attentions = [layer.self_attn for layer in model.model.layers]
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(5))
+    for n in (6, 8, 21):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :n], cache=cache)
+        held = [BoundedState(a, layer, 64, torch.float32) for a, layer in zip(attentions, cache.layers)]
+        assert [type(layer).__name__ for layer in cache.layers] == [
+            "DynamicSlidingWindowLayer", "DeepseekV4CSACache", "DeepseekV4HCACache"]
+        fresh = DynamicCache(config=model.config)
+        for state, old, new in zip(held, cache.layers, fresh.layers):
+            packed = state.pack(old)
+            assert [tuple(t.shape[1:]) for t in packed] == [t.shape for t in state.tensors]
+            state.unpack(new, packed, n)
+        with torch.no_grad():
+            expected = model(ids[:, n:n + 5], cache=cache).logits
+            got = model(ids[:, n:n + 5], cache=fresh).logits
+        torch.testing.assert_close(got, expected)
