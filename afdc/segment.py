@@ -297,11 +297,12 @@ class Dispatch:
     inputs: tuple[TokenLayout | None, ...]
     experts: ExpertRouting | None = None
 
-    @property
+    # asked several times a layer on the exchange's path: each answer is worked out once
+    @functools.cached_property
     def by_rows(self) -> bool:
         return bool(self.reduce) and all(how == "rows" for how in self.reduce)
 
-    @property
+    @functools.cached_property
     def partial_rows(self) -> bool:
         """Whether replies hold some of the message's tokens, as ``[tokens, per-token...]``."""
         return self.by_rows or self.experts is not None

@@ -36,6 +36,12 @@
     turns: the bare round trip to an identity server, and a tiny Qwen3-MoE's (8 layers, hidden 64)
     greedy decode under ``dm.launch()`` against in process (per-layer round trip, rate), with
     each process's CPU.
+(g) Where one layer's exchange goes (issue 54): the decode of (f) in a child process with
+    ``AFDC_TRACE`` set (:mod:`afdc.runtime.trace`), in process and over shm (the default wait, and
+    always spinning), a fresh deployment each; per traced phase of either side (header, copies,
+    signals, waits, the FFN run), the median wall and CPU microseconds of a call and their 10th to
+    90th percentiles. A phase includes those it calls, and the trace's own cost per traced call
+    (``trace overhead``, an empty traced function's) for each of them.
 
 The processes share this machine's cores, so (b), (c) and (d) measure overhead, not the AFD
 speed-up a separate FFN pool gives. Every process runs one torch thread by default (``--threads``):
@@ -43,7 +49,7 @@ on a small shared host, processes whose thread pools span every core stall each 
 barriers (an in-process decode fell from 250 to 36 tokens/s with one other busy process).
 
 Run:  python benchmarks/bench_runtime.py [--repeats 200] [--new-tokens 32] [--batch 8] [--rounds 5] [--connectors shm]
-                                          [--only a b e f]
+                                          [--only a b e f g]
 """
 
 from __future__ import annotations
@@ -51,11 +57,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import mmap
 import multiprocessing as mp
 import os
 import statistics
 import struct
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -65,6 +75,7 @@ import torch
 import torch.fx as fx
 
 import afdc
+from afdc.runtime import trace
 from afdc.runtime.exchange import AttentionEndpoint
 from afdc.runtime.local_cluster import LocalCluster
 from afdc.runtime.options import RuntimeOptions
@@ -552,6 +563,60 @@ def wait_policies(batch: int, new_tokens: int, rounds: int, repeats: int) -> Non
               + f"{med(r[1] for r in rs):>11.0f}{med(r[2] for r in rs) if name != 'in process' else 0:>10.0f}")
 
 
+TRACED = {  # (g): the setups traced, each in a child process; None: in process, else dm.launch() options
+    "in process": None,
+    "shm, default wait": {},
+    "shm, always spin 2 ms": {"spin": 2e-3},
+}
+
+
+def traced_decode(setup: str, batch: int, new_tokens: int) -> None:
+    """(g)'s child: one warm-up decode, then ``new_tokens`` traced (``AFDC_TRACE`` set by the parent)."""
+    model = tiny_moe()
+    ids = torch.randint(1, model.config.vocab_size, (batch, 8))
+    dm = afdc.disaggregate(model, "1A1F", connector="shm")
+    options = TRACED[setup]
+    with contextlib.ExitStack() as stack:
+        if options is not None:
+            stack.enter_context(dm.launch(log_interval=0, **options))
+        for n in (2, new_tokens):
+            dm.generate(ids, torch.ones_like(ids), max_new_tokens=n, eos_token_id=[], pad_token_id=0)
+    # what the trace itself adds to each traced call (its clock reads, a system call each for CPU):
+    # a phase that calls k traced phases holds k + 1 of it
+    empty = trace.phase("trace overhead")(lambda: None)
+    for _ in range(1000):
+        empty()
+
+
+def exchange_phases(batch: int, new_tokens: int, threads: int) -> None:
+    """(g) Each of :data:`TRACED` in a child process tracing its phases, and the table of them."""
+    print(f"\n(g) phases of a layer's exchange, dm.launch() 1A1F decode as (f), batch {batch}, {new_tokens} new "
+          "tokens: per call, median wall us (p10-p90) and median CPU us (p10-p90); n calls (warm-up included)")
+    for setup in TRACED:
+        with tempfile.TemporaryDirectory() as out:
+            load = os.getloadavg()[0]
+            subprocess.run([sys.executable, __file__, "--traced", setup, "--wait-batch", str(batch), "--new-tokens",
+                            str(new_tokens), "--threads", str(threads)], env={**os.environ, "AFDC_TRACE": out},
+                           check=True)
+            print(f"\n{setup} (load average {load:.2f} before, {os.getloadavg()[0]:.2f} after)")
+            print(f"{'side':<6}{'phase':<22}{'wall us':>9}{'(p10-p90)':>16}{'CPU us':>9}{'(p10-p90)':>16}{'n':>7}")
+            for path in sorted(Path(out).glob("trace-*.json")):
+                records = json.loads(path.read_text())
+                side = "FFN" if "ffn.handle" in records else "attn"
+                for name, calls in sorted(records.items()):
+                    wall, cpu = _percentiles([c[0] for c in calls]), _percentiles([c[1] for c in calls])
+                    print(f"{side:<6}{name:<22}{wall[1]:>9.1f}{f'({wall[0]:.1f}-{wall[2]:.1f})':>16}"
+                          f"{cpu[1]:>9.1f}{f'({cpu[0]:.1f}-{cpu[2]:.1f})':>16}{len(calls):>7}")
+
+
+def _percentiles(ns: list[int]) -> tuple[float, float, float]:
+    """The 10th, 50th and 90th percentiles of ``ns`` nanoseconds, in microseconds."""
+    if len(ns) < 2:
+        return (ns[0] / 1e3,) * 3
+    q = statistics.quantiles(ns, n=10)
+    return q[0] / 1e3, statistics.median(ns) / 1e3, q[-1] / 1e3
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -567,13 +632,18 @@ def main() -> None:
     parser.add_argument("--connectors", nargs="+", default=list(CONNECTORS), choices=CONNECTORS)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of every process (this one and the FFN servers, via OMP_NUM_THREADS)")
-    parser.add_argument("--only", nargs="+", default=list("abcdef"), choices=list("abcdef"), help="sections to run")
-    parser.add_argument("--wait-batch", type=int, default=2, help="(f): the decode's batch")
+    parser.add_argument("--only", nargs="+", default=list("abcdef"), choices=list("abcdefg"),
+                        help="sections to run (g, the traced phases, only when named)")
+    parser.add_argument("--wait-batch", type=int, default=2, help="(f), (g): the decode's batch")
+    parser.add_argument("--traced", choices=list(TRACED), help=argparse.SUPPRESS)  # (g)'s child process
     args = parser.parse_args()
     CONNECTORS[:] = args.connectors
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the spawned FFN servers' torch
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
+    if args.traced:
+        traced_decode(args.traced, args.wait_batch, args.new_tokens)
+        return
     print(f"afdc {afdc.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, {args.threads} torch threads "
           f"per process, load average {os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M')}")
     if "a" in args.only:
@@ -588,6 +658,8 @@ def main() -> None:
         idle_cpu()
     if "f" in args.only:
         wait_policies(args.wait_batch, args.new_tokens, args.rounds, args.repeats)
+    if "g" in args.only:
+        exchange_phases(args.wait_batch, args.new_tokens, args.threads)
 
 
 def round_trip_table(repeats: int) -> None:

@@ -10,6 +10,10 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# the vLLM engines the tests start send no usage report (each would collect the host's details in
+# a thread, about a CPU-second with the subprocess that reads the CPU's, then try the network)
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
 
 @pytest.fixture
 def triton_interpret():

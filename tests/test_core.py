@@ -24,7 +24,7 @@ from afdc.ops.attention import attention_body
 from afdc.partition.mincut import FlowGraph
 from afdc.passes.graph_facts import op_name
 from afdc.runtime import link as connectors
-from afdc.runtime.metrics import Phases
+from afdc.runtime.metrics import CPU_SAMPLED, EXACT_USES, Phases
 from afdc.runtime.model import positions_from_mask
 from afdc.runtime.programs import combine
 from afdc.segment import Dispatch, Share
@@ -90,6 +90,24 @@ def test_in_process_ffn_runs_are_timed_where_asked(moe):
     ffn = phases.to_dict()["ffn"]
     assert ffn["count"] == len(dm.ffn.layers) == model.config.num_hidden_layers
     assert ffn["seconds"] > 0 and ffn["cpu"] > 0
+
+
+def test_per_message_phases_read_the_cpu_clock_on_a_sample():
+    """A phase timed per message reads the CPU clock (a system call) on its first uses, then on
+    about one in CPU_SAMPLED, and estimates the others' from those: every use counted, its wall
+    time summed whole. Other phases read it every use."""
+    phases = Phases()
+    uses, reads = EXACT_USES + 800, 0
+    for i in range(uses):
+        read = phases.reads_cpu("send", per_message=True)
+        assert read or i >= EXACT_USES
+        reads += read
+        phases.add("send", 0.002, 0.001 if read else None)
+        assert phases.reads_cpu("step", per_message=False)
+    assert 800 / CPU_SAMPLED / 2 < reads - EXACT_USES < 800 / CPU_SAMPLED * 2  # 100 expected: over 5 deviations apart
+    send = phases.to_dict()["send"]
+    assert send["count"] == uses and send["seconds"] == pytest.approx(0.002 * uses)
+    assert send["cpu"] == pytest.approx(0.001 * uses)
 
 
 def test_router_on_attention_side_sends_topk():

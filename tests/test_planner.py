@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+import sympy
 from click.testing import CliRunner
 from transformers import AutoConfig
 
@@ -34,7 +35,7 @@ from afdc.planner import (
     require_matplotlib,
     split_for_planning,
 )
-from afdc.planner.cost import FORMULATION_LATENT, FORMULATION_STANDARD, DecodeCost, decode_cost, graph_flops
+from afdc.planner.cost import FORMULATION_LATENT, FORMULATION_STANDARD, DecodeCost, decode_cost, op_flops
 from afdc.planner.hardware import HardwareError, HardwareProfile, get_profile, load_profiles
 from afdc.planner.result import format_ms
 from afdc.source import empty_model
@@ -55,9 +56,8 @@ def _angle_table_flops(built: Built) -> float:
     """One token's FLOPs in the rotary embedding's angle table where it is a matmul (transformers
     5.17: ``inv_freq @ positions``, d/2 products; later versions multiply elementwise: 0)."""
     graph = built.attention_graph
-    rotary = {n for n in graph.nodes if any(k.endswith("rotary_emb") for k in n.meta.get("nn_module_stack", {}))}
-    tokens = token_symbols(graph)
-    return graph_flops(graph, tokens) - graph_flops(graph, tokens, skip=rotary)
+    rotary = [n for n in graph.nodes if any(k.endswith("rotary_emb") for k in n.meta.get("nn_module_stack", {}))]
+    return float(sum((op_flops(n) for n in rotary), sympy.Integer(0)).subs(dict.fromkeys(token_symbols(graph), 1)))
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +152,41 @@ def test_cost_mla_latent_form(deepseek_v3):
     dense = 2 * 3 * h * 128  # 49152
     moe = 2 * 3 * h * 32 * (2 + 1) + 2 * h * 8  # two routed + one shared expert + router: 37888
     assert [layer.ffn_flops for layer in c.ffn_layers] == [dense, moe, moe]
+
+
+@pytest.fixture(scope="module")
+def deepseek_v32():
+    # one layer of the MLA model above (its dense MLP: the attention side is what DSA changes) plus
+    # DeepSeek Sparse Attention's lightning indexer: 2 heads of 16, the top 32 keys
+    cfg = AutoConfig.for_model(
+        "deepseek_v32", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        index_n_heads=2, index_head_dim=16, index_topk=32,
+    )  # fmt: skip
+    return build(empty_model(cfg), afdc.Plan.parse("1A1F"), rewrite=False)  # the planner's capture, no codegen
+
+
+def test_cost_sparse_attention_reads_top_k_keys_and_the_indexer_reads_them_all(deepseek_v32):
+    h, heads, latent, rope, vocab = 64, 4, 16, 8, 256
+    idx_heads, idx_dim, top_k, q_lora = 2, 16, 32, 32
+    c = decode_cost(deepseek_v32, L, kv_dtype_bytes=KV)
+    # held: the latent + rotary key and the indexer's key at every position
+    assert c.kv_bytes == L * (latent + rope + idx_dim) * KV == 8_000
+    # read: the latent at the top-k's positions, the indexer's keys at all of them
+    assert c.kv_read_bytes == (top_k * (latent + rope) + L * idx_dim) * KV == 4_736
+    # absorbed MLA over the top-k keys, plus the indexer's scores (q.k per head, then the head weights)
+    mla = 2 * heads * top_k * ((latent + rope) + latent)
+    indexer = 2 * idx_heads * idx_dim * L + 2 * idx_heads * L
+    assert c.attention_flops == mla + indexer == 17_040
+    # the indexer's projections (wq_b from the query latent, wk and the head weights from the hidden
+    # state) are linear FLOPs; its scoring against the cache is not (it grows with the context).
+    # The MLA layer's own: 17_408 (test_cost_mla_latent_form), the LM head 2 * h * vocab
+    projections = 2 * (q_lora * idx_heads * idx_dim + h * idx_dim + h * idx_heads)
+    assert c.linear_flops - _angle_table_flops(deepseek_v32) == 17_408 + projections + 2 * h * vocab
+    # below the top-k every key is read: held and read agree
+    short = decode_cost(deepseek_v32, 20, kv_dtype_bytes=KV)
+    assert short.kv_read_bytes == short.kv_bytes == 20 * (latent + rope + idx_dim) * KV
 
 
 # --------------------------------------------------------------------------- (d) sliding window
@@ -452,6 +487,26 @@ def test_per_message_latency_counts_once_per_transfer_in_afd_and_ep():
 
     assert mono_step(facts, slow, 1, 8, EXACT).tpot == mono_step(facts, TOY, 1, 8, EXACT).tpot  # one GPU sends nothing
     assert mono_step(facts, slow, 2, 8, EXACT).tpot > mono_step(facts, TOY, 2, 8, EXACT).tpot
+
+
+# DeepEP-Ascend's low-latency kernels on an A3 (910C) 384 SuperPOD (sgl-project/sgl-kernel-npu
+# README): 128 tokens a rank, hidden 7168, top-8 of 256, INT8 dispatch: latency by EP size
+DEEPEP_ASCEND_DISPATCH_US = {8: 132, 16: 139, 32: 153}
+
+
+@pytest.mark.parametrize("ep", sorted(DEEPEP_ASCEND_DISPATCH_US))
+def test_910c_ep_dispatch_matches_deepep_ascend_within_5_percent(ep):
+    from afdc.planner.deployment import dispatch_bytes
+    from afdc.planner.interconnect import local_share, round_time
+
+    hw, a = get_profile("Ascend910C"), Assumptions(dispatch_dtype="int8")
+    facts = _toy_facts(count=1, experts=256, top_k=8, to_ffn=7168 * 2)  # bf16 hidden states, sent in int8
+    layer = facts.layers[0]
+    # what mono_step sends per dispatch: each token to the distinct ranks of its top-8, the own rank free
+    remote = 128 * fan_out(layer, ep) * (ep - 1) / ep
+    local = local_share(ep, hw.scale_up_domain)
+    t = round_time(remote * dispatch_bytes(facts, layer, a), local, hw, a.network_efficiency)
+    assert t * 1e6 == pytest.approx(DEEPEP_ASCEND_DISPATCH_US[ep], rel=0.05)
 
 
 def test_expert_skew_slows_the_busiest_ffn_gpu_and_its_link():

@@ -10,6 +10,12 @@ and values are computed (a min-cut over element counts). For grouped-query atten
 and V themselves; for multi-head latent attention (MLA) it is the normed latent plus the rotary
 key part, and attention is counted in the absorbed form serving engines run (queries and outputs
 in latent space). Sliding-window and chunked layers read at most their window.
+
+Sparse attention (DeepSeek Sparse Attention, DSA): where an attention call's mask comes from a
+top-k over scores computed against keys the layer caches itself (``afdc::cached_keys``: the
+lightning indexer's), a decode step reads every cached indexer key and the attention's KV at the
+top-k's count only, while the cache holds both at the whole context. The indexer's scoring FLOPs
+(against every cached key) count as attention FLOPs, not as linear ones.
 """
 
 from __future__ import annotations
@@ -84,12 +90,17 @@ def _einsum_flops(node: fx.Node) -> sympy.Expr:
 class LayerCost:
     """One decoded token's cost in one attention call or one FFN layer."""
 
-    kv_bytes: float = 0.0
+    kv_bytes: float = 0.0  # held per sequence (keys and values, a sparse indexer's keys too)
+    kv_read_bytes: float | None = None  # read per step; None: all it holds (dense attention)
     attention_flops: float = 0.0
     linear_flops: float = 0.0
     ffn_flops: float = 0.0
     cut_bytes_to_ffn: float = 0.0
     cut_bytes_to_attn: float = 0.0
+
+    def __post_init__(self):
+        if self.kv_read_bytes is None:
+            self.kv_read_bytes = self.kv_bytes
 
 
 @dataclass
@@ -107,6 +118,11 @@ class DecodeCost:
     cut_bytes_to_attn: float
     attention_layers: list[LayerCost] = field(default_factory=list)
     ffn_layers: list[LayerCost] = field(default_factory=list)
+    kv_read_bytes: float | None = None  # KV read per step (None: all kv_bytes; less under sparse attention)
+
+    def __post_init__(self):
+        if self.kv_read_bytes is None:
+            self.kv_read_bytes = self.kv_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,6 +137,51 @@ class AttentionSite:
     cached_v: float  # elements per token kept for values
     latent: bool  # the cache is smaller than K and V: count the absorbed form
     cached_latent: float = 0.0  # latent form: elements per token cached (keys and values share them)
+    sparse: SparseIndexer | None = None  # the indexer choosing this call's keys (DSA), if any
+
+
+@dataclass(frozen=True)
+class SparseIndexer:
+    """A sparse-attention indexer (DSA's lightning indexer) as the graph shows it: a top-k over
+    scores against keys the layer caches itself, the top-k building the attention's mask.
+    Expressions are in the graph's symbols: per decoded token, the keys' count a free symbol."""
+
+    top_k: sympy.Expr  # keys the attention reads (e.g. min(2048, keys))
+    cached: float  # indexer key elements cached per token
+    flops: sympy.Expr  # scoring FLOPs per decoded token, against every cached key
+    nodes: frozenset[fx.Node]  # the scoring nodes (their FLOPs are not linear FLOPs)
+
+
+def sparse_indexer(call: AttentionCall, free: set[fx.Node]) -> SparseIndexer | None:
+    """The indexer behind ``call``'s mask: the ``aten.topk`` above the mask (within this layer:
+    the walk stops at other attention calls) whose scores read an ``afdc::cached_keys``."""
+    if call.mask is None:
+        return None
+    above: set[fx.Node] = set()
+    stack = [call.mask]
+    while stack:
+        n = stack.pop()
+        if n in above or n in free or AttentionCall.matches(n):
+            continue
+        above.add(n)
+        stack.extend(n.all_input_nodes)
+    topks = [n for n in above if gf.is_op(n, aten.topk)]
+    caches = [n for n in above if n.op == "call_function" and n.target is torch.ops.afdc.cached_keys.default]
+    if len(topks) != 1 or not caches:
+        return None
+    topk = topks[0]
+    # the scoring: what lies between the cached keys and the top-k
+    scoring, stack = set(), list(caches)
+    while stack:
+        n = stack.pop()
+        if n in scoring or n not in above:
+            continue
+        scoring.add(n)
+        stack.extend(u for u in n.users if u is not topk)
+    k = topk.args[1]
+    k_expr = gf.sym_expr(k.meta["val"]) if isinstance(k, fx.Node) else sympy.Integer(k)
+    cached = sum(float(sympy.Mul(*_dims(c)[2:])) for c in caches)
+    return SparseIndexer(k_expr, cached, sum((op_flops(n) for n in scoring), sympy.Integer(0)), frozenset(scoring))
 
 
 def _projection_slice(call: AttentionCall, free: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
@@ -201,13 +262,14 @@ def attention_site(call: AttentionCall, free: set[fx.Node], tokens: tuple[sympy.
     # the cut: source-side nodes with a consumer on the sink side (the latest cut of minimum size)
     cut = {n for n in inner if n not in sink_side and any(u in sink_side for u in [*n.users, *feeds.get(n, ())])}
     latent = sum(per_token(n) for n in cut) < per_token(k) + per_token(v)
+    sparse = sparse_indexer(call, free)
     if not latent:
-        return AttentionSite(call, per_token(k), per_token(v), False)
+        return AttentionSite(call, per_token(k), per_token(v), False, sparse=sparse)
     written = aliasing.writes(attn.graph)
     anc_k, anc_v = _ancestors_within(k, inner, written) | {k}, _ancestors_within(v, inner, written) | {v}
     cached_k = sum(per_token(n) for n in cut if n in anc_k)
     cached_v = sum(per_token(n) for n in cut if n in anc_v)
-    return AttentionSite(call, cached_k, cached_v, True, sum(per_token(n) for n in cut))
+    return AttentionSite(call, cached_k, cached_v, True, sum(per_token(n) for n in cut), sparse)
 
 
 def _ancestors_within(node: fx.Node, inner: set[fx.Node], written) -> set[fx.Node]:
@@ -222,8 +284,19 @@ def _ancestors_within(node: fx.Node, inner: set[fx.Node], written) -> set[fx.Nod
     return seen
 
 
-def attention_cost(site: AttentionSite, context: int, kv_dtype_bytes: int) -> LayerCost:
-    """One decoded token's KV read and QK/PV FLOPs in ``site`` at ``context`` keys (fewer past its window)."""
+def at_context(expr: sympy.Expr, tokens: tuple[sympy.Symbol, sympy.Symbol], context: int) -> float:
+    """``expr`` for one decoded token (batch and tokens 1) against ``context`` cached keys (every
+    other symbol of an attention-side count is a key count)."""
+    subs = {tokens[0]: 1, tokens[1]: 1}
+    subs.update({sym: context for sym in expr.free_symbols - set(subs)})
+    return float(expr.subs(subs))
+
+
+def attention_cost(
+    site: AttentionSite, context: int, kv_dtype_bytes: int, tokens: tuple[sympy.Symbol, sympy.Symbol]
+) -> LayerCost:
+    """One decoded token's KV held and read and QK/PV FLOPs in ``site`` at ``context`` keys
+    (fewer past its window, or the indexer's top-k of them)."""
     q = site.call.q.meta["val"]
     hq, dk = int(q.shape[1]), int(q.shape[-1])
     dv = int(site.call.node.meta["val"].shape[-1])
@@ -232,7 +305,17 @@ def attention_cost(site: AttentionSite, context: int, kv_dtype_bytes: int) -> La
     # absorbed MLA: every head scores against the cached key dims and sums the cached value dims
     per_head = site.cached_k + site.cached_v if site.latent else dk + dv
     cached = site.cached_latent if site.latent else site.cached_k + site.cached_v
-    return LayerCost(kv_bytes=keys * cached * kv_dtype_bytes, attention_flops=float(2 * hq * keys * per_head))
+    held = keys * cached * kv_dtype_bytes
+    if site.sparse is None:
+        return LayerCost(kv_bytes=held, attention_flops=float(2 * hq * keys * per_head))
+    # DSA: the attention reads the top-k's keys; the indexer reads (and holds) its keys at every position
+    attended = min(keys, at_context(site.sparse.top_k, tokens, context))
+    indexer = context * site.sparse.cached * kv_dtype_bytes
+    return LayerCost(
+        kv_bytes=held + indexer,
+        kv_read_bytes=attended * cached * kv_dtype_bytes + indexer,
+        attention_flops=float(2 * hq * attended * per_head) + at_context(site.sparse.flops, tokens, context),
+    )
 
 
 def _per_token(expr: sympy.Expr, tokens) -> float:
@@ -264,7 +347,8 @@ def decode_cost(
     if kv_dtype_bytes is None:
         kv_dtype_bytes = attn_calls[0].k.meta["val"].element_size() if attn_calls else 2
     sites = [attention_site(c, free, tokens) for c in attn_calls]
-    attn_layers = [attention_cost(s, context, kv_dtype_bytes) for s in sites]
+    attn_layers = [attention_cost(s, context, kv_dtype_bytes, tokens) for s in sites]
+    scoring = set().union(*(s.sparse.nodes for s in sites if s.sparse))  # attention FLOPs, not linear
     ffn_layers = []
     for layer, binding in zip(built.report.layers, built.layers):
         seg = built.segments[binding.segment].graph
@@ -275,17 +359,22 @@ def decode_cost(
                 cut_bytes_to_attn=layer.bytes_to_attn,
             )
         )
-    linear_flops = graph_flops(graph, tokens)
+    linear_flops = graph_flops(graph, tokens, skip=scoring)
     if layers is not None:
         attn_layers = layers.expand(attn_layers, [layers.layer_of_node(c.node) for c in attn_calls])
         ffn_layers = layers.expand(ffn_layers, [layers.layer_of(r.module) for r in built.report.layers])
-        parts = [(layers.layer_of_node(n), _per_token(f, tokens)) for n in graph.nodes if (f := op_flops(n)) != 0]
+        parts = [
+            (layers.layer_of_node(n), _per_token(f, tokens))
+            for n in graph.nodes
+            if n not in scoring and (f := op_flops(n)) != 0
+        ]
         linear_flops = layers.total(linear_flops, parts)
     return DecodeCost(
         context=context,
         kv_dtype_bytes=kv_dtype_bytes,
         formulation=FORMULATION_LATENT if any(s.latent for s in sites) else FORMULATION_STANDARD,
         kv_bytes=sum(c.kv_bytes for c in attn_layers),
+        kv_read_bytes=sum(c.kv_read_bytes for c in attn_layers),
         attention_flops=sum(c.attention_flops for c in attn_layers),
         linear_flops=linear_flops,
         ffn_flops=sum(c.ffn_flops for c in ffn_layers),

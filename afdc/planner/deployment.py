@@ -215,7 +215,7 @@ def tp_step(facts: ModelFacts, hw: HardwareProfile, gpus: int, batch: int, a: As
     eff = a.network_efficiency
     rows = []
     for layer in facts.layers:
-        read = layer.attention_weight_bytes / gpus + batch * layer.kv_bytes
+        read = layer.attention_weight_bytes / gpus + batch * layer.kv_read
         flops = total * (layer.attention_flops / hw.flops("bf16") + layer.linear_flops / hw.flops(facts.weight_dtype))
         t_a = max(read / (hw.hbm_bandwidth * a.hbm_efficiency), flops / gpus / a.compute_efficiency)
         t_f = ffn_time(layer, hw, facts.weight_dtype, gpus, busiest(layer, total, a), a, tensor_parallel=True)

@@ -33,7 +33,7 @@ class LayerFacts:
     """
 
     count: int
-    kv_bytes: float  # KV read (and held) per sequence at the context
+    kv_bytes: float  # KV held per sequence at the context
     attention_flops: float
     linear_flops: float  # this layer's share of the attention side's matmuls (LM head included)
     attention_weight_bytes: float  # this layer's share of the attention weights read per forward
@@ -44,6 +44,12 @@ class LayerFacts:
     top_k: int
     to_ffn_bytes: float
     to_attn_bytes: float
+    kv_read_bytes: float | None = None  # KV one step reads per sequence (None: all it holds)
+
+    @property
+    def kv_read(self) -> float:
+        """KV bytes a step reads per sequence: less than it holds under sparse attention (DSA)."""
+        return self.kv_bytes if self.kv_read_bytes is None else self.kv_read_bytes
 
     @property
     def moe(self) -> bool:
@@ -216,7 +222,10 @@ def _paired_attention(cost: DecodeCost) -> list[LayerCost]:
     n = len(cost.ffn_layers)
     if len(cost.attention_layers) == n:
         return cost.attention_layers
-    return [LayerCost(kv_bytes=cost.kv_bytes / n, attention_flops=cost.attention_flops / n)] * n
+    mean = LayerCost(
+        kv_bytes=cost.kv_bytes / n, kv_read_bytes=cost.kv_read_bytes / n, attention_flops=cost.attention_flops / n
+    )
+    return [mean] * n
 
 
 def model_facts(
@@ -252,6 +261,7 @@ def model_facts(
             LayerFacts(
                 count=1,
                 kv_bytes=attn.kv_bytes,
+                kv_read_bytes=attn.kv_read_bytes,
                 attention_flops=float(attn.attention_flops),
                 linear_flops=cost.linear_flops / n,
                 attention_weight_bytes=(weights.attention_bytes.read if stored else weights.attention.read * wb) / n,

@@ -170,14 +170,13 @@ class Model:
         return self.config, tuple(sorted(self.overrides.items())), self.weight_dtype
 
 
-# DeepSeek-V3.2 is DeepSeek-V3's architecture plus the DSA indexer. The cost walk counts DSA's
-# attention as dense MLA over the whole context and leaves the indexer's cache out (docs/planner.md),
-# so the scenario is planned from DeepSeek-V3's config: the same count, without a capture of the
-# indexer that only slows it down
+# DeepSeek-V3.2 (its config.json): DeepSeek-V3's architecture plus DeepSeek Sparse Attention, whose
+# lightning indexer the capture sees (afdc/planner/cost.py: a step reads the indexer's keys at the
+# whole context and the MLA latent at the top-2048 keys only; both are held at the whole context)
 DEEPSEEK_V32_W8A8 = Model(
-    "deepseek-v3.json",
+    "deepseek-v3.2.json",
     weight_dtype="int8",
-    note="DeepSeek-V3.2 as DeepSeek-V3 (DSA not modelled), W8A8: int8 weights, int8 activations",
+    note="DeepSeek-V3.2 (DSA: indexer over every key, MLA over its top 2048), W8A8: int8 weights and activations",
 )
 # Mixtral-8x22B's config.json on the hub: the 8x7B architecture at these sizes
 MIXTRAL_8X22B = Model(
@@ -194,6 +193,7 @@ MIXTRAL_8X22B = Model(
 )
 DBRX = Model("dbrx.json", note="DBRX (its config.json), bf16")
 DEEPSEEK_V3_FP8 = Model("deepseek-v3.json", weight_dtype="fp8", note="DeepSeek-V3, fp8 weights (its checkpoint's)")
+DEEPSEEK_V3_INT8 = Model("deepseek-v3.json", weight_dtype="int8", note="DeepSeek-V3, W8A8")
 # MegaScale-Infer's workload: median input 571 tokens, output 159; a decode step sees on average
 # the input plus half the output
 MEGASCALE_CONTEXT = 571 + 159 // 2
@@ -211,7 +211,8 @@ def scenarios(profiles: Callable[[str], HardwareProfile]) -> list[tuple[Model, S
     )
     assumed = (
         "a throughput run (no TPOT target: every deployment decodes what its memory holds), decode at the"
-        " input length, KV cache in bf16, int8 dispatch for AFD and EP alike, the CloudMatrix384 UB fabric"
+        " input length, KV cache (MLA latent and DSA indexer keys) in bf16, int8 dispatch for AFD and EP alike"
+        " (DeepEP-Ascend dispatches in int8), the CloudMatrix384 UB fabric"
     )
     out = []
     for context, gain_64, gain_48 in ((16384, 1.113, 0.947), (32768, 1.090, 0.900)):

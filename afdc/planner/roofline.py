@@ -104,7 +104,7 @@ def busiest(layer: LayerFacts, tokens: float, a: Assumptions) -> float:
 def attention_time(layer: LayerFacts, hw: HardwareProfile, weight_dtype: str, batch: float, a: Assumptions) -> float:
     """One layer's attention side for ``batch`` sequences: memory-bound on KV and weights at
     decode batch sizes, compute-bound only at very large batches."""
-    read = layer.attention_weight_bytes + batch * layer.kv_bytes
+    read = layer.attention_weight_bytes + batch * layer.kv_read
     memory = read / (hw.hbm_bandwidth * a.hbm_efficiency)
     # QK and PV run in bf16 (fp8/int8 KV is widened in the kernel); projections at the weight dtype
     flops = batch * (layer.attention_flops / hw.flops("bf16") + layer.linear_flops / hw.flops(weight_dtype))

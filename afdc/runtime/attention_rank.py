@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from afdc.runtime import kv_cache
+from afdc.runtime import kv_cache, trace
 from afdc.runtime import link as connectors
 from afdc.runtime.exchange import AttentionEndpoint, RemoteConnector
 from afdc.runtime.metrics import Phases
@@ -111,6 +111,7 @@ class AttentionRank:
     def begin_step(self, join_timeout: float | None = None) -> int:
         return self.endpoint.begin_step(join_timeout) if self.endpoint is not None else 0
 
+    @trace.phase("attn.step")
     def run(self, step: int, batches: list[MicroBatch],
             program: AttentionProgram | None = None) -> tuple[list, connectors.Traffic]:
         """The program's outputs for each micro-batch of step ``step`` (from :meth:`begin_step`),

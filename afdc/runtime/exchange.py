@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from afdc.runtime import wire
+from afdc.runtime import trace, wire
 from afdc.runtime.link import Connector
 from afdc.runtime.metrics import Metrics
 from afdc.runtime.options import RuntimeOptions
@@ -152,22 +152,20 @@ class AttentionEndpoint:
 
     # -- exchange ----------------------------------------------------------------------------
 
+    def _header(self, kind: wire.Kind, tensors: list[torch.Tensor], step: int, layer: int, micro_batch: int,
+                tokens: int) -> wire.Header:
+        """This rank's header of a ``kind`` message carrying ``tensors``, in its current generation."""
+        return wire.Header.carrying(
+            kind, tensors, deployment=self.rendezvous.deployment, generation=self.transport.group.generation,
+            step=step, layer=layer, micro_batch=micro_batch, tokens=tokens, sender=self.slot,
+        )
+
     def announce(self, step: int, tokens: list[int]) -> None:
         """Tell every FFN rank what step ``step`` holds (each micro-batch's token count), so each
         runs a layer once it has heard from every attention rank that sends it one."""
         assert self.transport is not None
         counts = [torch.tensor(tokens, dtype=torch.int64)]
-        header = wire.Header.carrying(
-            wire.Kind.STEP,
-            counts,
-            deployment=self.rendezvous.deployment,
-            generation=self.transport.group.generation,
-            step=step,
-            layer=0,
-            micro_batch=len(tokens),
-            tokens=sum(tokens),
-            sender=self.slot,
-        )
+        header = self._header(wire.Kind.STEP, counts, step, 0, len(tokens), sum(tokens))
         with self.metrics.phases.timed("plan"):
             for peer in self.ffn_slots:
                 try:
@@ -176,32 +174,23 @@ class AttentionEndpoint:
                     # the step is lost before its first FFN layer: reported there, as a send would be
                     self._fail(peer, 0, f"could not send the step plan: {err}")
 
+    @trace.phase("attn.endpoint_send")
     def send(self, step: int, layer: int, micro_batch: int, tokens: int, tensors: list[torch.Tensor], ffn_rank: int):
         """Send one message to FFN rank ``ffn_rank`` (a micro-batch's layer may go to several)."""
         assert self.transport is not None
-        started, cpu = time.perf_counter(), time.thread_time()
-        header = wire.Header.carrying(
-            wire.Kind.DATA,
-            tensors,
-            deployment=self.rendezvous.deployment,
-            generation=self.transport.group.generation,
-            step=step,
-            layer=layer,
-            micro_batch=micro_batch,
-            tokens=tokens,
-            sender=self.slot,
-        )
-        with self._cond:
-            self._sent_at.setdefault((step, layer, micro_batch), time.monotonic())
-        self._waiter.busy()  # a reply is due: its wait starts from the spin, however long this rank idled
-        peer = self.ffn_slots[ffn_rank]
-        try:
-            self.transport.send(peer, header, tensors)
-        except (RuntimeError, OSError) as err:
-            self._fail(peer, layer, f"send failed: {err}")
-        self.metrics.sent(header.payload_bytes)
-        self.metrics.phases.add("send", time.perf_counter() - started, time.thread_time() - cpu)
+        with self.metrics.phases.timed("send", per_message=True):
+            header = self._header(wire.Kind.DATA, tensors, step, layer, micro_batch, tokens)
+            with self._cond:
+                self._sent_at.setdefault((step, layer, micro_batch), time.monotonic())
+            self._waiter.busy()  # a reply is due: its wait starts from the spin, however long this rank idled
+            peer = self.ffn_slots[ffn_rank]
+            try:
+                self.transport.send(peer, header, tensors)
+            except (RuntimeError, OSError) as err:
+                self._fail(peer, layer, f"send failed: {err}")
+            self.metrics.sent(header.payload_bytes)
 
+    @trace.phase("attn.wait")
     def wait(
         self, step: int, layer: int, micro_batch: int, ffn_ranks: list[int], spin: bool = True
     ) -> list[list[torch.Tensor]]:
@@ -210,7 +199,7 @@ class AttentionEndpoint:
         Over a polled transport the calling micro-batch thread reads its replies out of their
         slots itself (``spin=False`` where other threads of this process compute meanwhile, see
         :meth:`Waiter.pauses`); otherwise the transport's receiver threads file them and this waits."""
-        with self.metrics.phases.timed("wait"):
+        with self.metrics.phases.timed("wait", per_message=True):
             return self._wait(step, layer, micro_batch, ffn_ranks, spin)
 
     def _wait(self, step: int, layer: int, micro_batch: int, ffn_ranks: list[int], spin: bool) -> list:
@@ -290,6 +279,7 @@ class RemoteConnector(Connector):
         self._shares: dict[int, list[Share]] = {}  # layer -> where its tokens went
         self._replies: dict[int, list[list[torch.Tensor]]] = {}  # layer -> per share, its outputs
 
+    @trace.phase("attn.connector_send")
     def send(self, layer: int, tensors: list[torch.Tensor]) -> None:
         dispatch = self.dispatch[layer]
         shares = self._shares[layer] = dispatch.shares(tensors, self.tokens, len(self.endpoint.ffn_slots))
@@ -299,6 +289,7 @@ class RemoteConnector(Connector):
             self.traffic.to_ffn_bytes += wire.nbytes(part)
         self.traffic.messages += 1
 
+    @trace.phase("attn.connector_recv")
     def recv(self, layer: int, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         shares = self._shares[layer]
         if layer not in self._replies:
@@ -306,10 +297,12 @@ class RemoteConnector(Connector):
                 self.step, layer, self.micro_batch, [s.rank for s in shares], self.spin
             )
             self.traffic.messages += 1
-        # a batched FFN run replies with [tokens, per-token...]: each rank's part takes the program's shape
+        # a batched FFN run replies with [tokens, per-token...]: each rank's part takes the program's
+        # shape (a reshape is a torch call of microseconds, skipped where the shape is already right)
+        dispatch = self.dispatch[layer]
         replies = [reply[index] for reply in self._replies[layer]]
-        if not self.dispatch[layer].partial_rows:
-            replies = [r.reshape(shape) for r in replies]
-        out = self.dispatch[layer].combine(index, replies, shares).reshape(shape)
+        if not dispatch.partial_rows:
+            replies = [r if r.shape == shape else r.reshape(shape) for r in replies]
+        out = dispatch.combine(index, replies, shares)
         self.traffic.to_attn_bytes += sum(r.numel() * r.element_size() for r in replies)
-        return out
+        return out if out.shape == shape else out.reshape(shape)

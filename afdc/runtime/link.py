@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from afdc.ops import context
-from afdc.runtime import wire
+from afdc.runtime import trace, wire
 
 
 @dataclass
@@ -64,6 +64,7 @@ class LoopbackConnector(Connector):
         self.traffic.to_ffn_bytes += wire.nbytes(tensors)
         self.traffic.messages += 1
 
+    @trace.phase("loopback.recv")
     def recv(self, layer: int, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if layer in self._pending:
             self._results[layer] = list(self._run_ffn(layer, self._pending.pop(layer)))

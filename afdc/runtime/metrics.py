@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,12 @@ from dataclasses import dataclass, field
 log = logging.getLogger("afdc.metrics")
 SNAPSHOT = "metrics "  # a logged snapshot's JSON follows this on its line
 IDLE = "idle"  # the phase of a server waiting for messages
+# A phase timed per message reads the thread's CPU clock on its first EXACT_USES uses, then on one
+# use in CPU_SAMPLED, chosen at random, which stand for the others: the clock is a system call,
+# which on a 2-core VM cost about what a futex wake-up did, and a layer's exchange read it nine
+# times (issue 54). The first uses, read whole, hold the outliers (a segment lowered at its first run)
+EXACT_USES = 64
+CPU_SAMPLED = 8
 
 
 def _log_buckets(lo: float, hi: float, per_decade: int = 4) -> list[float]:
@@ -67,30 +74,54 @@ class Histogram:
 class Phase:
     count: int = 0
     seconds: float = 0.0
-    cpu: float = 0.0  # the timing thread's CPU seconds (a timed phase): wall less preemption and sleep
+    cpu: float = 0.0  # the timing thread's CPU seconds (a timed phase): wall less preemption and sleep,
+    # of its first EXACT_USES uses and, after those, of the sampled ones
+    sampled_cpu: float = 0.0
+    sampled: int = 0
+
+    @property
+    def cpu_estimate(self) -> float:
+        """CPU seconds of every use: the first ones' read whole, the later ones' estimated from
+        those sampled."""
+        later = self.count - EXACT_USES
+        return self.cpu + (self.sampled_cpu * later / self.sampled if later > 0 and self.sampled else 0.0)
 
 
 class Phases:
     """Wall time per named phase of a rank's work (an attention step's program, its sends, its
     waits for replies; an FFN server's runs), summed since the rank started: a served step's
     time, taken apart (``benchmarks/bench_serve.py`` prints it per step). A timed phase reads the
-    wall clock and the thread's CPU clock twice each."""
+    wall clock twice each use, the thread's CPU clock too (a phase timed per message: on a sample
+    of its uses, :data:`CPU_SAMPLED`)."""
 
     def __init__(self) -> None:
         self._phases: dict[str, Phase] = {}
 
-    def add(self, name: str, seconds: float, cpu: float = 0.0) -> None:
+    def add(self, name: str, seconds: float, cpu: float | None = None) -> None:
+        """One use of phase ``name``: its wall seconds and, where read, its CPU seconds."""
         phase = self._phases.get(name)
         if phase is None:
             phase = self._phases[name] = Phase()
+        if phase.count < EXACT_USES:
+            phase.cpu += cpu or 0.0
+        elif cpu is not None:
+            phase.sampled_cpu += cpu
+            phase.sampled += 1
         phase.count += 1
         phase.seconds += seconds
-        phase.cpu += cpu
 
-    def timed(self, name: str) -> _Timed:
+    def reads_cpu(self, name: str, per_message: bool) -> bool:
+        """Whether this use of phase ``name`` reads the CPU clock (see :data:`CPU_SAMPLED`)."""
+        if not per_message:
+            return True
+        phase = self._phases.get(name)
+        return phase is None or phase.count < EXACT_USES or random.random() * CPU_SAMPLED < 1
+
+    def timed(self, name: str, per_message: bool = False) -> _Timed:
         """Wall and CPU time of the block: on cores shared with busier processes a phase's wall
-        time includes the time it waited for a core, its CPU time does not."""
-        return _Timed(self, name)
+        time includes the time it waited for a core, its CPU time does not. ``per_message``: CPU
+        sampled after the first uses (:data:`CPU_SAMPLED`)."""
+        return _Timed(self, name, per_message)
 
     def seconds(self, name: str) -> float:
         phase = self._phases.get(name)
@@ -98,7 +129,7 @@ class Phases:
 
     def to_dict(self) -> dict:
         return {
-            name: {"count": p.count, "seconds": round(p.seconds, 6), "cpu": round(p.cpu, 6)}
+            name: {"count": p.count, "seconds": round(p.seconds, 6), "cpu": round(p.cpu_estimate, 6)}
             for name, p in self._phases.items()
         }
 
@@ -107,16 +138,19 @@ class _Timed:
     """One use of :meth:`Phases.timed`. A class, not a generator-based context manager: an FFN
     server times three phases a message, and the generator's machinery cost about 2 us a use."""
 
-    __slots__ = ("_cpu", "_name", "_phases", "_start")
+    __slots__ = ("_cpu", "_name", "_phases", "_sampled", "_start")
 
-    def __init__(self, phases: Phases, name: str):
+    def __init__(self, phases: Phases, name: str, per_message: bool = False):
         self._phases, self._name = phases, name
+        self._sampled = phases.reads_cpu(name, per_message)
 
     def __enter__(self) -> None:
-        self._start, self._cpu = time.perf_counter(), time.thread_time()
+        self._start = time.perf_counter()
+        self._cpu = time.thread_time() if self._sampled else 0.0
 
     def __exit__(self, *exc: object) -> None:
-        self._phases.add(self._name, time.perf_counter() - self._start, time.thread_time() - self._cpu)
+        cpu = time.thread_time() - self._cpu if self._sampled else None
+        self._phases.add(self._name, time.perf_counter() - self._start, cpu)
 
 
 class Metrics:

@@ -18,6 +18,7 @@ from afdc.lowering.lm_head import split_head
 from afdc.lowering.straight_line import StraightLine
 from afdc.ops import LibraryOps, calls_library_ops
 from afdc.ops.context import MixerTable, mixers_active
+from afdc.runtime import trace
 from afdc.runtime.static_shapes import StaticShapes, paddable
 from afdc.segment import Dispatch, ExpertRouting, Segment, SegmentBinding, as_rows, at_tokens
 
@@ -233,6 +234,7 @@ class FFNProgram(torch.nn.Module):
         state.pop("_library_ops", None)
         super().__setstate__(state)
 
+    @trace.phase("program.ffn_run")
     def run(self, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.layers[layer]
         outputs = self._lowered[binding.segment](*(self._weights[w] for w in binding.weights), *inputs, self.rank)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from afdc.codegen.triton_support import source_lock
 from afdc.errors import AfdcError
-from afdc.runtime import wire
+from afdc.runtime import trace, wire
 from afdc.runtime.gathering import Gathering
 from afdc.runtime.metrics import IDLE, Metrics
 from afdc.runtime.options import RuntimeOptions
@@ -207,13 +207,14 @@ class FFNServer:
 
     def _arrived(self, transport: Transport, wait: float) -> list[Incoming | Failure]:
         """Everything that has arrived, waiting up to ``wait`` s for the first item."""
-        with self.metrics.phases.timed(IDLE):
+        with self.metrics.phases.timed(IDLE, per_message=True):
             return transport.collect(wait)
 
     # A served step's messages pass here one or two at a time, each after a wake-up that finds the
     # caches cold, where each step of this path costs several times what it does in a tight loop:
     # so every check is done once (a message's tensors against its layer remembered), and one
     # message is not grouped.
+    @trace.phase("ffn.handle")
     def _handle(self, transport: Transport, gathering: Gathering, items: list[Incoming | Failure]) -> None:
         generation = transport.group.generation
         for item in items:
@@ -248,12 +249,13 @@ class FFNServer:
         for (layer, _), group in by_batch.items():
             self._run_batch(transport, layer, group)
 
+    @trace.phase("ffn.run_batch")
     def _run_batch(self, transport: Transport, layer: int, group: list[Incoming]) -> None:
         phases = self.metrics.phases
-        started, cpu = time.perf_counter(), time.thread_time()
         tokens = [m.header.tokens for m in group]
         try:
-            outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
+            with phases.timed("run", per_message=True):
+                outputs = self.program.run_batch(layer, [m.tensors for m in group], tokens)
         except Exception as err:  # the program rejected these inputs: tell the senders why
             if len(group) > 1:  # one message's fault must not fail the others' tokens: each runs alone
                 for m in group:
@@ -261,12 +263,10 @@ class FFNServer:
                 return
             self._refuse(transport, group[0].header, f"FFN layer {layer} failed: {type(err).__name__}: {err}")
             return
-        ran, ran_cpu = time.perf_counter(), time.thread_time()
-        phases.add("run", ran - started, ran_cpu - cpu)
         self.metrics.batch_tokens.observe(sum(tokens))
-        for m, outs in zip(group, outputs):
-            self._reply(transport, m.header, wire.Kind.RESULT, outs)
-        phases.add("reply", time.perf_counter() - ran, time.thread_time() - ran_cpu)
+        with phases.timed("reply", per_message=True):
+            for m, outs in zip(group, outputs):
+                self._reply(transport, m.header, wire.Kind.RESULT, outs)
 
     def _check(self, h: wire.Header, generation: int) -> str:
         if h.deployment != self.deployment:
@@ -281,6 +281,7 @@ class FFNServer:
             return f"FFN layer {h.layer} does not exist (the program has {len(self.program.layers)})"
         return ""
 
+    @trace.phase("ffn.check")
     def _check_tensors(self, m: Incoming) -> str:
         """Why ``m``'s tensors cannot be taken ("" when they can): a step plan is each micro-batch's
         token count, adding up to its header's; a DATA message carries its layer's inputs, each of
@@ -316,6 +317,7 @@ class FFNServer:
         self.metrics.errors += 1
         self._reply(transport, h, wire.Kind.ERROR, [torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8)])
 
+    @trace.phase("ffn.reply")
     def _reply(self, transport: Transport, h: wire.Header, kind: wire.Kind, tensors: list[torch.Tensor]) -> None:
         header = wire.Header.carrying(
             kind,
@@ -370,6 +372,7 @@ def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, option
         traceback.print_exc()
         code = 1
     finally:
+        trace.dump()  # os._exit below runs no atexit hook
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afdc.errors import AfdcError
+from afdc.runtime import trace
 
 MAGIC = b"AFDC"
 VERSION = 1
@@ -72,6 +73,7 @@ class Header:
     payload_bytes: int = 0
 
     @classmethod
+    @trace.phase("header.build")
     def carrying(cls, kind: Kind, tensors: list[torch.Tensor], **fields) -> Header:
         """A header describing ``tensors`` as its payload; ``fields`` are the other header fields."""
         described = specs(tensors)
@@ -82,6 +84,7 @@ class Header:
         """What a reply answers: (step, layer, micro-batch)."""
         return self.step, self.layer, self.micro_batch
 
+    @trace.phase("header.encode")
     def encode(self) -> bytes:
         if len(self.tensors) > MAX_TENSORS:
             raise WireError(f"a message carries at most {MAX_TENSORS} tensors, got {len(self.tensors)}")
@@ -103,6 +106,7 @@ class Header:
         return fixed + _encode_specs(self.tensors)
 
     @classmethod
+    @trace.phase("header.decode")
     def decode(cls, data: bytes) -> Header:
         if len(data) != HEADER_BYTES:
             raise WireError(f"header of {len(data)} bytes, expected {HEADER_BYTES}")

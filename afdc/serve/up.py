@@ -94,7 +94,7 @@ def check_servable(manifest: Manifest) -> None:
 
 def attention_command(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> list[str]:
     """The ``vllm serve`` command line of the plan's attention ranks (vLLM's DP ranks), or of those
-    that ``vllm_args`` place on this host (its environment adds ``settings.to_env()``)."""
+    that ``vllm_args`` place on this host (its environment adds :func:`attention_env`)."""
     from afdc.artifact.load import model_dir
 
     directory = Path(settings.artifact)
@@ -148,6 +148,18 @@ def threads_per_role(plan: Plan, settings: WorkerSettings, cores: int | None = N
     return max(1, (cores - 1) // computing)
 
 
+def attention_env(settings: WorkerSettings) -> dict[str, str]:
+    """What the attention server's environment adds to this process's: the settings, and on a CPU
+    device vLLM's engine cores started by fork unless the user chose. vLLM's CLI otherwise picks
+    spawn, and each engine core then imports vLLM, torch and afdc again: 18 of a demo deployment's
+    55 CPU-seconds to ready on a 2-core host, 2 with fork. On a GPU vLLM's choice stands (a forked
+    CUDA runtime is unsafe; vLLM itself switches to spawn once CUDA is initialized)."""
+    env = settings.to_env()
+    if settings.device.split(":")[0] == "cpu" and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    return env
+
+
 def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: Sequence[str] = ()) -> NoReturn:
     """Become the OpenAI server of the plan's attention ranks, or of those ``vllm_args`` place on
     this host (this process is replaced)."""
@@ -156,7 +168,7 @@ def serve_attention(settings: WorkerSettings, host: str, port: int, vllm_args: S
     if not settings.runtime.connector.in_process and not DataParallel.of(vllm_args).hosts_rank_zero:
         # reach the store here (TCPStore retries with backoff), rather than fail as a trace from vLLM's engine
         settings.open_rendezvous()
-    os.execve(argv[0], argv, {**os.environ, **settings.to_env()})
+    os.execve(argv[0], argv, {**os.environ, **attention_env(settings)})
 
 
 class StopAsked(AfdcError):
@@ -256,7 +268,7 @@ class Deployment:
             waiting = replace(settings.runtime, join_timeout=max(r.join_timeout, startup_timeout))
             self._start_ffn_ranks(plan.ffn_ranks, replace(settings, runtime=waiting), env, say)
         say(f"starting {plan.attention_ranks} attention ranks (vLLM data-parallel engines) on port {self.port}")
-        self._spawn("attn", argv, {**env, **settings.to_env(), **self._attention_env()})
+        self._spawn("attn", argv, {**env, **attention_env(settings), **self._attention_env()})
         proc = self.processes["attn"]
         url = f"http://{self.host}:{self.port}"
         wait_healthy(url, time.monotonic() + startup_timeout, lambda: proc.poll() is None, asked)

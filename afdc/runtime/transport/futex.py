@@ -19,6 +19,8 @@ import mmap
 import platform
 import sys
 
+from afdc.runtime import trace
+
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 _WAIT, _WAKE, _WAKE_OP = 0, 1, 5
 _ALL = 0x7FFFFFFF  # wake every waiter
@@ -51,6 +53,7 @@ class Word:
         self._word = ctypes.c_uint32.from_buffer(buffer, offset)  # keeps the mapping while it lives
         self._address = ctypes.c_void_p(ctypes.addressof(self._word))
 
+    @trace.phase("futex.wait")
     def wait(self, seen: int, seconds: float) -> None:
         """Sleep until a wake, or ``seconds``; at once if the word is no longer ``seen`` (its low
         32 bits), whatever wrote it."""
@@ -58,6 +61,7 @@ class Word:
         _CALL(ctypes.c_long(_SYS_FUTEX), self._address, _WAIT, ctypes.c_uint32(seen & 0xFFFFFFFF),
               ctypes.byref(timeout), None, 0)  # fmt: skip
 
+    @trace.phase("futex.wake")
     def wake(self) -> None:
         _CALL(ctypes.c_long(_SYS_FUTEX), self._address, _WAKE, _ALL, None, None, 0)
 

@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from afdc.runtime import wire
+from afdc.runtime import trace, wire
 from afdc.runtime.rendezvous import Rendezvous
 from afdc.runtime.transport import futex
 from afdc.runtime.transport.base import LEFT, Failure, Incoming, Pacing, Transport, Waiter
@@ -167,6 +167,7 @@ class Bell(_SharedFile):
     def value(self) -> int:
         return self._word.value
 
+    @trace.phase("shm.ring_bell")
     def ring(self) -> None:
         self._word.ring()
 
@@ -273,6 +274,7 @@ class Mailbox(_SharedFile):
         words = self._controls.unpack_from(self._mm, 2 * _LINE)
         return [k for k in range(self.slots) if words[2 * k] != words[2 * k + 1]]
 
+    @trace.phase("shm.put")
     def put(self, k: int, header: bytes, tensors: list[torch.Tensor], pacing: Pacing, timeout: float, receiver: str,
             wake: bool = True):
         """Sender: post a message (``tensors`` contiguous, in host memory) into slot ``k`` once the
@@ -309,6 +311,7 @@ class Mailbox(_SharedFile):
         for word in self._seqs:
             word.wake()
 
+    @trace.phase("shm.take")
     def take(self, k: int) -> tuple[wire.Header, list[torch.Tensor]]:
         """Receiver: the message in slot ``k``, its tensors copied out (into torch's own aligned
         memory: the programs compute on it, and a matmul over a tensor backed by a mapping ran
@@ -323,6 +326,7 @@ class Mailbox(_SharedFile):
 
     # -- where a slot's payload bytes live: in the file, right after its header -------------------
 
+    @trace.phase("shm.copy_in")
     def _write(self, k: int, tensors: list[torch.Tensor]) -> None:
         """Copy ``tensors`` into slot ``k``; done when this returns (the slot is posted next)."""
         at = self._address + self._start(k) + _PAYLOAD
@@ -331,6 +335,7 @@ class Mailbox(_SharedFile):
             ctypes.memmove(at, t.data_ptr(), n)
             at += n
 
+    @trace.phase("shm.copy_out")
     def _read(self, k: int, specs: tuple[wire.TensorSpec, ...]) -> list[torch.Tensor]:
         """Copies of slot ``k``'s tensors; done when this returns (the slot is freed next)."""
         tensors, at = [], self._address + self._start(k) + _PAYLOAD
@@ -522,6 +527,7 @@ class ShmTransport(Transport):
             self._links[peer] = link
         threading.Thread(target=self._receive, args=(peer, link), daemon=True, name=f"afdc-shm-{peer}").start()
 
+    @trace.phase("shm.send")
     def send(self, peer: int, header: wire.Header, tensors: list[torch.Tensor]) -> None:
         """DATA and RESULT messages go into the micro-batch's slot, STEP plans into the last one;
         the rest (ERROR, BYE) and what does not fit a slot go over the socket, header then payload."""
@@ -568,6 +574,7 @@ class ShmTransport(Transport):
             link.backlog.clear()
             self._drop(peer, link, f"it has not taken its replies for {self.timeout:g} s")
 
+    @trace.phase("shm.receive")
     def receive(self, peers: list[int], micro_batch: int) -> list[Incoming]:
         arrived = []
         for peer in peers:
@@ -606,6 +613,7 @@ class ShmTransport(Transport):
         else:
             link.inbound.wake_readers()
 
+    @trace.phase("shm.collect")
     def collect(self, wait: float) -> list[Incoming | Failure]:
         start = time.monotonic()
         deadline = start + wait
@@ -635,6 +643,7 @@ class ShmTransport(Transport):
         replied = [link.replied for link in list(self._links.values()) if link.replied is not None]
         return max((self._waiter.spin_left(key, since, now) for key, since in replied), default=0.0)
 
+    @trace.phase("shm.scan")
     def _scan(self) -> list[Incoming | Failure]:
         """What came on every link since the last scan; each link's held-back replies are posted
         first, as far as the peer freed their slots."""
