@@ -146,12 +146,6 @@ def _unpageable(built: Built) -> str:
     serve`` refuses before vLLM starts."""
     if built.recompute:
         return f"this model's decode recomputes the prefix ({built.recompute})"
-    growing = [m.module for m in built.mixers if not m.fixed_state]
-    if growing:
-        return (
-            f"the stateful mixers {', '.join(growing)} keep state that grows with the sequence (their own keys and "
-            "compressed entries, in the model's cache layer), for which the paged KV cache has no group yet"
-        )
     return ""
 
 

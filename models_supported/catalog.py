@@ -266,7 +266,8 @@ ENTRIES: list[ModelEntry] = [
         # windows short enough that the test's sequences close several and outgrow the sliding window
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, "sliding_window": 8},
        "2 residual streams, compressed attention (HCA, CSA with an indexer: each attention a stateful mixer, its "
-       "keys and compressed entries in the model's own cache; not servable yet), hash routing in the first MoE layer",
+       "keys and compressed entries in the model's own cache; served with them in fixed-size state blocks sized "
+       "from max_model_len), hash routing in the first MoE layer",
        moe=2),
     _e("Gemma 4 (text, MoE)", "gemma4_text", "moe",
        {"sliding_window": 4, "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8,

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import afdc
 from afdc.artifact.manifest import read_manifest
@@ -17,6 +18,7 @@ from afdc.lowering.cache_positions import positions_as_cache_positions
 from afdc.ops import MixerCall
 from afdc.runtime import kv_cache
 from afdc.runtime import link as connectors
+from afdc.runtime.bounded_state import BoundedState
 from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore, PagedRows
 from afdc.runtime.programs import combine
 from afdc.serve.up import check_servable
@@ -165,10 +167,7 @@ def test_paged_steps_keep_each_requests_state(model_type, tp):
     step({0: 4, 1: 1, 2: 7}, again=True)
     for _ in range(3):
         step({0: 1, 1: 1, 2: 1})
-    for r in requests:
-        prompt = torch.tensor([r["tokens"][: r["prompt"]]])
-        new = len(r["tokens"]) - r["prompt"]
-        assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
+    _assert_tokens_of_each_alone(model, requests)
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v32", sweep("hy_v4")])
@@ -232,10 +231,7 @@ def test_paged_rows_pick_each_requests_keys(tp):
     step([2], 20)
     for _ in range(12):
         step([0, 1, 2], 1)
-    for r in requests:
-        prompt = torch.tensor([r["tokens"][: r["prompt"]]])
-        new = len(r["tokens"]) - r["prompt"]
-        assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
+    _assert_tokens_of_each_alone(model, requests)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "bamba", "minimax"])
@@ -261,7 +257,9 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
     kept in that cache. Its hyper-connections stay per position and its hash-routed layer routes
     by token id. A 1A2F (EP) artifact gives the monolith's logits on a left-padded batch and its
     greedy tokens, decode incremental (the prefill outgrows the sliding window and closes several
-    compressed windows); serving refuses it by name. (2A2F in-process: ``test_models_supported``.)"""
+    compressed windows), and is servable (its paged steps:
+    ``test_deepseek_v4_paged_rows_keep_each_requests_bounded_state``; served:
+    ``test_serve_mixers``). (2A2F in-process: ``test_models_supported``.)"""
     model = catalog.greedy("deepseek_v4")
     experts, k = model.config.n_routed_experts, model.config.num_experts_per_tok
     tables = [m.tid2eid for m in model.modules() if hasattr(m, "tid2eid")]
@@ -285,5 +283,103 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
     out = dm(ids, attention_mask=mask).logits
     assert (out[valid] - ref[valid]).abs().max() <= 1e-4 * ref[valid].abs().max()
     assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
-    with pytest.raises(afdc.UnsupportedModelError, match=r"model\.layers\.0\.self_attn.*grows with the sequence"):
-        check_servable(manifest)
+    assert not manifest.unpageable
+    check_servable(manifest)
+
+
+def test_deepseek_v4_paged_rows_keep_each_requests_bounded_state():
+    """DeepSeek-V4 at 1A1F in-process: the monolith's logits on a left-padded batch and its greedy
+    tokens. Then its growing attention state in fixed-size state blocks sized from the longest
+    sequence (:mod:`afdc.runtime.bounded_state`), over vLLM-style steps as the serving worker runs
+    them (:class:`PagedRows`): prefills in chunks, decodes of requests with different lengths
+    (run together where they ran as many tokens), a step run twice before its state is committed,
+    and a request recomputed from its tokens (vLLM's preemption). Each request's tokens equal
+    transformers' ``generate`` of it alone."""
+    model = catalog.greedy("deepseek_v4")
+    ids, mask = catalog.left_padded(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    dm = afdc.disaggregate(model, "1A1F")
+    assert dm.incremental
+    valid = mask.bool()
+    out = dm(ids, attention_mask=mask).logits
+    assert (out[valid] - ref[valid]).abs().max() <= 1e-4 * ref[valid].abs().max()
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+    sites = dm.attention.mixers.bound(64, torch.float32)
+    rates = model.config.compress_rates
+    entries = {s.name: s.shape[0] for m in sites for s in m.state if s.name.startswith("compressed_kv")}
+    assert entries == {"compressed_kv.compressor": 64 // rates["compressed_sparse_attention"],
+                       "compressed_kv.indexer": 64 // rates["compressed_sparse_attention"]}
+    assert all(s.shape == (1, model.config.sliding_window - 1, model.config.head_dim)
+               for m in sites for s in m.state if s.name == "keys")
+    store, states = PagedKVStore([], 1, 16), MixerStateStore(sites, 8)
+    gen = torch.Generator().manual_seed(3)
+    requests = [{"tokens": torch.randint(3, 128, (n,), generator=gen).tolist(), "prompt": n, "block": 2 + i,
+                 "done": 0} for i, n in enumerate((13, 9, 9))]  # fmt: skip
+    link = connectors.LoopbackConnector(functools.partial(combine, dm.ffn_ranks))
+
+    def step(which: list[int], tokens: int, again: bool = False) -> None:
+        reqs = [requests[i] for i in which]
+        ids = torch.tensor([r["tokens"][r["done"]:r["done"] + tokens] for r in reqs])
+        done, blocks = torch.tensor([r["done"] for r in reqs]), torch.tensor([r["block"] for r in reqs])
+        rows = PagedRows(store, torch.zeros(len(reqs), 0), done, tokens, None, None, states,
+                         {s.slot: blocks for s in sites})
+        with torch.no_grad(), connectors.active(link), kv_cache.active(rows):
+            logits = dm.attention(ids, rows.attention_mask, rows.positions).logits[:, -1]
+            if again:
+                torch.testing.assert_close(dm.attention(ids, rows.attention_mask, rows.positions).logits[:, -1], logits)
+        rows.commit_states()
+        for r, row in zip(reqs, logits):
+            r["done"] += tokens
+            if r["done"] == len(r["tokens"]):
+                r["tokens"].append(int(row.argmax()))
+
+    step([0], 6)
+    step([0], 7, again=True)  # a chunk continuing from the state: a window closes across the chunks
+    step([1], 9)
+    step([2], 9)
+    for _ in range(5):
+        step([0, 1, 2], 1)  # rows 1 and 2 ran as many tokens: one group; row 0 another
+    requests[2]["done"] = 0  # preempted: recomputed from its tokens, its state from empty
+    step([2], len(requests[2]["tokens"]) - 1)
+    for _ in range(6):
+        step([0, 1, 2], 1)
+    _assert_tokens_of_each_alone(model, requests)
+
+
+def _assert_tokens_of_each_alone(model, requests: list[dict]) -> None:
+    """Each request's tokens (its prompt, then what the steps sampled) equal transformers'
+    ``generate`` of its prompt alone."""
+    for r in requests:
+        prompt = torch.tensor([r["tokens"][: r["prompt"]]])
+        new = len(r["tokens"]) - r["prompt"]
+        assert r["tokens"] == model.generate(prompt, max_new_tokens=new)[0].tolist()
+
+
+def test_bounded_state_round_trips_every_deepseek_v4_cache_layer():
+    """Each kind of DeepSeek-V4 cache layer (sliding window only, as the released configs' first
+    layers; CSA with its indexer; HCA) packed into the fixed tensors serving holds, after prefills
+    that end inside a window, on a window's edge and past the sliding window, and unpacked into a
+    fresh cache: the model's next tokens' logits are those of the cache it came from."""
+    kwargs = {**catalog.entry("deepseek_v4").config_kwargs, "mlp_layer_types": ["hash_moe", "moe", "moe"],
+              "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]}
+    model = catalog.build_type("deepseek_v4", {**catalog.TINY_COMMON, **kwargs, "num_hidden_layers": 3})
+    attentions = [layer.self_attn for layer in model.model.layers]
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(5))
+    for n in (6, 8, 21):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :n], cache=cache)
+        held = [BoundedState(a, layer, 64, torch.float32) for a, layer in zip(attentions, cache.layers)]
+        assert [type(layer).__name__ for layer in cache.layers] == [
+            "DynamicSlidingWindowLayer", "DeepseekV4CSACache", "DeepseekV4HCACache"]
+        fresh = DynamicCache(config=model.config)
+        for state, old, new in zip(held, cache.layers, fresh.layers):
+            packed = state.pack(old)
+            assert [tuple(t.shape[1:]) for t in packed] == [t.shape for t in state.tensors]
+            state.unpack(new, packed, n)
+        with torch.no_grad():
+            expected = model(ids[:, n:n + 5], cache=cache).logits
+            got = model(ids[:, n:n + 5], cache=fresh).logits
+        torch.testing.assert_close(got, expected)

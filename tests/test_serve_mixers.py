@@ -7,8 +7,9 @@ Greedy completions, concurrent and under preemption (a pool too small for every 
 equal ``dm.generate`` of the same artifact, for Gated DeltaNet hybrid MoEs (Qwen3-Next, and
 Qwen3.5-MoE, whose vLLM implementation imports torchvision: vLLM resolves it to afdc's served-model
 class and never imports its own), Mamba-2 hybrid MoEs (Granite 4 hybrid, Nemotron-H), a
-lightning-attention hybrid MoE whose state lives in a cache class of its own (MiniMax) and
-DeepSeek-V3.2.
+lightning-attention hybrid MoE whose state lives in a cache class of its own (MiniMax),
+DeepSeek-V3.2 and DeepSeek-V4 (each attention with its compressors a mixer whose growing state is
+held in fixed-size state blocks sized from --max-model-len).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def _check_completions(client, artifact: Path) -> None:
         sweep("qwen3_5_moe_text", "1A1F", 1, None),  # Gated DeltaNet as qwen3_next; its vLLM import quirk
         sweep("nemotron_h", "1A1F", 1, None),  # Mamba-2 as granitemoehybrid (test_hybrid_preemption_keeps_outputs)
         ("longcat_flash", "1A2F", 1, None),
+        ("deepseek_v4", "1A2F", 1, None),
     ],
 )
 def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micro_batches, backend):
@@ -79,7 +81,9 @@ def test_hybrid_completions_equal_afdc_generate(tmp_path, model_type, plan, micr
     (Granite 4 hybrid, and Qwen3-Next under --attn-tp 2: test_hybrid_preemption_keeps_outputs.)
     LongCat-Flash has no mixer but two MLA calls per layer, experts captured from a Python loop
     (its identity experts' gate/up rows not in the FFN files) and a MoE received after the next
-    attention."""
+    attention. DeepSeek-V4 has no attention op outside its mixers (only state blocks per request),
+    its steps run as rows, and requests of different lengths decode side by side (a group per
+    length); prefix caching is off and, its blocks never growing, vLLM never preempts it."""
     artifact = _artifact(tmp_path, model_type, plan, micro_batches)
     with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids",), backend=backend) as (client, _):
         _check_completions(client, artifact)

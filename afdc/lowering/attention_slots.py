@@ -18,7 +18,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from afdc.capture import key_length_tied
 from afdc.errors import UnsupportedModelError
-from afdc.ops import AttentionCall, SlotSpec
+from afdc.ops import AttentionCall, MixerCall, SlotSpec
 from afdc.passes import graph_facts as gf
 
 
@@ -89,12 +89,16 @@ def program_slots(module: fx.GraphModule) -> tuple[list[SlotSpec], list[SlotSpec
     """The paged-cache slots of an attention program (its attention calls', its sparse-attention
     indexers'), found on a fake-tensor run over a few tokens (past keys included), since a loaded
     program's graph carries no shapes. With indexers the program's masks are its own to apply
-    (:class:`afdc.runtime.paged.PagedRows`); per TP rank under ``--attn-tp`` (one shard's heads)."""
+    (:class:`afdc.runtime.paged.PagedRows`); per TP rank under ``--attn-tp`` (one shard's heads).
+    A program whose every attention is a stateful mixer's (DeepSeek-V4's) has no slots."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         inputs = (torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), torch.arange(2, 5)[None])
     FakeTensorProp(module, mode).propagate(*inputs)
     keys = indexer_key_slots(module.graph)
+    if not AttentionCall.all_in(module.graph) and MixerCall.all_in(module.graph):
+        _check_incremental(module.graph)
+        return [], keys
     return attention_slots(module.graph, masks_applied=bool(keys)), keys
 
 

@@ -25,6 +25,7 @@ from afdc.lowering.attention_slots import program_slots
 from afdc.lowering.backends import resolve
 from afdc.lowering.cache_positions import positions_as_cache_positions
 from afdc.lowering.sampled_rows import sample_rows_only
+from afdc.mixer_site import MixerSite
 from afdc.ops import SlotSpec
 from afdc.runtime.paged import kernel_paged_attention, register_paged_attention
 from afdc.runtime.tensor_parallel import TensorParallelAttention
@@ -37,24 +38,35 @@ class FlatBatchProgram:
     slots: list[SlotSpec]  # per attention slot, every TP rank's heads side by side (one paged store)
     key_slots: list[SlotSpec]  # per sparse-attention indexer slot, its key cache
     tp_ranks: int  # TP ranks the attention rank runs as (--attn-tp)
-    rows: bool  # steps run as rows of a padded batch (PagedRows): the program has indexers
+    rows: bool  # steps run as rows of a padded batch (PagedRows): indexers, or mixers given the graph's masks
     rows_only: bool  # the LM head runs on the step's logit rows only (else on every token's)
     backend: str  # what runs the program, resolved for the device
     dtype: torch.dtype  # of its weights: the cache's
 
 
-def prepare_for_flat_batches(program, backend: str, device: torch.device, mixers: bool) -> FlatBatchProgram:
+def prepare_for_flat_batches(
+    program, backend: str, device: torch.device, mixers: list[MixerSite]
+) -> FlatBatchProgram:
     """Rewrite ``program`` (an :class:`~afdc.runtime.programs.AttentionProgram` or its TP ranks) in
     place for a serving engine's steps under ``backend`` (the plan's, or the one asked for), and
-    describe it. ``mixers``: the model has stateful mixers, which a padded batch of rows cannot
-    run beside indexers; refused with :class:`UnsupportedModelError`."""
+    describe it. ``mixers``: the model's stateful mixers. Those that are attentions of their own
+    (their state grows with the sequence, they take the graph's mask: DeepSeek-V4's) run on rows
+    too; those with a fixed state run on a flat batch, so not beside indexers (refused with
+    :class:`UnsupportedModelError`)."""
     shards = program.shards if isinstance(program, TensorParallelAttention) else [program]
     slots, key_slots = program_slots(program.module)
-    rows = bool(key_slots)
-    if rows and mixers:
+    growing = [m.module for m in mixers if not m.fixed_state]
+    rows = bool(key_slots) or bool(growing)
+    if key_slots and mixers:
         raise UnsupportedModelError(
             "a model with both sparse-attention indexers and stateful mixers: afdc's paged steps run "
             "indexers over rows of a padded batch and mixers over a flat batch, not both yet"
+        )
+    if growing and (len(shards) > 1 or len(growing) < len(mixers)):
+        raise UnsupportedModelError(
+            f"the stateful mixers {', '.join(growing)} keep their own keys and compressed entries: afdc serves "
+            "them on one attention TP rank, in a model whose every mixer does (not yet under --attn-tp or beside "
+            "fixed-state mixers)"
         )
     rows_only = all([sample_rows_only(x.module, x.out_spec) for x in shards])
     if not rows:

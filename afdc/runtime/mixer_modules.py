@@ -17,6 +17,7 @@ import functools
 import inspect
 import sys
 import threading
+from dataclasses import replace
 
 import torch
 from accelerate import init_empty_weights
@@ -25,6 +26,7 @@ from transformers import AutoModelForCausalLM, Cache, DynamicCache, PretrainedCo
 from afdc.errors import AfdcError
 from afdc.mixer_site import MixerSite, StateTensor
 from afdc.ops.context import current_cache
+from afdc.runtime.bounded_state import BoundedState
 
 
 class Mixers:
@@ -38,6 +40,7 @@ class Mixers:
         takes_config = "config" in inspect.signature(cache_class).parameters
         self._new_cache = functools.partial(cache_class, config=config) if takes_config else cache_class
         self._blank: Cache | None = None  # its layers never run: copied fresh for each call
+        self._bounded: dict[int, BoundedState] = {}  # growing states held in fixed tensors (serving)
         self._lock = threading.Lock()
 
     @classmethod
@@ -50,6 +53,19 @@ class Mixers:
 
     def __bool__(self) -> bool:
         return bool(self.sites)
+
+    def bound(self, max_len: int, dtype: torch.dtype) -> list[MixerSite]:
+        """The sites, each whose state grows with the sequence given fixed state tensors that hold
+        it for sequences of up to ``max_len`` tokens (:mod:`afdc.runtime.bounded_state`), which
+        :meth:`reset` and :meth:`read` then take and give."""
+        out = []
+        for slot, site in sorted(self.sites.items()):
+            if not site.fixed_state:
+                layer = self._blank_layer(site.layer)
+                self._bounded[slot] = BoundedState(self.modules[slot], layer, max_len, dtype)
+                site = replace(site, state=self._bounded[slot].tensors)
+            out.append(site)
+        return out
 
     def new_state(self) -> Cache:
         """An empty per-sequence-batch state, as the model's forward makes its cache."""
@@ -67,10 +83,12 @@ class Mixers:
         return cache.run_mixer(self, slot, hidden, mask, run)
 
     def run(
-        self, slot: int, weights: list[torch.Tensor], hidden: torch.Tensor, mask: torch.Tensor | None, state
+        self, slot: int, weights: list[torch.Tensor], hidden: torch.Tensor, mask: torch.Tensor | None, state,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Site ``slot``'s module over ``hidden [b, s, d]``, reading and extending ``state`` (a
-        transformers cache whose layer :attr:`MixerSite.layer` holds these sequences' state)."""
+        transformers cache whose layer :attr:`MixerSite.layer` holds these sequences' state);
+        ``rows``: ``hidden`` is these rows of the call's batch, whose inputs are cut to them."""
         site, module = self.sites[slot], self.modules[slot]
         arguments = dict(site.constants)
         arguments[site.cache_argument] = state
@@ -79,6 +97,8 @@ class Mixers:
             arguments[site.mask_argument] = mask if mask is not None and hidden.shape[1] > 1 else None
         if site.inputs:
             given = weights[len(site.weights):]
+            if rows is not None:
+                given = [t[rows] for t in given]
             keys = _held_keys(state, site.layer, hidden.shape[1])
             given = [_as_additive(t, keys, hidden.dtype) if _is_mask(t) else t for t in given]
             arguments.update(_nest(dict(zip(site.inputs, given))))
@@ -93,17 +113,20 @@ class Mixers:
             raise AfdcError(f"the stateful mixer {site.module} returned {tuple(out.shape)} for {tuple(hidden.shape)}")
         return out
 
-    def reset(self, state, slot: int, tensors: list[torch.Tensor] | None = None) -> None:
+    def reset(self, state, slot: int, tensors: list[torch.Tensor] | None = None, tokens: int = 0) -> None:
         """Give ``state`` a fresh layer for site ``slot``, holding ``tensors`` (the site's state
-        of some sequences, in :attr:`MixerSite.state` order, as if they had run before) or
-        empty. One cache can then serve every site of a step, each call starting from what it
-        is given, however often the step is run."""
+        of some sequences, in :attr:`MixerSite.state` order, as if they had run before; a state
+        held in bounded tensors: as if they had run ``tokens`` tokens) or empty. One cache can
+        then serve every site of a step, each call starting from what it is given, however
+        often the step is run."""
         site = self.sites[slot]
         values = list(tensors) if tensors is not None else [None] * len(site.state)
-        if any(_field(spec) is None for spec in site.state):
-            if self._blank is None:
-                self._blank = self.new_state()
-            layer = state.layers[site.layer] = copy.deepcopy(self._blank.layers[site.layer])
+        if slot in self._bounded or any(_field(spec) is None for spec in site.state):
+            layer = state.layers[site.layer] = copy.deepcopy(self._blank_layer(site.layer))
+        if slot in self._bounded:
+            if tensors is not None:
+                self._bounded[slot].unpack(layer, values, tokens)
+            return
         for spec, t in zip(site.state, values):
             field = _field(spec)
             if field is not None:  # a per-layer list of the cache class's own: None is "not run yet"
@@ -119,6 +142,8 @@ class Mixers:
     def read(self, state, slot: int) -> list[torch.Tensor]:
         """Site ``slot``'s state in ``state``, in :attr:`MixerSite.state` order."""
         site = self.sites[slot]
+        if slot in self._bounded:
+            return self._bounded[slot].pack(state.layers[site.layer])
         out = []
         for spec in site.state:
             field = _field(spec)
@@ -128,6 +153,11 @@ class Mixers:
                 kind, index = _kind_index(spec)
                 out.append(getattr(state.layers[site.layer], f"{kind}_states")[index])
         return out
+
+    def _blank_layer(self, layer: int):
+        if self._blank is None:
+            self._blank = self.new_state()
+        return self._blank.layers[layer]
 
     def probe(self) -> list[MixerSite]:
         """Each site with its per-sequence state (and the cache layer holding it), found by

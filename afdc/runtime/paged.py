@@ -70,7 +70,8 @@ class PagedKVStore:
             raise ValueError(f"{len(kv)} key/value pairs for {len(self.slots)} slots")
         self.keys = [k for k, _ in kv]
         self.values = [v for _, v in kv]
-        self.dtype, self.device = self.keys[0].dtype, self.keys[0].device
+        # no slots: a program whose attention is all in stateful mixers (DeepSeek-V4's)
+        self.dtype, self.device = (self.keys[0].dtype, self.keys[0].device) if kv else (dtype, torch.device(device))
         for i, (s, k, v) in enumerate(zip(self.slots, self.keys, self.values)):
             self._check(k, self._shape(s, s.head_dim), f"slot {i} keys")
             self._check(v, self._shape(s, s.value_dim), f"slot {i} values")
@@ -152,7 +153,45 @@ class MixerStateStore:
         }
 
 
-class PagedBatch:
+class _MixerStep:
+    """A paged step's stateful mixers: each request's state in block ``state_blocks[slot][r]`` of
+    ``mixer_store``, loaded for each group of requests a mixer call runs together, the new
+    state held until :meth:`commit_states` (the step went through), so that a step cut short
+    and run again starts from the same state."""
+
+    def _hold_states(self, mixer_store: MixerStateStore | None, state_blocks: dict[int, torch.Tensor] | None,
+                     device: torch.device) -> None:
+        self.mixer_store = mixer_store
+        self.state_blocks = {slot: b.to(device, torch.long) for slot, b in (state_blocks or {}).items()}
+        self._new_states: dict[int, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
+        self._group_states: dict[int, object] = {}  # group -> its transformers cache
+
+    def _run_groups(self, mixers, slot: int, groups: list[tuple[torch.Tensor, int]], run_group) -> None:
+        """For each group ``(request indices, tokens they ran before)``, ``run_group(i, state)``
+        over their state (empty where they ran none), and keep what it leaves."""
+        if self.mixer_store is None or slot not in self.state_blocks:
+            raise ValueError(f"this paged step has no state blocks for stateful mixer slot {slot}")
+        store, blocks = self.mixer_store.tensors[slot], self.state_blocks[slot]
+        new = self._new_states[slot] = []
+        for group, (requests, tokens) in enumerate(groups):
+            # one transformers cache per group for the step; each call resets its own layer in it
+            if group not in self._group_states:
+                self._group_states[group] = mixers.new_state()
+            state, ids = self._group_states[group], blocks[requests]
+            mixers.reset(state, slot, [t[ids] for t in store] if tokens else None, tokens)
+            run_group(group, state)
+            new.append((ids, [t.clone() for t in mixers.read(state, slot)]))
+
+    def commit_states(self) -> None:
+        """Write the step's new mixer state into the store (the step went through)."""
+        for slot, groups in self._new_states.items():
+            for ids, tensors in groups:
+                for t, value in zip(self.mixer_store.tensors[slot], tensors):
+                    t[ids] = value.to(t.dtype)
+        self._new_states.clear()
+
+
+class PagedBatch(_MixerStep):
     """One step (or one micro-batch of a step) over a :class:`PagedKVStore`: the context to make
     active with ``kv_cache.active`` while the attention program runs on the step's tokens.
 
@@ -188,11 +227,8 @@ class PagedBatch:
     ):
         device = store.device
         self.store = store
-        self.mixer_store = mixer_store
-        self.state_blocks = {slot: b.to(device, torch.long) for slot, b in (state_blocks or {}).items()}
-        self._new_states: dict[int, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
-        self._groups: list[tuple[torch.Tensor, torch.Tensor, bool]] | None = None
-        self._group_states: dict[int, object] = {}  # group -> its transformers cache
+        self._hold_states(mixer_store, state_blocks, device)
+        self._groups: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
         self.block_table = block_table.to(device, torch.long)
         self.context_lens = context_lens.to(device, torch.long)
         self.query_lens = query_lens.to(device, torch.long)
@@ -249,43 +285,28 @@ class PagedBatch:
         """A stateful mixer's call (:mod:`afdc.runtime.mixer_modules`) over the flat ``[1, T, d]`` step:
         the decoding requests together, one row each; every other request alone (its state
         loaded when it has computed tokens: a later prefill chunk, a resumed decode)."""
-        if self.mixer_store is None or slot not in self.state_blocks:
-            raise ValueError(f"this paged step has no state blocks for stateful mixer slot {slot}")
-        store, blocks, width = self.mixer_store.tensors[slot], self.state_blocks[slot], hidden.shape[-1]
+        width, groups = hidden.shape[-1], self._mixer_groups()
         out = torch.empty_like(hidden)
-        new = self._new_states[slot] = []
-        for group, (rows, requests, continues) in enumerate(self._mixer_groups()):
-            # one transformers cache per group for the step; each call resets its own layer in it
-            if group not in self._group_states:
-                self._group_states[group] = mixers.new_state()
-            state, ids = self._group_states[group], blocks[requests]
-            mixers.reset(state, slot, [t[ids] for t in store] if continues else None)
+
+        def run_group(group: int, state) -> None:
+            rows, requests, _ = groups[group]
             out[0, rows] = run(hidden[0, rows].reshape(len(requests), -1, width), None, state).reshape(-1, width)
-            new.append((ids, [t.clone() for t in mixers.read(state, slot)]))
+
+        self._run_groups(mixers, slot, [(requests, tokens) for _, requests, tokens in groups], run_group)
         return out
 
-    def commit_states(self) -> None:
-        """Write the step's new mixer state into the store (the step went through)."""
-        for slot, groups in self._new_states.items():
-            for ids, tensors in groups:
-                for t, value in zip(self.mixer_store.tensors[slot], tensors):
-                    t[ids] = value.to(t.dtype)
-        self._new_states.clear()
-
-    def _mixer_groups(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
-        """(token rows, request indices, whether they continue from a state), decodes first."""
+    def _mixer_groups(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(token rows, request indices, tokens they ran before: 0 for none, else the first's), decodes first."""
         if self._groups is None:
             q, ctx = self.query_lens.tolist(), self.context_lens.tolist()
             starts = [0, *itertools.accumulate(q)]
             decode = [r for r in range(len(q)) if q[r] == 1 and ctx[r] > 0]
-            groups = [(decode, [starts[r] for r in decode], True)] if decode else []
-            groups += [
-                ([r], list(range(starts[r], starts[r + 1])), ctx[r] > 0) for r in range(len(q)) if r not in decode
-            ]
+            groups = [(decode, [starts[r] for r in decode], ctx[decode[0]])] if decode else []
+            groups += [([r], list(range(starts[r], starts[r + 1])), ctx[r]) for r in range(len(q)) if r not in decode]
             device = self.query_lens.device
             self._groups = [
-                (torch.tensor(rows, device=device), torch.tensor(requests, device=device), continues)
-                for requests, rows, continues in groups
+                (torch.tensor(rows, device=device), torch.tensor(requests, device=device), tokens)
+                for requests, rows, tokens in groups
             ]
         return self._groups
 
@@ -332,10 +353,11 @@ class PagedBatch:
         return out.flatten(0, 1)[self._query_index][None]
 
 
-class PagedRows:
+class PagedRows(_MixerStep):
     """One step's requests as the rows of a left-padded batch over a :class:`PagedKVStore`: for
     attention programs whose masks a flat batch cannot rebuild from positions (a sparse-attention
-    indexer picks each query's keys from the hidden states, over keys it caches itself).
+    indexer picks each query's keys from the hidden states, over keys it caches itself; a
+    stateful mixer that is an attention of its own, given the graph's mask, as DeepSeek-V4's).
 
     The program runs as ``dm.generate`` runs it: on ``input_ids [R, s]`` with
     :attr:`attention_mask` ``[R, kv]`` marking each row's cached keys, right-aligned, and
@@ -343,6 +365,9 @@ class PagedRows:
     the blocks, and every ``afdc::cached_keys`` call extends the indexer's keys kept in
     ``key_store`` at the same token slots. All rows have the same ``s`` tokens this step (decoding
     requests together, a prefill or chunk alone), so no row's queries are padded.
+
+    Stateful mixers run each group of rows that ran the same number of tokens together (their
+    states, in ``mixer_store`` as for :class:`PagedBatch`, then have the same shapes).
     """
 
     def __init__(
@@ -353,25 +378,31 @@ class PagedRows:
         query_len: int,
         key_store: PagedKVStore | None = None,
         logit_rows: torch.Tensor | None = None,
+        mixer_store: MixerStateStore | None = None,
+        state_blocks: dict[int, torch.Tensor] | None = None,
     ):
         device = store.device
         self.store, self.key_store = store, key_store
+        self._hold_states(mixer_store, state_blocks, device)
         block_table, context_lens = block_table.to(device, torch.long), context_lens.to(device, torch.long)
+        self.context_lens = context_lens
         requests, bs, s = context_lens.shape[0], store.block_size, query_len
         seq_lens = context_lens + s
         kv = int(seq_lens.max())
-        if block_table.shape[0] != requests or block_table.shape[1] * bs < kv:
+        if block_table.shape[0] != requests or (store.slots and block_table.shape[1] * bs < kv):
             raise ValueError(
                 f"{requests} requests reaching {kv} tokens need a block table row each of at least "
                 f"{-(-kv // bs)} blocks of {bs}; got {tuple(block_table.shape)}"
             )
         rows = torch.arange(requests, device=device)[:, None]
         self.positions = context_lens[:, None] + torch.arange(s, device=device)  # [R, s]
-        self.slot_mapping = store.token_slots(block_table, rows, self.positions).flatten()
+        if store.slots:
+            self.slot_mapping = store.token_slots(block_table, rows, self.positions).flatten()
         k_pos = torch.arange(kv, device=device) - (kv - seq_lens[:, None])  # [R, kv]: < 0 is padding
         valid = k_pos >= 0
-        self._key_index = torch.where(valid, store.token_slots(block_table, rows, k_pos.clamp(min=0)), 0)
-        self._key_pad = ~valid[..., None, None]
+        if store.slots:  # a program whose attention is all in mixers (DeepSeek-V4) caches no keys here
+            self._key_index = torch.where(valid, store.token_slots(block_table, rows, k_pos.clamp(min=0)), 0)
+            self._key_pad = ~valid[..., None, None]
         self.attention_mask = valid.long()  # [R, kv]: the program's attention_mask
         # the tokens of each row whose logits the step wants: by default its last (where it samples)
         self.logit_rows = torch.tensor([s - 1], device=device) if logit_rows is None else logit_rows.to(device)
@@ -398,14 +429,27 @@ class PagedRows:
         held, _ = self.key_store.gather(slot, self._key_index, self._key_pad)
         return held[:, 0].to(keys.dtype)
 
-    def commit_states(self) -> None:
-        """Nothing to commit: the rows keep no mixer state (see :class:`PagedBatch`)."""
+    def run_mixer(self, mixers, slot: int, hidden: torch.Tensor, mask, run) -> torch.Tensor:
+        """A stateful mixer's call over the rows ``[R, s, d]``: each group of rows that ran the
+        same number of tokens together, its inputs (the graph's, e.g. its mask) cut to its rows."""
+        lens = self.context_lens.tolist()
+        groups = [torch.tensor([r for r, n in enumerate(lens) if n == tokens]) for tokens in dict.fromkeys(lens)]
+        out = torch.empty_like(hidden)
+
+        def run_group(group: int, state) -> None:
+            rows = groups[group].to(hidden.device)
+            whole = len(groups) == 1
+            out[rows] = run(hidden[rows], None if mask is None else mask[rows], state, None if whole else rows)
+
+        self._run_groups(mixers, slot, [(rows, lens[int(rows[0])]) for rows in groups], run_group)
+        return out
 
     def tp_shard(self, tp_rank: int) -> PagedRows:
         """This step over TP rank ``tp_rank``'s heads; the indexer's one key head is every rank's
         (each writes the same keys)."""
         shard = copy.copy(self)
         shard.store = self.store.tp_shard(tp_rank)
+        shard._group_states = {}  # TP ranks run at once, each its own whole mixers
         return shard
 
 

@@ -60,6 +60,40 @@ def _attention_ranks() -> int:
     return read_manifest(Path(WorkerSettings.from_env().artifact)).plan.attention_ranks
 
 
+def read_config_as_compiled() -> None:
+    """vLLM reads the artifact's config as transformers writes it, which afdc compiled from.
+
+    Where vLLM registers a config class of its own for the served model type and that class
+    refuses the config (vLLM's DeepSeek-V4 config reads the released checkpoint's keys;
+    transformers' names its MoE layers ``hash_moe``/``moe``, which vLLM's base class validation
+    refuses), vLLM is told to read it with transformers' class. And RoPE parameters nested by
+    RoPE kind rather than by layer type (DeepSeek-V4's ``main`` and ``compress``), which vLLM
+    reads only to check the context length, are read as nested, not as one flat entry. Run in
+    each vLLM process that reads the config: the API server (before vLLM builds its
+    configuration) and the engine core (by afdc's worker, before vLLM reads it for the tokenizer)."""
+    import vllm.config.model as model_config
+    from huggingface_hub.errors import StrictDataclassError
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY, is_rope_parameters_nested
+
+    def nested(rope: dict) -> bool:
+        return is_rope_parameters_nested(rope) or all(isinstance(p, dict) and "rope_type" in p for p in rope.values())
+
+    model_config.is_rope_parameters_nested = nested
+
+    from afdc.artifact.load import model_dir
+
+    directory = model_dir(WorkerSettings.from_env().artifact)
+    model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    if model_type not in _CONFIG_REGISTRY:
+        return
+    try:
+        _CONFIG_REGISTRY[model_type].from_pretrained(directory)
+    except (ValueError, TypeError, StrictDataclassError) as err:
+        logger.info("afdc: %s config read by transformers' class, as compiled (vLLM's refuses it: %s)",
+                    model_type, err)
+        del _CONFIG_REGISTRY[model_type]
+
+
 def _architectures() -> list[str]:
     """The architectures the served artifact's model config names (what vLLM resolves)."""
     from afdc.artifact.load import model_dir
@@ -119,6 +153,7 @@ class AfdcPlatform(Platform):
         """Called by vLLM before it builds its configuration (and so resolves the architecture)."""
         from vllm.model_executor.models import ModelRegistry
 
+        read_config_as_compiled()
         for name in _architectures():
             ModelRegistry.register_model(name, _served_model(name))
 

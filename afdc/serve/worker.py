@@ -44,6 +44,7 @@ from afdc.runtime.paged import (
 from afdc.runtime.rendezvous import DEGRADED, SERVING, UNAVAILABLE, Health, PeerLost, Rendezvous, RendezvousError
 from afdc.serve.cores import Placement
 from afdc.serve.mtp_drafter import MtpDrafts, first_pass
+from afdc.serve.platform import read_config_as_compiled
 from afdc.serve.prompt_logprobs import PromptLogprobs
 from afdc.serve.sampling import SamplingRequest, StepSampler, new_generator
 from afdc.serve.settings import WorkerSettings
@@ -123,6 +124,7 @@ class AfdcWorker(WorkerBase):
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        read_config_as_compiled()
         self.settings = WorkerSettings.from_env()
         # vLLM's global DP rank (data_parallel_rank itself is reset to 0 for an engine without experts)
         self.rank = vllm_config.parallel_config.data_parallel_index
@@ -206,7 +208,7 @@ class AfdcWorker(WorkerBase):
         """The program rewritten for vLLM's steps, and what the cache and steps take from it."""
         s = self.settings
         prepared = prepare_for_flat_batches(program, s.backend or manifest.plan.backend, self.device,
-                                            mixers=bool(self.mixers))
+                                            mixers=self.mixers)
         self.slots, self.key_slots, self.tp_ranks = prepared.slots, prepared.key_slots, prepared.tp_ranks
         self.rows, self.rows_only = prepared.rows, prepared.rows_only
         if self.drafter is not None and (self.rows or not self.rows_only or self.tp_ranks > 1):
@@ -214,6 +216,9 @@ class AfdcWorker(WorkerBase):
                 "MTP drafting needs the model's LM head found (its input is what the drafter continues from) and "
                 "its attention on a flat batch (no sparse-attention indexers), on one TP rank (no --attn-tp)")
         self.backend, self.dtype = prepared.backend, prepared.dtype
+        if any(not m.fixed_state for m in self.mixers):
+            # a state that grows with the sequence, held in fixed tensors sized for the longest one
+            self.mixers = program.mixers.bound(self.model_config.max_model_len, self.dtype)
         if self.tp_ranks > 1:  # TP ranks 1.. wait while rank 0 waits for the FFN side
             program.timeout = s.runtime.timeout + s.runtime.join_timeout
         self.micro_batches = s.micro_batches or manifest.plan.micro_batches
@@ -300,9 +305,11 @@ class AfdcWorker(WorkerBase):
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         group_of = {name: i for i, g in enumerate(kv_cache_config.kv_cache_groups) for name in g.layer_names}
         self.groups = len(kv_cache_config.kv_cache_groups)
-        self.attention_group = group_of[layer_name(0)]
+        # none where every attention is a stateful mixer's (DeepSeek-V4): only state groups then
+        self.attention_group = group_of.get(layer_name(0))
         # vLLM may have grown the attention block to the mixers' state page (one page size per pool)
-        self.block_size = kv_cache_config.kv_cache_groups[self.attention_group].kv_cache_spec.block_size
+        self.block_size = (self.cache_config.block_size if self.attention_group is None else
+                           kv_cache_config.kv_cache_groups[self.attention_group].kv_cache_spec.block_size)
         self.state_groups = {site.slot: group_of[mixer_layer_name(site.slot)] for site in self.mixers}
         num_blocks = kv_cache_config.num_blocks
         self.store = PagedKVStore(
@@ -546,19 +553,20 @@ class AfdcWorker(WorkerBase):
 
     def _micro_batch(self, requests: list[Request]) -> MicroBatch:
         tokens = [_step_tokens(r) for r in requests]
-        attention = [r.block_ids[self.attention_group] for r in requests]
+        attention = [r.block_ids[self.attention_group] if self.attention_group is not None else [] for r in requests]
         width = max(len(b) for b in attention)
-        table = torch.tensor([b + [0] * (width - len(b)) for b in attention])
+        table = torch.tensor([b + [0] * (width - len(b)) for b in attention], dtype=torch.long)
         computed = torch.tensor([r.computed for r in requests])
         logit_rows = _logit_rows(requests, self.rows)
-        if self.rows:
-            rows = PagedRows(self.store, table, computed, requests[0].scheduled, self.keys, logit_rows)
-            ids = torch.tensor(tokens, device=self.device)
-            return MicroBatch(ids, rows.attention_mask, rows.positions, rows)
-        ids = torch.tensor([t for row in tokens for t in row])[None]
         state_blocks = {
             slot: torch.tensor([r.block_ids[group][0] for r in requests]) for slot, group in self.state_groups.items()
         }
+        if self.rows:
+            rows = PagedRows(self.store, table, computed, requests[0].scheduled, self.keys, logit_rows, self.states,
+                             state_blocks)
+            ids = torch.tensor(tokens, device=self.device)
+            return MicroBatch(ids, rows.attention_mask, rows.positions, rows)
+        ids = torch.tensor([t for row in tokens for t in row])[None]
         paged = PagedBatch(
             self.store, table, computed, torch.tensor([r.scheduled for r in requests]), self.states, state_blocks,
             logit_rows,
