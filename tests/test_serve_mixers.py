@@ -69,6 +69,7 @@ def _check_completions(client, artifact: Path) -> None:
         sweep("qwen3_5_moe_text", "1A1F", 1, None),  # Gated DeltaNet as qwen3_next; its vLLM import quirk
         sweep("nemotron_h", "1A1F", 1, None),  # Mamba-2 as granitemoehybrid (test_hybrid_preemption_keeps_outputs)
         ("longcat_flash", "1A2F", 1, None),
+        sweep("dbrx", "2A2F", 1, None),  # experts in a Python loop, as LongCat-Flash's; no mixer
         ("deepseek_v4", "1A2F", 1, None),
     ],
 )
