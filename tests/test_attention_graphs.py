@@ -79,7 +79,7 @@ def _model():
 def _rank(dm, largest: int | None, graphs: bool = False) -> tuple[AttentionRank, list[SlotSpec]]:
     """Attention rank 0 with its program prepared as the vLLM worker prepares it, and its cache slots."""
     program = copy.deepcopy(dm.attention)
-    slots = prepare_for_flat_batches(program, "eager", torch.device("cpu"), mixers=False).slots
+    slots = prepare_for_flat_batches(program, "eager", torch.device("cpu"), mixers=[]).slots
     dispatch = [dm.ffn.dispatch(i) for i in range(len(dm.ffn.layers))]
     rank = AttentionRank(0, program, dm.ffn_ranks, dispatch)
     if largest:

@@ -103,7 +103,7 @@ def test_mtp_layer_is_compiled_and_drafts_as_vllm_does(mtp_artifact):
 
     cpu = torch.device("cpu")
     program, drafter = load_with_drafter(art)
-    slots, drafter_slots = (prepare_for_flat_batches(p, "eager", cpu, mixers=False).slots for p in (program, drafter))
+    slots, drafter_slots = (prepare_for_flat_batches(p, "eager", cpu, mixers=[]).slots for p in (program, drafter))
     dispatch = [manifest.segments[lay.segment].dispatch() for lay in manifest.layers]
     rank = AttentionRank(0, program, ffn, dispatch)
     store = PagedKVStore(slots, 16, BLOCK, torch.float32, cpu)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -223,10 +224,15 @@ def test_other_schemes_are_refused_by_name_listing_the_supported(what):
         recognise(config, {})
 
 
-def _shipped_configs() -> list[Path]:
+# shipped quantized configs whose format afdc refuses, and what the refusal names
+REFUSED = {"deepseek-v4-flash": "fp8 with scale_fmt 'ue8m0'"}  # power-of-two scales stored as float8_e8m0fnu
+
+
+def _shipped_configs(refused: bool = False) -> list[Path]:
     # with the configs derived for the benchmarks (a shipped config plus its release's quantization_config)
     found = (*CONFIGS.glob("*.json"), *(Path(__file__).parents[1] / "benchmarks" / "configs").glob("*.json"))
-    return sorted((p for p in found if "quantization_config" in json.loads(p.read_text())), key=lambda p: p.stem)
+    quantized = (p for p in found if "quantization_config" in json.loads(p.read_text()))
+    return sorted((p for p in quantized if (p.stem in REFUSED) == refused), key=lambda p: p.stem)
 
 
 def test_the_shipped_configs_include_quantized_ones():
@@ -253,6 +259,12 @@ def test_each_shipped_quantized_config_gives_its_scheme_without_weights(path):
     # every matrix of every decoder layer's experts is quantized
     experts = {n for n in shapes if ".experts." in n and len(shapes[n]) == 3}
     assert experts <= {p.name for p in scheme.parameters}
+
+
+@pytest.mark.parametrize("path", _shipped_configs(refused=True), ids=lambda p: p.stem)
+def test_a_shipped_quantized_config_afdc_refuses_is_refused_by_name(path):
+    with pytest.raises(QuantizationError, match=re.escape(REFUSED[path.stem]) + ".*Use a checkpoint in one of these"):
+        scheme_from_config(AutoConfig.from_pretrained(path), meta_model(AutoConfig.from_pretrained(path)))
 
 
 def test_an_unquantized_config_has_no_scheme():

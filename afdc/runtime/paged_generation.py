@@ -46,7 +46,7 @@ class PagedGeneration:
                 raise AfdcError("attention graphs: not under attention TP nor for stateful mixers yet")
             program = _sharing_weights(rank.program)
             device = device_of(program)
-            prepared = prepare_for_flat_batches(program, program.backend, device, mixers=False)
+            prepared = prepare_for_flat_batches(program, program.backend, device, mixers=[])
             if prepared.rows:
                 raise AfdcError("attention graphs: not for sparse-attention indexers (their steps run as rows)")
             rank.decode = DecodeGraphs(program, rank.dispatch, largest, width, graphs=device.type == "cuda")

@@ -199,7 +199,7 @@ class AfdcWorker(WorkerBase):
                                         "no MTP layers")
         s = self.settings
         prepared = prepare_for_flat_batches(drafter, s.backend or mf.read_manifest(directory).plan.backend,
-                                            self.device, mixers=False)
+                                            self.device, mixers=[])
         if prepared.rows or not prepared.rows_only:
             raise UnsupportedModelError("MTP drafting needs the drafter's LM head and its attention on a flat batch")
         self.drafter, self.drafter_slots = drafter, prepared.slots
