@@ -22,6 +22,7 @@ CONFIGS = Path("/work/shared/configs")
 # What each builder's checkpoint must be recognised as: method, formats, block of a 2-D weight.
 EXPECTED = {
     "deepseek_v3_fp8": ("fp8", {QuantFormat.FP8_BLOCK}, (16, 16)),
+    "deepseek_v3_fp8_ue8m0": ("fp8", {QuantFormat.FP8_BLOCK}, (16, 16)),
     "qwen3_moe_fp8": ("fp8", {QuantFormat.FP8_BLOCK}, (32, 32)),
     "gpt_oss_mxfp4": ("mxfp4", {QuantFormat.MXFP4}, None),
     "llama_fp8_channel": ("compressed-tensors", {QuantFormat.FP8_CHANNEL}, (1, -1)),
@@ -204,6 +205,7 @@ UNSUPPORTED = {
     "e5m2": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
     "FP8": {"quant_method": "modelopt", "quant_algo": "FP8"},  # ModelOpt's other algorithms
     "static": {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+    "scale_fmt 'ue4m3'": {"quant_method": "fp8", "scale_fmt": "ue4m3", "weight_block_size": [128, 128]},
 }
 
 
@@ -224,15 +226,10 @@ def test_other_schemes_are_refused_by_name_listing_the_supported(what):
         recognise(config, {})
 
 
-# shipped quantized configs whose format afdc refuses, and what the refusal names
-REFUSED = {"deepseek-v4-flash": "fp8 with scale_fmt 'ue8m0'"}  # power-of-two scales stored as float8_e8m0fnu
-
-
-def _shipped_configs(refused: bool = False) -> list[Path]:
-    # with the configs derived for the benchmarks (a shipped config plus its release's quantization_config)
+def _shipped_configs() -> list[Path]:
+    # with the benchmarks' configs (DeepSeek-V4-Flash's as shipped: fp8 blocks with ue8m0 scales)
     found = (*CONFIGS.glob("*.json"), *(Path(__file__).parents[1] / "benchmarks" / "configs").glob("*.json"))
-    quantized = (p for p in found if "quantization_config" in json.loads(p.read_text()))
-    return sorted((p for p in quantized if (p.stem in REFUSED) == refused), key=lambda p: p.stem)
+    return sorted((p for p in found if "quantization_config" in json.loads(p.read_text())), key=lambda p: p.stem)
 
 
 def test_the_shipped_configs_include_quantized_ones():
@@ -246,6 +243,8 @@ def test_each_shipped_quantized_config_gives_its_scheme_without_weights(path):
     model = meta_model(config)
     scheme = scheme_from_config(config, model)
     assert scheme.method == quantization["quant_method"] and scheme.parameters
+    ue8m0 = quantization.get("scale_fmt") == "ue8m0"
+    assert scheme.fp8_scale_dtype == (torch.float8_e8m0fnu if ue8m0 else torch.float32)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     skipped = quantization.get("modules_to_not_convert") or ["lm_head"]
     for parameter in scheme.parameters:
@@ -261,10 +260,19 @@ def test_each_shipped_quantized_config_gives_its_scheme_without_weights(path):
     assert experts <= {p.name for p in scheme.parameters}
 
 
-@pytest.mark.parametrize("path", _shipped_configs(refused=True), ids=lambda p: p.stem)
-def test_a_shipped_quantized_config_afdc_refuses_is_refused_by_name(path):
-    with pytest.raises(QuantizationError, match=re.escape(REFUSED[path.stem]) + ".*Use a checkpoint in one of these"):
-        scheme_from_config(AutoConfig.from_pretrained(path), meta_model(AutoConfig.from_pretrained(path)))
+def test_the_deepseek_v4_flash_config_as_shipped_is_fp8_with_ue8m0_scales():
+    assert "deepseek-v4-flash" in {p.stem for p in _shipped_configs()}
+
+
+def test_ue8m0_scales_must_be_stored_as_float8_e8m0fnu(built, tmp_path):
+    """A checkpoint whose scales are not what its scale_fmt says is refused naming the scale and the
+    rule: float32 scales under ue8m0, or e8m0 ones under the default 'float'."""
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    for source, config_fmt in (("deepseek_v3_fp8", "ue8m0"), ("deepseek_v3_fp8_ue8m0", "float")):
+        config = AutoConfig.from_pretrained(built[source].directory)
+        config.quantization_config["scale_fmt"] = config_fmt
+        with pytest.raises(QuantizationError, match=re.escape(name) + r" has shape .*scale_fmt says"):
+            recognise(config, Checkpoint.discover(built[source].directory).tensors)
 
 
 def test_an_unquantized_config_has_no_scheme():

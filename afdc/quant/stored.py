@@ -4,7 +4,8 @@ A quantized parameter of the bf16 model (``QuantizedParameter``) is stored as it
 and its scale(s), in the checkpoint's bytes:
 
 - fp8 (blocks, per channel, per tensor): the data keeps the parameter's name and shape in
-  float8_e4m3fn; the scale is ``<name>_scale`` (float32 blocks, or as the checkpoint stores it),
+  float8_e4m3fn; the scale is ``<name>_scale`` (float32 blocks, or as the checkpoint stores it:
+  bf16 per channel, float8_e8m0fnu powers of two with ``scale_fmt: ue8m0``, widened per call),
   laid out like the data (fused experts' scales stacked and concatenated as their weights are);
   a static input scale is ``<name>_input_scale`` (of a linear: routed experts run weight-only, and
   their per-expert input scales are not stored). Per-tensor scales of fused experts are the grid
@@ -107,7 +108,7 @@ def _stored(scheme: QuantScheme, p: QuantizedParameter) -> tuple[StoredTensor, .
         return _packed(p, members)
     direct = len(members) == 1 and members[0].shape == p.shape  # stored as the parameter is: shapes as stored
     scale_shape = members[0].scale.shape if direct else p.scale_shape
-    scale_dtype = members[0].scale.dtype if members else torch.float32
+    scale_dtype = members[0].scale.dtype if members else scheme.fp8_scale_dtype
     stored = [
         StoredTensor(p.name, p.name, Role.DATA, p.format, p.shape, torch.float8_e4m3fn,
                      tuple((w.name, w.name) for w in members)),
