@@ -25,6 +25,8 @@ Formats (float8 is float8_e4m3fn, whose largest value is 448):
 - MXFP4: along the last dim, groups of 32 share the exponent ``e = floor(log2(max |w|)) - 2``
   (e2m1's largest value is 6 = 1.5 * 2**2), stored as the byte ``e + 127``; each value is the
   e2m1 code nearest ``w / 2**e`` (saturating at 6), two a byte, the even element in the low nibble.
+  DeepSeek-V4's fp4 experts (``expert_dtype: fp4``) are these bytes in other containers: the codes
+  int8 ``[out, in / 2]``, the exponents float8_e8m0fnu ``[out, in / 32]`` as ``weight_scale_inv``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     DeepseekV3Config,
     GptOssConfig,
@@ -173,11 +176,19 @@ def _write(
 
 
 def _fp8_block_quantizer(
-    block: tuple[int, int], select: Callable[[str, torch.Tensor], bool], scale_fmt: str = "float"
+    block: tuple[int, int], select: Callable[[str, torch.Tensor], bool], scale_fmt: str = "float",
+    expert_dtype: str = "fp8",
 ) -> Quantizer:
+    """fp8 blocks for the selected tensors; with ``expert_dtype="fp4"`` the routed experts' as
+    DeepSeek-V4 ships them: MXFP4's bytes, the codes int8 ``[out, in / 2]`` and the exponents e8m0."""
+
     def quantize(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
         if not select(name, tensor):
             return None
+        if expert_dtype == "fp4" and ".experts." in name:
+            blocks, scales = mxfp4(tensor)
+            shipped = {name: blocks.flatten(-2).view(torch.int8), f"{name}_scale_inv": scales.view(torch.float8_e8m0fnu)}
+            return shipped, mxfp4_dequantized(blocks, scales)
         q, scale = fp8_blocks(tensor, block, ue8m0=scale_fmt == "ue8m0")
         return {name: q, f"{name}_scale_inv": scale}, fp8_blocks_dequantized(q, scale, block)
 
@@ -189,7 +200,8 @@ def _layer_matrix(name: str, tensor: torch.Tensor) -> bool:
 
 
 def deepseek_v3_fp8(
-    directory: Path, block: tuple[int, int] = (16, 16), seed: int = 0, scale_fmt: str = "float"
+    directory: Path, block: tuple[int, int] = (16, 16), seed: int = 0, scale_fmt: str = "float",
+    expert_dtype: str = "fp8",
 ) -> QuantCheckpoint:
     """DeepSeek-V3-shaped: one dense layer, one MoE layer (4 routed experts, a shared expert).
 
@@ -199,7 +211,8 @@ def deepseek_v3_fp8(
     ``block=(32, 32)`` its last block is partial, as 576 rows are at 128 in DeepSeek-V3. The default
     16 divides every dim because transformers 5.24 infers the block from the scale grid
     (rows // scale rows): at 32 it dequantizes that tensor with 24-row blocks, silently wrong.
-    ``scale_fmt="ue8m0"``: the scales as DeepSeek-V4 ships them (powers of two, float8_e8m0fnu).
+    ``scale_fmt="ue8m0"``: the scales as DeepSeek-V4 ships them (powers of two, float8_e8m0fnu);
+    with ``expert_dtype="fp4"`` too, the routed experts fp4 as V4-Flash ships its own.
     """
     config = DeepseekV3Config(
         vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -214,12 +227,13 @@ def deepseek_v3_fp8(
         "quant_method": "fp8",
         "weight_block_size": list(block),
         "scale_fmt": scale_fmt,
+        "expert_dtype": expert_dtype,
     }
 
     def select(name: str, tensor: torch.Tensor) -> bool:
         return _layer_matrix(name, tensor) and not name.endswith("mlp.gate.weight") and "norm" not in name
 
-    return _write(directory, config, quantization, _fp8_block_quantizer(block, select, scale_fmt), seed)
+    return _write(directory, config, quantization, _fp8_block_quantizer(block, select, scale_fmt, expert_dtype), seed)
 
 
 def qwen3_moe_fp8(
@@ -252,6 +266,25 @@ def qwen3_moe_fp8(
         return _layer_matrix(name, tensor) and name.removesuffix(".weight") not in skipped
 
     return _write(directory, config, quantization, _fp8_block_quantizer(block, select, scale_fmt), seed)
+
+
+def deepseek_v4_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: int = 0) -> QuantCheckpoint:
+    """DeepSeek-V4-shaped (afdc's catalog entry: hash-routed then top-k MoE, HCA and CSA attention,
+    2 residual streams), quantized as DeepSeek-V4-Flash ships: its linears fp8 in blocks with ue8m0
+    scales, each routed expert's w1/w2/w3 fp4 (``expert_dtype: fp4``, MXFP4 bytes in int8 with e8m0
+    scales), the routers, hyper-connections, ``wo_a`` (no ``nn.Linear``), norms and head unquantized.
+    Every dim of a quantized linear is a multiple of the block or smaller than it, which transformers'
+    block inference (rows // scale rows) reads right."""
+    from models_supported import catalog
+
+    config = AutoConfig.for_model("deepseek_v4", **{**catalog.TINY_COMMON, **catalog.entry("deepseek_v4").config_kwargs})
+    quantization = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                    "weight_block_size": list(block), "expert_dtype": "fp4"}  # fmt: skip
+
+    def select(name: str, tensor: torch.Tensor) -> bool:
+        return _layer_matrix(name, tensor) and not name.endswith(("ffn.gate.weight", "wo_a.weight"))
+
+    return _write(directory, config, quantization, _fp8_block_quantizer(block, select, "ue8m0", "fp4"), seed)
 
 
 def gpt_oss_mxfp4(
@@ -487,6 +520,7 @@ def qwen3_moe_nvfp4(directory: Path, seed: int = 0, moe_intermediate_size: int =
 BUILDERS: dict[str, Callable[[Path], QuantCheckpoint]] = {
     "deepseek_v3_fp8": deepseek_v3_fp8,
     "deepseek_v3_fp8_ue8m0": lambda directory: deepseek_v3_fp8(directory, scale_fmt="ue8m0"),
+    "deepseek_v4_fp8": deepseek_v4_fp8,
     "qwen3_moe_fp8": qwen3_moe_fp8,
     "gpt_oss_mxfp4": gpt_oss_mxfp4,
     "llama_fp8_channel": llama_compressed_fp8,

@@ -183,18 +183,20 @@ def test_deepseek_fp8_ragged_blocks(tmp_path, scale_fmt):
 
 
 def test_deepseek_fp8_ue8m0_scales_against_transformers(tmp_path):
-    """DeepSeek-V4's scale_fmt ue8m0: each block's scale a power of two stored as float8_e8m0fnu.
-    The artifact keeps those bytes (one a block, split with their blocks: the dense MLP by TP, the
-    experts by EP) and the kernels widen them to float32, exactly; at 1A2F in bf16 the logits are as
-    close to transformers' own reading of the checkpoint as its bf16 monolith's, on a left-padded
-    batch, with the same greedy tokens; in float32 (Qwen3-MoE, experts larger than the hidden size)
-    within 1e-5."""
-    ck = deepseek_v3_fp8(tmp_path / "ds", scale_fmt="ue8m0")
+    """DeepSeek-V4-Flash's quantization: scale_fmt ue8m0 (each block's scale a power of two stored as
+    float8_e8m0fnu) and expert_dtype fp4 (routed experts as MXFP4's bytes in int8, e8m0 exponents).
+    The artifact keeps those bytes as stored, split with their blocks (the dense MLP by TP, the
+    experts by EP), and the kernels widen the scales to float32, exactly. On a DeepSeek-V3-shaped
+    model at 1A2F in bf16 the logits of a left-padded batch are as close to transformers' own reading
+    of the checkpoint as its bf16 monolith's, with the same greedy tokens; ue8m0 fp8 experts
+    (Qwen3-MoE, larger than the hidden size) in float32 within 1e-5."""
+    ck = deepseek_v3_fp8(tmp_path / "ds", scale_fmt="ue8m0", expert_dtype="fp4")
     art = tmp_path / "art"
     manifest = afdc.compile_model(str(ck.directory), "1A2F", art, progress=False)
-    assert manifest.quant.tensors["model.layers.1.mlp.experts.gate_up_proj_scale"].dtype == "float8_e8m0fnu"
+    assert manifest.quant.tensors["model.layers.1.mlp.experts.gate_up_proj_scales"].dtype == "float8_e8m0fnu"
     held = _stored(art, 1)
-    assert held["model.layers.1.mlp.experts.gate_up_proj_scale"] == ("F8_E8M0", [2, 4, 4])  # 2 of 4 experts
+    assert held["model.layers.1.mlp.experts.gate_up_proj_blocks"] == ("I8", [2, 64, 32])  # 2 of 4 experts
+    assert held["model.layers.1.mlp.experts.down_proj_scales"] == ("F8_E8M0", [2, 64, 1])  # one per 32 inputs
     assert held["model.layers.0.mlp.down_proj.weight_scale"] == ("F8_E8M0", [4, 3])  # 48 of 96 in-features
     _check_against_transformers(afdc.load_deployment(art), ck.directory)
 

@@ -181,6 +181,15 @@ class Mxfp4Experts:
     alpha: float | None = None
     limit: float | None = None
 
+    def __post_init__(self) -> None:
+        # DeepSeek-V4's fp4 experts hold MXFP4's bytes as int8 [E, N, K / 2] with e8m0 exponents: viewed as bytes
+        for name, packed in (("w_gate_up_blocks", self.w_gate_up_blocks), ("w_down_blocks", self.w_down_blocks)):
+            if packed.dtype == torch.int8:
+                object.__setattr__(self, name, packed.view(torch.uint8).unflatten(-1, (-1, Mxfp4().block // 2)))
+        for name, scales in (("w_gate_up_scales", self.w_gate_up_scales), ("w_down_scales", self.w_down_scales)):
+            if scales.dtype == torch.float8_e8m0fnu:
+                object.__setattr__(self, name, scales.view(torch.uint8))
+
     def experts(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> Experts:
         return Experts(self.x, w_gate_up, w_down, self.topk_weights, self.topk_ids, self.first_expert,
                        self.activation, self.b_gate_up, self.b_down, False, self.interleaved, self.alpha, self.limit)

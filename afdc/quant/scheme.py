@@ -273,8 +273,9 @@ def _fp8_rules(qc: dict[str, Any]) -> _Rules:
     scale_fmt = qc.get("scale_fmt") or "float"
     if scale_fmt not in FP8_SCALE_FORMATS:
         raise _refuse(f"fp8 with scale_fmt {scale_fmt!r} (only {' or '.join(map(repr, FP8_SCALE_FORMATS))})")
-    if str(qc.get("expert_dtype", "fp8")) != "fp8":
-        raise _refuse(f"fp8 with expert_dtype {qc['expert_dtype']!r}")
+    expert_dtype = str(qc.get("expert_dtype") or "fp8")
+    if expert_dtype not in ("fp8", "fp4") or (expert_dtype == "fp4" and scale_fmt != "ue8m0"):
+        raise _refuse(f"fp8 with expert_dtype {expert_dtype!r} (fp8, or fp4 with scale_fmt 'ue8m0')")
     if qc.get("modules_to_convert"):
         raise _refuse("fp8 with modules_to_convert (quantized embeddings)")
     size = qc.get("weight_block_size")
@@ -293,7 +294,9 @@ def _fp8_rules(qc: dict[str, Any]) -> _Rules:
     def linear(_name: str, cls: str) -> tuple[QuantFormat, tuple[int, int], bool] | None:
         return (fmt_, block, False) if cls == "Linear" else None
 
-    return _Rules("fp8", "dynamic", skip, linear, lambda _name: (fmt_, block), bool(skip), frozenset({fmt_}),
+    # DeepSeek-V4's fp4 experts are MXFP4: e2m1 pairs, one e8m0 exponent per 32 inputs of a row
+    experts = (QuantFormat.MXFP4, (1, MXFP4_GROUP)) if expert_dtype == "fp4" else (fmt_, block)
+    return _Rules("fp8", "dynamic", skip, linear, lambda _name: experts, bool(skip), frozenset({fmt_, experts[0]}),
                   FP8_SCALE_FORMATS[scale_fmt])
 
 
@@ -539,8 +542,13 @@ def recognise(
     elif rules.method == "modelopt":
         weights = _nvfp4_weights(rules, tensors)
     else:
-        int4 = _int4_weights(rules, tensors) if QuantFormat.INT4_GROUP in rules.formats else []
-        weights = _fp8_weights(rules, tensors, {w.scale.name for w in int4}) + int4
+        if QuantFormat.INT4_GROUP in rules.formats:
+            packed = _int4_weights(rules, tensors)
+        elif QuantFormat.MXFP4 in rules.formats:  # fp8 with fp4 experts
+            packed = _fp4_expert_weights(rules, tensors)
+        else:
+            packed = []
+        weights = _fp8_weights(rules, tensors, {w.scale.name for w in packed}) + packed
     if not weights:
         raise QuantizationError(
             f"the config says quant_method {rules.method!r} but no checkpoint tensor is stored quantized "
@@ -576,19 +584,15 @@ def _fp8_weights(
         scale = tensors.get(name + suffix)
         if scale is None:
             raise QuantizationError(f"{name} is float8 but the checkpoint has no {name + suffix} to scale it")
-        if rules.method == "fp8":
-            fmt, block = rules.experts(_module_of(name))  # type: ignore[misc]  # fp8 rules always give one
-            static = False
-        else:
-            found = rules.linear(_module_of(name), "Linear")
-            if found is None:
-                raise QuantizationError(
-                    f"{name} is float8 but no compressed-tensors config group targets its module "
-                    "(or the ignore list names it)"
-                )
-            fmt, block, static = found
-            if fmt is QuantFormat.INT4_GROUP:
-                raise QuantizationError(f"{name} is float8 but the config gives its module int4 pack-quantized")
+        found = rules.linear(_module_of(name), "Linear")  # fp8's rules give every linear its one format
+        if found is None:
+            raise QuantizationError(
+                f"{name} is float8 but no compressed-tensors config group targets its module "
+                "(or the ignore list names it)"
+            )
+        fmt, block, static = found
+        if fmt is QuantFormat.INT4_GROUP:
+            raise QuantizationError(f"{name} is float8 but the config gives its module int4 pack-quantized")
         shape = tuple(header.shape)
         if len(shape) < 2:
             raise QuantizationError(f"{name} is float8 of shape {list(shape)}; a quantized weight is a matrix")
@@ -635,6 +639,25 @@ def _int4_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[Qu
         step = (1,) * (len(logical) - 1) + (found[1][1],)
         weights.append(QuantizedWeight(name, stem, QuantFormat.INT4_GROUP, _spec(name, header), logical, step,
                                        _checked_scale(stem + "_scale", scale, logical, step, QuantFormat.INT4_GROUP)))
+    return weights
+
+
+def _fp4_expert_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[QuantizedWeight]:
+    """DeepSeek-V4's fp4 experts (``expert_dtype: fp4``): ``X.weight`` int8 ``[..., out, in / 2]``, two
+    e2m1 codes a byte (MXFP4's bytes), with ``X.weight_scale_inv`` ``[..., out, in / 32]`` (e8m0)."""
+    weights = []
+    for name, header in tensors.items():
+        if header.dtype != torch.int8 or name + "_scale_inv" not in tensors:
+            continue
+        found = rules.experts(_module_of(name))
+        shape = tuple(header.shape)
+        if len(shape) < 2 or found is None or found[0] is not QuantFormat.MXFP4:
+            raise QuantizationError(f"{name} holds packed fp4 ({_spec(name, header)}) but the config gives "
+                                    "fp4 to routed experts' matrices only")
+        logical = (*shape[:-1], shape[-1] * 2)
+        step = (1,) * (len(logical) - 1) + (MXFP4_GROUP,)
+        scale = _checked_scale(name + "_scale_inv", tensors[name + "_scale_inv"], logical, step, QuantFormat.MXFP4)
+        weights.append(QuantizedWeight(name, name, QuantFormat.MXFP4, _spec(name, header), logical, step, scale))
     return weights
 
 
@@ -738,7 +761,9 @@ def _checked_scale(
         fits = got in (want, want[:-1])  # compressed-tensors writes [out, 1]; [out] means the same
     else:
         fits = got == want
-    dtypes = {QuantFormat.MXFP4: (torch.uint8,), QuantFormat.NVFP4: (torch.float8_e4m3fn,)}.get(fmt, float_scales)
+    # MXFP4's exponents: bytes (gpt-oss) or the same bytes typed e8m0 (DeepSeek-V4's fp4 experts)
+    mxfp4 = (torch.uint8, torch.float8_e8m0fnu)
+    dtypes = {QuantFormat.MXFP4: mxfp4, QuantFormat.NVFP4: (torch.float8_e4m3fn,)}.get(fmt, float_scales)
     if not fits or header.dtype not in dtypes:
         blocks = "x".join(map(str, block))
         raise QuantizationError(
