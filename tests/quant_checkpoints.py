@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from models_supported import catalog
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
@@ -187,8 +188,8 @@ def _fp8_block_quantizer(
             return None
         if expert_dtype == "fp4" and ".experts." in name:
             blocks, scales = mxfp4(tensor)
-            shipped = {name: blocks.flatten(-2).view(torch.int8), f"{name}_scale_inv": scales.view(torch.float8_e8m0fnu)}
-            return shipped, mxfp4_dequantized(blocks, scales)
+            codes, exponents = blocks.flatten(-2).view(torch.int8), scales.view(torch.float8_e8m0fnu)
+            return {name: codes, f"{name}_scale_inv": exponents}, mxfp4_dequantized(blocks, scales)
         q, scale = fp8_blocks(tensor, block, ue8m0=scale_fmt == "ue8m0")
         return {name: q, f"{name}_scale_inv": scale}, fp8_blocks_dequantized(q, scale, block)
 
@@ -275,9 +276,8 @@ def deepseek_v4_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: in
     scales), the routers, hyper-connections, ``wo_a`` (no ``nn.Linear``), norms and head unquantized.
     Every dim of a quantized linear is a multiple of the block or smaller than it, which transformers'
     block inference (rows // scale rows) reads right."""
-    from models_supported import catalog
-
-    config = AutoConfig.for_model("deepseek_v4", **{**catalog.TINY_COMMON, **catalog.entry("deepseek_v4").config_kwargs})
+    kwargs = {**catalog.TINY_COMMON, **catalog.entry("deepseek_v4").config_kwargs}
+    config = AutoConfig.for_model("deepseek_v4", **kwargs)
     quantization = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
                     "weight_block_size": list(block), "expert_dtype": "fp4"}  # fmt: skip
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from fnmatch import fnmatch
 from pathlib import Path
 
