@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from models_supported import catalog
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
@@ -50,6 +49,8 @@ from transformers import (
     PreTrainedModel,
     Qwen3MoeConfig,
 )
+
+from models_supported import catalog
 
 FP8_MAX = 448.0
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; code | 8 is the negative
