@@ -10,7 +10,9 @@ purpose: tests quantize, the library dequantizes.
 
 Formats (float8 is float8_e4m3fn, whose largest value is 448):
 - fp8 blocks: a float32 ``weight_scale_inv`` per block = the block's max |w| / 448; stored
-  ``q = fp8(w / scale)``; ``w = q * scale``. Edge blocks may be partial.
+  ``q = fp8(w / scale)``; ``w = q * scale``. Edge blocks may be partial. With ``scale_fmt: ue8m0``
+  (DeepSeek-V4) the scale is that value rounded up to a power of two and stored as float8_e8m0fnu,
+  as transformers' own fp8 quantizer writes it.
 - fp8 per channel / per tensor (compressed-tensors): ``weight_scale`` [out, 1] or [1], in the
   model's dtype, = max |w| over the row / tensor / 448.
 - int4 pack-quantized (compressed-tensors): written by compressed-tensors' own observer math
@@ -23,6 +25,8 @@ Formats (float8 is float8_e4m3fn, whose largest value is 448):
 - MXFP4: along the last dim, groups of 32 share the exponent ``e = floor(log2(max |w|)) - 2``
   (e2m1's largest value is 6 = 1.5 * 2**2), stored as the byte ``e + 127``; each value is the
   e2m1 code nearest ``w / 2**e`` (saturating at 6), two a byte, the even element in the low nibble.
+  DeepSeek-V4's fp4 experts (``expert_dtype: fp4``) are these bytes in other containers: the codes
+  int8 ``[out, in / 2]``, the exponents float8_e8m0fnu ``[out, in / 32]`` as ``weight_scale_inv``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     DeepseekV3Config,
     GptOssConfig,
@@ -45,6 +50,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from models_supported import catalog
+
 FP8_MAX = 448.0
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; code | 8 is the negative
 MX_GROUP = 32
@@ -53,8 +60,11 @@ MX_GROUP = 32
 # -- the formats, as they define themselves ---------------------------------------------------------
 
 
-def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 weight, float32 scale per block) of a 2-D weight."""
+def fp8_blocks(
+    weight: torch.Tensor, block: tuple[int, int], ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, scale per block) of a 2-D weight: float32, or (``ue8m0``) the power of two at
+    or above it in float8_e8m0fnu."""
     rows, cols = weight.shape
     br, bc = block
     grid = (math.ceil(rows / br), math.ceil(cols / bc))
@@ -62,8 +72,11 @@ def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     padded[:rows, :cols] = weight.float()
     amax = padded.reshape(grid[0], br, grid[1], bc).abs().amax(dim=(1, 3))
     scale = (amax / FP8_MAX).clamp(min=1e-12)
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
-    return (weight.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    q = (weight.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
 
 
 def fp8_blocks_dequantized(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -164,11 +177,21 @@ def _write(
     return QuantCheckpoint(directory, reference, tuple(quantized), tuple(kept))
 
 
-def _fp8_block_quantizer(block: tuple[int, int], select: Callable[[str, torch.Tensor], bool]) -> Quantizer:
+def _fp8_block_quantizer(
+    block: tuple[int, int], select: Callable[[str, torch.Tensor], bool], scale_fmt: str = "float",
+    expert_dtype: str = "fp8",
+) -> Quantizer:
+    """fp8 blocks for the selected tensors; with ``expert_dtype="fp4"`` the routed experts' as
+    DeepSeek-V4 ships them: MXFP4's bytes, the codes int8 ``[out, in / 2]`` and the exponents e8m0."""
+
     def quantize(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
         if not select(name, tensor):
             return None
-        q, scale = fp8_blocks(tensor, block)
+        if expert_dtype == "fp4" and ".experts." in name:
+            blocks, scales = mxfp4(tensor)
+            codes, exponents = blocks.flatten(-2).view(torch.int8), scales.view(torch.float8_e8m0fnu)
+            return {name: codes, f"{name}_scale_inv": exponents}, mxfp4_dequantized(blocks, scales)
+        q, scale = fp8_blocks(tensor, block, ue8m0=scale_fmt == "ue8m0")
         return {name: q, f"{name}_scale_inv": scale}, fp8_blocks_dequantized(q, scale, block)
 
     return quantize
@@ -178,7 +201,10 @@ def _layer_matrix(name: str, tensor: torch.Tensor) -> bool:
     return name.startswith("model.layers.") and name.endswith(".weight") and tensor.dim() == 2
 
 
-def deepseek_v3_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: int = 0) -> QuantCheckpoint:
+def deepseek_v3_fp8(
+    directory: Path, block: tuple[int, int] = (16, 16), seed: int = 0, scale_fmt: str = "float",
+    expert_dtype: str = "fp8",
+) -> QuantCheckpoint:
     """DeepSeek-V3-shaped: one dense layer, one MoE layer (4 routed experts, a shared expert).
 
     As DeepSeek ships it: every linear of the decoder layers (MLA projections, dense MLP, shared
@@ -187,6 +213,8 @@ def deepseek_v3_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: in
     ``block=(32, 32)`` its last block is partial, as 576 rows are at 128 in DeepSeek-V3. The default
     16 divides every dim because transformers 5.24 infers the block from the scale grid
     (rows // scale rows): at 32 it dequantizes that tensor with 24-row blocks, silently wrong.
+    ``scale_fmt="ue8m0"``: the scales as DeepSeek-V4 ships them (powers of two, float8_e8m0fnu);
+    with ``expert_dtype="fp4"`` too, the routed experts fp4 as V4-Flash ships its own.
     """
     config = DeepseekV3Config(
         vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -200,12 +228,14 @@ def deepseek_v3_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: in
         "fmt": "e4m3",
         "quant_method": "fp8",
         "weight_block_size": list(block),
+        "scale_fmt": scale_fmt,
+        "expert_dtype": expert_dtype,
     }
 
     def select(name: str, tensor: torch.Tensor) -> bool:
         return _layer_matrix(name, tensor) and not name.endswith("mlp.gate.weight") and "norm" not in name
 
-    return _write(directory, config, quantization, _fp8_block_quantizer(block, select), seed)
+    return _write(directory, config, quantization, _fp8_block_quantizer(block, select, scale_fmt, expert_dtype), seed)
 
 
 def qwen3_moe_fp8(
@@ -214,11 +244,13 @@ def qwen3_moe_fp8(
     seed: int = 0,
     vocab_size: int = 128,
     moe_intermediate_size: int = 32,
+    scale_fmt: str = "float",
 ) -> QuantCheckpoint:
     """Qwen3-MoE-shaped, as the ``-FP8`` releases ship: attention and experts fp8 in blocks, the
     router (``mlp.gate``) and LM head bf16 and listed, layer by layer, in modules_to_not_convert.
     (``vocab_size`` 512 fits afdc's demo tokenizer, for serving.) An expert size that is no multiple of
-    the block leaves its experts' last blocks partial."""
+    the block leaves its experts' last blocks partial. ``scale_fmt="ue8m0"``: power-of-two scales in
+    float8_e8m0fnu."""
     layers = 2
     config = Qwen3MoeConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
@@ -229,13 +261,31 @@ def qwen3_moe_fp8(
     skipped = ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(layers))]
     quantization = {
         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block),
-        "modules_to_not_convert": skipped,
+        "modules_to_not_convert": skipped, "scale_fmt": scale_fmt,
     }  # fmt: skip
 
     def select(name: str, tensor: torch.Tensor) -> bool:
         return _layer_matrix(name, tensor) and name.removesuffix(".weight") not in skipped
 
-    return _write(directory, config, quantization, _fp8_block_quantizer(block, select), seed)
+    return _write(directory, config, quantization, _fp8_block_quantizer(block, select, scale_fmt), seed)
+
+
+def deepseek_v4_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: int = 0) -> QuantCheckpoint:
+    """DeepSeek-V4-shaped (afdc's catalog entry: hash-routed then top-k MoE, HCA and CSA attention,
+    2 residual streams), quantized as DeepSeek-V4-Flash ships: its linears fp8 in blocks with ue8m0
+    scales, each routed expert's w1/w2/w3 fp4 (``expert_dtype: fp4``, MXFP4 bytes in int8 with e8m0
+    scales), the routers, hyper-connections, ``wo_a`` (no ``nn.Linear``), norms and head unquantized.
+    Every dim of a quantized linear is a multiple of the block or smaller than it, which transformers'
+    block inference (rows // scale rows) reads right."""
+    kwargs = {**catalog.TINY_COMMON, **catalog.entry("deepseek_v4").config_kwargs}
+    config = AutoConfig.for_model("deepseek_v4", **kwargs)
+    quantization = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                    "weight_block_size": list(block), "expert_dtype": "fp4"}  # fmt: skip
+
+    def select(name: str, tensor: torch.Tensor) -> bool:
+        return _layer_matrix(name, tensor) and not name.endswith(("ffn.gate.weight", "wo_a.weight"))
+
+    return _write(directory, config, quantization, _fp8_block_quantizer(block, select, "ue8m0", "fp4"), seed)
 
 
 def gpt_oss_mxfp4(
@@ -470,6 +520,8 @@ def qwen3_moe_nvfp4(directory: Path, seed: int = 0, moe_intermediate_size: int =
 
 BUILDERS: dict[str, Callable[[Path], QuantCheckpoint]] = {
     "deepseek_v3_fp8": deepseek_v3_fp8,
+    "deepseek_v3_fp8_ue8m0": lambda directory: deepseek_v3_fp8(directory, scale_fmt="ue8m0"),
+    "deepseek_v4_fp8": deepseek_v4_fp8,
     "qwen3_moe_fp8": qwen3_moe_fp8,
     "gpt_oss_mxfp4": gpt_oss_mxfp4,
     "llama_fp8_channel": llama_compressed_fp8,

@@ -327,6 +327,29 @@ def test_mxfp4_experts_expert_parallel_slice(triton_interpret):
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
+def test_deepseek_v4_fp4_experts_are_mxfp4_bytes_in_other_containers(triton_interpret):
+    """DeepSeek-V4's fp4 experts (int8 [E, N, K / 2] codes, float8_e8m0fnu [E, N, K / 32] exponents)
+    give what the same bytes as MXFP4's uint8 blocks and scales give, reference and kernels."""
+    (gb, gs), (db, ds), _ = _mxfp4_experts()
+    weights, ids = _routing()
+    x = torch.randn(TOKENS, MX_HIDDEN)
+    v4 = [t.flatten(-2).view(torch.int8) for t in (gb, db)] + [t.view(torch.float8_e8m0fnu) for t in (gs, ds)]
+    for op in (fused_moe_mxfp4_reference, fused_moe_mxfp4):
+        torch.testing.assert_close(op(x, v4[0], v4[1], weights, ids, 0, "silu", v4[2], v4[3]),
+                                   op(x, gb, db, weights, ids, 0, "silu", gs, ds), atol=0, rtol=0)
+
+
+def test_ue8m0_scales_widen_exactly(triton_interpret):
+    """fp8 block scales stored as float8_e8m0fnu (DeepSeek-V4's scale_fmt ue8m0) run as their float32
+    values: the same output bit for bit, reference and kernel (the experts: test_quantized_checkpoints)."""
+    weight, scale = _fp8_weight(24, 40, (16, 16))
+    pow2 = torch.exp2(torch.ceil(torch.log2(scale)))
+    x = torch.randn(3, 40)
+    for op in (fp8_linear_reference, fp8_linear):
+        torch.testing.assert_close(op(x, weight, pow2.to(torch.float8_e8m0fnu), 16, 16),
+                                   op(x, weight, pow2, 16, 16), atol=0, rtol=0)
+
+
 # -- int4 pack-quantized experts ------------------------------------------------------------------------
 
 

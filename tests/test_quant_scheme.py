@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -22,6 +21,8 @@ CONFIGS = Path("/work/shared/configs")
 # What each builder's checkpoint must be recognised as: method, formats, block of a 2-D weight.
 EXPECTED = {
     "deepseek_v3_fp8": ("fp8", {QuantFormat.FP8_BLOCK}, (16, 16)),
+    "deepseek_v3_fp8_ue8m0": ("fp8", {QuantFormat.FP8_BLOCK}, (16, 16)),
+    "deepseek_v4_fp8": ("fp8", {QuantFormat.FP8_BLOCK, QuantFormat.MXFP4}, (16, 16)),
     "qwen3_moe_fp8": ("fp8", {QuantFormat.FP8_BLOCK}, (32, 32)),
     "gpt_oss_mxfp4": ("mxfp4", {QuantFormat.MXFP4}, None),
     "llama_fp8_channel": ("compressed-tensors", {QuantFormat.FP8_CHANNEL}, (1, -1)),
@@ -57,7 +58,7 @@ def test_each_shipping_format_is_recognised_tensor_by_tensor(built, name):
     for weight in scheme.weights:
         assert weight.data.dtype == stored[weight.name].dtype
         assert weight.scale.shape == tuple(stored[weight.scale.name].shape)
-        if block is not None and len(weight.shape) == 2:
+        if block is not None and len(weight.shape) == 2 and weight.format is not QuantFormat.MXFP4:
             assert weight.block == tuple(size if step == -1 else step for step, size in zip(block, weight.shape))
     # every scale the checkpoint holds belongs to a weight, and nothing else is taken for one
     scales = {n for n in stored if n.endswith(("_scale_inv", "weight_scale", "_scales", "input_scale", "_scale_2"))}
@@ -204,6 +205,9 @@ UNSUPPORTED = {
     "e5m2": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
     "FP8": {"quant_method": "modelopt", "quant_algo": "FP8"},  # ModelOpt's other algorithms
     "static": {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+    "scale_fmt 'ue4m3'": {"quant_method": "fp8", "scale_fmt": "ue4m3", "weight_block_size": [128, 128]},
+    # fp4 experts' exponents are e8m0: with float scales they would be no format afdc knows
+    "expert_dtype 'fp4'": {"quant_method": "fp8", "expert_dtype": "fp4", "weight_block_size": [128, 128]},
 }
 
 
@@ -224,15 +228,10 @@ def test_other_schemes_are_refused_by_name_listing_the_supported(what):
         recognise(config, {})
 
 
-# shipped quantized configs whose format afdc refuses, and what the refusal names
-REFUSED = {"deepseek-v4-flash": "fp8 with scale_fmt 'ue8m0'"}  # power-of-two scales stored as float8_e8m0fnu
-
-
-def _shipped_configs(refused: bool = False) -> list[Path]:
-    # with the configs derived for the benchmarks (a shipped config plus its release's quantization_config)
+def _shipped_configs() -> list[Path]:
+    # with the benchmarks' configs (DeepSeek-V4-Flash's as shipped: fp8 blocks with ue8m0 scales)
     found = (*CONFIGS.glob("*.json"), *(Path(__file__).parents[1] / "benchmarks" / "configs").glob("*.json"))
-    quantized = (p for p in found if "quantization_config" in json.loads(p.read_text()))
-    return sorted((p for p in quantized if (p.stem in REFUSED) == refused), key=lambda p: p.stem)
+    return sorted((p for p in found if "quantization_config" in json.loads(p.read_text())), key=lambda p: p.stem)
 
 
 def test_the_shipped_configs_include_quantized_ones():
@@ -246,6 +245,10 @@ def test_each_shipped_quantized_config_gives_its_scheme_without_weights(path):
     model = meta_model(config)
     scheme = scheme_from_config(config, model)
     assert scheme.method == quantization["quant_method"] and scheme.parameters
+    ue8m0 = quantization.get("scale_fmt") == "ue8m0"
+    # V4's config class moves its top-level expert_dtype into the quantization_config
+    fp4_experts = dict(config.quantization_config).get("expert_dtype") == "fp4"
+    assert scheme.fp8_scale_dtype == (torch.float8_e8m0fnu if ue8m0 else torch.float32)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     skipped = quantization.get("modules_to_not_convert") or ["lm_head"]
     for parameter in scheme.parameters:
@@ -253,7 +256,9 @@ def test_each_shipped_quantized_config_gives_its_scheme_without_weights(path):
         assert parameter.scale_shape == tuple(math.ceil(s / b) for s, b in zip(parameter.shape, parameter.block))
         module = parameter.name.rpartition(".")[0]
         assert not any(fnmatch(module, s) or fnmatch(module, s + ".*") for s in skipped), parameter.name
-        if "weight_block_size" in quantization:
+        if fp4_experts and ".experts." in parameter.name:  # DeepSeek-V4's fp4 experts are MXFP4
+            assert parameter.format is QuantFormat.MXFP4 and parameter.block[-2:] == (1, 32)
+        elif "weight_block_size" in quantization:
             assert parameter.format is QuantFormat.FP8_BLOCK
             assert sorted(parameter.block[-2:]) == sorted(quantization["weight_block_size"])
     # every matrix of every decoder layer's experts is quantized
@@ -261,10 +266,20 @@ def test_each_shipped_quantized_config_gives_its_scheme_without_weights(path):
     assert experts <= {p.name for p in scheme.parameters}
 
 
-@pytest.mark.parametrize("path", _shipped_configs(refused=True), ids=lambda p: p.stem)
-def test_a_shipped_quantized_config_afdc_refuses_is_refused_by_name(path):
-    with pytest.raises(QuantizationError, match=re.escape(REFUSED[path.stem]) + ".*Use a checkpoint in one of these"):
-        scheme_from_config(AutoConfig.from_pretrained(path), meta_model(AutoConfig.from_pretrained(path)))
+def test_the_deepseek_v4_flash_config_as_shipped_is_fp8_with_ue8m0_scales():
+    assert "deepseek-v4-flash" in {p.stem for p in _shipped_configs()}
+
+
+def test_ue8m0_scales_must_be_stored_as_float8_e8m0fnu(built, tmp_path):
+    """A checkpoint whose scales are not what its scale_fmt says is refused naming the scale and the
+    rule: float32 scales under ue8m0, or e8m0 ones under the default 'float'."""
+    for source, config_fmt, dtype in (("deepseek_v3_fp8", "ue8m0", "float32"),
+                                      ("deepseek_v3_fp8_ue8m0", "float", "float8_e8m0fnu")):
+        config = AutoConfig.from_pretrained(built[source].directory)
+        config.quantization_config["scale_fmt"] = config_fmt
+        with pytest.raises(QuantizationError, match=rf"weight_scale_inv has shape .* dtype torch\.{dtype}, "
+                                                    r".*scale_fmt says"):
+            recognise(config, Checkpoint.discover(built[source].directory).tensors)
 
 
 def test_an_unquantized_config_has_no_scheme():

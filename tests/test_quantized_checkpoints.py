@@ -172,13 +172,40 @@ def test_qwen3_moe_fp8_expert_sizes_against_transformers(tmp_path, inter):
     _check_against_transformers(dm, ck.directory, greedy=inter == 96, dtype=torch.float32)
 
 
-def test_deepseek_fp8_ragged_blocks(tmp_path):
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_deepseek_fp8_ragged_blocks(tmp_path, scale_fmt):
     """32x32 blocks: kv_a_proj_with_mqa's 48 rows end in a 16-row block. transformers infers the
     block from the scale grid (48 rows in 2 scale rows: 24) and misreads it, so this is checked
-    against the format's definition, in float32."""
-    ck = deepseek_v3_fp8(tmp_path / "ds", block=(32, 32))
+    against the format's definition, in float32; with float32 scales and with V4's power-of-two ones."""
+    ck = deepseek_v3_fp8(tmp_path / "ds", block=(32, 32), scale_fmt=scale_fmt)
     afdc.compile_model(str(ck.directory), afdc.Plan.parse("1A1F", dtype="fp32"), tmp_path / "art", progress=False)
     assert _distance(_logits(afdc.load_deployment(tmp_path / "art")), _logits(ck.reference)) < 1e-5
+
+
+def test_deepseek_fp8_ue8m0_scales_against_transformers(tmp_path):
+    """DeepSeek-V4-Flash's quantization: scale_fmt ue8m0 (each block's scale a power of two stored as
+    float8_e8m0fnu) and expert_dtype fp4 (routed experts as MXFP4's bytes in int8, e8m0 exponents).
+    The artifact keeps those bytes as stored, split with their blocks (the dense MLP by TP, the
+    experts by EP), and the kernels widen the scales to float32, exactly. On a DeepSeek-V3-shaped
+    model at 1A2F in bf16 the logits of a left-padded batch are as close to transformers' own reading
+    of the checkpoint as its bf16 monolith's, with the same greedy tokens; ue8m0 fp8 experts
+    (Qwen3-MoE, larger than the hidden size) in float32 within 1e-5."""
+    ck = deepseek_v3_fp8(tmp_path / "ds", scale_fmt="ue8m0", expert_dtype="fp4")
+    art = tmp_path / "art"
+    manifest = afdc.compile_model(str(ck.directory), "1A2F", art, progress=False)
+    assert manifest.quant.tensors["model.layers.1.mlp.experts.gate_up_proj_scales"].dtype == "float8_e8m0fnu"
+    held = _stored(art, 1)
+    assert held["model.layers.1.mlp.experts.gate_up_proj_blocks"] == ("I8", [2, 64, 32])  # 2 of 4 experts
+    assert held["model.layers.1.mlp.experts.down_proj_scales"] == ("F8_E8M0", [2, 64, 1])  # one per 32 inputs
+    assert held["model.layers.0.mlp.down_proj.weight_scale"] == ("F8_E8M0", [4, 3])  # 48 of 96 in-features
+    _check_against_transformers(afdc.load_deployment(art), ck.directory)
+
+    ck = qwen3_moe_fp8(tmp_path / "qwen", moe_intermediate_size=96, scale_fmt="ue8m0")
+    afdc.compile_model(str(ck.directory), afdc.Plan.parse("1A1F", dtype="fp32"), tmp_path / "qwen-art",
+                       progress=False)
+    assert _stored(tmp_path / "qwen-art", 0)["model.layers.0.mlp.experts.down_proj_scale"] == ("F8_E8M0", [4, 2, 3])
+    _check_against_transformers(afdc.load_deployment(tmp_path / "qwen-art"), ck.directory, greedy=False,
+                                dtype=torch.float32)
 
 
 def test_llama_compressed_tensors_per_channel_at_2a4f(tmp_path):

@@ -48,6 +48,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # DeepSeek-V4's power-of-two fp8 block scales (scale_fmt ue8m0)
     "C64": torch.complex64,
     "I64": torch.int64,
     "I32": torch.int32,

@@ -11,7 +11,8 @@ float32 multiplier of each ``block_n x block_k`` block (:class:`afdc.quant.forma
 result is ``[..., N]`` in x's dtype, ``bias`` added in fp32. One op for every fp8 scheme:
 
 - DeepSeek-V3 / Qwen3-FP8 blocks: ``weight_scale_inv`` as is, ``block_n, block_k`` from
-  ``weight_block_size``;
+  ``weight_block_size`` (DeepSeek-V4's ``ue8m0`` scales, float8_e8m0fnu powers of two, and
+  compressed-tensors' bf16 ones are widened to float32 per call, exactly);
 - compressed-tensors per channel: ``weight_scale`` [N, 1] with ``block_n=1, block_k=K``;
 - compressed-tensors per tensor: the one ``weight_scale`` with ``block_n=N, block_k=K``.
 

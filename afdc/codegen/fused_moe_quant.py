@@ -27,8 +27,9 @@ scales::
 
 ``fused_moe_fp8``: :class:`afdc.quant.formats.Fp8Block` experts in transformers' fused form,
 ``w_gate_up`` [E_local, 2I, H] and ``w_down`` [E_local, H, I] float8_e4m3fn, output-major; the
-scales multiply (DeepSeek's ``weight_scale_inv``; compressed-tensors' per-channel ``weight_scale``
-as blocks of one row, in bf16 as shipped, widened per call): ``w_gate_up_scale`` float32
+scales multiply (DeepSeek's ``weight_scale_inv``, float8_e8m0fnu powers of two in V4's ``ue8m0``;
+compressed-tensors' per-channel ``weight_scale`` as blocks of one row, in bf16; each as shipped,
+widened to float32 per call): ``w_gate_up_scale`` float32
 [E_local, 2 * ceil(I / block_n), ceil(H / block_k)] (each expert's gate_proj blocks, then its
 up_proj blocks, as the per-expert checkpoint tensors concatenate; with I a multiple of block_n,
 ``[E, 2I / block_n, H / block_k]``) and ``w_down_scale`` [E_local, ceil(H / block_n), ceil(I / block_k)].
@@ -75,7 +76,8 @@ from afdc.codegen.triton_support import launches
 from afdc.codegen.typed_calls import EmittedCall, takes_arguments_of
 from afdc.quant.formats import INT4_PACK, Fp8Block, Int4Group, Mxfp4, Nvfp4, TokenGroupQuant
 
-_FLOAT_SCALES = (torch.float32, torch.bfloat16, torch.float16)
+# float8_e8m0fnu: DeepSeek-V4's power-of-two scales (scale_fmt ue8m0), which widen exactly as well
+_FLOAT_SCALES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
 
 
 def _tensors(args: object) -> tuple[torch.Tensor, ...]:
@@ -110,10 +112,11 @@ class Fp8Experts:
 
     def widened(self) -> Fp8Experts:
         """The call with its scales in float32, as the kernels and :class:`Fp8Block` take them:
-        compressed-tensors ships per-channel scales in the model's dtype (bf16), which widen exactly."""
+        compressed-tensors ships per-channel scales in the model's dtype (bf16), DeepSeek-V4 its block
+        scales as powers of two (float8_e8m0fnu): both widen exactly."""
         if self.w_gate_up_scale.dtype not in _FLOAT_SCALES or self.w_down_scale.dtype not in _FLOAT_SCALES:
             raise ValueError(f"fused_moe_fp8: scales {self.w_gate_up_scale.dtype} and {self.w_down_scale.dtype} are "
-                             "not float32, bfloat16 or float16")
+                             "not float32, bfloat16, float16 or float8_e8m0fnu")
         return replace(self, w_gate_up_scale=self.w_gate_up_scale.float(), w_down_scale=self.w_down_scale.float())
 
     def check(self) -> None:
@@ -177,6 +180,15 @@ class Mxfp4Experts:
     interleaved: bool = False
     alpha: float | None = None
     limit: float | None = None
+
+    def __post_init__(self) -> None:
+        # DeepSeek-V4's fp4 experts hold MXFP4's bytes as int8 [E, N, K / 2] with e8m0 exponents: viewed as bytes
+        for name, packed in (("w_gate_up_blocks", self.w_gate_up_blocks), ("w_down_blocks", self.w_down_blocks)):
+            if packed.dtype == torch.int8:
+                object.__setattr__(self, name, packed.view(torch.uint8).unflatten(-1, (-1, Mxfp4().block // 2)))
+        for name, scales in (("w_gate_up_scales", self.w_gate_up_scales), ("w_down_scales", self.w_down_scales)):
+            if scales.dtype == torch.float8_e8m0fnu:
+                object.__setattr__(self, name, scales.view(torch.uint8))
 
     def experts(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> Experts:
         return Experts(self.x, w_gate_up, w_down, self.topk_weights, self.topk_ids, self.first_expert,

@@ -6,7 +6,8 @@ The evidence is the config's ``quantization_config`` and the checkpoint's safete
 - ``fp8`` (DeepSeek-V3 / Kimi K2 / Qwen3 ``-FP8``): ``X.weight`` float8_e4m3fn with a float32
   ``X.weight_scale_inv`` per ``weight_block_size`` block (ceil at the edges), multiplied in;
   ``modules_to_not_convert`` stay in bf16. A fused expert tensor ``E.gate_up_proj`` takes
-  ``E.gate_up_proj_scale_inv`` (the same suffix rule).
+  ``E.gate_up_proj_scale_inv`` (the same suffix rule). With ``scale_fmt: ue8m0`` (DeepSeek-V4)
+  the scales are powers of two stored as float8_e8m0fnu, one byte each, as transformers reads them.
 - ``compressed-tensors`` float8: ``X.weight`` float8_e4m3fn with ``X.weight_scale`` per output
   channel (``[out, 1]``), per tensor (``[1]``) or per block, and a static ``X.input_scale`` when
   the input activations are static; the ``ignore`` list stays in bf16.
@@ -84,6 +85,9 @@ MXFP4_GROUP = 32  # values sharing one exponent
 MXFP4_GROUP_BYTES = MXFP4_GROUP // 2  # two values a byte
 
 _FLOAT_SCALES = (torch.float32, torch.bfloat16, torch.float16)
+# fp8's scale_fmt to the dtypes its scales are stored in: ue8m0 is one byte a block, a power of two
+# (DeepSeek-V4), which widens to float32 exactly wherever afdc computes with it
+FP8_SCALE_FORMATS = {"float": _FLOAT_SCALES, "ue8m0": (torch.float8_e8m0fnu,)}
 
 
 class TensorHeader(Protocol):
@@ -158,6 +162,8 @@ class QuantScheme:
     not_converted: tuple[str, ...]
     parameters: tuple[QuantizedParameter, ...]
     weights: tuple[QuantizedWeight, ...] = ()
+    # the dtype a float8 weight's scales are stored in when no checkpoint header says (a config alone)
+    fp8_scale_dtype: torch.dtype = torch.float32
 
     def parameter(self, name: str) -> QuantizedParameter | None:
         return next((p for p in self.parameters if p.name == name), None)
@@ -200,6 +206,7 @@ class _Rules:
     experts: Callable[[str], tuple[QuantFormat, tuple[int, int]] | None]
     explicit_skips: bool  # False: transformers also keeps the output embedding in bf16
     formats: frozenset[QuantFormat]  # every format the config names
+    fp8_scale_dtypes: tuple[torch.dtype, ...] = _FLOAT_SCALES  # what a float8 weight's scales may be stored as
 
 
 def quantization_config(config: PretrainedConfig) -> dict[str, Any] | None:
@@ -263,9 +270,12 @@ def _fp8_rules(qc: dict[str, Any]) -> _Rules:
     activation = str(qc.get("activation_scheme", "dynamic")).lower()
     if activation != "dynamic":
         raise _refuse(f"fp8 with activation_scheme {activation!r} (static activation scales)")
-    for key, plain in (("scale_fmt", "float"), ("expert_dtype", "fp8")):
-        if str(qc.get(key, plain)) != plain:
-            raise _refuse(f"fp8 with {key} {qc[key]!r}")
+    scale_fmt = qc.get("scale_fmt") or "float"
+    if scale_fmt not in FP8_SCALE_FORMATS:
+        raise _refuse(f"fp8 with scale_fmt {scale_fmt!r} (only {' or '.join(map(repr, FP8_SCALE_FORMATS))})")
+    expert_dtype = str(qc.get("expert_dtype") or "fp8")
+    if expert_dtype not in ("fp8", "fp4") or (expert_dtype == "fp4" and scale_fmt != "ue8m0"):
+        raise _refuse(f"fp8 with expert_dtype {expert_dtype!r} (fp8, or fp4 with scale_fmt 'ue8m0')")
     if qc.get("modules_to_convert"):
         raise _refuse("fp8 with modules_to_convert (quantized embeddings)")
     size = qc.get("weight_block_size")
@@ -284,7 +294,10 @@ def _fp8_rules(qc: dict[str, Any]) -> _Rules:
     def linear(_name: str, cls: str) -> tuple[QuantFormat, tuple[int, int], bool] | None:
         return (fmt_, block, False) if cls == "Linear" else None
 
-    return _Rules("fp8", "dynamic", skip, linear, lambda _name: (fmt_, block), bool(skip), frozenset({fmt_}))
+    # DeepSeek-V4's fp4 experts are MXFP4: e2m1 pairs, one e8m0 exponent per 32 inputs of a row
+    experts = (QuantFormat.MXFP4, (1, MXFP4_GROUP)) if expert_dtype == "fp4" else (fmt_, block)
+    return _Rules("fp8", "dynamic", skip, linear, lambda _name: experts, bool(skip), frozenset({fmt_, experts[0]}),
+                  FP8_SCALE_FORMATS[scale_fmt])
 
 
 def _modelopt_rules(qc: dict[str, Any]) -> _Rules:
@@ -470,7 +483,8 @@ def scheme_from_config(config: PretrainedConfig, model: nn.Module | None = None)
                 )
         elif module_name.endswith(".experts") and (found := rules.experts(module_name)) is not None:
             parameters += _expert_parameters(module_name, module, *found)
-    return QuantScheme(rules.method, rules.activation_scheme, rules.not_converted, tuple(parameters))
+    return QuantScheme(rules.method, rules.activation_scheme, rules.not_converted, tuple(parameters),
+                       fp8_scale_dtype=rules.fp8_scale_dtypes[0])
 
 
 def _matrices_apart(fmt: QuantFormat, matrices: int) -> int:
@@ -528,8 +542,13 @@ def recognise(
     elif rules.method == "modelopt":
         weights = _nvfp4_weights(rules, tensors)
     else:
-        int4 = _int4_weights(rules, tensors) if QuantFormat.INT4_GROUP in rules.formats else []
-        weights = _fp8_weights(rules, tensors, {w.scale.name for w in int4}) + int4
+        if QuantFormat.INT4_GROUP in rules.formats:
+            packed = _int4_weights(rules, tensors)
+        elif QuantFormat.MXFP4 in rules.formats:  # fp8 with fp4 experts
+            packed = _fp4_expert_weights(rules, tensors)
+        else:
+            packed = []
+        weights = _fp8_weights(rules, tensors, {w.scale.name for w in packed}) + packed
     if not weights:
         raise QuantizationError(
             f"the config says quant_method {rules.method!r} but no checkpoint tensor is stored quantized "
@@ -544,7 +563,8 @@ def recognise(
     to_parameter = _parameter_names(model)
     weights = [_with_parameter(w, to_parameter(w.parameter)) for w in weights]
     parameters = _parameters(weights, model)
-    return QuantScheme(rules.method, rules.activation_scheme, rules.not_converted, parameters, tuple(weights))
+    return QuantScheme(rules.method, rules.activation_scheme, rules.not_converted, parameters, tuple(weights),
+                       rules.fp8_scale_dtypes[0])
 
 
 def _module_of(name: str) -> str:
@@ -564,19 +584,15 @@ def _fp8_weights(
         scale = tensors.get(name + suffix)
         if scale is None:
             raise QuantizationError(f"{name} is float8 but the checkpoint has no {name + suffix} to scale it")
-        if rules.method == "fp8":
-            fmt, block = rules.experts(_module_of(name))  # type: ignore[misc]  # fp8 rules always give one
-            static = False
-        else:
-            found = rules.linear(_module_of(name), "Linear")
-            if found is None:
-                raise QuantizationError(
-                    f"{name} is float8 but no compressed-tensors config group targets its module "
-                    "(or the ignore list names it)"
-                )
-            fmt, block, static = found
-            if fmt is QuantFormat.INT4_GROUP:
-                raise QuantizationError(f"{name} is float8 but the config gives its module int4 pack-quantized")
+        found = rules.linear(_module_of(name), "Linear")  # fp8's rules give every linear its one format
+        if found is None:
+            raise QuantizationError(
+                f"{name} is float8 but no compressed-tensors config group targets its module "
+                "(or the ignore list names it)"
+            )
+        fmt, block, static = found
+        if fmt is QuantFormat.INT4_GROUP:
+            raise QuantizationError(f"{name} is float8 but the config gives its module int4 pack-quantized")
         shape = tuple(header.shape)
         if len(shape) < 2:
             raise QuantizationError(f"{name} is float8 of shape {list(shape)}; a quantized weight is a matrix")
@@ -589,7 +605,7 @@ def _fp8_weights(
                 _spec(name, header),
                 shape,
                 step,
-                _checked_scale(name + suffix, tensors[name + suffix], shape, step, fmt),
+                _checked_scale(name + suffix, tensors[name + suffix], shape, step, fmt, rules.fp8_scale_dtypes),
                 _input_scale(name, tensors) if static else None,
             )
         )
@@ -623,6 +639,25 @@ def _int4_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[Qu
         step = (1,) * (len(logical) - 1) + (found[1][1],)
         weights.append(QuantizedWeight(name, stem, QuantFormat.INT4_GROUP, _spec(name, header), logical, step,
                                        _checked_scale(stem + "_scale", scale, logical, step, QuantFormat.INT4_GROUP)))
+    return weights
+
+
+def _fp4_expert_weights(rules: _Rules, tensors: Mapping[str, TensorHeader]) -> list[QuantizedWeight]:
+    """DeepSeek-V4's fp4 experts (``expert_dtype: fp4``): ``X.weight`` int8 ``[..., out, in / 2]``, two
+    e2m1 codes a byte (MXFP4's bytes), with ``X.weight_scale_inv`` ``[..., out, in / 32]`` (e8m0)."""
+    weights = []
+    for name, header in tensors.items():
+        if header.dtype != torch.int8 or name + "_scale_inv" not in tensors:
+            continue
+        found = rules.experts(_module_of(name))
+        shape = tuple(header.shape)
+        if len(shape) < 2 or found is None or found[0] is not QuantFormat.MXFP4:
+            raise QuantizationError(f"{name} holds packed fp4 ({_spec(name, header)}) but the config gives "
+                                    "fp4 to routed experts' matrices only")
+        logical = (*shape[:-1], shape[-1] * 2)
+        step = (1,) * (len(logical) - 1) + (MXFP4_GROUP,)
+        scale = _checked_scale(name + "_scale_inv", tensors[name + "_scale_inv"], logical, step, QuantFormat.MXFP4)
+        weights.append(QuantizedWeight(name, name, QuantFormat.MXFP4, _spec(name, header), logical, step, scale))
     return weights
 
 
@@ -713,9 +748,11 @@ def _spec(name: str, header: TensorHeader) -> TensorSpec:
 
 
 def _checked_scale(
-    name: str, header: TensorHeader, shape: tuple[int, ...], block: tuple[int, ...], fmt: QuantFormat
+    name: str, header: TensorHeader, shape: tuple[int, ...], block: tuple[int, ...], fmt: QuantFormat,
+    float_scales: tuple[torch.dtype, ...] = _FLOAT_SCALES,
 ) -> TensorSpec:
-    """The scale tensor, refused unless its shape is one value per block of ``shape``."""
+    """The scale tensor, refused unless its shape is one value per block of ``shape`` and its dtype
+    one the format stores (``float_scales`` for the float8 formats)."""
     want = tuple(math.ceil(size / step) for size, step in zip(shape, block, strict=True))
     got = tuple(header.shape)
     if fmt is QuantFormat.FP8_TENSOR:
@@ -724,12 +761,16 @@ def _checked_scale(
         fits = got in (want, want[:-1])  # compressed-tensors writes [out, 1]; [out] means the same
     else:
         fits = got == want
-    dtypes = {QuantFormat.MXFP4: (torch.uint8,), QuantFormat.NVFP4: (torch.float8_e4m3fn,)}.get(fmt, _FLOAT_SCALES)
+    # MXFP4's exponents: bytes (gpt-oss) or the same bytes typed e8m0 (DeepSeek-V4's fp4 experts)
+    mxfp4 = (torch.uint8, torch.float8_e8m0fnu)
+    dtypes = {QuantFormat.MXFP4: mxfp4, QuantFormat.NVFP4: (torch.float8_e4m3fn,)}.get(fmt, float_scales)
     if not fits or header.dtype not in dtypes:
         blocks = "x".join(map(str, block))
         raise QuantizationError(
             f"{name} has shape {list(got)} and dtype {header.dtype}, but a {fmt.value} weight of shape "
             f"{list(shape)} in blocks of {blocks} needs {list(want)} of {' or '.join(map(str, dtypes))}"
+            + (" (as the config's scale_fmt says: 'ue8m0' stores float8_e8m0fnu, 'float' a float dtype)"
+               if dtypes in FP8_SCALE_FORMATS.values() else "")
         )
     return _spec(name, header)
 

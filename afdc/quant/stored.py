@@ -4,14 +4,18 @@ A quantized parameter of the bf16 model (``QuantizedParameter``) is stored as it
 and its scale(s), in the checkpoint's bytes:
 
 - fp8 (blocks, per channel, per tensor): the data keeps the parameter's name and shape in
-  float8_e4m3fn; the scale is ``<name>_scale`` (float32 blocks, or as the checkpoint stores it),
+  float8_e4m3fn; the scale is ``<name>_scale`` (float32 blocks, or as the checkpoint stores it:
+  bf16 per channel, float8_e8m0fnu powers of two with ``scale_fmt: ue8m0``, widened per call),
   laid out like the data (fused experts' scales stacked and concatenated as their weights are);
   a static input scale is ``<name>_input_scale`` (of a linear: routed experts run weight-only, and
   their per-expert input scales are not stored). Per-tensor scales of fused experts are the grid
   ``[E, 2, 1]`` (gate's, up's) and ``[E, 1, 1]``, one block per matrix.
 - MXFP4 (gpt-oss experts): ``<name>_blocks`` uint8 ``[E, out, in / 32, 16]`` and
   ``<name>_scales`` uint8 ``[E, out, in / 32]``, output-major as the checkpoint and the kernel
-  take them, whatever the bf16 parameter's orientation.
+  take them, whatever the bf16 parameter's orientation. DeepSeek-V4's fp4 experts (fp8 with
+  ``expert_dtype: fp4``) keep their containers, the same bytes: ``<name>_blocks`` int8
+  ``[E, out, in / 2]`` and ``<name>_scales`` float8_e8m0fnu ``[E, out, in / 32]``; the op views
+  them as bytes.
 - int4 (compressed-tensors pack-quantized): ``<name>_packed`` int32 ``[..., out, in / 8]`` and
   ``<name>_scale`` ``[..., out, ceil(in / group)]`` in the checkpoint's float dtype, output-major
   (fused experts' rows stacked and concatenated as their weights are).
@@ -97,17 +101,20 @@ def _stored(scheme: QuantScheme, p: QuantizedParameter) -> tuple[StoredTensor, .
         groups = inner // MXFP4_GROUP
         data_sources = tuple((w.name.removesuffix("_blocks"), w.name) for w in members)
         scale_sources = tuple((w.name.removesuffix("_blocks"), w.scale.name) for w in members)
+        if scheme.method == "fp8":  # DeepSeek-V4's fp4 experts: the same bytes, as int8 pairs and e8m0 exponents
+            blocks, blocks_dtype, scales_dtype = (*experts, out, inner // 2), torch.int8, torch.float8_e8m0fnu
+        else:
+            blocks, blocks_dtype, scales_dtype = (*experts, out, groups, MXFP4_GROUP_BYTES), torch.uint8, torch.uint8
         return (
-            StoredTensor(f"{p.name}_blocks", p.name, Role.DATA, p.format, (*experts, out, groups, MXFP4_GROUP_BYTES),
-                         torch.uint8, data_sources),
-            StoredTensor(f"{p.name}_scales", p.name, Role.SCALE, p.format, (*experts, out, groups), torch.uint8,
+            StoredTensor(f"{p.name}_blocks", p.name, Role.DATA, p.format, blocks, blocks_dtype, data_sources),
+            StoredTensor(f"{p.name}_scales", p.name, Role.SCALE, p.format, (*experts, out, groups), scales_dtype,
                          scale_sources),
         )  # fmt: skip
     if p.format in PACKED_VALUES:
         return _packed(p, members)
     direct = len(members) == 1 and members[0].shape == p.shape  # stored as the parameter is: shapes as stored
     scale_shape = members[0].scale.shape if direct else p.scale_shape
-    scale_dtype = members[0].scale.dtype if members else torch.float32
+    scale_dtype = members[0].scale.dtype if members else scheme.fp8_scale_dtype
     stored = [
         StoredTensor(p.name, p.name, Role.DATA, p.format, p.shape, torch.float8_e4m3fn,
                      tuple((w.name, w.name) for w in members)),
