@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import DeepseekV2Config, DeepseekV3Config, Qwen3MoeConfig
+from transformers import DeepseekV2Config, DeepseekV3Config, DeepseekV4Config, Qwen3MoeConfig
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
 
 from afdc.codegen import fused_moe as fused_moe_module
@@ -215,6 +216,32 @@ def test_reference_matches_transformers_experts():
         expected = experts(x, ids, weights)
         out = fused_moe_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids, 0, "silu")
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_limit_is_deepseek_v4s_experts(triton_interpret, dtype):
+    """DeepSeek-V4's experts clamp a SwiGLU's gate from above and its up both ways: the reference
+    against transformers' own expert loop, the kernel against the reference, with a limit that
+    clamps about a third of the values."""
+    torch.manual_seed(0)
+    config = DeepseekV4Config(hidden_size=HIDDEN, moe_intermediate_size=INTER, n_routed_experts=4,
+                              hidden_act="silu", swiglu_limit=0.5)  # fmt: skip
+    experts = DeepseekV4Experts(config)
+    torch.nn.init.normal_(experts.gate_up_proj, std=HIDDEN**-0.5)
+    torch.nn.init.normal_(experts.down_proj, std=INTER**-0.5)
+    x = torch.randn(5, HIDDEN)
+    weights, ids = _routing(5, 2, 4, torch.Generator().manual_seed(1))
+    gate_up = torch.einsum("th,eih->tei", x, experts.gate_up_proj)
+    assert 0.2 < (gate_up.abs() > 0.5).float().mean() < 0.8  # the limit bites
+    with torch.no_grad():
+        expected = experts(x, ids, weights)
+    out = fused_moe_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids, 0, "swiglu_limit", limit=0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="swiglu_limit activation needs limit"):
+        fused_moe_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids, 0, "swiglu_limit")
+    args = (x.to(dtype), experts.gate_up_proj.detach().to(dtype), experts.down_proj.detach().to(dtype), weights, ids)
+    out = fused_moe_triton(*args, 0, "swiglu_limit", limit=0.5)
+    torch.testing.assert_close(out, fused_moe_reference(*args, 0, "swiglu_limit", limit=0.5), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,7 +15,8 @@ gpt-oss-style experts are the same computation in other clothes, taken as option
 a second kernel: weights stored input-major (``transposed``: [E, H, 2I] and [E, I, H], read in
 place through their strides), gate and up columns alternating (``interleaved``), per-expert biases
 added to the fp32 accumulators, and the clamped ``swigluoai`` activation
-``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``.
+``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``. DeepSeek-V4
+clamps a plain SwiGLU the same way (``swiglu_limit``): ``silu(min(gate, limit)) * clamp(up, ±limit)``.
 
 The kernels follow vLLM's fused_moe:
 
@@ -48,7 +49,7 @@ from afdc.codegen.quant_tiles import WEIGHT_FORMATS, quantize_token_groups, roun
 from afdc.codegen.triton_support import interpreting, jit, launches, next_power_of_2, tl
 from afdc.codegen.typed_calls import EmittedCall, takes_arguments_of
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "swiglu_limit")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ def _check(
         raise ValueError(f"fused_moe: unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
     if activation == "swigluoai" and (alpha is None or limit is None):
         raise ValueError("fused_moe: the swigluoai activation needs alpha and limit")
+    if activation == "swiglu_limit" and limit is None:
+        raise ValueError("fused_moe: the swiglu_limit activation needs limit")
     experts, two_inter, hidden = w_gate_up.shape
     if x.dim() != 2 or x.shape[1] != hidden or two_inter % 2:
         raise ValueError(f"fused_moe: x {tuple(x.shape)} does not fit gate_up_proj {tuple(w_gate_up.shape)}")
@@ -164,6 +167,8 @@ def _gated(gate_up: torch.Tensor, activation: str, interleaved: bool, alpha, lim
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    if activation == "swiglu_limit":
+        return F.silu(gate) * up
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
@@ -407,6 +412,10 @@ def _gate_up_kernel(
     elif ACTIVATION == "gelu_tanh":
         # 0.5 * (1 + tanh(z)) == sigmoid(2z): the tanh form without a tanh; 1.5957... is 2 * sqrt(2/pi)
         act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    elif ACTIVATION == "swiglu_limit":
+        gate = tl.minimum(gate, limit)
+        act = gate * tl.sigmoid(gate)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     else:  # swigluoai
         gate = tl.minimum(gate, limit)
         act = gate * tl.sigmoid(alpha * gate)
@@ -768,8 +777,8 @@ def fused_moe(*args, **kwargs) -> torch.Tensor:
     Options for other expert formats: per-expert biases ``b_gate_up`` [E_local, 2I] and
     ``b_down`` [E_local, H]; ``transposed`` weights [E_local, H, 2I] and [E_local, I, H];
     ``interleaved`` gate and up rows (gate ``2c``, up ``2c + 1``); ``alpha`` and ``limit`` of
-    ``swigluoai``. A shared expert every token passes through: ``s_down(act(s_gate x) * s_up x)``
-    times ``s_scale`` (one value per token, or 1), added to the sum.
+    ``swigluoai``, ``limit`` of ``swiglu_limit``. A shared expert every token passes through:
+    ``s_down(act(s_gate x) * s_up x)`` times ``s_scale`` (one value per token, or 1), added to the sum.
     """
     if launches(*Experts(*args, **kwargs).tensors()):
         return fused_moe_triton(*args, **kwargs)

@@ -3,7 +3,8 @@
 Inside each FFN region the weight matrices are pinned to the FFN side, except those that only
 compute the input of the largest one (routers, a hyper-connection's stream mixing), which lean
 to it and go where the bytes say; everything the region reads from outside, or that is used
-outside it, is pinned to the attention side. Every other node may go
+outside it, is pinned to the attention side, except what only the region reads (its feeders, see
+:func:`_feeders`: experts chosen from the token ids), which the bytes place. Every other node may go
 either way; a value costs its bytes per token when its producer and some consumer end up on
 different sides (a hyperedge, cut at most once however many consumers it has). Among the cuts of
 minimum cost we take the one with the smallest FFN side, so norms and other glue stay with the
@@ -13,7 +14,7 @@ receives the FFN output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -109,10 +110,38 @@ def _convex_closure(ffn: set[fx.Node], region: list[fx.Node], anc, index) -> set
     return ffn
 
 
+def _feeders(region: FFNRegion, graph_info: tuple, attention_side: set[fx.Node]) -> list[fx.Node]:
+    """The values computed outside the region that only the region reads, and those that only
+    they and the region read, back to the graph's inputs: hash routing's ``table[input_ids]`` and
+    the sort and offsets of its expert ids. Pinned to the attention side they would all cross (four
+    id tensors and the offsets for DeepSeek-V4's hash-routed layers, where the token ids alone
+    suffice), and a quantized MoE's experts must see their routing whole to run as one fused op.
+    Not feeders: inputs, what either side recomputes, what the attention side must keep, and what
+    is computed from the mask or positions (an FFN region never reads those)."""
+    index, free = graph_info[1], graph_info[2]
+    positional = gf.positional(next(iter(index)).graph, free)
+    members = set(region.nodes)
+    found: set[fx.Node] = set()
+    grew = True
+    while grew:
+        grew = False
+        for p in {p for n in (*members, *found) for p in n.all_input_nodes} - members - found:
+            if p.op != "call_function" or p in free or p in attention_side or p in positional:
+                continue
+            if all(u in members or u in found or u in free or not u.users for u in p.users):
+                found |= {p, *(u for u in p.users if not u.users)}  # a sort's unread output goes with it
+                grew = True
+    return list(found)
+
+
 def cut_region(
     region: FFNRegion, graph_info: tuple, params: set[str], router: RouterPlacement, attention_side: set[fx.Node]
 ) -> Cut:
     anc, index, free, tokens = graph_info
+    if router is RouterPlacement.FFN:  # under --router attn the attention side routes, so it keeps the ids
+        feeders = _feeders(region, graph_info, attention_side)
+        if feeders:
+            region = replace(region, nodes=sorted({*region.nodes, *feeders}, key=index.__getitem__))
     members = set(region.nodes)
     pinned_attn = _router_parameters(region, anc, index) if router is RouterPlacement.ATTN else set()
     pinned_attn |= members & attention_side

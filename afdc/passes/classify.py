@@ -116,12 +116,7 @@ class _Finder:
         self.anc = gf.ancestors(graph)
         self.params = parameter_names
         self.free = gf.data_free(graph)
-        # values computed from the mask or the positions (not merely sized by them)
-        self.positional: set[fx.Node] = set()
-        for n in self.order:
-            is_input = n.op == "placeholder" and n.name in ("attention_mask", "position_ids")
-            if is_input or (n not in self.free and any(i in self.positional for i in n.all_input_nodes)):
-                self.positional.add(n)
+        self.positional = gf.positional(graph, self.free)
 
     def region(self, stream: fx.Node, branch: fx.Node) -> list[fx.Node]:
         """Nodes strictly after ``stream`` up to ``branch``, plus the weights only they read.

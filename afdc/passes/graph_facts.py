@@ -170,6 +170,16 @@ def token_layout(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) -> li
 _SHAPE_READS = ("sym_size", "sym_numel", "sym_stride", "sym_storage_offset")
 
 
+def positional(graph: fx.Graph, free: set[fx.Node]) -> set[fx.Node]:
+    """The values computed from the attention mask or the positions (not merely sized by them)."""
+    found: set[fx.Node] = set()
+    for n in graph.nodes:
+        is_input = n.op == "placeholder" and n.name in ("attention_mask", "position_ids")
+        if is_input or (n not in free and any(i in found for i in n.all_input_nodes)):
+            found.add(n)
+    return found
+
+
 def data_free(graph: fx.Graph) -> set[fx.Node]:
     """Nodes whose values depend on no input data: shape arithmetic, buffers, constants, ``arange``.
 

@@ -157,11 +157,29 @@ def _swigluoai(gate: fx.Node, up: fx.Node) -> tuple[fx.Node, float, float]:
     return product, scaled.args[1], limit
 
 
+def _swiglu_limit(gate: fx.Node, up: fx.Node) -> tuple[fx.Node, float]:
+    """DeepSeek-V4's ``silu(clamp(gate, max=L)) * clamp(up, -L, L)``: ``(product, L)``."""
+    clamped = only_user(gate)
+    limit = clamped.args[2] if len(clamped.args) == 3 else None
+    expect(op_name(clamped) == "clamp" and clamped.args[1] is None and isinstance(limit, float),
+           "gate not clamped from above")
+    up_clamped = only_user(up)
+    expect(op_name(up_clamped) == "clamp" and up_clamped.args[1:] == (-limit, limit), "up not clamped to ±limit")
+    act = only_user(clamped)
+    product = only_user(act)
+    expect(op_name(act) == "silu" and op_name(product) == "mul" and set(product.args) == {act, up_clamped}
+           and only_user(up_clamped) is product, "not silu(gate) * up")
+    return product, limit
+
+
 def _gated(gate_up: fx.Node) -> tuple[fx.Node, str, bool, float | None, float | None]:
     """Past the gate/up projection: ``act(gate) * up``; returns the product, the activation, whether
-    gate and up are interleaved, and ``swigluoai``'s alpha and limit."""
+    gate and up are interleaved, and the clamped activations' alpha and limit."""
     gate, up, interleaved = _gate_and_up(gate_up)
     if op_name(only_user(gate)) == "clamp":
+        if op_name(only_user(only_user(gate))) == "silu":
+            product, limit = _swiglu_limit(gate, up)
+            return product, "swiglu_limit", interleaved, None, limit
         product, alpha, limit = _swigluoai(gate, up)
         return product, "swigluoai", interleaved, alpha, limit
     act = only_user(gate)
