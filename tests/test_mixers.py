@@ -255,9 +255,9 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
     cache layer, read directly: each attention (sliding window, compressors, indexer, sinks) is
     one mixer op, given the position ids, RoPE tables and mask besides the hidden states, its keys
     kept in that cache. Its hyper-connections stay per position and its hash-routed layer routes
-    by token id. A 1A2F (EP) artifact gives the monolith's logits on a left-padded batch and its
-    greedy tokens, decode incremental (the prefill outgrows the sliding window and closes several
-    compressed windows), and is servable (its paged steps:
+    by token id, the ids crossing with the hidden state. A 1A2F (EP) artifact gives the monolith's
+    logits on a left-padded batch and its greedy tokens, decode incremental (the prefill outgrows
+    the sliding window and closes several compressed windows), and is servable (its paged steps:
     ``test_deepseek_v4_paged_rows_keep_each_requests_bounded_state``; served:
     ``test_serve_mixers``). (2A2F in-process: ``test_models_supported``.)"""
     model = catalog.greedy("deepseek_v4")
@@ -278,6 +278,12 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
     assert [m.module for m in manifest.mixers] == [f"model.layers.{i}.self_attn" for i in range(2)]
     assert all(not m.fixed_state and "position_ids" in m.inputs for m in manifest.mixers)
     assert read_manifest(tmp_path / "art").mixers == manifest.mixers  # inputs round trip through JSON
+    # the hash-routed layer sends its token ids with the hidden state; the lookup of their experts
+    # and the sort and offsets of those run on the FFN side, with the experts
+    hidden = model.config.hidden_size
+    hashed, routed = manifest.layers
+    assert [c.dtype for c in hashed.to_ffn] == ["float32", "int64"] and hashed.to_ffn[0].shape_per_token == [hidden]
+    assert [c.shape_per_token for c in routed.to_ffn] == [[hidden]]
     dm = afdc.load_deployment(tmp_path / "art")
     valid = mask.bool()
     out = dm(ids, attention_mask=mask).logits

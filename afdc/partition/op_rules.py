@@ -479,6 +479,14 @@ def _permute(prop: PropagationState, node: fx.Node) -> Layout:
     return lay
 
 
+def _per_expert(prop: PropagationState, weight: fx.Node) -> bool:
+    """Whether ``weight`` holds a row per expert (a bias picked by expert id), as many rows as
+    the stacked experts; otherwise it is a table looked up by something else (DeepSeek-V4's
+    experts by token id), which every rank keeps whole."""
+    experts = {shape(w)[0] for w in prop.weights if len(shape(w)) >= 3}
+    return shape(weight)[0] in experts or not experts
+
+
 @rule(aten.index, aten.index_select)
 def _index(prop: PropagationState, node: fx.Node) -> Layout:
     op = op_of(node)
@@ -498,7 +506,7 @@ def _index(prop: PropagationState, node: fx.Node) -> Layout:
         return _all_replicated(prop, node, [src])
     added = pos[0].meta["val"].dim() - 1  # dims the index tensor adds in place of dim 0
     if lay.kind is Kind.WEIGHT:
-        if prop.mode is FFNParallel.EP and op is aten.index:
+        if prop.mode is FFNParallel.EP and op is aten.index and _per_expert(prop, src):
             lay = prop.decide(lay, 0, experts=True)
             return Layout(Kind.OWNED, blame=lay.blame)
         return replace(lay, dims=(None,) * (added + 1) + lay.dims[1:])

@@ -177,7 +177,7 @@ def _gated(gate_up: fx.Node) -> tuple[fx.Node, str, bool, float | None, float | 
     gate and up are interleaved, and the clamped activations' alpha and limit."""
     gate, up, interleaved = _gate_and_up(gate_up)
     if op_name(only_user(gate)) == "clamp":
-        if op_name(only_user(only_user(gate))) == "silu":
+        if [op_name(u) for u in only_user(gate).users] == ["silu"]:
             product, limit = _swiglu_limit(gate, up)
             return product, "swiglu_limit", interleaved, None, limit
         product, alpha, limit = _swigluoai(gate, up)
