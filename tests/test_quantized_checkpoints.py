@@ -18,6 +18,7 @@ from quant_checkpoints import (
     deepseek_v3_fp8,
     deepseek_v3_int4,
     deepseek_v3_nvfp4,
+    deepseek_v4_fp8,
     gpt_oss_mxfp4,
     llama_compressed_fp8,
     qwen3_moe_compressed_fp8,
@@ -365,6 +366,18 @@ def test_quantized_experts_not_recognised_as_one_fused_moe_are_refused(tmp_path)
     with pytest.raises(afdc.UnsupportedModelError, match=r"experts\.gate_up_proj is stored quantized but .* did not "
                        r"recognise these routed experts as one fused MoE \(fused_moe at"):
         afdc.compile_model(str(ck.directory), "1A1F", tmp_path / "art", progress=False)
+
+
+def test_deepseek_v4_as_shipped_gets_to_its_attention_mixer(tmp_path):
+    """DeepSeek-V4-Flash's quantization on its own architecture: every FFN segment, the hash-routed
+    layer's (its token-id lookup, sort and offsets on the FFN side) and the top-k layer's, is
+    rewritten to one fused MoE over the fp4 experts with V4's clamped SwiGLU (the FFN segments are
+    rewritten before the attention program); the fp8 linears inside its attention mixer are then
+    refused by name."""
+    ck = deepseek_v4_fp8(tmp_path / "v4")
+    with pytest.raises(afdc.UnsupportedModelError, match=r"model\.layers\.0\.self_attn\.q_a_proj\.weight is stored "
+                       r"quantized \(fp8-block\) and a stateful mixer reads it"):
+        afdc.compile_model(str(ck.directory), "1A2F", tmp_path / "art", progress=False)
 
 
 def test_cli_says_what_dtype_does_to_a_quantized_checkpoint(tmp_path):

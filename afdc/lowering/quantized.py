@@ -191,6 +191,12 @@ def _linears(graph: fx.Graph, weight: fx.Node, scales: dict[Role, fx.Node], p: Q
     """Each ``linear(x, weight, bias)`` on ``weight`` as ``fp8_linear``; any other use is refused."""
     block = p.block
     for user in list(weight.users):
+        if op_name(user) == "mixer":
+            raise UnsupportedModelError(
+                f"{p.name} is stored quantized ({p.format.value}) and a stateful mixer reads it in the model's own "
+                "code (DeepSeek-V4's attention with compressors), where afdc does not run quantized linears yet; "
+                "use the model's bf16 checkpoint"
+            )
         if op_name(user) != "linear" or user.args[1] is not weight:
             raise UnsupportedModelError(
                 f"{user.name} ({op_name(user)}) reads a quantized weight other than as a linear's weight; "
