@@ -456,6 +456,7 @@ REFUSED: dict[str, str] = {
     "mamba2": _NO_FFN_SSM,
     "zamba": "no FFN region found: in model.layers.1 weight work (an MLP) runs after attention or a mixer in one "
              "branch of the residual stream, with no residual add between them",
+    "gemma3n_text": "model.layers.0: two FFN regions share computation",
 }
 
 # Refusals whose cause another refusal checked by default already shows (the same code path, often the same
@@ -493,6 +494,9 @@ REFUSED_CAUSE: dict[str, str] = {
     "inkling2_loop_text": "as inkling2_text: its MoE's output runs through a short convolution over the sequence "
                           "before the residual add",
     "mamba2": "pure state-space model: no FFN to disaggregate",
+    "gemma3n_text": "each layer carries AltUp's several predictions of the stream (predict, then correct with "
+                    "coefficients computed from the stream) and a LAuReL low-rank branch beside attention, whose sum "
+                    "the MLP reads; the branches afdc finds in layer 0 overlap (which ones not analysed further)",
     "zamba": "as zamba2: its MLP sits in a shared attention block whose output is projected into the next Mamba "
              "layer's input, so no FFN branch of the residual stream exists to cut",
 }
@@ -525,6 +529,9 @@ REFUSED_OVERRIDES: dict[str, dict] = {
               "autocast_kernel_dtype": "float32", "ffn_round_up_to_multiple_of": 16},
     "inkling2_loop_text": _INKLING2,
     "mamba2": {"num_heads": 4, "head_dim": 16, "state_size": 8, "n_groups": 1, "chunk_size": 4},
+    "gemma3n_text": {"layer_types": _SWA, "sliding_window": 4, "vocab_size_per_layer_input": 128,
+                     "hidden_size_per_layer_input": 8, "altup_num_inputs": 2, "num_kv_shared_layers": 0,
+                     "laurel_rank": 4, "activation_sparsity_pattern": [0.0, 0.0]},
     "zamba": {"num_hidden_layers": 3, "layers_block_type": ["mamba", "hybrid", "hybrid"], "n_mamba_heads": 2,
               "mamba_d_state": 8, "use_mamba_kernels": False, "attention_head_dim": 8},
 }
