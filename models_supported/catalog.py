@@ -457,11 +457,12 @@ REFUSED: dict[str, str] = {
     "zamba": "no FFN region found: in model.layers.1 weight work (an MLP) runs after attention or a mixer in one "
              "branch of the residual stream, with no residual add between them",
     "gemma3n_text": "model.layers.0: two FFN regions share computation",
+    "cpmant": _SPECIALIZES,
 }
 
 # Refusals whose cause another refusal checked by default already shows (the same code path, often the same
 # class): checked with ``--sweep`` only.
-REFUSED_SWEEP: frozenset[str] = frozenset({"inkling2_text", "inkling2_loop_text", "mamba2", "zamba"})
+REFUSED_SWEEP: frozenset[str] = frozenset({"inkling2_text", "inkling2_loop_text", "mamba2", "zamba", "cpmant"})
 
 # model_type -> what in the model's code leads to the refusal.
 REFUSED_CAUSE: dict[str, str] = {
@@ -497,6 +498,8 @@ REFUSED_CAUSE: dict[str, str] = {
     "gemma3n_text": "each layer carries AltUp's several predictions of the stream (predict, then correct with "
                     "coefficients computed from the stream) and a LAuReL low-rank branch beside attention, whose sum "
                     "the MLP reads; the branches afdc finds in layer 0 overlap (which ones not analysed further)",
+    "cpmant": "its mask is built from a Python list of the sequence length (range(seqlen - prompt_length)), and "
+              "it reads padding from token id 0 and prepends prompt tokens, ignoring the attention mask given",
     "zamba": "as zamba2: its MLP sits in a shared attention block whose output is projected into the next Mamba "
              "layer's input, so no FFN branch of the residual stream exists to cut",
 }
@@ -532,6 +535,8 @@ REFUSED_OVERRIDES: dict[str, dict] = {
     "gemma3n_text": {"layer_types": _SWA, "sliding_window": 4, "vocab_size_per_layer_input": 128,
                      "hidden_size_per_layer_input": 8, "altup_num_inputs": 2, "num_kv_shared_layers": 0,
                      "laurel_rank": 4, "activation_sparsity_pattern": [0.0, 0.0]},
+    "cpmant": {"dim_head": 8, "dim_ff": 64, "position_bias_num_buckets": 16, "position_bias_max_distance": 32,
+               "prompt_types": 2, "prompt_length": 2, "segment_types": 4},
     "zamba": {"num_hidden_layers": 3, "layers_block_type": ["mamba", "hybrid", "hybrid"], "n_mamba_heads": 2,
               "mamba_d_state": 8, "use_mamba_kernels": False, "attention_head_dim": 8},
 }
