@@ -154,6 +154,11 @@ ENTRIES: list[ModelEntry] = [
     _e("Ministral 3", "ministral3", "pre-norm"),
     _e("nanochat", "nanochat", "pre-norm", notes="non-parametric norms, ReLU² MLP"),
     _e("CWM", "cwm", "pre-norm"),
+    _e("Apertus 1.5 (text)", "apertus1p5_text", "pre-norm"),
+    _e("Youtu", "youtu", "pre-norm", _MLA, "MLA, tied embeddings"),
+    _e("MiniCPM3", "minicpm3", "pre-norm", {**_MLA, "dim_model_base": 16},
+       "MLA, scaled embeddings, residual branches and logits"),
+    _e("EXAONE 3", "exaone", "pre-norm", notes="Llama's class"),
     # -- extra post-norms ------------------------------------------------------------------------
     _e("Gemma 2", "gemma2", "post-norm", {"sliding_window": 4, "query_pre_attn_scalar": 8},
        "sandwich norms, attention/final logit soft-capping, sliding window 4 on alternate layers"),
@@ -166,6 +171,12 @@ ENTRIES: list[ModelEntry] = [
     _e("EXAONE 4", "exaone4", "post-norm", {"sliding_window": 4, "sliding_window_pattern": 2}),
     _e("OpenAI GPT", "openai-gpt", "post-norm", notes="norm after each residual add, Conv1D projections"),
     _e("Gemma 4 unified (text)", "gemma4_unified_text", "post-norm"),
+    _e("Dory", "dory", "post-norm",
+       {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,
+        "sliding_window": 4},
+       "L2-normed sandwich layers, residual as a learned interpolation; its looped middle layer (run twice with the "
+       "same weights) keeps its MLP on the attention side", dense=2,
+       unshardable="the MLP's output is L2-normalized inside the branch"),
     # -- parallel attention + MLP ----------------------------------------------------------------
     _e("GPT-NeoX", "gpt_neox", "parallel", notes="use_parallel_residual, separate norms"),
     _e("Cohere", "cohere", "parallel", notes="one shared norm, residual + attn + mlp"),
@@ -175,6 +186,11 @@ ENTRIES: list[ModelEntry] = [
        "hard-coded attention (captured inline, decode recomputes the prefix)", drop=("head_dim",)),
     _e("GPT-J", "gptj", "parallel", {"rotary_dim": 4},
        "hard-coded attention (captured inline, decode recomputes the prefix)"),
+    _e("Cohere Compass (text)", "cohere_compass_text", "parallel",
+       {"sliding_window": 4, "layer_types": _SWA,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": None}}, "NoPE full-attention layer"),
+    _e("CodeGen", "codegen", "parallel", {"rotary_dim": 4}, "fused qkv, one shared norm, partial rotary"),
     # -- Conv1D projections ----------------------------------------------------------------------
     _e("GPT-2", "gpt2", "conv1d", notes="tied embeddings"),
     _e("GPT-SW3", "gpt-sw3", "conv1d"),
@@ -308,6 +324,34 @@ ENTRIES: list[ModelEntry] = [
     _e("MiMo-V2-Flash", "mimo_v2_flash", "moe",
        {"n_routed_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, "v_head_dim": 8,
         "sliding_window": 4}, "first layer dense", moe=1),
+    _e("Sarvam MoE", "sarvam_moe", "moe",
+       {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "first_k_dense_replace": 1}, "GLM-4-MoE's class, first layer dense", moe=1),
+    _e("Sarvam MLA", "sarvam_mla", "moe",
+       {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "first_k_dense_replace": 1, **_MLA, "n_group": 1, "topk_group": 1},
+       "DeepSeek-V3's class: MLA, first layer dense", moe=1),
+    _e("A.X K1", "axk1", "moe",
+       {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "first_k_dense_replace": 1, **_MLA, "n_group": 1, "topk_group": 1}, "MLA, first layer dense", moe=1),
+    _e("A.X K2", "axk2", "moe",
+       {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "first_k_dense_replace": 1, **_MLA, **_DSA, "gated_norm_rank": 4},
+       "MLA, sparse attention (indexer picks 4 keys per query), first layer dense", moe=1),
+    _e("dots3-note (text)", "dots3_note_text", "moe",
+       {"n_routed_experts": _E, "n_shared_experts": 1, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "shared_experts_intermediate_size": _MOE_I, "first_k_dense_replace": 1, **_MLA, **_DSA,
+        "sliding_window": 4, "layer_types": ["indexed_attention", "sliding_attention"],
+        "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 16, "swa_kv_lora_rank": 16,
+        "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 8},
+       "MLA, sparse attention (indexer picks 4 keys per query) + sliding-window MLA layer of its own shape, first "
+       "layer dense", moe=1),
+    _e("Beam", "beam", "moe",
+       {"num_experts": _E, "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+        "mlp_layer_types": ["dense", "sparse"], "layer_types": _SWA, "sliding_window": 4, "n_group": 2,
+        "topk_group": 1},
+       "sandwich norms, depth-scaled residual adds, NoPE full-attention layer, grouped routing, first layer dense",
+       moe=1),
     # -- hybrids ---------------------------------------------------------------------------------
     _e("LFM2", "lfm2", "hybrid", {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False},
        "gated short-convolution layer (a stateful mixer: its window kept per sequence) + attention layer"),
@@ -332,6 +376,17 @@ ENTRIES: list[ModelEntry] = [
        {"layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
         "linear_num_heads": 2, "linear_head_dim": 8, "num_experts": _E, "num_experts_per_token": _K,
         "moe_intermediate_size": _MOE_I, "num_shared_experts": 1, **_MLA},
+       "Kimi delta attention (KDA) layer + MLA layer, first layer dense", moe=1),
+    _e("LFM3", "lfm3", "hybrid", {"layer_types": ["conv", "full_attention"], "sliding_window": 4},
+       "short-convolution layer + gated attention layer, sandwich norms"),
+    _e("Lara mini", "lara_mini", "hybrid",
+       {**_GDN, "layer_types": ["linear_attention", "sliding_attention"], "sliding_window": 4, "num_experts": _E,
+        "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I},
+       "Gated DeltaNet layer + sliding-window attention layer, MoE on both", moe=2),
+    _e("Bailing hybrid", "bailing_hybrid", "hybrid",
+       {"layer_types": ["linear_attention", "full_attention"], "num_local_experts": _E, "n_shared_experts": 1,
+        "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I, "first_k_dense_replace": 1, **_MLA,
+        "n_group": 1, "topk_group": 1},
        "Kimi delta attention (KDA) layer + MLA layer, first layer dense", moe=1),
     _e("Bamba", "bamba", "hybrid", {"attn_layer_indices": [1], **_MAMBA2}, "Mamba-2 layer + attention layer"),
     _e("Falcon-H1", "falcon_h1", "hybrid",
@@ -391,7 +446,23 @@ REFUSED: dict[str, str] = {
     "rwkv": _SPECIALIZES,
     "mamba": _NO_FFN_SSM,
     "falcon_mamba": _NO_FFN_SSM,
+    "inkling2_text": "no FFN region found: in model.layers.0 weight work (an MLP) runs into a token mixer",
+    "hrm_text": "no FFN region found: in model weight work (an MLP) runs after attention or a mixer in one branch "
+                "of the residual stream, with no residual add between them",
+    "zaya": _NO_FFN_SSM,
+    "qwen4_exp_text": "the forward reads per-layer cache state outside a token mixer",
+    "xlstm": "the forward reads per-layer cache state outside a token mixer",
+    "inkling2_loop_text": "no FFN region found: in model.layers.0 weight work (an MLP) runs into a token mixer",
+    "mamba2": _NO_FFN_SSM,
+    "zamba": "no FFN region found: in model.layers.1 weight work (an MLP) runs after attention or a mixer in one "
+             "branch of the residual stream, with no residual add between them",
+    "gemma3n_text": "model.layers.0: two FFN regions share computation",
+    "cpmant": _SPECIALIZES,
 }
+
+# Refusals whose cause another refusal checked by default already shows (the same code path, often the same
+# class): checked with ``--sweep`` only.
+REFUSED_SWEEP: frozenset[str] = frozenset({"inkling2_text", "inkling2_loop_text", "mamba2", "zamba", "cpmant"})
 
 # model_type -> what in the model's code leads to the refusal.
 REFUSED_CAUSE: dict[str, str] = {
@@ -406,7 +477,38 @@ REFUSED_CAUSE: dict[str, str] = {
     "rwkv": "the WKV recurrence scans the sequence in a Python loop",
     "mamba": "pure state-space model: no FFN to disaggregate",
     "falcon_mamba": "pure state-space model: no FFN to disaggregate",
+    "inkling2_text": "its MoE's output runs through a short convolution over the sequence (post_mlp_convolution) "
+                     "before the residual add, so the FFN branch mixes tokens; the same follows attention",
+    "hrm_text": "its two decoder stacks (H and L) run several times per forward with the same weights "
+                "(H_cycles x L_cycles recurrence); afdc cuts only an FFN whose weights nothing else reads, so no "
+                "MLP is a region of its own and the message names what is left (not a missing residual add); with "
+                "H_cycles 1 the H stack's MLP is found and split",
+    "zaya": "the message misnames it: its attention keeps a convolution window and a delayed value in the cache "
+            "(CCA), so afdc runs it whole as a stateful mixer, and both residual adds scale and shift the stream "
+            "as well as the branch ((h + b) * s + (x + c) * r), which afdc does not take for a residual add; its "
+            "routers also pass a state from layer to layer",
+    "qwen4_exp_text": "its model forward keeps the indexer's position history in a cache layer "
+                      "(indexer_position_ids), outside any token mixer; its QSA indexer also loops over rows and "
+                      "queries in Python (torch.nonzero)",
+    "xlstm": "its model forward hands each block its mLSTM state from the model's own xLSTMCache (rnn_state), "
+             "read and written outside the blocks; each block is otherwise mLSTM + a gated FFN branch",
+    "inkling2_loop_text": "as inkling2_text: its MoE's output runs through a short convolution over the sequence "
+                          "before the residual add",
+    "mamba2": "pure state-space model: no FFN to disaggregate",
+    "gemma3n_text": "each layer carries AltUp's several predictions of the stream (predict, then correct with "
+                    "coefficients computed from the stream) and a LAuReL low-rank branch beside attention, whose sum "
+                    "the MLP reads; the branches afdc finds in layer 0 overlap (which ones not analysed further)",
+    "cpmant": "its mask is built from a Python list of the sequence length (range(seqlen - prompt_length)), and "
+              "it reads padding from token id 0 and prepends prompt tokens, ignoring the attention mask given",
+    "zamba": "as zamba2: its MLP sits in a shared attention block whose output is projected into the next Mamba "
+             "layer's input, so no FFN branch of the residual stream exists to cut",
 }
+
+# Inkling 2 (text, and its looped variant) tiny: the vocabulary it embeds is unpadded_vocab_size
+_INKLING2 = {"unpadded_vocab_size": 128, "n_routed_experts": _E, "num_experts_per_tok": _K,
+             "moe_intermediate_size": _MOE_I, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+             "swa_head_dim": 8, "sliding_window_size": 4, "d_rel": 4, "rel_extent": 16,
+             "n_layers_per_attn_res_block": 1}
 
 # The tiny configurations the refusals are checked with (on top of TINY_COMMON).
 REFUSED_OVERRIDES: dict[str, dict] = {
@@ -417,6 +519,26 @@ REFUSED_OVERRIDES: dict[str, dict] = {
     "mamba": {"state_size": 4},
     "falcon_mamba": {"state_size": 4},
     "rwkv": {"attention_hidden_size": 32},
+    "inkling2_text": _INKLING2,
+    "hrm_text": {"num_hidden_layers": 1, "H_cycles": 2, "L_cycles": 1},  # each stack runs twice
+    "zaya": {},
+    "qwen4_exp_text": {**_GDN, "layer_types": ["linear_attention", "indexed_attention"], "num_experts": _E,
+                       "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
+                       "shared_expert_intermediate_size": _MOE_I, "hc_count": 2, "hc_lowrank": 8,
+                       "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+                       "indexer_compress_ratio": 2},
+    # qk and v widths are rounded up to 64: a hidden size of 64 keeps the cache's state shapes the kernel's
+    "xlstm": {"hidden_size": 64, "embedding_dim": 64, "num_heads": 4, "qk_dim_factor": 1.0, "chunk_size": 4,
+              "autocast_kernel_dtype": "float32", "ffn_round_up_to_multiple_of": 16},
+    "inkling2_loop_text": _INKLING2,
+    "mamba2": {"num_heads": 4, "head_dim": 16, "state_size": 8, "n_groups": 1, "chunk_size": 4},
+    "gemma3n_text": {"layer_types": _SWA, "sliding_window": 4, "vocab_size_per_layer_input": 128,
+                     "hidden_size_per_layer_input": 8, "altup_num_inputs": 2, "num_kv_shared_layers": 0,
+                     "laurel_rank": 4, "activation_sparsity_pattern": [0.0, 0.0]},
+    "cpmant": {"dim_head": 8, "dim_ff": 64, "position_bias_num_buckets": 16, "position_bias_max_distance": 32,
+               "prompt_types": 2, "prompt_length": 2, "segment_types": 4},
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["mamba", "hybrid", "hybrid"], "n_mamba_heads": 2,
+              "mamba_d_state": 8, "use_mamba_kernels": False, "attention_head_dim": 8},
 }
 
 

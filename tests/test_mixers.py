@@ -9,16 +9,18 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import AutoConfig, DynamicCache
 
 import afdc
 from afdc.artifact.manifest import read_manifest
 from afdc.lowering.attention_slots import attention_slots, program_slots
 from afdc.lowering.cache_positions import positions_as_cache_positions
+from afdc.mixer_site import MixerSite
 from afdc.ops import MixerCall
 from afdc.runtime import kv_cache
 from afdc.runtime import link as connectors
 from afdc.runtime.bounded_state import BoundedState
+from afdc.runtime.mixer_modules import Mixers
 from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore, PagedRows
 from afdc.runtime.programs import combine
 from afdc.serve.up import check_servable
@@ -232,6 +234,29 @@ def test_paged_rows_pick_each_requests_keys(tp):
     for _ in range(12):
         step([0, 1, 2], 1)
     _assert_tokens_of_each_alone(model, requests)
+
+
+class _ScaledMixer(torch.nn.Module):
+    """A mixer taking a tensor besides the hidden states (as Bailing's linear attention takes the
+    RoPE tables through ``**kwargs``), its state in a linear-attention cache layer."""
+
+    layer_idx = 0
+
+    def forward(self, hidden, cache=None, scale=None):
+        return hidden * scale
+
+
+def test_a_mixer_given_tensors_but_no_mask_runs_on_a_linear_attention_cache_layer():
+    """Only a 4-D mask among a mixer's inputs is cut to the keys its cache layer holds; other
+    tensors pass as they are, whatever the layer (a linear-attention layer sizes no keys)."""
+    entry = catalog.entry("qwen3_next")
+    config = AutoConfig.for_model(entry.model_type, **entry.config_kwargs)
+    site = MixerSite(slot=0, module="mixer", weights=(), cache_argument="cache", mask_argument=None, width=4,
+                     layer=0, inputs=("scale",))
+    mixers = Mixers([site], {0: _ScaledMixer()}, config)
+    assert type(mixers.new_state().layers[0]).__name__ == "LinearAttentionLayer"
+    hidden, scale = torch.randn(2, 3, 4), torch.randn(2, 3, 1)
+    torch.testing.assert_close(mixers.mix(0, hidden, None, [scale]), hidden * scale)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "bamba", "minimax"])

@@ -99,8 +99,9 @@ class Mixers:
             given = weights[len(site.weights):]
             if rows is not None:
                 given = [t[rows] for t in given]
-            keys = _held_keys(state, site.layer, hidden.shape[1])
-            given = [_as_additive(t, keys, hidden.dtype) if _is_mask(t) else t for t in given]
+            if any(map(_is_mask, given)):  # only attention layers of the cache size their keys
+                keys = _held_keys(state, site.layer, hidden.shape[1])
+                given = [_as_additive(t, keys, hidden.dtype) if _is_mask(t) else t for t in given]
             arguments.update(_nest(dict(zip(site.inputs, given))))
         params = dict(zip(site.weights, weights))
         # functional_call swaps the weights into the shared module and back: micro-batch threads
