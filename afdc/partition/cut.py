@@ -110,7 +110,8 @@ def _convex_closure(ffn: set[fx.Node], region: list[fx.Node], anc, index) -> set
     return ffn
 
 
-def _feeders(region: FFNRegion, graph_info: tuple, attention_side: set[fx.Node]) -> list[fx.Node]:
+def _feeders(region: FFNRegion, free: set[fx.Node], positional: set[fx.Node], attention_side: set[fx.Node]
+             ) -> list[fx.Node]:
     """The values computed outside the region that only the region reads, and those that only
     they and the region read, back to the graph's inputs: hash routing's ``table[input_ids]`` and
     the sort and offsets of its expert ids. Pinned to the attention side they would all cross (four
@@ -118,8 +119,6 @@ def _feeders(region: FFNRegion, graph_info: tuple, attention_side: set[fx.Node])
     suffice), and a quantized MoE's experts must see their routing whole to run as one fused op.
     Not feeders: inputs, what either side recomputes, what the attention side must keep, and what
     is computed from the mask or positions (an FFN region never reads those)."""
-    index, free = graph_info[1], graph_info[2]
-    positional = gf.positional(next(iter(index)).graph, free)
     members = set(region.nodes)
     found: set[fx.Node] = set()
     grew = True
@@ -137,9 +136,9 @@ def _feeders(region: FFNRegion, graph_info: tuple, attention_side: set[fx.Node])
 def cut_region(
     region: FFNRegion, graph_info: tuple, params: set[str], router: RouterPlacement, attention_side: set[fx.Node]
 ) -> Cut:
-    anc, index, free, tokens = graph_info
+    anc, index, free, tokens, positional = graph_info
     if router is RouterPlacement.FFN:  # under --router attn the attention side routes, so it keeps the ids
-        feeders = _feeders(region, graph_info, attention_side)
+        feeders = _feeders(region, free, positional, attention_side)
         if feeders:
             region = replace(region, nodes=sorted({*region.nodes, *feeders}, key=index.__getitem__))
     members = set(region.nodes)
@@ -273,5 +272,6 @@ def select_cuts(
 ) -> list[Cut]:
     """One cut per FFN region; the nodes in ``attention_side`` stay on the attention side."""
     index = {n: i for i, n in enumerate(graph.nodes)}
-    info = (gf.ancestors(graph), index, gf.data_free(graph), gf.token_symbols(graph))
+    free = gf.data_free(graph)
+    info = (gf.ancestors(graph), index, free, gf.token_symbols(graph), gf.positional(graph, free))
     return [cut_region(r, info, params, router, attention_side) for r in classification.regions]
