@@ -25,7 +25,7 @@ import afdc
 from afdc.api import build
 from afdc.runtime import link as connectors
 from afdc.runtime import wire
-from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.options import RuntimeOptions, share_of_cores
 from afdc.runtime.rendezvous import JoinError, Layout, PeerLost, Rendezvous, free_port
 from afdc.runtime.server import FFNServer, serve_program
 from afdc.runtime.transport.base import Incoming, Pacing
@@ -112,6 +112,8 @@ def test_generation_across_processes_matches_monolith(reference, model_type, pla
         # wall time includes waits for a core (a busy CI host): only the runs' CPU is bounded by the process's
         assert 0 < run["cpu"] <= s["cpu_seconds"] and 0 < run["seconds"] < s["uptime_s"]
     assert all(p.exitcode == 0 for p in cluster.processes)  # SIGTERM: drained and exited cleanly
+    # each server computes with its share of the host's cores, beside this process: not a thread per core
+    assert {s["torch_threads"] for s in served.values()} == {share_of_cores(dm.layout.ffn_ranks + 1)}
 
 
 def test_replicated_dense_layers_send_each_token_once(reference):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.options import RuntimeOptions, share_of_cores
 from afdc.runtime.transport.base import Pacing, Waiter, WaitPolicy, default_spin
 from afdc.runtime.transport.spin_budget import BudgetSettings, SpinBudget
 
@@ -154,3 +154,14 @@ def test_a_learned_spin_ends_once_a_yield_gives_the_core_away(monkeypatch):
         assert blocks == []  # the first pause spins: nothing said the core is wanted yet
         pause()
         assert len(blocks) == blocked_after
+
+
+def test_each_process_of_a_host_gets_its_share_of_the_cores():
+    """dm.launch()'s servers and afdc up's roles: a share of the cores each, never torch's thread per core."""
+    assert share_of_cores(2, cores=2) == 1  # 1A1F beside its caller on this host
+    assert share_of_cores(2, cores=16) == 8
+    assert share_of_cores(3, reserved=1, cores=16) == 5  # afdc up keeps a core for vLLM's API server
+    assert share_of_cores(9, cores=4) == 1  # more processes than cores: one thread each, not zero
+    assert share_of_cores(2) == max(1, len(os.sched_getaffinity(0)) // 2)
+    with pytest.raises(ValueError, match="at least one torch thread"):
+        RuntimeOptions(threads=0)

@@ -29,8 +29,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import NoReturn
 
+import torch
+
 from afdc.errors import AfdcError
-from afdc.runtime.options import RuntimeOptions
+from afdc.runtime.options import RuntimeOptions, share_of_cores
 from afdc.runtime.programs import FFNProgram
 from afdc.runtime.rendezvous import Layout, Rendezvous, free_port, read_key
 from afdc.runtime.server import serve_program
@@ -133,11 +135,20 @@ class LocalCluster:
         _refuse_while_bootstrapping()
         self.dm = dm
         self.layout: Layout = dm.layout
+        # this process computes the attention side beside the servers: each gets a share of the cores
+        threads = options.threads or share_of_cores(self.layout.ffn_ranks + 1)
         self.options = replace(
             options,
             rendezvous=options.rendezvous or f"127.0.0.1:{free_port()}",
             token=options.token or secrets.token_hex(16),
+            threads=threads,
         )
+        if torch.get_num_threads() > threads:
+            log.warning(
+                "this process computes with %d torch threads beside %d FFN server(s) of %d on %d cores: their "
+                "thread pools stall each other; torch.set_num_threads(%d) here keeps each process to its share",
+                torch.get_num_threads(), self.layout.ffn_ranks, threads, len(os.sched_getaffinity(0)), threads,
+            )
         # hosts the store for the deployment's lifetime; the servers and endpoints are its clients
         self.rendezvous = Rendezvous(self.options.rendezvous, self.layout, dm.deployment, self.options.token, host=True)
         self._ctx = mp.get_context("spawn")

@@ -11,6 +11,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 log = logging.getLogger("afdc.metrics")
 SNAPSHOT = "metrics "  # a logged snapshot's JSON follows this on its line
 IDLE = "idle"  # the phase of a server waiting for messages
@@ -195,6 +197,7 @@ class Metrics:
                 "phases": self.phases.to_dict(),
                 # this process's CPU time (all its threads): against its phases, what waiting costs
                 "cpu_seconds": round(time.process_time(), 3),
+                "torch_threads": torch.get_num_threads(),  # what its computation may spread over
             }
 
     def log_every(self, interval: float, publish=None, logger: logging.Logger = log) -> threading.Event:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from afdc.runtime.transport import ConnectorKind
@@ -27,10 +28,15 @@ class RuntimeOptions:
     token_buckets: int = 0
     gather: float = 2e-3  # FFN: seconds a layer's message waits for the other attention ranks' (one FFN run)
     log_interval: float = 30.0  # seconds between metrics log lines (0: never)
+    # torch threads of each FFN server process the runtime starts (None: torch's default, a thread
+    # per core; dm.launch() gives each server its share of the host's cores instead)
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
         object.__setattr__(self, "wait", WaitPolicy.parse(self.wait))
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads}: an FFN server computes with at least one torch thread")
 
     def pacing(self, role: str) -> Pacing:
         """A ``role`` rank's pacing: ``spin`` where set (every role's), else as ``wait`` says:
@@ -39,3 +45,13 @@ class RuntimeOptions:
         if spin is None and self.wait is WaitPolicy.CORES:
             spin = default_spin(role)
         return Pacing(spin, self.max_sleep, self.idle_sleep)
+
+
+def share_of_cores(processes: int, reserved: int = 0, cores: int | None = None) -> int:
+    """Torch threads for each of ``processes`` computing processes that share this host's ``cores``
+    (default: those this process may run on), ``reserved`` of them kept for other work; at least one.
+    Processes left to torch's default take a thread per core each, and their thread pools then
+    stall each other: on a busy 2-core host a tiny MoE's layer round trip under ``dm.launch()``
+    took 30-60 ms with a 2-thread FFN server, 1-4 ms with a 1-thread one."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, (cores - reserved) // max(1, processes))

@@ -359,6 +359,8 @@ def serve_program(program: FFNProgram, layout: Layout, deployment: bytes, option
     """Entry point of an FFN server process (``afdc serve`` and ``dm.launch()``); exits the process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
+    if options.threads:
+        torch.set_num_threads(options.threads)
     # what lowering a segment at its first step imports (Dynamo's compile lock, a second or more
     # of CPU), paid before the server joins: its first reply is not later than its others
     source_lock()

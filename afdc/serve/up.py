@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from afdc.artifact.manifest import VOCABULARY_FILES, Manifest, read_manifest
 from afdc.errors import AfdcError, UnsupportedModelError
+from afdc.runtime.options import share_of_cores
 from afdc.serve.cores import PAIR_TOKENS, shared_core
 from afdc.serve.data_parallel import DataParallel
 from afdc.serve.health import MIDDLEWARE
@@ -143,9 +144,8 @@ def threads_per_role(plan: Plan, settings: WorkerSettings, cores: int | None = N
     the monolith itself 1.34x its time with one thread."""
     if settings.device.split(":")[0] != "cpu":
         return None
-    cores = cores or len(os.sched_getaffinity(0))
     computing = plan.attention_ranks + (0 if settings.runtime.connector.in_process else plan.ffn_ranks)
-    return max(1, (cores - 1) // computing)
+    return share_of_cores(computing, reserved=1, cores=cores)
 
 
 def attention_env(settings: WorkerSettings) -> dict[str, str]:
