@@ -143,8 +143,9 @@ def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None, 
     if stored is not None and rewrite:
         if plan.attention_tp > 1:
             _check_attention_unquantized(attention_graph, quant, plan.attention_tp)
-        graphs = quantize_graphs(segments, layers, attention_graph, attrs, stored, plan.ffn_ranks)
+        graphs = quantize_graphs(segments, layers, attention_graph, attrs, stored, plan.ffn_ranks, mixers)
         segments, layers, attention_graph, attrs = graphs.segments, graphs.layers, graphs.attention_graph, graphs.attrs
+        mixers = graphs.mixers
     return Built(
         plan=plan,
         attention_graph=attention_graph,
