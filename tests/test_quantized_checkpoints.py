@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConf
 import afdc
 from afdc.artifact.manifest import FORMAT_VERSION, read_manifest
 from afdc.cli import main
+from afdc.codegen.fp8_linear import fp8_linear_reference
 from afdc.mixer_site import QuantizedLinear
 from afdc.quant.scheme import scheme_from_config
 from afdc.quant.stored import QuantizedTensors
 from afdc.runtime import kv_cache
+from afdc.runtime.quantized_linears import with_quantized_linears
 from tests.tiers import sweep
 
 NEW_TOKENS = 5
@@ -517,3 +520,30 @@ def test_inspect_reports_each_weight_at_its_stored_bytes(tmp_path):
             stacked = [f"{layer['module']}.mlp.experts.{p}_{part}" for p in ("gate_up_proj", "down_proj")
                        for part in ("blocks", "scales")]
             assert layer["expert_weight_bytes"] == sum(_nbytes(f.get_slice(k)) for k in stacked)
+
+
+def test_a_mixers_quantized_linear_runs_only_where_its_module_calls_it_as_a_linear():
+    """The module rebuilt for a mixer gets afdc's op for a linear whose own forward is nn.Linear's:
+    the format's reading of the stored tensors; a linear with a forward of its own (V4's grouped
+    ``o_a_proj`` reads its weight itself) is refused by name, and so is a site, read from an
+    artifact, naming an op that is no quantized linear."""
+
+    class Grouped(torch.nn.Linear):
+        def forward(self, x):
+            return x @ self.weight.T
+
+    module = torch.nn.Module()
+    module.proj, module.grouped = torch.nn.Linear(32, 16, bias=True), Grouped(32, 16)
+    fp8 = QuantizedLinear("proj", "fp8_linear", (("weight", "weight"), ("weight_scale", "weight_scale")),
+                          (("block_n", 16), ("block_k", 16)))
+    with_quantized_linears(module, (fp8,))
+    weight = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    scale, bias, x = torch.rand(1, 2) + 0.5, torch.randn(16), torch.randn(3, 32)
+    params = {"weight": weight, "weight_scale": scale, "bias": bias}
+    got = torch.func.functional_call(module.proj, params, (x,), strict=True)
+    torch.testing.assert_close(got, fp8_linear_reference(x, weight, scale, 16, 16, bias))
+    with pytest.raises(afdc.UnsupportedModelError, match=r"Module\.grouped \(Grouped\) reads its weight in code"):
+        with_quantized_linears(module, (replace(fp8, module="grouped"),))
+    with pytest.raises(afdc.AfdcError, match=r"'aten::linear' is not a quantized linear op"):
+        with_quantized_linears(torch.nn.Sequential(torch.nn.Linear(32, 16)),
+                               (replace(fp8, module="0", op="aten::linear"),))
