@@ -63,7 +63,7 @@ def quantize_graphs(
     attrs: dict[str, torch.Tensor],
     quant: QuantizedTensors,
     ffn_ranks: int,
-    mixers: list[MixerSite] = (),
+    mixers: list[MixerSite],
 ) -> QuantizedGraphs:
     """The graphs with every matmul by a quantized weight on its quantized op (see the module)."""
     layers = [SegmentBinding(b.segment, list(b.weights)) for b in layers]
