@@ -36,6 +36,7 @@ from afdc.runtime.exchange import deployment_id
 from afdc.runtime.mixer_modules import Mixers
 from afdc.runtime.model import DefaultPositions, DisaggregatedModel, ModelTraits
 from afdc.runtime.programs import AttentionProgram, FFNProgram
+from afdc.runtime.quantized_linears import quantized_linear
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 from afdc.runtime.transport import ConnectorKind
 from afdc.segment import RowView, Segment, SegmentBinding, Split
@@ -143,8 +144,12 @@ def build(model: PreTrainedModel, plan: Plan, quant: QuantScheme | None = None, 
     if stored is not None and rewrite:
         if plan.attention_tp > 1:
             _check_attention_unquantized(attention_graph, quant, plan.attention_tp)
-        graphs = quantize_graphs(segments, layers, attention_graph, attrs, stored, plan.ffn_ranks)
+        graphs = quantize_graphs(segments, layers, attention_graph, attrs, stored, plan.ffn_ranks, mixers)
         segments, layers, attention_graph, attrs = graphs.segments, graphs.layers, graphs.attention_graph, graphs.attrs
+        mixers = graphs.mixers
+        for site in mixers:  # refused now, not when the artifact is loaded
+            for linear in site.linears:
+                quantized_linear(model.get_submodule(site.module), linear)
     return Built(
         plan=plan,
         attention_graph=attention_graph,

@@ -31,6 +31,20 @@ class StateTensor:
 
 
 @dataclass(frozen=True)
+class QuantizedLinear:
+    """A linear of a mixer's module whose weight the checkpoint stores quantized: the rebuilt module
+    runs one of afdc's quantized linear ops there (the op the attention program runs for the same
+    weight outside a mixer), given the stored tensors as parameters of that linear."""
+
+    module: str  # the linear's path in the mixer's module ("q_a_proj")
+    op: str  # the op, by its name in ``torch.ops.afdc`` ("fp8_linear", "packed_linear")
+    # each tensor argument of the op and the linear's own name of the stored tensor it takes
+    # (("weight", "weight"), ("weight_scale", "weight_scale")); the site's weights name them in full
+    tensors: tuple[tuple[str, str], ...]
+    constants: tuple[tuple[str, bool | int | str], ...] = ()  # the op's other arguments (its block, format)
+
+
+@dataclass(frozen=True)
 class MixerSite:
     """One ``afdc::mixer`` call site (its ``slot``) and the module it runs."""
 
@@ -49,6 +63,7 @@ class MixerSite:
     # op after the weights: each a path "argument" or "argument/key/index" into the argument's
     # nesting of dicts and tuples (DeepSeek-V4's attention takes {"main": (cos, sin), ...})
     inputs: tuple[str, ...] = ()
+    linears: tuple[QuantizedLinear, ...] = ()  # its linears on weights the checkpoint stores quantized
 
     @property
     def fixed_state(self) -> bool:

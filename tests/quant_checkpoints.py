@@ -274,16 +274,19 @@ def deepseek_v4_fp8(directory: Path, block: tuple[int, int] = (16, 16), seed: in
     """DeepSeek-V4-shaped (afdc's catalog entry: hash-routed then top-k MoE, HCA and CSA attention,
     2 residual streams), quantized as DeepSeek-V4-Flash ships: its linears fp8 in blocks with ue8m0
     scales, each routed expert's w1/w2/w3 fp4 (``expert_dtype: fp4``, MXFP4 bytes in int8 with e8m0
-    scales), the routers, hyper-connections, ``wo_a`` (no ``nn.Linear``), norms and head unquantized.
-    Every dim of a quantized linear is a multiple of the block or smaller than it, which transformers'
-    block inference (rows // scale rows) reads right."""
+    scales), the routers, hyper-connections, ``wo_a`` (no ``nn.Linear``), norms and head unquantized,
+    and the compressors' projections and the indexer's scorer bf16 (the modules transformers keeps
+    out of fp8 for this release: ``_keep_in_fp32_modules``). Every dim of a quantized linear is a
+    multiple of the block or smaller than it, which transformers' block inference (rows // scale
+    rows) reads right."""
     kwargs = {**catalog.TINY_COMMON, **catalog.entry("deepseek_v4").config_kwargs}
     config = AutoConfig.for_model("deepseek_v4", **kwargs)
     quantization = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
                     "weight_block_size": list(block), "expert_dtype": "fp4"}  # fmt: skip
 
     def select(name: str, tensor: torch.Tensor) -> bool:
-        return _layer_matrix(name, tensor) and not name.endswith(("ffn.gate.weight", "wo_a.weight"))
+        kept = ("ffn.gate.weight", "wo_a.weight", "indexer.weights_proj.weight")
+        return _layer_matrix(name, tensor) and not name.endswith(kept) and ".compressor." not in name
 
     return _write(directory, config, quantization, _fp8_block_quantizer(block, select, "ue8m0", "fp4"), seed)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,17 @@ from quant_checkpoints import (
     qwen3_moe_nvfp4,
 )
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
 
 import afdc
 from afdc.artifact.manifest import FORMAT_VERSION, read_manifest
 from afdc.cli import main
+from afdc.codegen.fp8_linear import fp8_linear_reference
+from afdc.mixer_site import QuantizedLinear
+from afdc.quant.scheme import scheme_from_config
+from afdc.quant.stored import QuantizedTensors
+from afdc.runtime import kv_cache
+from afdc.runtime.quantized_linears import with_quantized_linears
 from tests.tiers import sweep
 
 NEW_TOKENS = 5
@@ -60,21 +67,37 @@ def _logits(model) -> torch.Tensor:
     return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()[mask.bool()]
 
 
+def _decoded_logits(dm, prefill: int = 5) -> torch.Tensor:
+    """:func:`_logits` of ``dm`` run as decode does: the first ``prefill`` positions at once, then
+    one token a step against the cache those left (the one attention rank's, as ``dm.generate``
+    keeps it)."""
+    ids, mask = _batch()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    caches = {(0, 0): kv_cache.KVCache()}
+    with torch.no_grad():
+        steps = [dm._run(ids[:, :prefill], mask[:, :prefill], pos[:, :prefill], caches).logits]
+        steps += [dm._run(ids[:, t : t + 1], mask[:, : t + 1], pos[:, t : t + 1], caches).logits
+                  for t in range(prefill, ids.shape[1])]
+    return torch.cat(steps, dim=1).float()[mask.bool()]
+
+
 def _distance(got: torch.Tensor, want: torch.Tensor) -> float:
     """The largest difference, relative to the largest logit."""
     return (got - want).abs().max().item() / want.abs().max().item()
 
 
 def _check_against_transformers(
-    dm, directory: Path, greedy: bool = True, dtype: torch.dtype = torch.bfloat16, **loading
+    dm, directory: Path, greedy: bool = True, dtype: torch.dtype = torch.bfloat16, logits=_logits,
+    new_tokens: int = NEW_TOKENS, **loading
 ) -> None:
     """``dm`` (compiled in ``dtype``) against transformers' own reading of the quantized checkpoint
-    (``loading``: the ``from_pretrained`` options it needs to dequantize): in bf16, logits no further
-    from the float32 reading than 1.5x the bf16 monolith's own distance from it; in float32, within
-    1e-5; and (``greedy``) the same greedy tokens. Generating in Triton's interpreter is most of a
-    test's time, so cases of one format share it out."""
+    (``loading``: the ``from_pretrained`` options it needs to dequantize): in bf16, ``dm``'s
+    ``logits`` (one prefill, or :func:`_decoded_logits`) no further from the float32 reading than
+    1.5x the bf16 monolith's own distance from it; in float32, within 1e-5; and (``greedy``) the
+    same ``new_tokens`` greedy tokens. Generating in Triton's interpreter is most of a test's time,
+    so cases of one format share it out."""
     fp32 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **loading).eval()
-    want, got = _logits(fp32), _logits(dm)
+    want, got = _logits(fp32), logits(dm)
     if dtype == torch.float32:
         assert _distance(got, want) < 1e-5, f"afdc's logits are {_distance(got, want):.2e} from transformers' reading"
     else:
@@ -86,7 +109,7 @@ def _check_against_transformers(
         )
     if greedy:
         ids, mask = _batch()
-        kw = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        kw = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         assert torch.equal(dm.generate(ids, **kw), fp32.generate(ids, **kw))
 
 
@@ -368,16 +391,37 @@ def test_quantized_experts_not_recognised_as_one_fused_moe_are_refused(tmp_path)
         afdc.compile_model(str(ck.directory), "1A1F", tmp_path / "art", progress=False)
 
 
-def test_deepseek_v4_as_shipped_gets_to_its_attention_mixer(tmp_path):
+def test_deepseek_v4_as_shipped_against_transformers(tmp_path):
     """DeepSeek-V4-Flash's quantization on its own architecture: every FFN segment, the hash-routed
-    layer's (its token-id lookup, sort and offsets on the FFN side) and the top-k layer's, is
-    rewritten to one fused MoE over the fp4 experts with V4's clamped SwiGLU (the FFN segments are
-    rewritten before the attention program); the fp8 linears inside its attention mixer are then
-    refused by name."""
+    layer's (its token-id lookup, sort and offsets on the FFN side) and the top-k layer's, runs one
+    fused MoE over the fp4 experts with V4's clamped SwiGLU; each attention, a stateful mixer run in
+    the model's own code, is given its fp8 weights as stored with their ue8m0 scales, and its
+    linears on them run afdc's fp8 op (the compressors' bf16 ones stay the model's). At 1A2F the
+    logits of a left-padded batch, decoded incrementally (a prefill, then a token a step against the
+    cache), are as close to transformers' own reading of the checkpoint as its bf16 monolith's,
+    with the same greedy tokens."""
     ck = deepseek_v4_fp8(tmp_path / "v4")
-    with pytest.raises(afdc.UnsupportedModelError, match=r"model\.layers\.0\.self_attn\.q_a_proj\.weight is stored "
-                       r"quantized \(fp8-block\) and a stateful mixer reads it"):
-        afdc.compile_model(str(ck.directory), "1A2F", tmp_path / "art", progress=False)
+    art = tmp_path / "art"
+    manifest = afdc.compile_model(str(ck.directory), "1A2F", art, progress=False)
+    assert manifest.incremental_decode and read_manifest(art).mixers == manifest.mixers
+    csa = manifest.mixers[1]  # the compressed sparse attention: compressor, indexer
+    linears = {q.module: q for q in csa.linears}
+    assert linears["q_a_proj"] == QuantizedLinear(
+        "q_a_proj", "fp8_linear", (("weight", "weight"), ("weight_scale", "weight_scale")),
+        (("block_n", 16), ("block_k", 16), ("w8a8", False)),
+    )
+    assert {"q_b_proj", "kv_proj", "o_b_proj", "compressor.indexer.q_b_proj"} < linears.keys()
+    assert not {"o_a_proj", "compressor.kv_proj", "compressor.indexer.scorer.weights_proj"} & linears.keys()
+    assert csa.weights[-len(linears):] == tuple(f"{m}.weight_scale" for m in linears)
+    # the config alone (a plan-only compile) names the same stored tensors: the compressors' bf16 too
+    from_config = QuantizedTensors.of(scheme_from_config(AutoConfig.from_pretrained(ck.directory))).tensors()
+    assert from_config.keys() == manifest.quant.tensors.keys()
+    with safe_open(art / "weights" / "attn.safetensors", "pt") as f:
+        assert f.get_slice("model.layers.1.self_attn.q_a_proj.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("model.layers.1.self_attn.q_a_proj.weight_scale").get_dtype() == "F8_E8M0"
+    # the logits of a prefill of 5 positions and 2 decode steps; decoding in Triton's interpreter
+    # is most of the test's time, so 3 greedy tokens
+    _check_against_transformers(afdc.load_deployment(art), ck.directory, logits=_decoded_logits, new_tokens=3)
 
 
 def test_cli_says_what_dtype_does_to_a_quantized_checkpoint(tmp_path):
@@ -476,3 +520,30 @@ def test_inspect_reports_each_weight_at_its_stored_bytes(tmp_path):
             stacked = [f"{layer['module']}.mlp.experts.{p}_{part}" for p in ("gate_up_proj", "down_proj")
                        for part in ("blocks", "scales")]
             assert layer["expert_weight_bytes"] == sum(_nbytes(f.get_slice(k)) for k in stacked)
+
+
+def test_a_mixers_quantized_linear_runs_only_where_its_module_calls_it_as_a_linear():
+    """The module rebuilt for a mixer gets afdc's op for a linear whose own forward is nn.Linear's:
+    the format's reading of the stored tensors; a linear with a forward of its own (V4's grouped
+    ``o_a_proj`` reads its weight itself) is refused by name, and so is a site, read from an
+    artifact, naming an op that is no quantized linear."""
+
+    class Grouped(torch.nn.Linear):
+        def forward(self, x):
+            return x @ self.weight.T
+
+    module = torch.nn.Module()
+    module.proj, module.grouped = torch.nn.Linear(32, 16, bias=True), Grouped(32, 16)
+    fp8 = QuantizedLinear("proj", "fp8_linear", (("weight", "weight"), ("weight_scale", "weight_scale")),
+                          (("block_n", 16), ("block_k", 16)))
+    with_quantized_linears(module, (fp8,))
+    weight = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    scale, bias, x = torch.rand(1, 2) + 0.5, torch.randn(16), torch.randn(3, 32)
+    params = {"weight": weight, "weight_scale": scale, "bias": bias}
+    got = torch.func.functional_call(module.proj, params, (x,), strict=True)
+    torch.testing.assert_close(got, fp8_linear_reference(x, weight, scale, 16, 16, bias))
+    with pytest.raises(afdc.UnsupportedModelError, match=r"Module\.grouped \(Grouped\) reads its weight in code"):
+        with_quantized_linears(module, (replace(fp8, module="grouped"),))
+    with pytest.raises(afdc.AfdcError, match=r"'aten::linear' is not a quantized linear op"):
+        with_quantized_linears(torch.nn.Sequential(torch.nn.Linear(32, 16)),
+                               (replace(fp8, module="0", op="aten::linear"),))

@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 import torch.fx as fx
 
 from afdc.errors import AfdcError
-from afdc.mixer_site import MixerSite, StateTensor
+from afdc.mixer_site import MixerSite, QuantizedLinear, StateTensor
 from afdc.plan import Plan
 from afdc.quant.stored import QuantizedTensors
 from afdc.segment import Dispatch, ExpertRouting, Segment, Split
@@ -249,6 +249,11 @@ def _mixer_site(d: dict) -> MixerSite:
         "constants": tuple(tuple(c) for c in d["constants"]),
         "state": tuple(StateTensor(t["name"], tuple(t["shape"]), t["dtype"]) for t in d["state"]),
         "inputs": tuple(str(i) for i in d.get("inputs", ())),
+        "linears": tuple(
+            QuantizedLinear(str(q["module"]), str(q["op"]), tuple((str(a), str(n)) for a, n in q["tensors"]),
+                            tuple((str(a), v) for a, v in q["constants"]))
+            for q in d.get("linears", ())
+        ),
     })
 
 

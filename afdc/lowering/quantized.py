@@ -12,7 +12,10 @@ the scheme, by parameter name: no per-model code) and replaces the matmuls that 
   ``afdc::fused_moe_nvfp4`` with the scales appended.
 
 An FFN segment takes each scale as a weight placeholder of its own (its own :class:`Split` and name
-in every layer's binding); the attention graph reads it with ``get_attr``. A scale is split with
+in every layer's binding); the attention graph reads it with ``get_attr``. A stateful mixer that
+reads a quantized weight (DeepSeek-V4's attention, run in the model's own code) is given the
+stored data and scales among its weights, and its site names the linear and the op to run there
+(:class:`afdc.mixer_site.QuantizedLinear`): the rebuilt module runs the same op for it. A scale is split with
 its weight: whole experts under EP, whole blocks under TP (a split that would cut a block is a
 :class:`PlanError` naming the weight, the block and the rank counts that work), per-channel scales
 with their channels; MXFP4 experts are split by expert only; int4 words and NVFP4 bytes along
@@ -23,6 +26,7 @@ scales with their experts, whole under TP.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -31,7 +35,11 @@ from afdc.codegen.fp8_linear import Fp8LinearCall
 from afdc.codegen.fused_moe import FusedMoeCall
 from afdc.codegen.fused_moe_quant import FusedMoeFp8Call, FusedMoeInt4Call, FusedMoeMxfp4Call, FusedMoeNvfp4Call
 from afdc.codegen.packed_linear import PackedLinearCall
+from afdc.codegen.typed_calls import EmittedCall
 from afdc.errors import PlanError, UnsupportedModelError
+from afdc.mixer_site import MixerSite, QuantizedLinear
+from afdc.ops.call import position
+from afdc.ops.mixer import MixerCall
 from afdc.passes.graph_facts import op_name
 from afdc.passes.moe_experts import experts_as_op
 from afdc.quant.scheme import PACKED_VALUES, QuantFormat, QuantizedParameter
@@ -45,6 +53,7 @@ class QuantizedGraphs:
     layers: list[SegmentBinding]
     attention_graph: fx.Graph
     attrs: dict[str, torch.Tensor]  # the stored tensors' meta values, beside the captured attrs
+    mixers: list[MixerSite]  # the stateful mixers' sites, with the quantized linears each runs
 
 
 def quantize_graphs(
@@ -54,6 +63,7 @@ def quantize_graphs(
     attrs: dict[str, torch.Tensor],
     quant: QuantizedTensors,
     ffn_ranks: int,
+    mixers: list[MixerSite],
 ) -> QuantizedGraphs:
     """The graphs with every matmul by a quantized weight on its quantized op (see the module)."""
     layers = [SegmentBinding(b.segment, list(b.weights)) for b in layers]
@@ -61,9 +71,10 @@ def quantize_graphs(
         _quantize_segment(seg, [b for b in layers if b.segment == i], quant, ffn_ranks)
         for i, seg in enumerate(segments)
     ]
-    _quantize_attention(attention_graph, quant)
+    sites = {s.slot: s for s in mixers}
+    _quantize_attention(attention_graph, quant, sites)
     meta = {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta") for t in quant.tensors().values()}
-    return QuantizedGraphs(new_segments, layers, attention_graph, {**attrs, **meta})
+    return QuantizedGraphs(new_segments, layers, attention_graph, {**attrs, **meta}, [sites[s.slot] for s in mixers])
 
 
 # -- which weights, how split ------------------------------------------------------------------------
@@ -187,34 +198,70 @@ def _quantize_segment(seg: Segment, bindings: list[SegmentBinding], quant: Quant
     return replace(seg, splits=tuple(splits))
 
 
-def _linears(graph: fx.Graph, weight: fx.Node, scales: dict[Role, fx.Node], p: QuantizedParameter) -> None:
-    """Each ``linear(x, weight, bias)`` on ``weight`` as ``fp8_linear``; any other use is refused."""
-    block = p.block
+def _linears(graph: fx.Graph, weight: fx.Node, scales: dict[Role, fx.Node], p: QuantizedParameter,
+             sites: dict[int, MixerSite] | None = None) -> None:
+    """Each ``linear(x, weight, bias)`` on ``weight`` as its quantized op, and each stateful mixer
+    reading ``weight`` (``sites``: theirs, updated) given the stored tensors; any other use is refused."""
     for user in list(weight.users):
-        if op_name(user) == "mixer":
-            raise UnsupportedModelError(
-                f"{p.name} is stored quantized ({p.format.value}) and a stateful mixer reads it in the model's own "
-                "code (DeepSeek-V4's attention with compressors), where afdc does not run quantized linears yet; "
-                "use the model's bf16 checkpoint"
-            )
+        if MixerCall.matches(user) and sites is not None:
+            _into_mixer(user, weight, scales, p, sites)
+            continue
         if op_name(user) != "linear" or user.args[1] is not weight:
             raise UnsupportedModelError(
                 f"{user.name} ({op_name(user)}) reads a quantized weight other than as a linear's weight; "
                 "afdc rewrites only linears on quantized weights"
             )
         x, bias = user.args[0], (user.args[2] if len(user.args) > 2 else user.kwargs.get("bias"))
+        call, arguments = _linear_op(p, scales)
         with graph.inserting_before(user):
-            if p.format in PACKED_VALUES:
-                new = PackedLinearCall.emit(graph, x=x, weight=weight, weight_scale=scales[Role.SCALE],
-                                            format=_KERNEL_FORMAT[p.format], group_size=block[-1],
-                                            weight_scale_2=scales.get(Role.GLOBAL_SCALE), bias=bias)
-            else:
-                new = Fp8LinearCall.emit(graph, x=x, weight=weight, weight_scale=scales[Role.SCALE],
-                                         block_n=block[-2], block_k=block[-1], bias=bias, w8a8=False,
-                                         input_scale=scales.get(Role.INPUT_SCALE))
+            new = call.emit(graph, x=x, weight=weight, bias=bias, **arguments)
         new.meta = dict(user.meta)
         user.replace_all_uses_with(new)
         graph.erase_node(user)
+
+
+def _linear_op(p: QuantizedParameter, scales: dict[Role, Any]) -> tuple[type[EmittedCall], dict[str, Any]]:
+    """The op a linear on ``p`` runs, and its arguments besides ``x``, ``weight`` and ``bias``."""
+    if p.format in PACKED_VALUES:
+        return PackedLinearCall, dict(weight_scale=scales[Role.SCALE], format=_KERNEL_FORMAT[p.format],
+                                      group_size=p.block[-1], weight_scale_2=scales.get(Role.GLOBAL_SCALE))
+    return Fp8LinearCall, dict(weight_scale=scales[Role.SCALE], block_n=p.block[-2], block_k=p.block[-1],
+                               w8a8=False, input_scale=scales.get(Role.INPUT_SCALE))
+
+
+def _into_mixer(mixer: fx.Node, weight: fx.Node, scales: dict[Role, fx.Node], p: QuantizedParameter,
+                sites: dict[int, MixerSite]) -> None:
+    """The mixer's op given ``weight``'s scales after the module's other weights (before its other
+    inputs), and its site the linear that reads ``weight`` with the op to run there: the module's
+    own code calls the linear, whose weight the op already passes (as stored, now)."""
+    call = MixerCall.of(mixer)
+    site = sites[call.slot]
+    own = site.weights[call.weights.index(weight)]
+    if not own.endswith(".weight"):
+        raise UnsupportedModelError(
+            f"{p.name} is stored quantized ({p.format.value}) and the stateful mixer {site.module} reads it as {own}, "
+            "not as a linear's weight: afdc runs quantized linears only; use the model's bf16 checkpoint"
+        )
+    linear = own.removesuffix(".weight")
+    op, arguments = _linear_op(p, scales)
+    stored = {arg: v for arg, v in arguments.items() if isinstance(v, fx.Node)}
+    names = {arg: "weight" + _suffix(node.target, p.name) for arg, node in stored.items()}
+    constants = tuple((arg, v) for arg, v in arguments.items() if arg not in stored and v is not None)
+    held = len(site.weights)
+    mixer.update_arg(position(MixerCall.OP, "weights"), [*call.weights[:held], *stored.values(), *call.weights[held:]])
+    sites[call.slot] = replace(
+        site,
+        weights=(*site.weights, *(f"{linear}.{names[arg]}" for arg in stored)),
+        linears=(*site.linears, QuantizedLinear(linear, op.OP._schema.name.split("::")[1],
+                                                (("weight", "weight"), *names.items()), constants)),
+    )
+
+
+def _suffix(name: str, parameter: str) -> str:
+    """What a stored tensor's name adds to its parameter's (``_scale``, ``_input_scale``, ``_scale_2``)."""
+    if not name.startswith(parameter):
+        raise UnsupportedModelError(f"the stored tensor {name} is not named after its parameter {parameter}")
+    return name[len(parameter):]
 
 
 def _experts(graph: fx.Graph, quantized: dict[fx.Node, tuple]) -> None:
@@ -295,7 +342,7 @@ def _only_quantized_ops(weight: fx.Node, parameter: str, unmatched: list[str]) -
 # -- the attention graph -------------------------------------------------------------------------------
 
 
-def _quantize_attention(graph: fx.Graph, quant: QuantizedTensors) -> None:
+def _quantize_attention(graph: fx.Graph, quant: QuantizedTensors, sites: dict[int, MixerSite]) -> None:
     for node in list(graph.find_nodes(op="get_attr")):
         p = quant.scheme.parameter(node.target)
         if p is None:
@@ -310,5 +357,5 @@ def _quantize_attention(graph: fx.Graph, quant: QuantizedTensors) -> None:
             for role in (Role.INPUT_SCALE, Role.GLOBAL_SCALE):
                 if (extra := quant.role(p.name, role)) is not None:
                     scales[role] = graph.get_attr(extra.name)
-        _linears(graph, node, scales, p)
+        _linears(graph, node, scales, p, sites)
     graph.lint()

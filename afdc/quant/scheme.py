@@ -459,14 +459,16 @@ def scheme_from_config(config: PretrainedConfig, model: nn.Module | None = None)
     The quantized parameters are those transformers converts when it loads such a checkpoint: each
     ``nn.Linear`` the config's rules select and, for fp8 and mxfp4, the 3-D weights of each
     ``experts`` module, except modules the config keeps in bf16 (and, with no list given, the
-    output embedding). ``model`` is the bf16 model (built on the meta device when not given).
+    output embedding) and those the model's class keeps out of quantization, as transformers'
+    quantizers do (``_keep_in_fp32_modules``: DeepSeek-V4's compressor projections ship in bf16).
+    ``model`` is the bf16 model (built on the meta device when not given).
     """
     qc = quantization_config(config)
     if qc is None:
         return None
     rules = _rules(qc)
     model = model if model is not None else meta_model(config)
-    skip = list(rules.not_converted)
+    skip = [*rules.not_converted, *(getattr(model, "_keep_in_fp32_modules", None) or ())]
     if not rules.explicit_skips:
         skip += get_keys_to_not_convert(model)
     parameters = []

@@ -27,6 +27,7 @@ from afdc.errors import AfdcError
 from afdc.mixer_site import MixerSite, StateTensor
 from afdc.ops.context import current_cache
 from afdc.runtime.bounded_state import BoundedState
+from afdc.runtime.quantized_linears import with_quantized_linears
 
 
 class Mixers:
@@ -46,10 +47,12 @@ class Mixers:
     @classmethod
     def from_config(cls, sites: list[MixerSite], config: PretrainedConfig) -> Mixers:
         """``sites`` run by modules rebuilt from the model's ``config`` on the meta device: a call
-        passes the weights, the module brings only its code (an artifact's attention rank)."""
+        passes the weights, the module brings only its code (an artifact's attention rank); its
+        linears on weights stored quantized run afdc's quantized ops (:mod:`afdc.runtime.quantized_linears`)."""
         with init_empty_weights(include_buffers=True):
             model = AutoModelForCausalLM.from_config(config)
-        return cls(sites, {s.slot: model.get_submodule(s.module) for s in sites}, config)
+        return cls(sites, {s.slot: with_quantized_linears(model.get_submodule(s.module), s.linears) for s in sites},
+                   config)
 
     def __bool__(self) -> bool:
         return bool(self.sites)
