@@ -35,7 +35,8 @@
     by role and cores (``wait="cores"``) and always spinning 2 ms (``spin=2e-3``), rounds taking
     turns: the bare round trip to an identity server, and a tiny Qwen3-MoE's (8 layers, hidden 64)
     greedy decode under ``dm.launch()`` against in process (per-layer round trip, rate), with
-    each process's CPU.
+    each process's CPU, and the bare floor: the same FFN layers in another process behind the bare
+    ping-pong (what two processes taking turns cost this host, with no protocol).
 (g) Where one layer's exchange goes (issue 54): the decode of (f) in a child process with
     ``AFDC_TRACE`` set (:mod:`afdc.runtime.trace`), in process and over shm (the default wait, and
     always spinning), a fresh deployment each; per traced phase of either side (header, copies,
@@ -297,6 +298,83 @@ def bare_cuda_ping_pong(repeats: int) -> dict[int, float]:
     return _ping_pong(path, mm, echo, make, put, take, repeats)
 
 
+_FLOOR_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _ffn_echo(path: str, area: int, program: FFNProgram) -> None:
+    """The bare floor's server: each request is a layer's one input (its layer, shape and dtype in
+    the words at 16..40), run by ``program`` and its one output copied into the reply area."""
+    torch.set_grad_enabled(False)
+    _, mm = _shm_mapping(0, Path(path))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+
+    def echo(n: int) -> None:
+        layer, rows, cols, code = struct.unpack_from("<4Q", mm, 16)
+        x = torch.empty(rows, cols, dtype=_FLOOR_DTYPES[code])
+        ctypes.memmove(x.data_ptr(), base + 128, n)
+        (y,) = program.run(layer, [x])
+        y = y.contiguous()
+        ctypes.memmove(base + 128 + area, y.data_ptr(), y.numel() * y.element_size())
+
+    _echo_loop(mm, echo)
+
+
+class BareFloor:
+    """What any two processes pay to run a decode's FFN layers apart, on this host: the attention
+    rank's FFN program (one input, one output of the same shape per layer) swapped for this
+    stand-in, which sends each layer's input to a spawned process running the same program through
+    the bare ping-pong (a sequence number each way, both sides polling with ``sched_yield``; no
+    header, check, wait policy or metrics). Against afdc's shm exchange, the gap is afdc's protocol;
+    against in process, what the host charges two processes taking turns (the FFN layer's cold
+    caches in the other process included)."""
+
+    def __init__(self, rank, area: int = 1 << 20):
+        self.rank, self.area, self.seq = rank, area, 0
+        self.program = rank.ffn[0]
+        self.path, self.mm = _shm_mapping(128 + 2 * area)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self.echo = mp.get_context("spawn").Process(
+            target=_ffn_echo, args=(str(self.path), area, self.program), daemon=True
+        )
+
+    def __enter__(self) -> BareFloor:
+        self.echo.start()
+        started = time.perf_counter()
+        while _WORD.unpack_from(self.mm, 72)[0] != 1:
+            time.sleep(0.01)
+            if not self.echo.is_alive() or time.perf_counter() - started > ECHO_START_TIMEOUT:
+                self.__exit__()
+                raise TimeoutError("the bare floor's FFN process did not start")
+        self.rank.ffn[0] = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.rank.ffn[0] = self.program
+        _WORD.pack_into(self.mm, 0, _STOP)
+        self.echo.join(10)
+        self.path.unlink(missing_ok=True)
+
+    def dispatch(self, layer: int):
+        return self.program.dispatch(layer)
+
+    def run(self, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        (x,) = inputs
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        n = flat.numel() * flat.element_size()
+        ctypes.memmove(self.base + 128, flat.data_ptr(), n)
+        struct.pack_into("<5Q", self.mm, 8, n, layer, *flat.shape, _FLOOR_DTYPES.index(flat.dtype))
+        self.seq += 1
+        _WORD.pack_into(self.mm, 0, self.seq)  # after the rest: the echo sees the request whole
+        started = time.perf_counter()
+        while _WORD.unpack_from(self.mm, 64)[0] != self.seq:
+            os.sched_yield()
+            if time.perf_counter() - started > ECHO_TIMEOUT:
+                raise TimeoutError(f"the bare floor's FFN process did not answer layer {layer}")
+        y = torch.empty_like(x)
+        ctypes.memmove(y.data_ptr(), self.base + 128 + self.area, n)
+        return [y]
+
+
 def _thread_cpu_seconds(pid: int) -> float:
     """CPU seconds of all of process ``pid``'s threads, at the scheduler's nanosecond resolution
     (``/proc``'s schedstat: a few hundred round trips take less CPU than one clock tick)."""
@@ -506,10 +584,11 @@ def wait_policies(batch: int, new_tokens: int, rounds: int, repeats: int) -> Non
     """(f) Each wait (:data:`WAITS`) against the others, rounds taking turns, every setup in a
     fresh deployment each round. First the bare exchange: the median shm round trip of one
     token's activations to an identity FFN server (as (a)) and each side's CPU per round trip.
-    Then the Python API's greedy decode over shm against the same model in process: per setup
-    the median time per token and its spread over the rounds, the per-layer round trip ((time per
-    token over shm - in process of the same round) / layers), the rate against in process, and
-    each process's CPU while it decoded (% of a core)."""
+    Then the Python API's greedy decode over shm against the same model in process, and beside
+    them the bare floor (:class:`BareFloor`: the same FFN layers in another process behind the
+    bare ping-pong, no protocol): per setup the median time per token and its spread over the
+    rounds, the per-layer round trip ((time per token over shm - in process of the same round) /
+    layers), the rate against in process, and each process's CPU while it decoded (% of a core)."""
     trips: dict[str, list[tuple[int, float, float, float]]] = {name: [] for name in WAITS}
     for _ in range(rounds):
         for name, options in WAITS.items():
@@ -539,9 +618,12 @@ def wait_policies(batch: int, new_tokens: int, rounds: int, repeats: int) -> Non
         return wall / new_tokens, 100 * (time.process_time() - cpu) / wall, 100 * ffn / wall
 
     ref = decode(new_tokens)
-    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ["in process", *WAITS]}
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ["in process", "bare floor", *WAITS]}
     for _ in range(rounds):
         runs["in process"].append(timed(None))
+        with BareFloor(dm.ranks[0]) as floor:
+            assert torch.equal(decode(new_tokens), ref), "decode behind the bare floor differs from in process"
+            runs["bare floor"].append(timed(floor.echo.pid))
         for name, options in WAITS.items():
             with dm.launch(log_interval=0, **options) as cluster:
                 assert torch.equal(decode(new_tokens), ref), f"decode over shm ({name}) differs from in process"
