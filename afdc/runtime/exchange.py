@@ -136,19 +136,23 @@ class AttentionEndpoint:
     def _file(self, generation: int, item: Incoming | Failure) -> None:
         """File what a receiver thread got; what a left generation's threads still deliver is dropped."""
         with self._cond:
-            if generation != self._generation:
-                return
-            if isinstance(item, Failure):
-                self._lost[item.peer] = item.reason
-            else:
-                h = item.header
-                key = (h.key, h.sender)
-                self.metrics.received(h.payload_bytes)
-                if h.kind == wire.Kind.ERROR:
-                    self._errors[key] = bytes(item.tensors[0].cpu().numpy()).decode(errors="replace")
-                else:
-                    self._results[key] = item.tensors
+            self._filed(generation, item)
             self._cond.notify_all()
+
+    def _filed(self, generation: int, item: Incoming | Failure) -> None:
+        """:meth:`_file` with ``_cond`` held, waking no one (the waiting thread read it itself)."""
+        if generation != self._generation:
+            return
+        if isinstance(item, Failure):
+            self._lost[item.peer] = item.reason
+        else:
+            h = item.header
+            key = (h.key, h.sender)
+            self.metrics.received(h.payload_bytes)
+            if h.kind == wire.Kind.ERROR:
+                self._errors[key] = bytes(item.tensors[0].cpu().numpy()).decode(errors="replace")
+            else:
+                self._results[key] = item.tensors
 
     # -- exchange ----------------------------------------------------------------------------
 
@@ -180,8 +184,8 @@ class AttentionEndpoint:
         assert self.transport is not None
         with self.metrics.phases.timed("send", per_message=True):
             header = self._header(wire.Kind.DATA, tensors, step, layer, micro_batch, tokens)
-            with self._cond:
-                self._sent_at.setdefault((step, layer, micro_batch), time.monotonic())
+            # one dict operation, atomic under the GIL: no lock on the path of every message
+            self._sent_at.setdefault((step, layer, micro_batch), time.monotonic())
             self._waiter.busy()  # a reply is due: its wait starts from the spin, however long this rank idled
             peer = self.ffn_slots[ffn_rank]
             try:
@@ -207,18 +211,17 @@ class AttentionEndpoint:
         peers = [self.ffn_slots[r] for r in ffn_ranks]
         deadline = time.monotonic() + self.options.timeout
         polled = self.transport.polled
-        missing = peers
         phase = (peers[0], layer)  # its spin budget's key: the link and the layer
-        with self._cond:
-            sent_at = self._sent_at.get(key, time.monotonic())
-        # a pause blocks on the first reply still missing (the others are taken as they land)
-        pause = self._waiter.pauses(
-            spin, lambda seconds: self.transport.block(missing, micro_batch, seconds), self.transport.wakes, deadline,
-            self._waiter.spin_left(phase, sent_at, time.monotonic()),
-        )
+        sent_at = self._sent_at.get(key) or time.monotonic()
         generation = self._generation
+        # a polled reply is mostly posted by the time its wait starts (the server ran meanwhile on
+        # the core this rank gave up): it is looked for first, and filed and returned under one lock
+        missing, pause = peers, None
+        arrived = self.transport.receive(missing, micro_batch) if polled else []
         while True:
             with self._cond:
+                for item in arrived:
+                    self._filed(generation, item)
                 if self._failed is not None:  # another micro-batch's exchange failed: a regroup follows
                     raise PeerLost("ffn", *self._failed)
                 for peer in peers:
@@ -228,27 +231,29 @@ class AttentionEndpoint:
                     if peer in self._lost:
                         self._fail(peer, layer, f"its link broke ({self._lost[peer]})")
                 missing = [p for p in peers if (key, p) not in self._results]
+                now = time.monotonic()
                 if not missing:
-                    now = time.monotonic()
                     self._waiter.waited(now - deadline + self.options.timeout)
                     self._waiter.answered(phase, now - sent_at)
-                    self.metrics.exchange_ms.observe((now - self._sent_at.pop(key)) * 1e3)
+                    self.metrics.exchange_ms.observe((now - self._sent_at.pop(key, sent_at)) * 1e3)
                     return [self._results.pop((key, p)) for p in peers]
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if now >= deadline:
                     self._fail(missing[0], layer, f"no reply within {self.options.timeout:g} s (step {step})")
                 if not polled:
-                    self._cond.wait(left)
+                    self._cond.wait(deadline - now)
                     continue
-            arrived = self.transport.receive(missing, micro_batch)
+            if pause is None:  # blocks on the first reply still missing (the others are taken as they land)
+                block = lambda seconds: self.transport.block(missing, micro_batch, seconds)  # noqa: B023, E731
+                pause = self._waiter.pauses(
+                    spin, block, self.transport.wakes, deadline, self._waiter.spin_left(phase, sent_at, now)
+                )
             # poll the slots alone until something lands; a lost peer or a refusal (filed by the
             # socket's receiver thread) or the deadline sends the wait back to the checks above
+            arrived = []
             while not arrived and not (self._lost or self._errors) and time.monotonic() < deadline:
                 pause()
                 arrived = self.transport.receive(missing, micro_batch)
-            for item in arrived:
-                self._file(generation, item)
-            if not arrived:
+            if not arrived:  # another rank's loss filed meanwhile must not make this wait a hot loop
                 pause()
 
     def _fail(self, peer: int, layer: int | None, reason: str):

@@ -43,6 +43,7 @@ log = logging.getLogger("afdc.shm")
 
 _LINE = 64  # control words sit on their own cache lines
 _WORD = struct.Struct("<Q")
+_PAIR = struct.Struct("<QQ")  # a slot's seq and ack, read together
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _PAYLOAD = -(-wire.HEADER_BYTES // _LINE) * _LINE  # a slot's payload starts on a cache line after its header
 
@@ -255,6 +256,10 @@ class Mailbox(_SharedFile):
     def _ack(self, k: int) -> int:
         return _WORD.unpack_from(self._mm, (2 + k) * _LINE + 8)[0]
 
+    def _control(self, k: int) -> tuple[int, int]:
+        """Slot ``k``'s seq and ack in one read (a round trip reads them a few times a side)."""
+        return _PAIR.unpack_from(self._mm, (2 + k) * _LINE)
+
     def _start(self, k: int) -> int:
         return self._body + k * (_PAYLOAD + self._in_file)
 
@@ -263,11 +268,13 @@ class Mailbox(_SharedFile):
 
     def free(self, k: int) -> bool:
         """Sender: the receiver has taken slot ``k``'s last message."""
-        return self._seq(k) == self._ack(k)
+        seq, ack = self._control(k)
+        return seq == ack
 
     def ready(self, k: int) -> bool:
         """Receiver: slot ``k`` holds a message not yet taken."""
-        return self._seq(k) != self._ack(k)
+        seq, ack = self._control(k)
+        return seq != ack
 
     def pending(self) -> list[int]:
         """Receiver: the slots that hold a message not yet taken."""
@@ -280,8 +287,8 @@ class Mailbox(_SharedFile):
         """Sender: post a message (``tensors`` contiguous, in host memory) into slot ``k`` once the
         receiver has taken the last one; ``wake``: wake a reader asleep on the slot (a sender to
         a server rings the server's :class:`Bell` instead)."""
-        seq = self._seq(k)
-        if self._ack(k) != seq:
+        seq, ack = self._control(k)
+        if ack != seq:
             pause, deadline = Waiter(pacing).pauses(), time.monotonic() + timeout
             while self._ack(k) != seq:
                 if time.monotonic() > deadline:
@@ -297,8 +304,8 @@ class Mailbox(_SharedFile):
 
     def wait_ready(self, k: int, seconds: float) -> None:
         """Receiver: sleep up to ``seconds``, less once slot ``k`` holds a message (at once if it does)."""
-        seq = self._seq(k)
-        if seq != self._ack(k):
+        seq, ack = self._control(k)
+        if seq != ack:
             return
         if not self._seqs:
             time.sleep(seconds)
@@ -316,12 +323,12 @@ class Mailbox(_SharedFile):
         """Receiver: the message in slot ``k``, its tensors copied out (into torch's own aligned
         memory: the programs compute on it, and a matmul over a tensor backed by a mapping ran
         several times slower), and the slot freed."""
-        start = self._start(k)
+        seq, start = self._seq(k), self._start(k)  # the sender posts nothing more here until it is acked
         header = wire.Header.decode(self._mm[start : start + wire.HEADER_BYTES])
         if header.payload_bytes > self.slot_bytes:
             raise wire.WireError(f"slot {k} claims {header.payload_bytes} bytes, more than its {self.slot_bytes}")
         tensors = self._read(k, header.tensors)
-        _WORD.pack_into(self._mm, (2 + k) * _LINE + 8, self._seq(k))
+        _WORD.pack_into(self._mm, (2 + k) * _LINE + 8, seq)
         return header, tensors
 
     # -- where a slot's payload bytes live: in the file, right after its header -------------------
