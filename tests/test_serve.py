@@ -321,11 +321,6 @@ PREFIX_CACHING = ("--enable-prefix-caching", "--block-size", "16", "--num-gpu-bl
                   "--max-num-seqs", "8")
 
 
-def _check_prefix_caching_and_preemption(artifact: Path, tmp_path: Path) -> None:
-    with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids", *PREFIX_CACHING)) as (client, _):
-        _assert_prefix_caching_and_preemption(client, artifact)
-
-
 def _assert_prefix_caching_and_preemption(client, artifact: Path) -> None:
     """8 concurrent requests sharing a 32-token prefix, each growing past 48 tokens while decoding,
     on a server given PREFIX_CACHING: vLLM must reuse the cached prefix blocks and preempt requests
