@@ -199,6 +199,10 @@ def test_afdc_backend_and_expert_routing_under_vllm(models, tmp_path, monkeypatc
         assert "FFN segment 0: {'fused_moe': 1} afdc kernels" in (tmp_path / f"ffn-{rank}.log").read_text()
 
 
+# --sweep only: CI serves --attn-tp 2 on Qwen3-Next, its TP ranks over one paged store and its
+# completions equal afdc's generation (test_serve_mixers.py, test_hybrid_preemption_keeps_outputs),
+# and checks TP's tokens against the monolith's on this dense model in process (test_attention_tp.py)
+@pytest.mark.sweep
 def test_attention_tp_under_vllm(models, tmp_path):
     """--attn-tp 2 in the vLLM worker, its FFN rank a server over shared memory: two TP ranks
     (threads) over one paged store, each reading and writing its own heads; completions and chat
