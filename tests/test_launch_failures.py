@@ -35,23 +35,15 @@ from afdc.runtime.rendezvous import (
 
 JOIN_TIMEOUT = 60.0  # what a launch failure used to cost; every test here hears it far sooner
 
-TINY_LLAMA = """
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
-cfg = AutoConfig.for_model(
-    "llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, pad_token_id=0,
-)
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-"""
-
-
 def _tiny_llama():
-    scope: dict = {}
-    exec(TINY_LLAMA, scope)
-    return scope["model"]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +64,18 @@ def _serve(artifact, address: str, token: str) -> tuple[subprocess.CompletedProc
     return done, time.monotonic() - started
 
 
-def test_script_without_the_main_guard_is_told_at_once(tmp_path):
+def test_script_without_the_main_guard_is_told_at_once(artifact, tmp_path):
     """The spawned server runs the script again and dies at its ``dm.launch()``: the launching
-    process hears it when it dies, with the server's exit code and last lines, which name the guard."""
+    process hears it when it dies, with the server's exit code and last lines, which name the guard.
+    (The script loads the module's compiled tiny llama, a DisaggregatedModel as afdc.disaggregate's
+    is, so that neither process spends a capture before the launch.)"""
     script = tmp_path / "no_guard.py"
-    script.write_text(TINY_LLAMA + textwrap.dedent(f"""
+    script.write_text(textwrap.dedent(f"""
         import sys, time
+        import torch
         import afdc
 
-        dm = afdc.disaggregate(model, "1A1F")
+        dm = afdc.load_deployment({str(artifact)!r})
         started = time.monotonic()
         try:
             with dm.launch(join_timeout={JOIN_TIMEOUT}):
@@ -101,11 +96,10 @@ def test_script_without_the_main_guard_is_told_at_once(tmp_path):
     assert "did not join" not in done.stderr
 
 
-def test_launched_server_killed_before_it_joins_is_reported_then_restarts():
-    model = _tiny_llama()
+def test_launched_server_killed_before_it_joins_is_reported_then_restarts(artifact):
+    dm = afdc.load_deployment(artifact)
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
-    ref = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    dm = afdc.disaggregate(model, "1A1F")
+    ref = dm.generate(ids, max_new_tokens=3, pad_token_id=0)  # in-process
     with dm.launch(join_timeout=JOIN_TIMEOUT) as cluster:
         cluster.kill(0)
         started = time.monotonic()
