@@ -12,6 +12,7 @@ import functools
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -47,8 +48,9 @@ class Kind(enum.IntEnum):
 _KINDS = {int(k): k for k in Kind}  # by wire code: a dict lookup is cheaper than Kind(code)
 
 
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
+# A tuple, not a dataclass: every header built or read hashes its specs (cached encodings and
+# sizes are looked up by them), and a tuple hashes in C where a dataclass calls Python code.
+class TensorSpec(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
 
