@@ -420,7 +420,8 @@ def _reply(hostile: HostileRank, layer: int) -> Incoming:
 
 
 def test_an_index_out_of_its_range_is_refused_and_the_server_keeps_serving():
-    """An input the FFN side indexes with (here expert ids, the router on the attention side) is
+    """An input the FFN side indexes with (here expert ids, the router on the attention side: the
+    tiny DeepSeek-V3's cross as ids, where a tiny Qwen3-MoE's router scores cost fewer bytes) is
     checked against its range before the layer runs: a DATA message with an expert id past the
     experts is refused with an ERROR naming the input, the layer, the value and the range (on a GPU
     it would have been a device-side assert ending the server's CUDA context), and the server
