@@ -8,8 +8,9 @@ the artifact and the runtime read them through :func:`weights`, :func:`inputs` a
 :func:`rank`, never by parsing names. :class:`Segment` is a segment ready to deploy: its graph,
 how the FFN ranks hold each weight (:class:`Split`), how the attention side combines their
 outputs, each input's token layout and, under expert parallelism, how tokens reach the experts'
-ranks (:class:`ExpertRouting`). :class:`Dispatch` is what the attention side does with that for
-one message. Torch only: every stage imports this module, it imports none of them.
+ranks (:class:`ExpertRouting`), and the range of each input it indexes with (:class:`IndexBound`).
+:class:`Dispatch` is what the attention side does with that for one message, and what the FFN
+side takes of one. Torch only: every stage imports this module, it imports none of them.
 """
 
 from __future__ import annotations
@@ -267,6 +268,30 @@ class ExpertRouting:
 
 
 @dataclass(frozen=True)
+class IndexBound:
+    """Input ``input`` holds indices into ``size`` rows (expert ids, token ids): each value lies
+    in ``[0, size)``, which the FFN side checks before it runs a peer's message
+    (:mod:`afdc.passes.index_bounds` finds them)."""
+
+    input: int
+    size: int
+
+    def __post_init__(self):
+        for name in ("input", "size"):
+            if type(getattr(self, name)) is not int:
+                raise ValueError(f"{self}: {name} is an integer, not {type(getattr(self, name)).__name__}")
+        if self.input < 0 or self.size < 1:
+            raise ValueError(f"{self}: needs input >= 0 and size >= 1")
+
+
+def check_index_bounds(bounds: Sequence[IndexBound], inputs: int) -> None:
+    """Refuse bounds that do not name distinct inputs among ``inputs``."""
+    named = [b.input for b in bounds]
+    if len(set(named)) != len(named) or any(i >= inputs for i in named):
+        raise ValueError(f"index bounds {list(bounds)} must name distinct inputs of the {inputs} the segment takes")
+
+
+@dataclass(frozen=True)
 class Share:
     """The tokens a message sends FFN rank ``rank``: ``[start, stop)``, or the rows ``rows``,
     of which ``owned`` marks those whose rank-shared term this rank adds."""
@@ -290,12 +315,14 @@ class Dispatch:
     ``first`` (rank 0's copy is the result, so only rank 0 is asked) or ``rows`` (each rank holds
     the whole layer and serves a contiguous share of the tokens). With ``experts``, a ``sum``
     layer's tokens go only to the ranks holding experts they chose, and each rank's partial
-    results are added into the rows it was sent.
+    results are added into the rows it was sent. ``index_bounds``: the inputs the FFN side
+    indexes with, whose values it takes only in their range.
     """
 
     reduce: tuple[str, ...]
     inputs: tuple[TokenLayout | None, ...]
     experts: ExpertRouting | None = None
+    index_bounds: tuple[IndexBound, ...] = ()
 
     # asked several times a layer on the exchange's path: each answer is worked out once
     @functools.cached_property
@@ -376,7 +403,8 @@ class Segment:
     combines output ``i`` over the ranks (``sum`` of partial results, the ``first`` rank's copy,
     or ``rows``: every rank holds the whole segment and serves its own share of the tokens);
     ``inputs[i]`` is input ``i``'s token layout (None when it is not token-major), which lets one
-    run serve several senders' tokens; ``routing`` sends each token only to its experts' ranks.
+    run serve several senders' tokens; ``routing`` sends each token only to its experts' ranks;
+    ``index_bounds`` is the range of each input the segment indexes with.
     """
 
     graph: fx.Graph
@@ -384,13 +412,18 @@ class Segment:
     reduce: tuple[str, ...]
     inputs: tuple[TokenLayout | None, ...]
     routing: ExpertRouting | None = None
+    index_bounds: tuple[IndexBound, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "index_bounds", tuple(self.index_bounds))
+        check_index_bounds(self.index_bounds, len(self.inputs))
 
     def describe(self) -> str:
         """``ep``, ``tp``, ``dp`` or ``replicated``: how the FFN ranks share this segment's work."""
         return describe(self.splits, self.reduce)
 
     def dispatch(self) -> Dispatch:
-        return Dispatch(tuple(self.reduce), tuple(self.inputs), self.routing)
+        return Dispatch(tuple(self.reduce), tuple(self.inputs), self.routing, self.index_bounds)
 
 
 def describe(splits: Sequence[Split], reduce: Sequence[str]) -> str:

@@ -180,3 +180,20 @@ def test_an_artifact_of_the_previous_format_is_refused(artifact):
     refusal = rf"artifact format 4 is not {mf.FORMAT_VERSION}.*recompile it with this afdc"
     with pytest.raises(mf.ArtifactError, match=refusal):
         afdc.load(artifact, "attn", 0)
+
+
+def test_index_bounds_are_read_as_bounded_data(artifact):
+    """A segment's index bounds (the inputs its FFN side indexes with, and their ranges) must name
+    an input of the segment and a range of at least one value; an artifact written before they
+    were recorded loads with none."""
+    data = json.loads((artifact / mf.MANIFEST).read_text())
+    spec = data["segments"][0]
+    for bounds in ([{"input": len(spec["inputs"]), "size": 8}], [{"input": 0, "size": 0}],
+                   [{"input": 0, "size": 8}, {"input": 0, "size": 9}], [{"input": 0, "size": "8"}], [{"input": 0}]):
+        spec["index_bounds"] = bounds
+        (artifact / mf.MANIFEST).write_text(json.dumps(data))
+        with pytest.raises(mf.ArtifactError, match=r"not a valid afdc manifest \((IndexBound|index bounds)"):
+            afdc.load(artifact, "ffn", 0)
+    del spec["index_bounds"]  # as written before this field
+    (artifact / mf.MANIFEST).write_text(json.dumps(data))
+    assert afdc.load(artifact, "ffn", 0).dispatch(0).index_bounds == ()

@@ -23,6 +23,7 @@ from afdc.runtime.bounded_state import BoundedState
 from afdc.runtime.mixer_modules import Mixers
 from afdc.runtime.paged import MixerStateStore, PagedBatch, PagedKVStore, PagedRows
 from afdc.runtime.programs import combine
+from afdc.segment import IndexBound
 from afdc.serve.up import check_servable
 from models_supported import catalog
 from tests.tiers import sweep
@@ -309,7 +310,13 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
     hashed, routed = manifest.layers
     assert [c.dtype for c in hashed.to_ffn] == ["float32", "int64"] and hashed.to_ffn[0].shape_per_token == [hidden]
     assert [c.shape_per_token for c in routed.to_ffn] == [[hidden]]
+    # the FFN side indexes its token-id table with the ids it receives: it takes only ids of the
+    # vocabulary (the server checks them), in the manifest and in the program loaded from it
+    bounds = [manifest.segments[lay.segment].index_bounds for lay in manifest.layers]
+    assert bounds == [[IndexBound(1, model.config.vocab_size)], []]
+    assert [read_manifest(tmp_path / "art").segments[lay.segment].index_bounds for lay in manifest.layers] == bounds
     dm = afdc.load_deployment(tmp_path / "art")
+    assert [list(ffn.dispatch(i).index_bounds) for ffn in dm.ffn_ranks for i in range(2)] == bounds * 2
     valid = mask.bool()
     out = dm(ids, attention_mask=mask).logits
     assert (out[valid] - ref[valid]).abs().max() <= 1e-4 * ref[valid].abs().max()

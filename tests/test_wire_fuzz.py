@@ -28,8 +28,9 @@ import afdc
 from afdc.runtime import wire
 from afdc.runtime.rendezvous import PeerLost, Rendezvous
 from afdc.runtime.transport import shm, transport_class
-from afdc.runtime.transport.base import Failure
+from afdc.runtime.transport.base import Failure, Incoming
 from afdc.segment import at_tokens
+from afdc.segment import inputs as segment_inputs
 from models_supported import catalog
 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz test needs hypothesis (pip install -e '.[test]')")
@@ -404,3 +405,62 @@ def test_hostile_peer_cannot_stop_the_ffn_server(connector):
         growth = (_rss(server.pid) - baseline) / 2**20
         print(f"{connector}: {len(seen)} hostile messages, {record['runs']} decodes, {hostile.regroups} regroups, "
               f"server RSS {growth:+.1f} MiB, {time.monotonic() - started:.1f} s")
+
+
+def _reply(hostile: HostileRank, layer: int) -> Incoming:
+    """The server's answer to the hostile rank's DATA message for ``layer``: over shm a RESULT comes
+    in the micro-batch's slot, an ERROR over the socket."""
+    deadline = time.monotonic() + PROBE_S
+    while time.monotonic() < deadline:
+        for item in hostile.transport.receive([hostile.server], 0) + hostile._socket_items():
+            assert not isinstance(item, Failure), f"the server dropped the link: {item.reason}"
+            if item.header.layer == layer:
+                return item
+    raise AssertionError(f"no answer to the DATA message for FFN layer {layer} in {PROBE_S:g} s")
+
+
+def test_an_index_out_of_its_range_is_refused_and_the_server_keeps_serving():
+    """An input the FFN side indexes with (here expert ids, the router on the attention side: the
+    tiny DeepSeek-V3's cross as ids, where a tiny Qwen3-MoE's router scores cost fewer bytes) is
+    checked against its range before the layer runs: a DATA message with an expert id past the
+    experts is refused with an ERROR naming the input, the layer, the value and the range (on a GPU
+    it would have been a device-side assert ending the server's CUDA context), and the server
+    answers the next valid message and keeps serving the other attention rank."""
+    model = catalog.build(catalog.entry("deepseek_v3"))
+    ids = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(5))
+    ref = model.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    dm = afdc.disaggregate(model, "2A1F", router="attn", connector="shm")
+    layer = next(i for i in range(len(dm.ffn.layers)) if dm.ffn.dispatch(i).index_bounds)
+    dispatch = dm.ffn.dispatch(layer)
+    (bound,) = dispatch.index_bounds
+    assert bound.size == model.config.n_routed_experts
+    graph = dm.ffn.segments[dm.ffn.layers[layer].segment].graph
+    dtypes = [n.meta["val"].dtype for n in segment_inputs(graph)]
+
+    def data(step: int, expert: int) -> tuple[wire.Header, list[torch.Tensor]]:
+        tokens = 3
+        tensors = [torch.full(at_tokens(lay, tokens), 0.5).to(dt) for lay, dt in zip(dispatch.inputs, dtypes)]
+        chosen = tensors[bound.input]
+        chosen.view(-1).copy_(torch.arange(chosen.numel()) % bound.size)  # every expert id valid ...
+        chosen.view(-1)[-1] = expert  # ... but the last
+        header = wire.Header.carrying(wire.Kind.DATA, tensors, deployment=dm.deployment, generation=hostile.generation,
+                                      step=step, layer=layer, micro_batch=0, tokens=tokens, sender=HOSTILE)
+        return header, tensors
+
+    with dm.launch(timeout=30, join_timeout=60) as cluster:
+        hostile = HostileRank(dm, cluster.options, "shm")
+        joined = threading.Thread(target=hostile.join, daemon=True)
+        joined.start()
+        assert torch.equal(dm.generate(ids, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)  # joins with it
+        joined.join(60)
+        for step, expert in ((1, bound.size), (2, -1)):
+            hostile.transport.send(hostile.server, *data(step, expert))
+            answer = _reply(hostile, layer)
+            assert answer.header.kind == wire.Kind.ERROR
+            reason = bytes(answer.tensors[0].tolist()).decode()
+            assert reason == (f"input {bound.input} of FFN layer {layer} is indices into {bound.size} rows, in "
+                              f"[0, {bound.size}): the message's holds {expert}")
+        hostile.transport.send(hostile.server, *data(3, bound.size - 1))
+        assert _reply(hostile, layer).header.kind == wire.Kind.RESULT  # the valid message runs
+        assert torch.equal(dm.generate(ids, max_new_tokens=NEW_TOKENS, pad_token_id=0), ref)
+        assert cluster.processes[0].is_alive()

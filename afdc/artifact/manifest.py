@@ -18,7 +18,7 @@ from afdc.errors import AfdcError
 from afdc.mixer_site import MixerSite, QuantizedLinear, StateTensor
 from afdc.plan import Plan
 from afdc.quant.stored import QuantizedTensors
-from afdc.segment import Dispatch, ExpertRouting, Segment, Split
+from afdc.segment import Dispatch, ExpertRouting, IndexBound, Segment, Split, check_index_bounds
 
 # 6: the quantization scheme per stored tensor (``quant``); 5: programs as graph data (4 and before:
 # Python source, executed on load)
@@ -70,27 +70,34 @@ class SegmentSpec:
     reduce: list[str]  # per output
     inputs: list[list[int] | None]  # per activation input: shape at batch 1 and T tokens (-k: k*T)
     routing: ExpertRouting | None = None  # expert-parallel: tokens go only to their experts' ranks
+    # the inputs the segment indexes with and their ranges (an artifact compiled before them has none)
+    index_bounds: list[IndexBound] = field(default_factory=list)
+
+    def __post_init__(self):
+        check_index_bounds(self.index_bounds, len(self.inputs))
 
     @classmethod
     def from_dict(cls, d: dict) -> SegmentSpec:
         routing = ExpertRouting(**d["routing"]) if d.get("routing") else None
-        return cls(d["program"], [Split(**s) for s in d["splits"]], d["reduce"], d["inputs"], routing)
+        bounds = [IndexBound(**b) for b in d.get("index_bounds", [])]
+        return cls(d["program"], [Split(**s) for s in d["splits"]], d["reduce"], d["inputs"], routing, bounds)
 
     @classmethod
     def of(cls, program: str, segment: Segment) -> SegmentSpec:
         """The spec of ``segment``, whose graph is written to ``program``."""
-        return cls(program, list(segment.splits), list(segment.reduce), list(segment.inputs), segment.routing)
+        return cls(program, list(segment.splits), list(segment.reduce), list(segment.inputs), segment.routing,
+                   list(segment.index_bounds))
 
     def segment(self, graph: fx.Graph) -> Segment:
         """The segment this spec describes, running ``graph`` (its program, read back)."""
         return Segment(
             graph=graph, splits=tuple(self.splits), reduce=tuple(self.reduce), inputs=tuple(self.inputs),
-            routing=self.routing,
+            routing=self.routing, index_bounds=tuple(self.index_bounds),
         )
 
     def dispatch(self) -> Dispatch:
         """How an attention rank sends this segment's tokens and combines its replies."""
-        return Dispatch(tuple(self.reduce), tuple(self.inputs), self.routing)
+        return Dispatch(tuple(self.reduce), tuple(self.inputs), self.routing, tuple(self.index_bounds))
 
 
 @dataclass

@@ -6,7 +6,8 @@ shards each segment over the plan's FFN ranks: experts partitioned (EP) or weigh
 dense layers sharded or replicated with their tokens shared out, and, under ``router="attn"``,
 each token sent only to the ranks holding its experts where the segment proves that exact.
 Where the plan's partial sums meet an op that is not linear in them, that op goes back to the
-attention side and the regions are cut again.
+attention side and the regions are cut again. Each segment records the inputs it indexes with and
+their ranges, which the FFN side checks a peer's messages against.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from afdc.partition.split import Partition, partition
 from afdc.passes import graph_facts as gf
 from afdc.passes.classify import Classification
 from afdc.passes.expert_routing import expert_routing, owner_mask
+from afdc.passes.index_bounds import index_bounds
 from afdc.plan import Plan
 from afdc.report import LayerReport, layer_report
 from afdc.segment import ExpertRouting, Segment, row_major
@@ -65,6 +67,7 @@ def place_ffn(
             reduce=tuple(seg.reduce),
             inputs=tuple(gf.token_layout(n, tokens) for n in segment.inputs(seg.graph)),
             routing=routing,
+            index_bounds=index_bounds(seg.graph),
         )
         for seg, routing in shards
     ]

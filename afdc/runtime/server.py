@@ -8,12 +8,12 @@ holds no state between messages, so a restarted server loses nothing: it bumps t
 generation and the attention ranks regroup with it at their next step.
 
 Nothing a peer sends can stop it. A message for another deployment or generation, of a kind or
-layer it does not take, whose tensors do not fit the layer, or one the program rejects is answered
-with an ERROR message naming the reason; one that cannot be parsed, is bigger than its slot or
-than any message a rank takes, or says it comes from another slot than its link's drops that link
-(the transport's :class:`Failure`). Either is logged once per peer with its rank, and a message's
-fault fails no other sender's tokens batched with it. SIGTERM finishes the messages already
-received, then exits.
+layer it does not take, whose tensors do not fit the layer or hold an index out of its range, or
+one the program rejects is answered with an ERROR message naming the reason; one that cannot be
+parsed, is bigger than its slot or than any message a rank takes, or says it comes from another
+slot than its link's drops that link (the transport's :class:`Failure`). Either is logged once per
+peer with its rank, and a message's fault fails no other sender's tokens batched with it. SIGTERM
+finishes the messages already received, then exits.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from afdc.runtime.rendezvous import Layout, Rendezvous, wait_listening
 from afdc.runtime.spare import Owner, Slots, keep_beating, wait_for_a_lost_slot
 from afdc.runtime.transport import transport_class
 from afdc.runtime.transport.base import LEFT, Failure, Incoming, Transport
+from afdc.segment import IndexBound
 from afdc.segment import inputs as segment_inputs
 
 log = logging.getLogger("afdc.server")
@@ -85,6 +86,10 @@ class FFNServer:
             tuple(n.meta["val"].dtype if "val" in n.meta else None for n in segment_inputs(seg.graph))
             for seg in program.segments
         ]
+        # per FFN layer that indexes with some of its inputs: their ranges (the others have no entry)
+        self._indices = {
+            layer: bounds for layer in range(len(program.layers)) if (bounds := program.dispatch(layer).index_bounds)
+        }
 
     def serve(self) -> None:
         """Serve until :meth:`stop` (or SIGTERM or SIGINT, when running in the main thread).
@@ -286,11 +291,15 @@ class FFNServer:
         """Why ``m``'s tensors cannot be taken ("" when they can): a step plan is each micro-batch's
         token count, adding up to its header's; a DATA message carries its layer's inputs, each of
         the dtype the layer takes (where known) and of ``tokens`` tokens' elements (the answer
-        depends on nothing else, and a deployment sends few distinct ones: remembered)."""
+        depends on nothing else, and a deployment sends few distinct ones: remembered), and the
+        inputs the layer indexes with hold values in their ranges (read for those layers only)."""
         h = m.header
         if h.kind == wire.Kind.STEP:
             return _check_plan(h, m.tensors)
-        return self._fits(h.layer, h.tokens, h.tensors)
+        reason = self._fits(h.layer, h.tokens, h.tensors)
+        if reason or h.layer not in self._indices:
+            return reason
+        return _check_indices(h.layer, self._indices[h.layer], m.tensors)
 
     def _check_layer_inputs(self, layer: int, tokens: int, specs: tuple[wire.TensorSpec, ...]) -> str:
         segment = self.program.layers[layer].segment
@@ -351,6 +360,23 @@ def _check_plan(h: wire.Header, tensors: list[torch.Tensor]) -> str:
     values = counts.tolist()  # a plan is a few numbers: Python reads them faster than torch ops would
     if min(values) < 0 or sum(values) != h.tokens:
         return f"a STEP message's counts {values} do not add up to its header's {h.tokens} tokens"
+    return ""
+
+
+def _check_indices(layer: int, bounds: tuple[IndexBound, ...], tensors: list[torch.Tensor]) -> str:
+    """Why a DATA message's index inputs cannot be taken ("" when they can): each holds integers
+    in its range. An index out of range would fail the layer, and on a GPU, as a device-side
+    assert, the server's CUDA context with it: one min and max per such input instead."""
+    for b in bounds:
+        t = tensors[b.input]
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            return f"input {b.input} of FFN layer {layer} is indices into {b.size} rows, the message's is {t.dtype}"
+        if not t.numel():
+            continue
+        low, high = (int(v) for v in torch.aminmax(t))
+        if low < 0 or high >= b.size:
+            return (f"input {b.input} of FFN layer {layer} is indices into {b.size} rows, in [0, {b.size}): "
+                    f"the message's holds {low if low < 0 else high}")
     return ""
 
 
