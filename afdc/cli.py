@@ -256,10 +256,7 @@ def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no
     from afdc.serve.ffn import serve_ffn_rank, serve_ffn_spare
 
     deployment_token(token, insecure_no_token)  # refused before the artifact loads
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    options = dataclasses.replace(options, threads=threads or None)  # the server takes them (afdc.runtime.server)
     if spare:
         serve_ffn_spare(artifact, options, device, backend)
     serve_ffn_rank(artifact, rank, options, device, backend, cpus, pin_tokens)
