@@ -47,6 +47,8 @@ _PER_DIM = {"index", "_unsafe_index", "index_put", "index_put_", "_unsafe_index_
 
 def index_bounds(graph: fx.Graph) -> tuple[IndexBound, ...]:
     """The range of each input of segment ``graph`` that it indexes with, in input order."""
+    if not any(_integral(x) for x in segment.inputs(graph)):  # a dense layer's: no copy, no matching
+        return ()
     experts = copy_graph(graph)
     experts_as_op(experts)
     sizes: dict[int, int] = {}
@@ -60,7 +62,7 @@ def index_bounds(graph: fx.Graph) -> tuple[IndexBound, ...]:
 
 def _sizes_indexed(x: fx.Node) -> list[int]:
     """The static sizes of the dimensions that ``x``'s values index, through ops keeping them."""
-    if val(x) is None or val(x).dtype == torch.bool or val(x).is_floating_point() or val(x).is_complex():
+    if not _integral(x):
         return []
     sizes, stack, seen = [], [x], set()
     while stack:
@@ -73,6 +75,12 @@ def _sizes_indexed(x: fx.Node) -> list[int]:
                 stack.append(user)
             sizes += [n for n in _indexed(user, value) if isinstance(n, int) and n > 0]
     return sizes
+
+
+def _integral(x: fx.Node) -> bool:
+    """Whether ``x`` is an integer tensor (what can index)."""
+    v = val(x)
+    return v is not None and v.dtype != torch.bool and not v.is_floating_point() and not v.is_complex()
 
 
 def _indexed(user: fx.Node, value: fx.Node) -> list:
