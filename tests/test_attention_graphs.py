@@ -9,7 +9,9 @@ import itertools
 import logging
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import torch.fx as fx
+from quant_checkpoints import qwen3_moe_fp8
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
 import afdc
 from afdc.lowering.piecewise import split_at_exchange
@@ -19,6 +21,7 @@ from afdc.runtime.attention_rank import AttentionRank, MicroBatch
 from afdc.runtime.decode_graphs import DecodeGraphs, _at_tokens, _Buffers, _RealRows, decoding
 from afdc.runtime.flat_batches import prepare_for_flat_batches
 from afdc.runtime.paged import PagedBatch, PagedKVStore
+from afdc.runtime.programs import AttentionProgram
 from afdc.segment import Dispatch
 
 BLOCK, WIDTH = 4, 6  # a request holds up to 24 tokens
@@ -167,3 +170,52 @@ def test_dm_generate_with_attention_graphs_equals_the_monolith():
     dm.use_attention_graphs(0)
     assert dm.ranks[0].decode is None
     assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), want)
+
+
+def test_fp8_checkpoint_decodes_over_a_cache_in_its_activations_dtype(tmp_path):
+    """Qwen3-MoE-shaped, attention fp8 in blocks (bf16 activations), its attention program's tensors
+    held in another order, an fp8 weight first (the order its graph reads them in, which means
+    nothing): the paged cache is bf16, not that weight's float8, and dm.generate over it has the
+    monolith's (the dequantized checkpoint's) greedy tokens, each step's logits within 2% of the
+    largest, on a left-padded batch."""
+    ck = qwen3_moe_fp8(tmp_path / "qwen")
+    afdc.compile_model(str(ck.directory), "1A1F", tmp_path / "art", progress=False)
+    dm = afdc.load_deployment(tmp_path / "art")
+    rank = dm.ranks[0]
+    rank.program = _fp8_weight_first(rank.program)
+    assert next(rank.program.parameters()).dtype == torch.float8_e4m3fn
+    dm.use_attention_graphs(2, max_length=16, block_size=BLOCK)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    got, want = [], []
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    tokens = dm.generate(ids, logits_processor=LogitsProcessorList([_Recorder(got)]), **kw)
+    monolith = ck.reference.generate(ids, logits_processor=LogitsProcessorList([_Recorder(want)]), **kw)
+    assert torch.equal(tokens, monolith)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=0.02 * w.abs().max().item(), rtol=0, msg=f"step {step}")
+    assert dm._paged.dtypes == [torch.bfloat16]
+
+
+def _fp8_weight_first(program: AttentionProgram) -> AttentionProgram:
+    """``program`` with its first float8 weight read first: a graph module holds its tensors in
+    the order its graph reads them."""
+    graph = program.module.graph
+    fp8 = next(n for n in graph.find_nodes(op="get_attr")
+               if program.module.get_parameter(n.target).dtype == torch.float8_e4m3fn)  # fmt: skip
+    graph.find_nodes(op="placeholder")[-1].append(fp8)
+    reordered = AttentionProgram(fx.GraphModule(program.module, graph), program.out_spec, program.mixers)
+    reordered.use_backend(program.backend)
+    return reordered
+
+
+class _Recorder:
+    """A logits processor that keeps each step's scores, changing nothing."""
+
+    def __init__(self, steps: list[torch.Tensor]):
+        self.steps = steps
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.steps.append(scores.float().clone())
+        return scores

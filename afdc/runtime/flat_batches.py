@@ -28,6 +28,7 @@ from afdc.lowering.sampled_rows import sample_rows_only
 from afdc.mixer_site import MixerSite
 from afdc.ops import SlotSpec
 from afdc.runtime.paged import kernel_paged_attention, register_paged_attention
+from afdc.runtime.programs import compute_dtype
 from afdc.runtime.tensor_parallel import TensorParallelAttention
 
 
@@ -41,7 +42,7 @@ class FlatBatchProgram:
     rows: bool  # steps run as rows of a padded batch (PagedRows): indexers, or mixers given the graph's masks
     rows_only: bool  # the LM head runs on the step's logit rows only (else on every token's)
     backend: str  # what runs the program, resolved for the device
-    dtype: torch.dtype  # of its weights: the cache's
+    dtype: torch.dtype  # of its activations (compute_dtype): the cache's
 
 
 def prepare_for_flat_batches(
@@ -84,5 +85,5 @@ def prepare_for_flat_batches(
         rows=rows,
         rows_only=rows_only,
         backend=resolved,
-        dtype=next((p.dtype for p in program.parameters() if p.is_floating_point()), torch.float32),
+        dtype=compute_dtype(program.module),
     )

@@ -26,11 +26,12 @@ from afdc.runtime.programs import AttentionProgram, device_of
 
 @dataclass
 class PagedGeneration:
-    """Per attention rank: its program prepared for flat batches, its cache slots, and its decode
-    steps at static shapes (set on the rank: ``rank.decode``)."""
+    """Per attention rank: its program prepared for flat batches, its cache slots and their
+    dtype, and its decode steps at static shapes (set on the rank: ``rank.decode``)."""
 
     programs: list[AttentionProgram]
     slots: list[list]
+    dtypes: list[torch.dtype]
     rows_only: list[bool]
     block_size: int
     width: int  # blocks a row may hold: ``max_length`` tokens
@@ -39,7 +40,7 @@ class PagedGeneration:
     def of(cls, dm, largest: int, block_size: int, max_length: int) -> PagedGeneration:
         if not dm.incremental:
             raise AfdcError("attention graphs need a KV cache: this model's decode recomputes the prefix")
-        programs, slots, rows_only = [], [], []
+        programs, slots, dtypes, rows_only = [], [], [], []
         width = -(-max_length // block_size)
         for rank in dm.ranks:
             if not isinstance(rank.program, AttentionProgram) or rank.program.mixers:
@@ -52,8 +53,9 @@ class PagedGeneration:
             rank.decode = DecodeGraphs(program, rank.dispatch, largest, width, graphs=device.type == "cuda")
             programs.append(program)
             slots.append(prepared.slots)
+            dtypes.append(prepared.dtype)
             rows_only.append(prepared.rows_only)
-        return cls(programs, slots, rows_only, block_size, width)
+        return cls(programs, slots, dtypes, rows_only, block_size, width)
 
     def generate(self, dm, rules, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``dm.generate``'s loop (see :meth:`DisaggregatedModel.generate`) over paged steps."""
@@ -80,8 +82,9 @@ class PagedGeneration:
 
     def _store(self, rank: int, rows: int) -> PagedKVStore:
         program = self.programs[rank]
-        dtype = next((p.dtype for p in program.parameters() if p.is_floating_point()), torch.float32)
-        return PagedKVStore(self.slots[rank], 1 + rows * self.width, self.block_size, dtype, device_of(program))
+        return PagedKVStore(
+            self.slots[rank], 1 + rows * self.width, self.block_size, self.dtypes[rank], device_of(program)
+        )
 
     def _step(self, dm, tasks, stores, step: list[list[int]], computed: list[int]) -> torch.Tensor:
         """One step of every row (its ``step`` tokens after its ``computed`` ones): each row's last logits."""

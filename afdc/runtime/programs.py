@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import operator
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -91,6 +92,23 @@ def device_of(module: torch.nn.Module) -> torch.device:
     """Where a module's weights are, so where it computes."""
     tensors = itertools.chain(module.parameters(), module.buffers())
     return next((t.device for t in tensors), torch.device("cpu"))
+
+
+# The dtypes a program's activations can be in; float8 and packed 4-bit ones only ever store weights.
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def compute_dtype(module: fx.GraphModule) -> torch.dtype:
+    """The dtype a program's activations are in, so its KV cache's: its token embedding table's,
+    where the residual stream starts. Not merely its first floating parameter's: a quantized
+    checkpoint's programs also hold weights stored in float8 (and scales in float32), and which
+    tensor a module holds first is an accident of its graph's order. A program without a token
+    embedding (none captured yet) computes in its first parameter of an activation dtype."""
+    for node in module.graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default):
+        table = node.args[0]
+        if isinstance(table, fx.Node) and table.op == "get_attr":
+            return operator.attrgetter(table.target)(module).dtype
+    return next((p.dtype for p in module.parameters() if p.dtype in _COMPUTE_DTYPES), torch.float32)
 
 
 class AttentionProgram(torch.nn.Module):
