@@ -434,9 +434,15 @@ def _int4_quantization(ignore: list[str]) -> dict:
     }  # fmt: skip
 
 
-def _int4_quantizer(quantization: dict) -> Quantizer:
-    """Each routed expert's linear (the hub's per-expert tensors) through compressed-tensors' own
-    observer math and pack-quantized compressor; the dequantized value by its own decompressor."""
+def _routed_expert(name: str, tensor: torch.Tensor) -> bool:
+    return ".mlp.experts." in name and name.endswith(".weight")
+
+
+def _int4_quantizer(quantization: dict, select: Callable[[str, torch.Tensor], bool] = _routed_expert) -> Quantizer:
+    """Each selected linear (by default each routed expert's, the hub's per-expert tensors) through
+    compressed-tensors' own observer math and pack-quantized compressor; the dequantized value by
+    its own decompressor given the scales in float32 (exact: given them in bf16, as transformers'
+    reading does, it rounds each weight to bf16)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -445,7 +451,7 @@ def _int4_quantizer(quantization: dict) -> Quantizer:
     scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
 
     def quantize(name: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
-        if ".mlp.experts." not in name or not name.endswith(".weight"):
+        if not select(name, tensor):
             return None
         grouped = tensor.unflatten(-1, (-1, INT4_GROUP))
         scale, zero = calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), scheme.weights)
@@ -454,7 +460,7 @@ def _int4_quantizer(quantization: dict) -> Quantizer:
         module = name.removesuffix(".weight")
         # the data tensor first (QuantCheckpoint.quantized names it)
         shipped = {f"{module}.{k}": v for k, v in sorted(parts.items(), key=lambda kv: kv[0] != "weight_packed")}
-        back = PackedQuantizationCompressor.decompress(dict(parts), scheme)["weight"]
+        back = PackedQuantizationCompressor.decompress({**parts, "weight_scale": scale.float()}, scheme)["weight"]
         return shipped, back.float()
 
     return quantize
@@ -476,6 +482,17 @@ def qwen3_moe_int4(
     config = _qwen3_moe_config(moe_intermediate_size, vocab_size)
     quantization = _int4_quantization(["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$"])
     return _write(directory, config, quantization, _int4_quantizer(quantization), seed)
+
+
+def lfm2_int4(directory: Path, seed: int = 0, hidden_size: int = 64, intermediate_size: int = 96) -> QuantCheckpoint:
+    """LFM2-shaped (a gated short-convolution layer, a stateful mixer, then an attention layer) as
+    compressed-tensors' default W4A16 recipe writes it (``targets: Linear``, ``ignore: lm_head``):
+    every linear of the decoder layers int4 pack-quantized in groups of 32, the mixer's ``in_proj``
+    and ``out_proj`` too; its depthwise convolution, norms and embedding stay bf16."""
+    kwargs = {**catalog.entry("lfm2").config_kwargs, "hidden_size": hidden_size, "intermediate_size": intermediate_size}
+    quantization = _int4_quantization(["lm_head"])
+    return _write(directory, AutoConfig.for_model("lfm2", **kwargs), quantization,
+                  _int4_quantizer(quantization, _layer_matrix), seed)
 
 
 def _nvfp4_quantizer(select: Callable[[str, torch.Tensor], bool]) -> Quantizer:

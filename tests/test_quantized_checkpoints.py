@@ -21,6 +21,7 @@ from quant_checkpoints import (
     deepseek_v3_nvfp4,
     deepseek_v4_fp8,
     gpt_oss_mxfp4,
+    lfm2_int4,
     llama_compressed_fp8,
     qwen3_moe_compressed_fp8,
     qwen3_moe_fp8,
@@ -422,6 +423,36 @@ def test_deepseek_v4_as_shipped_against_transformers(tmp_path):
     # the logits of a prefill of 5 positions and 2 decode steps; decoding in Triton's interpreter
     # is most of the test's time, so 3 greedy tokens
     _check_against_transformers(afdc.load_deployment(art), ck.directory, logits=_decoded_logits, new_tokens=3)
+
+
+@pytest.mark.parametrize(("hidden", "inter"), [(64, 96), (96, 160)])
+def test_int4_linears_inside_a_stateful_mixer_against_transformers(tmp_path, hidden, inter):
+    """compressed-tensors' default W4A16 recipe (every Linear but the LM head) on LFM2: its short
+    convolution, a stateful mixer run in the model's own code, is given its in_proj and out_proj
+    as stored (int32 words, bf16 group scales) and runs afdc's packed int4 op there. Hidden sizes
+    of 2 and 3 groups of 32, MLPs of 3 and 5, compiled in float32, the logits of a left-padded batch
+    decoded incrementally (a prefill, then a token a step against the mixer's state): the format's
+    definition within 1e-5; transformers' own reading of the checkpoint, which rounds each
+    dequantized weight to its scales' bf16, no further than that definition is, with its greedy tokens."""
+    ck = lfm2_int4(tmp_path / "lfm2", hidden_size=hidden, intermediate_size=inter)
+    art = tmp_path / "art"
+    manifest = afdc.compile_model(str(ck.directory), afdc.Plan.parse("1A1F", dtype="fp32"), art, progress=False)
+    (conv,) = manifest.mixers
+    stored, int4 = (("weight", "weight"), ("weight_scale", "weight_scale")), (("format", "int4"), ("group_size", 32))
+    assert conv.linears == tuple(QuantizedLinear(m, "packed_linear", stored, int4) for m in ("in_proj", "out_proj"))
+    with safe_open(art / "weights" / "attn.safetensors", "pt") as f:
+        assert f.get_slice("model.layers.0.conv.in_proj.weight_packed").get_shape() == [3 * hidden, hidden // 8]
+        assert f.get_slice("model.layers.0.conv.out_proj.weight_scale").get_dtype() == "BF16"
+    dm = afdc.load_deployment(art)
+    got, exact = _decoded_logits(dm), _logits(ck.reference)
+    assert _distance(got, exact) < 1e-5, f"afdc's logits are {_distance(got, exact):.2e} from the format's definition"
+    transformers = AutoModelForCausalLM.from_pretrained(ck.directory, dtype=torch.float32,
+                                                        quantization_config=_DEQUANTIZED).eval()
+    want = _logits(transformers)
+    assert _distance(got, want) <= _distance(exact, want) + 1e-5
+    ids, mask = _batch()
+    kw = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    assert torch.equal(dm.generate(ids, **kw), transformers.generate(ids, **kw))
 
 
 def test_cli_says_what_dtype_does_to_a_quantized_checkpoint(tmp_path):
