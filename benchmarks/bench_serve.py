@@ -79,6 +79,7 @@ class Setup:
     pin: bool | None = None  # afdc up --pin/--no-pin (None: afdc's default)
     wait: str | None = None  # afdc up --wait (None: afdc's default, cores)
     spin: float | None = None  # afdc up --spin (None: --spin of this script)
+    spin_cap: float | None = None  # afdc up --spin-cap (None: afdc's default)
     speculative: str | None = None  # vLLM's --speculative-config (None: no speculation)
 
 
@@ -90,6 +91,10 @@ SETUPS = {
     "afd-m2": Setup("AFD 1A1F m=2", "shm", 2),
     # the shm waits against each other (issue 54): afd-m1 has afdc's default (cores)
     "afd-m1-adaptive": Setup("AFD 1A1F m=1 --wait adaptive", "shm", 1, wait="adaptive"),
+    "afd-m1-adaptive-2ms": Setup("AFD 1A1F m=1 --wait adaptive --spin-cap 0.002", "shm", 1, wait="adaptive",
+                                 spin_cap=2e-3),
+    "afd-m1-adaptive-20ms": Setup("AFD 1A1F m=1 --wait adaptive --spin-cap 0.02", "shm", 1, wait="adaptive",
+                                  spin_cap=2e-2),
     "afd-m1-spin": Setup("AFD 1A1F m=1 --spin 0.002", "shm", 1, spin=2e-3),
     # speculative decoding (issue 55): n-gram prompt lookup, any model; the model's MTP layer, --model demo-mtp
     "afd-m1-ngram": Setup("AFD 1A1F m=1 ngram k=3", "shm", 1, speculative=json.dumps(
@@ -203,7 +208,8 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
     logs = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
     options = RuntimeOptions(connector=setup.connector, rendezvous=f"127.0.0.1:{free_port()}",
                              log_interval=args.log_interval, spin=args.spin if setup.spin is None else setup.spin,
-                             wait=setup.wait or RuntimeOptions.wait)
+                             wait=setup.wait or RuntimeOptions.wait,
+                             spin_cap=setup.spin_cap or RuntimeOptions.spin_cap)
     settings = WorkerSettings(str(artifact), options, micro_batches=setup.micro_batches, backend=args.backend,
                               threads=args.threads)
     max_seqs = str(max(args.concurrency))

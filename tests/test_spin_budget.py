@@ -137,6 +137,9 @@ def test_spin_overrides_the_policy_and_the_earlier_one_stays_selectable():
         assert RuntimeOptions(spin=0.5, wait="cores").pacing(role).spin == 0.5
         assert RuntimeOptions(wait="cores").pacing(role).spin == default_spin(role)
     assert RuntimeOptions(wait="adaptive").wait is WaitPolicy.ADAPTIVE
+    assert RuntimeOptions(wait="adaptive", spin_cap=0.02).pacing("ffn").budget.cap == 0.02  # --spin-cap
+    with pytest.raises(ValueError, match="spin_cap"):
+        RuntimeOptions(spin_cap=-1.0)
     with pytest.raises(Exception, match="adaptive, cores"):
         RuntimeOptions(wait="fast")
 
