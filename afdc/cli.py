@@ -13,6 +13,7 @@ from afdc.errors import AfdcError
 from afdc.plan import BACKENDS
 from afdc.runtime.transport import ConnectorKind
 from afdc.runtime.transport.base import WaitPolicy
+from afdc.runtime.transport.spin_budget import BudgetSettings
 
 
 class _Commands(click.Group):
@@ -132,14 +133,14 @@ def _serving_options(threads_default: str):
             click.option("--spin", type=float, default=None,
                          help="Seconds a wait for a peer's message polls before it blocks on a futex (shm, "
                               "cuda-ipc), for every role; overrides --wait."),
-            click.option("--wait", type=click.Choice([w.value for w in WaitPolicy]), default="cores",
+            click.option("--wait", type=click.Choice([w.value for w in WaitPolicy]), default="adaptive",
                          show_default=True,
                          help="How a wait for a peer's message (shm, cuda-ipc) chooses between polling and "
                               "sleeping on a futex: adaptive polls, yielding the core, only while the peer's "
                               "answer is likely soon (learned per link and layer from its recent answers, at "
                               "most --spin-cap); cores is the earlier fixed policy (an attention rank polls 2 ms, "
                               "an FFN server only on a host of 8 cores or more)."),
-            click.option("--spin-cap", type=click.FloatRange(min=0), default=2e-3, show_default=True,
+            click.option("--spin-cap", type=click.FloatRange(min=0), default=BudgetSettings.cap, show_default=True,
                          help="--wait adaptive: the longest a learned poll lasts, in seconds; a peer that "
                               "typically answers later is waited for asleep from the start."),
             click.option("--threads", type=int, default=None, help=f"Torch threads per process ({threads_default})."),

@@ -31,8 +31,9 @@
 (e) An idle deployment (1A1F shm, after one generate): the CPU the FFN server and the attention
     process use over a few seconds of nothing to do, in percent of one core (the shm transport
     polls its slots; its pacing must not burn cores while idle).
-(f) The shm waits against each other (issue 54): afdc's adaptive default, the earlier fixed policy
-    by role and cores (``wait="cores"``) and always spinning 2 ms (``spin=2e-3``), rounds taking
+(f) The shm waits against each other (issue 54): afdc's adaptive default (polls capped at 20 ms),
+    the same capped at 2 ms (its cap before), the earlier fixed policy by role and cores
+    (``wait="cores"``) and always spinning 2 ms (``spin=2e-3``), rounds taking
     turns: the bare round trip to an identity server, and a tiny Qwen3-MoE's (8 layers, hidden 64)
     greedy decode under ``dm.launch()`` against in process (per-layer round trip, rate), with
     each process's CPU, and the bare floor: the same FFN layers in another process behind the bare
@@ -560,7 +561,8 @@ def idle_cpu(seconds: float = 5.0) -> None:
 
 
 WAITS = {  # (f): the shm waits compared, as dm.launch() options
-    "adaptive": {"wait": "adaptive"},
+    "adaptive (default)": {},
+    "adaptive, cap 2 ms": {"wait": "adaptive", "spin_cap": 2e-3},
     "cores (before)": {"wait": "cores"},
     "always spin 2 ms": {"spin": 2e-3},
 }

@@ -20,10 +20,10 @@ class RuntimeOptions:
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
     poll_interval: float = 0.2  # how often an idle FFN server or an attention rank looks for a regrouping
     spin: float | None = None  # shm: seconds a waiting rank polls before blocking, every role (None: as ``wait`` says)
-    # shm: how a wait chooses between polling and sleeping (a name is parsed); cores until the
-    # adaptive wait is shown faster on a quiet host (it decoded at 0.47 of in process against 0.68)
-    wait: WaitPolicy = WaitPolicy.CORES
-    spin_cap: float = 2e-3  # shm, adaptive wait: the longest a learned spin lasts (and typical answer spun for)
+    # shm: how a wait chooses between polling and sleeping (a name is parsed): learned from the
+    # peer's answers, or ``cores``, the earlier fixed policy
+    wait: WaitPolicy = WaitPolicy.ADAPTIVE
+    spin_cap: float = BudgetSettings.cap  # shm, adaptive wait: the longest a learned spin lasts (and answer spun for)
     max_sleep: float = 2e-4  # shm without futexes: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # shm without futexes: ... of a rank idle for 50 ms (its wake-up rate)
     # FFN: pad each layer's batch to a power of two up to this many tokens, a CUDA graph each on a GPU (0: off)
