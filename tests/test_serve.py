@@ -789,7 +789,7 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
 
 
 def test_settings_round_trip_through_the_environment(monkeypatch):
-    options = RuntimeOptions(connector="shm", rendezvous="h:1", spin=0.0, wait="adaptive")
+    options = RuntimeOptions(connector="shm", rendezvous="h:1", spin=0.0, wait="cores", spin_cap=5e-3)
     s = WorkerSettings("/a", options, micro_batches=2, cpus=(1,))
     for k, v in s.to_env().items():
         monkeypatch.setenv(k, v)
