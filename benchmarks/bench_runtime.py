@@ -31,8 +31,9 @@
 (e) An idle deployment (1A1F shm, after one generate): the CPU the FFN server and the attention
     process use over a few seconds of nothing to do, in percent of one core (the shm transport
     polls its slots; its pacing must not burn cores while idle).
-(f) The shm waits against each other (issue 54): afdc's adaptive default, the earlier fixed policy
-    by role and cores (``wait="cores"``) and always spinning 2 ms (``spin=2e-3``), rounds taking
+(f) The shm waits against each other (issue 54): afdc's adaptive default (polls capped at 20 ms),
+    the same capped at 2 ms (its cap before), the earlier fixed policy by role and cores
+    (``wait="cores"``) and always spinning 2 ms (``spin=2e-3``), rounds taking
     turns: the bare round trip to an identity server, and a tiny Qwen3-MoE's (8 layers, hidden 64)
     greedy decode under ``dm.launch()`` against in process (per-layer round trip, rate), with
     each process's CPU, and the bare floor: the same FFN layers in another process behind the bare
@@ -560,7 +561,8 @@ def idle_cpu(seconds: float = 5.0) -> None:
 
 
 WAITS = {  # (f): the shm waits compared, as dm.launch() options
-    "adaptive": {"wait": "adaptive"},
+    "adaptive (default)": {},
+    "adaptive, cap 2 ms": {"wait": "adaptive", "spin_cap": 2e-3},
     "cores (before)": {"wait": "cores"},
     "always spin 2 ms": {"spin": 2e-3},
 }
@@ -581,10 +583,11 @@ def tiny_moe() -> torch.nn.Module:
 
 
 def wait_policies(batch: int, new_tokens: int, rounds: int, repeats: int) -> None:
-    """(f) Each wait (:data:`WAITS`) against the others, rounds taking turns, every setup in a
-    fresh deployment each round. First the bare exchange: the median shm round trip of one
+    """(f) Each wait (:data:`WAITS`) against the others, rounds taking turns. First the bare
+    exchange, every setup in a fresh deployment each round: the median shm round trip of one
     token's activations to an identity FFN server (as (a)) and each side's CPU per round trip.
-    Then the Python API's greedy decode over shm against the same model in process, and beside
+    Then the Python API's greedy decode over shm, each wait's deployment up throughout, against
+    the same model in process, and beside
     them the bare floor (:class:`BareFloor`: the same FFN layers in another process behind the
     bare ping-pong, no protocol): per setup the median time per token and its spread over the
     rounds, the per-layer round trip ((time per token over shm - in process of the same round) /
@@ -606,28 +609,36 @@ def wait_policies(batch: int, new_tokens: int, rounds: int, repeats: int) -> Non
     mask = torch.ones_like(ids)
     dm = afdc.disaggregate(model, "1A1F", connector="shm")
 
-    def decode(n: int) -> torch.Tensor:
-        return dm.generate(ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
+    def decode(d, n: int) -> torch.Tensor:
+        return d.generate(ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
 
-    def timed(server: int | None) -> tuple[float, float, float]:
+    def timed(d, server: int | None) -> tuple[float, float, float]:
         """Seconds per token, and the CPU of this process and of the server (% of a core)."""
         cpu, ffn, t = time.process_time(), _thread_cpu_seconds(server) if server else 0.0, time.perf_counter()
-        decode(new_tokens)
+        decode(d, new_tokens)
         wall = time.perf_counter() - t
         ffn = _thread_cpu_seconds(server) - ffn if server else 0.0
         return wall / new_tokens, 100 * (time.process_time() - cpu) / wall, 100 * ffn / wall
 
-    ref = decode(new_tokens)
+    ref = decode(dm, new_tokens)
     runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ["in process", "bare floor", *WAITS]}
-    for _ in range(rounds):
-        runs["in process"].append(timed(None))
-        with BareFloor(dm.ranks[0]) as floor:
-            assert torch.equal(decode(new_tokens), ref), "decode behind the bare floor differs from in process"
-            runs["bare floor"].append(timed(floor.echo.pid))
-        for name, options in WAITS.items():
-            with dm.launch(log_interval=0, **options) as cluster:
-                assert torch.equal(decode(new_tokens), ref), f"decode over shm ({name}) differs from in process"
-                runs[name].append(timed(cluster.processes[0].pid))
+    # Every wait's deployment stays up (an idle one sleeps), so a round takes seconds and each
+    # setup's decode is compared with the in-process one of the same few seconds: this VM's speed
+    # drifts by 2x over minutes, which swamped rounds that relaunched each deployment. The bare
+    # floor's echo polls without ever sleeping, so it runs only for its own turn.
+    dms = {name: afdc.disaggregate(model, "1A1F", connector="shm") for name in WAITS}
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(dms[name].launch(log_interval=0, **options)).processes[0].pid
+                   for name, options in WAITS.items()}
+        for name in WAITS:
+            assert torch.equal(decode(dms[name], new_tokens), ref), f"decode over shm ({name}) differs from in process"
+        for _ in range(rounds):
+            runs["in process"].append(timed(dm, None))
+            for name in WAITS:
+                runs[name].append(timed(dms[name], servers[name]))
+            with BareFloor(dm.ranks[0]) as floor:
+                assert torch.equal(decode(dm, new_tokens), ref), "decode behind the bare floor differs from in process"
+                runs["bare floor"].append(timed(dm, floor.echo.pid))
     base = [r[0] for r in runs["in process"]]
     print(f"\n(f) greedy decode over shm by wait, dm.launch() 1A1F, Qwen3-MoE-shaped {layers} layers hidden "
           f"{model.config.hidden_size}, batch {batch}, {new_tokens} new tokens, {rounds} rounds taking turns "

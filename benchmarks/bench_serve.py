@@ -5,8 +5,9 @@ The same afdc worker serves one artifact several ways, behind vLLM's OpenAI serv
 attention engine's process), and AFD with its FFN ranks in server processes over shared memory,
 with m = 1 and m = 2 micro-batches, m = 1 also with its two processes always on one core
 (``--pin``) and always floating (``--no-pin``) where ``afdc up`` would place them by the
-steps' size, and m = 1 under the wait that adapts to its peer (``--wait adaptive``) and always
-spinning (``--spin 0.002``) against afdc's default wait (``cores``) (``--setups``;
+steps' size, and m = 1 under the earlier fixed wait (``--wait cores``), the adaptive wait capped
+at 2 ms (``--spin-cap 0.002``, its cap before) and always spinning (``--spin 0.002``) against
+afdc's default wait (adaptive, polls capped at 20 ms) (``--setups``;
 ``--plans 2A2F`` adds the same artifact's model compiled for two attention ranks: vLLM's data
 parallelism, one API port), and m = 1 with speculative decoding: n-gram prompt lookup
 (``afd-m1-ngram``) and, on ``--model demo-mtp`` (a tiny DeepSeek-V3 with one MTP layer), the
@@ -77,8 +78,9 @@ class Setup:
     micro_batches: int
     plan: str = "1A1F"
     pin: bool | None = None  # afdc up --pin/--no-pin (None: afdc's default)
-    wait: str | None = None  # afdc up --wait (None: afdc's default, cores)
+    wait: str | None = None  # afdc up --wait (None: afdc's default, adaptive)
     spin: float | None = None  # afdc up --spin (None: --spin of this script)
+    spin_cap: float | None = None  # afdc up --spin-cap (None: afdc's default)
     speculative: str | None = None  # vLLM's --speculative-config (None: no speculation)
 
 
@@ -88,8 +90,9 @@ SETUPS = {
     "afd-m1-pin": Setup("AFD 1A1F m=1 --pin", "shm", 1, pin=True),
     "afd-m1-float": Setup("AFD 1A1F m=1 --no-pin", "shm", 1, pin=False),
     "afd-m2": Setup("AFD 1A1F m=2", "shm", 2),
-    # the shm waits against each other (issue 54): afd-m1 has afdc's default (cores)
-    "afd-m1-adaptive": Setup("AFD 1A1F m=1 --wait adaptive", "shm", 1, wait="adaptive"),
+    # the shm waits against each other (issue 54): afd-m1 has afdc's default (adaptive, capped at 20 ms)
+    "afd-m1-cores": Setup("AFD 1A1F m=1 --wait cores", "shm", 1, wait="cores"),
+    "afd-m1-adaptive-2ms": Setup("AFD 1A1F m=1 --spin-cap 0.002", "shm", 1, spin_cap=2e-3),
     "afd-m1-spin": Setup("AFD 1A1F m=1 --spin 0.002", "shm", 1, spin=2e-3),
     # speculative decoding (issue 55): n-gram prompt lookup, any model; the model's MTP layer, --model demo-mtp
     "afd-m1-ngram": Setup("AFD 1A1F m=1 ngram k=3", "shm", 1, speculative=json.dumps(
@@ -203,7 +206,8 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
     logs = Path(tempfile.mkdtemp(prefix="afdc-bench-serve-"))
     options = RuntimeOptions(connector=setup.connector, rendezvous=f"127.0.0.1:{free_port()}",
                              log_interval=args.log_interval, spin=args.spin if setup.spin is None else setup.spin,
-                             wait=setup.wait or RuntimeOptions.wait)
+                             wait=setup.wait or RuntimeOptions.wait,
+                             spin_cap=setup.spin_cap or RuntimeOptions.spin_cap)
     settings = WorkerSettings(str(artifact), options, micro_batches=setup.micro_batches, backend=args.backend,
                               threads=args.threads)
     max_seqs = str(max(args.concurrency))

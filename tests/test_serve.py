@@ -789,7 +789,7 @@ def test_serve_refuses_bad_artifacts_and_ranks(models, tmp_path):
 
 
 def test_settings_round_trip_through_the_environment(monkeypatch):
-    options = RuntimeOptions(connector="shm", rendezvous="h:1", spin=0.0, wait="adaptive")
+    options = RuntimeOptions(connector="shm", rendezvous="h:1", spin=0.0, wait="cores", spin_cap=5e-3)
     s = WorkerSettings("/a", options, micro_batches=2, cpus=(1,))
     for k, v in s.to_env().items():
         monkeypatch.setenv(k, v)
@@ -817,8 +817,8 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--spin") + 1] == "0.0"
     assert argv[argv.index("--log-interval") + 1] == "5"
     assert "--spin" not in ffn_command(shm, 0) and "--threads" not in ffn_command(shm, 0)
-    argv = ffn_command(WorkerSettings("/a", RuntimeOptions(connector="shm", rendezvous="h:1", wait="adaptive")), 0)
-    assert argv[argv.index("--wait") + 1] == "adaptive"
+    argv = ffn_command(WorkerSettings("/a", replace(SHM, wait="cores", spin_cap=0.002)), 0)
+    assert argv[argv.index("--wait") + 1] == "cores" and argv[argv.index("--spin-cap") + 1] == "0.002"
     assert "--cpus" not in ffn_command(shm, 0)
     argv = ffn_command(WorkerSettings("/a", SHM, cpus=(1, 3)), 0)
     assert argv[argv.index("--cpus") + 1] == "1,3" and "--pin-tokens" not in argv

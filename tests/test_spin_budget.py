@@ -131,12 +131,15 @@ def test_a_waiter_spins_for_what_its_budget_has_left_since_the_post():
 
 def test_spin_overrides_the_policy_and_the_earlier_one_stays_selectable():
     for role in ("attn", "ffn"):
-        assert RuntimeOptions().pacing(role).spin == default_spin(role)  # cores by default (see options)
+        assert RuntimeOptions().pacing(role).spin is None  # learned by default (see options)
         assert RuntimeOptions(wait="adaptive").pacing(role).spin is None  # learned
         assert RuntimeOptions(spin=0.0).pacing(role).spin == 0.0  # --spin sets every role's
         assert RuntimeOptions(spin=0.5, wait="cores").pacing(role).spin == 0.5
         assert RuntimeOptions(wait="cores").pacing(role).spin == default_spin(role)
-    assert RuntimeOptions(wait="adaptive").wait is WaitPolicy.ADAPTIVE
+    assert RuntimeOptions().wait is WaitPolicy.ADAPTIVE and RuntimeOptions().pacing("ffn").budget.cap == 20e-3
+    assert RuntimeOptions(spin_cap=2e-3).pacing("ffn").budget.cap == 2e-3  # --spin-cap
+    with pytest.raises(ValueError, match="spin_cap"):
+        RuntimeOptions(spin_cap=-1.0)
     with pytest.raises(Exception, match="adaptive, cores"):
         RuntimeOptions(wait="fast")
 

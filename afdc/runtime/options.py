@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from afdc.runtime.transport import ConnectorKind
 from afdc.runtime.transport.base import Pacing, WaitPolicy, default_spin
+from afdc.runtime.transport.spin_budget import BudgetSettings
 
 
 @dataclass(frozen=True)
@@ -19,9 +20,10 @@ class RuntimeOptions:
     join_timeout: float = 60.0  # seconds the attention side waits for every FFN rank to (re)join
     poll_interval: float = 0.2  # how often an idle FFN server or an attention rank looks for a regrouping
     spin: float | None = None  # shm: seconds a waiting rank polls before blocking, every role (None: as ``wait`` says)
-    # shm: how a wait chooses between polling and sleeping (a name is parsed); cores until the
-    # adaptive wait is shown faster on a quiet host (it decoded at 0.47 of in process against 0.68)
-    wait: WaitPolicy = WaitPolicy.CORES
+    # shm: how a wait chooses between polling and sleeping (a name is parsed): learned from the
+    # peer's answers, or ``cores``, the earlier fixed policy
+    wait: WaitPolicy = WaitPolicy.ADAPTIVE
+    spin_cap: float = BudgetSettings.cap  # shm, adaptive wait: the longest a learned spin lasts (and answer spun for)
     max_sleep: float = 2e-4  # shm without futexes: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # shm without futexes: ... of a rank idle for 50 ms (its wake-up rate)
     # FFN: pad each layer's batch to a power of two up to this many tokens, a CUDA graph each on a GPU (0: off)
@@ -35,6 +37,8 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
         object.__setattr__(self, "wait", WaitPolicy.parse(self.wait))
+        if self.spin_cap < 0:
+            raise ValueError(f"spin_cap={self.spin_cap}: a wait spins for zero seconds or more")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads={self.threads}: an FFN server computes with at least one torch thread")
 
@@ -44,7 +48,7 @@ class RuntimeOptions:
         spin = self.spin
         if spin is None and self.wait is WaitPolicy.CORES:
             spin = default_spin(role)
-        return Pacing(spin, self.max_sleep, self.idle_sleep)
+        return Pacing(spin, self.max_sleep, self.idle_sleep, budget=BudgetSettings(cap=self.spin_cap))
 
 
 def share_of_cores(processes: int, reserved: int = 0, cores: int | None = None) -> int:

@@ -26,7 +26,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BudgetSettings:
-    cap: float = 2e-3  # s: the longest a wait spins, and the longest typical answer worth spinning for
+    # s: the longest a wait spins, and the longest typical answer worth spinning for. Not 2 ms: a
+    # tiny model's layer under dm.launch() and a served step's layer on a loaded 2-core host are
+    # answered in 1-3 ms, and a sleep then costs each of them a futex wake-up (RESULTS, issue 54);
+    # a spin the host needs the core for ends at its first late yield anyway
+    cap: float = 20e-3
     margin: float = 2.0  # deviations beyond the typical answer a spin lasts
     weight: float = 0.25  # of the newest answer in a key's moving averages (older ones decay by 1 - weight each)
     forget: float = 1.0  # s: a key unanswered this long is forgotten (its next wait sleeps from the start)
