@@ -12,7 +12,7 @@ import afdc
 from afdc.errors import AfdcError
 from afdc.plan import BACKENDS
 from afdc.runtime.transport import ConnectorKind
-from afdc.runtime.transport.base import WaitPolicy
+from afdc.runtime.transport.base import Pacing, WaitPolicy
 from afdc.runtime.transport.spin_budget import BudgetSettings
 
 
@@ -143,6 +143,9 @@ def _serving_options(threads_default: str):
             click.option("--spin-cap", type=click.FloatRange(min=0), default=BudgetSettings.cap, show_default=True,
                          help="--wait adaptive: the longest a learned poll lasts, in seconds; a peer that "
                               "typically answers later is waited for asleep from the start."),
+            click.option("--yield-late", type=click.FloatRange(min=0), default=Pacing.yield_late, show_default=True,
+                         help="--wait adaptive: a poll that comes back this many seconds late from yielding its "
+                              "core ends the poll (another task wanted the core); 0: never."),
             click.option("--threads", type=int, default=None, help=f"Torch threads per process ({threads_default})."),
             click.option("--log-interval", type=float, default=30.0, show_default=True,
                          help="Seconds between each rank's metrics log lines: where its time went, its CPU "
@@ -204,7 +207,8 @@ def _serving_options(threads_default: str):
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no_token, timeout, join_timeout,
           ffn_recovery_timeout, device, host, port, micro_batches, kv_cache_mb, backend, token_buckets,
-          attention_graphs, cpus, pin_tokens, spin, wait, spin_cap, threads, log_interval, vllm_args) -> None:
+          attention_graphs, cpus, pin_tokens, spin, wait, spin_cap, yield_late, threads, log_interval,
+          vllm_args) -> None:
     """Serve one rank of a compiled ARTIFACT until SIGTERM.
 
     An FFN rank loads only its FFN program and weights, joins the deployment at --rendezvous, and
@@ -233,7 +237,8 @@ def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no
 
     options = RuntimeOptions(connector=connector, rendezvous=rendezvous, token=token, timeout=timeout,
                              join_timeout=join_timeout, log_interval=log_interval, token_buckets=token_buckets,
-                             insecure_no_token=insecure_no_token, spin=spin, wait=wait, spin_cap=spin_cap)
+                             insecure_no_token=insecure_no_token, spin=spin, wait=wait, spin_cap=spin_cap,
+                             yield_late=yield_late)
     if role == "attn":
         from afdc.serve.settings import WorkerSettings
         from afdc.serve.up import serve_attention
@@ -313,7 +318,8 @@ def serve(artifact, role, rank, spare, rendezvous, connector, token, insecure_no
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ray_ffn_resource, device,
        micro_batches, kv_cache_mb, timeout, startup_timeout, ffn_recovery_timeout, ffn_spares, stop_timeout, log_dir,
-       backend, token_buckets, attention_graphs, pin, spin, wait, spin_cap, threads, log_interval, vllm_args) -> None:
+       backend, token_buckets, attention_graphs, pin, spin, wait, spin_cap, yield_late, threads, log_interval,
+       vllm_args) -> None:
     """Start every role of ARTIFACT's plan on this machine (or a Ray cluster) and serve the OpenAI
     API until Ctrl-C.
 
@@ -344,7 +350,7 @@ def up(artifact, demo, host, port, connector, ray_address, ray_attn_resource, ra
 
         artifact = demo_artifact(say=click.echo)
     options = RuntimeOptions(connector=connector, rendezvous=f"{host}:{free_port()}", timeout=timeout,
-                             log_interval=log_interval, spin=spin, wait=wait, spin_cap=spin_cap)
+                             log_interval=log_interval, spin=spin, wait=wait, spin_cap=spin_cap, yield_late=yield_late)
     settings = WorkerSettings(
         str(artifact), options, recovery_timeout=ffn_recovery_timeout, micro_batches=micro_batches,
         kv_cache_bytes=kv_cache_mb << 20, device=device, backend=backend, threads=threads,

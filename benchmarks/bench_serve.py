@@ -81,6 +81,7 @@ class Setup:
     wait: str | None = None  # afdc up --wait (None: afdc's default, adaptive)
     spin: float | None = None  # afdc up --spin (None: --spin of this script)
     spin_cap: float | None = None  # afdc up --spin-cap (None: afdc's default)
+    yield_late: float | None = None  # afdc up --yield-late (None: afdc's default; 0: never)
     speculative: str | None = None  # vLLM's --speculative-config (None: no speculation)
 
 
@@ -93,6 +94,7 @@ SETUPS = {
     # the shm waits against each other (issue 54): afd-m1 has afdc's default (adaptive, capped at 20 ms)
     "afd-m1-cores": Setup("AFD 1A1F m=1 --wait cores", "shm", 1, wait="cores"),
     "afd-m1-adaptive-2ms": Setup("AFD 1A1F m=1 --spin-cap 0.002", "shm", 1, spin_cap=2e-3),
+    "afd-m1-no-late": Setup("AFD 1A1F m=1 --yield-late 0", "shm", 1, yield_late=0.0),
     "afd-m1-spin": Setup("AFD 1A1F m=1 --spin 0.002", "shm", 1, spin=2e-3),
     # speculative decoding (issue 55): n-gram prompt lookup, any model; the model's MTP layer, --model demo-mtp
     "afd-m1-ngram": Setup("AFD 1A1F m=1 ngram k=3", "shm", 1, speculative=json.dumps(
@@ -207,7 +209,8 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
     options = RuntimeOptions(connector=setup.connector, rendezvous=f"127.0.0.1:{free_port()}",
                              log_interval=args.log_interval, spin=args.spin if setup.spin is None else setup.spin,
                              wait=setup.wait or RuntimeOptions.wait,
-                             spin_cap=setup.spin_cap or RuntimeOptions.spin_cap)
+                             spin_cap=setup.spin_cap or RuntimeOptions.spin_cap,
+                             yield_late=RuntimeOptions.yield_late if setup.yield_late is None else setup.yield_late)
     settings = WorkerSettings(str(artifact), options, micro_batches=setup.micro_batches, backend=args.backend,
                               threads=args.threads)
     max_seqs = str(max(args.concurrency))

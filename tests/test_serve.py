@@ -817,8 +817,9 @@ def test_afdc_up_shares_a_cpu_hosts_cores_among_the_processes_that_compute():
     assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--spin") + 1] == "0.0"
     assert argv[argv.index("--log-interval") + 1] == "5"
     assert "--spin" not in ffn_command(shm, 0) and "--threads" not in ffn_command(shm, 0)
-    argv = ffn_command(WorkerSettings("/a", replace(SHM, wait="cores", spin_cap=0.002)), 0)
+    argv = ffn_command(WorkerSettings("/a", replace(SHM, wait="cores", spin_cap=0.002, yield_late=0.0)), 0)
     assert argv[argv.index("--wait") + 1] == "cores" and argv[argv.index("--spin-cap") + 1] == "0.002"
+    assert argv[argv.index("--yield-late") + 1] == "0.0"
     assert "--cpus" not in ffn_command(shm, 0)
     argv = ffn_command(WorkerSettings("/a", SHM, cpus=(1, 3)), 0)
     assert argv[argv.index("--cpus") + 1] == "1,3" and "--pin-tokens" not in argv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -138,6 +139,10 @@ def test_spin_overrides_the_policy_and_the_earlier_one_stays_selectable():
         assert RuntimeOptions(wait="cores").pacing(role).spin == default_spin(role)
     assert RuntimeOptions().wait is WaitPolicy.ADAPTIVE and RuntimeOptions().pacing("ffn").budget.cap == 20e-3
     assert RuntimeOptions(spin_cap=2e-3).pacing("ffn").budget.cap == 2e-3  # --spin-cap
+    assert RuntimeOptions(yield_late=1e-3).pacing("attn").yield_late == 1e-3  # --yield-late
+    assert RuntimeOptions(yield_late=0).pacing("attn").yield_late == math.inf  # 0: a late yield never ends a spin
+    with pytest.raises(ValueError, match="yield_late"):
+        RuntimeOptions(yield_late=-1.0)
     with pytest.raises(ValueError, match="spin_cap"):
         RuntimeOptions(spin_cap=-1.0)
     with pytest.raises(Exception, match="adaptive, cores"):

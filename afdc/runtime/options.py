@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ class RuntimeOptions:
     # peer's answers, or ``cores``, the earlier fixed policy
     wait: WaitPolicy = WaitPolicy.ADAPTIVE
     spin_cap: float = BudgetSettings.cap  # shm, adaptive wait: the longest a learned spin lasts (and answer spun for)
+    # shm, adaptive wait: a poll back this late from its yield ends the spin (the core was wanted; 0: never)
+    yield_late: float = Pacing.yield_late
     max_sleep: float = 2e-4  # shm without futexes: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # shm without futexes: ... of a rank idle for 50 ms (its wake-up rate)
     # FFN: pad each layer's batch to a power of two up to this many tokens, a CUDA graph each on a GPU (0: off)
@@ -37,6 +40,8 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "connector", ConnectorKind.parse(self.connector))
         object.__setattr__(self, "wait", WaitPolicy.parse(self.wait))
+        if self.yield_late < 0:
+            raise ValueError(f"yield_late={self.yield_late}: seconds, 0 or more (0: a late yield never ends a spin)")
         if self.spin_cap < 0:
             raise ValueError(f"spin_cap={self.spin_cap}: a wait spins for zero seconds or more")
         if self.threads is not None and self.threads < 1:
@@ -48,7 +53,8 @@ class RuntimeOptions:
         spin = self.spin
         if spin is None and self.wait is WaitPolicy.CORES:
             spin = default_spin(role)
-        return Pacing(spin, self.max_sleep, self.idle_sleep, budget=BudgetSettings(cap=self.spin_cap))
+        return Pacing(spin, self.max_sleep, self.idle_sleep, budget=BudgetSettings(cap=self.spin_cap),
+                      yield_late=self.yield_late or math.inf)
 
 
 def share_of_cores(processes: int, reserved: int = 0, cores: int | None = None) -> int:

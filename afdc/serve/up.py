@@ -127,7 +127,7 @@ def ffn_command(settings: WorkerSettings, rank: int | None, token_buckets: int =
         "--join-timeout", str(r.join_timeout), "--device", s.device, "--log-interval", str(r.log_interval),
         "--token-buckets", str(token_buckets), *(["--backend", s.backend] if s.backend else []),
         *(["--spin", str(r.spin)] if r.spin is not None else []), "--wait", r.wait.value,
-        "--spin-cap", str(r.spin_cap),
+        "--spin-cap", str(r.spin_cap), "--yield-late", str(r.yield_late),
         *(["--threads", str(s.threads)] if s.threads else []),
         *(["--cpus", ",".join(map(str, s.cpus))] if s.cpus else []),
         *(["--pin-tokens", str(s.pin_tokens)] if s.cpus and s.pin_tokens else []),
