@@ -209,7 +209,7 @@ def measure(artifacts: dict[str, Path], setup: Setup, args) -> dict[int, Run]:
     options = RuntimeOptions(connector=setup.connector, rendezvous=f"127.0.0.1:{free_port()}",
                              log_interval=args.log_interval, spin=args.spin if setup.spin is None else setup.spin,
                              wait=setup.wait or RuntimeOptions.wait,
-                             spin_cap=setup.spin_cap or RuntimeOptions.spin_cap,
+                             spin_cap=RuntimeOptions.spin_cap if setup.spin_cap is None else setup.spin_cap,
                              yield_late=RuntimeOptions.yield_late if setup.yield_late is None else setup.yield_late)
     settings = WorkerSettings(str(artifact), options, micro_batches=setup.micro_batches, backend=args.backend,
                               threads=args.threads)
