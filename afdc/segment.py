@@ -334,7 +334,7 @@ class Dispatch:
         """Whether replies hold some of the message's tokens, as ``[tokens, per-token...]``."""
         return self.by_rows or self.experts is not None
 
-    def shares(self, inputs: list[torch.Tensor], tokens: int, ranks: int) -> list[Share]:
+    def shares(self, inputs: list[torch.Tensor], tokens: int, ranks: int) -> Sequence[Share]:
         if self.experts is not None:
             key = as_rows(inputs[self.experts.input], tokens)
             needed = self.experts.ranks_of(key, ranks)
@@ -346,13 +346,8 @@ class Dispatch:
                     shares.append(Share(r, 0, tokens, rows, None if owner is None else owner[rows] == r))
             empty = needed.new_zeros(0, dtype=torch.long)
             return shares or [Share(0, 0, 0, empty, None if owner is None else empty.bool())]
-        if self.by_rows:
-            bounds = [r * tokens // ranks for r in range(ranks + 1)]
-            shares = [Share(r, lo, hi) for r, (lo, hi) in enumerate(itertools.pairwise(bounds)) if hi > lo]
-            return shares or [Share(0, 0, 0)]  # an empty micro-batch still gets its (empty) reply
-        if all(how == "first" for how in self.reduce):
-            return [Share(0, 0, tokens)]
-        return [Share(r, 0, tokens) for r in range(ranks)]
+        how = "rows" if self.by_rows else "first" if all(how == "first" for how in self.reduce) else "every"
+        return _token_shares(how, tokens, ranks)
 
     def ranks_per_token(self, ranks: int) -> int:
         """How many of ``ranks`` FFN ranks a token goes to and gets a reply from, as
@@ -377,7 +372,7 @@ class Dispatch:
             return 0
         return inputs[0].numel() // math.prod(abs(d) for d in self.inputs[0])
 
-    def combine(self, index: int, replies: list[torch.Tensor], shares: list[Share]) -> torch.Tensor:
+    def combine(self, index: int, replies: list[torch.Tensor], shares: Sequence[Share]) -> torch.Tensor:
         """Output ``index`` from each share's reply (in ``shares`` order); ``rows`` come back as
         ``[tokens, per-token elements]`` for the receiver to reshape."""
         how = self.reduce[index]
@@ -393,6 +388,22 @@ class Dispatch:
         if how == "first":
             return replies[0]
         return functools.reduce(torch.add, replies)  # partial results, added in rank order
+
+
+# Asked for every message an attention rank sends, and a deployment sees few token counts: the
+# shares that depend on nothing else are made once (they are frozen).
+@functools.lru_cache(maxsize=4096)
+def _token_shares(how: str, tokens: int, ranks: int) -> tuple[Share, ...]:
+    """The shares of a message of ``tokens`` tokens over ``ranks`` FFN ranks where every output
+    reduces by ``rows`` (a contiguous share each), by ``first`` (rank 0 alone), or otherwise
+    (``every`` rank gets every token)."""
+    if how == "rows":
+        bounds = [r * tokens // ranks for r in range(ranks + 1)]
+        shares = tuple(Share(r, lo, hi) for r, (lo, hi) in enumerate(itertools.pairwise(bounds)) if hi > lo)
+        return shares or (Share(0, 0, 0),)  # an empty micro-batch still gets its (empty) reply
+    if how == "first":
+        return (Share(0, 0, tokens),)
+    return tuple(Share(r, 0, tokens) for r in range(ranks))
 
 
 @dataclass(frozen=True, kw_only=True)

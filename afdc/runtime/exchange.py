@@ -15,6 +15,7 @@ import functools
 import hashlib
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -183,16 +184,19 @@ class AttentionEndpoint:
         """Send one message to FFN rank ``ffn_rank`` (a micro-batch's layer may go to several)."""
         assert self.transport is not None
         with self.metrics.phases.timed("send", per_message=True):
+            sent_at = time.monotonic()
             header = self._header(wire.Kind.DATA, tensors, step, layer, micro_batch, tokens)
-            # one dict operation, atomic under the GIL: no lock on the path of every message
-            self._sent_at.setdefault((step, layer, micro_batch), time.monotonic())
-            self._waiter.busy()  # a reply is due: its wait starts from the spin, however long this rank idled
             peer = self.ffn_slots[ffn_rank]
             try:
                 self.transport.send(peer, header, tensors)
             except (RuntimeError, OSError) as err:
                 self._fail(peer, layer, f"send failed: {err}")
+            # the rest runs while the FFN rank computes: nothing of it delays the reply
+            # one dict operation, atomic under the GIL: no lock on the path of every message
+            self._sent_at.setdefault((step, layer, micro_batch), sent_at)
+            self._waiter.busy()  # a reply is due: its wait starts from the spin, however long this rank idled
             self.metrics.sent(header.payload_bytes)
+            self.metrics.settle()
 
     @trace.phase("attn.wait")
     def wait(
@@ -235,18 +239,18 @@ class AttentionEndpoint:
                 if not missing:
                     self._waiter.waited(now - deadline + self.options.timeout)
                     self._waiter.answered(phase, now - sent_at)
-                    self.metrics.exchange_ms.observe((now - self._sent_at.pop(key, sent_at)) * 1e3)
+                    self.metrics.exchanged(now - self._sent_at.pop(key, sent_at))
                     return [self._results.pop((key, p)) for p in peers]
                 if now >= deadline:
                     self._fail(missing[0], layer, f"no reply within {self.options.timeout:g} s (step {step})")
                 if not polled:
                     self._cond.wait(deadline - now)
                     continue
+                if pause is None:  # under the lock: the waiter's budgets are this rank's threads' in common
+                    spin_for = self._waiter.spin_left(phase, sent_at, now)
             if pause is None:  # blocks on the first reply still missing (the others are taken as they land)
                 block = lambda seconds: self.transport.block(missing, micro_batch, seconds)  # noqa: B023, E731
-                pause = self._waiter.pauses(
-                    spin, block, self.transport.wakes, deadline, self._waiter.spin_left(phase, sent_at, now)
-                )
+                pause = self._waiter.pauses(spin, block, self.transport.wakes, deadline, spin_for)
             # poll the slots alone until something lands; a lost peer or a refusal (filed by the
             # socket's receiver thread) or the deadline sends the wait back to the checks above
             arrived = []
@@ -281,7 +285,7 @@ class RemoteConnector(Connector):
         self.endpoint, self.step, self.micro_batch, self.tokens = endpoint, step, micro_batch, tokens
         self.spin = spin  # whether waiting for a reply may poll without sleeping (no other thread computes)
         self.dispatch = dispatch
-        self._shares: dict[int, list[Share]] = {}  # layer -> where its tokens went
+        self._shares: dict[int, Sequence[Share]] = {}  # layer -> where its tokens went
         self._replies: dict[int, list[list[torch.Tensor]]] = {}  # layer -> per share, its outputs
 
     @trace.phase("attn.connector_send")

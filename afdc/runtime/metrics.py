@@ -4,6 +4,7 @@ where a rank's time goes (:class:`Phases`), beside the CPU time its process used
 from __future__ import annotations
 
 import bisect
+import collections
 import json
 import logging
 import random
@@ -168,6 +169,20 @@ class Metrics:
         self.batch_tokens = Histogram(_log_buckets(1, 1 << 20, per_decade=3))  # FFN: tokens per segment run
         self.phases = Phases()
         self._lock = threading.Lock()
+        self._exchanges: collections.deque[float] = collections.deque()  # noted, not yet in exchange_ms
+
+    def exchanged(self, seconds: float) -> None:
+        """An attention rank's exchange took ``seconds``; noted only, and put into ``exchange_ms``
+        by :meth:`settle`: it ends on the way back to the attention program, where a histogram's
+        few operations with the caches cold cost microseconds, and a send has the FFN rank's
+        computation to hide them."""
+        self._exchanges.append(seconds)
+
+    def settle(self) -> None:
+        """Put the exchanges noted so far into ``exchange_ms`` (any thread; a snapshot does too)."""
+        with self._lock:
+            while self._exchanges:
+                self.exchange_ms.observe(self._exchanges.popleft() * 1e3)
 
     def sent(self, nbytes: int) -> None:
         with self._lock:
@@ -180,6 +195,7 @@ class Metrics:
             self.bytes_received += nbytes
 
     def snapshot(self) -> dict:
+        self.settle()
         with self._lock:
             elapsed = time.monotonic() - self.started
             return {

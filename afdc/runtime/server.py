@@ -230,7 +230,6 @@ class FFNServer:
                 gathering.forget(item.peer)
                 continue
             h = item.header
-            self.metrics.received(h.payload_bytes)
             reason = self._check(h, generation) or self._check_tensors(item)
             if reason:
                 self._refuse(transport, h, reason)
@@ -241,6 +240,10 @@ class FFNServer:
             else:
                 gathering.add(item)
         self._run(transport, gathering.ready())
+        # counted once the replies are out: the senders wait for those, not for the count
+        for item in items:
+            if isinstance(item, Incoming):
+                self.metrics.received(item.header.payload_bytes)
 
     def _run(self, transport: Transport, messages: list[Incoming]) -> None:
         """Run each FFN layer once over all of its messages (of one dtype: a batch must not cast
@@ -268,10 +271,10 @@ class FFNServer:
                 return
             self._refuse(transport, group[0].header, f"FFN layer {layer} failed: {type(err).__name__}: {err}")
             return
-        self.metrics.batch_tokens.observe(sum(tokens))
         with phases.timed("reply", per_message=True):
             for m, outs in zip(group, outputs):
                 self._reply(transport, m.header, wire.Kind.RESULT, outs)
+        self.metrics.batch_tokens.observe(sum(tokens))
 
     def _check(self, h: wire.Header, generation: int) -> str:
         if h.deployment != self.deployment:

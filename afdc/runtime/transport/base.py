@@ -53,6 +53,8 @@ class Failure:
 Deliver = Callable[["Incoming | Failure"], None]
 
 
+_UNLEARNED = 64  # answers noted before they are learned anyway (a party that never waits long)
+
 SPIN_CORES = 8  # --wait cores: a host with fewer has no core to spare for an FFN server's polls (default_spin)
 
 
@@ -128,15 +130,32 @@ class Waiter:
         self.typical = 0.0  # seconds, a moving average of this party's recent waits
         self.last = time.monotonic()  # when a wait last ended with something
         self.budget = SpinBudget(pacing.budget) if pacing.spin is None else None
+        self._answers: list[tuple[Hashable, float]] = []  # heard, not yet learned (see answered)
 
     def spin_left(self, key: Hashable, since: float, now: float) -> float:
         """A learned wait for ``key``'s answer to a message posted at ``since``: how long it may
-        still poll at ``now`` (0 under a fixed spin, which :meth:`pauses` applies itself)."""
-        return max(0.0, since + self.budget.budget(key) - now) if self.budget is not None else 0.0
+        still poll at ``now`` (0 under a fixed spin, which :meth:`pauses` applies itself). Not
+        thread-safe, as :class:`SpinBudget`: the caller serializes it with :meth:`answered`."""
+        if self.budget is None:
+            return 0.0
+        self._learn()
+        return max(0.0, since + self.budget.budget(key) - now)
 
     def answered(self, key: Hashable, seconds: float) -> None:
-        """The peer answered ``key`` ``seconds`` after the message (learned where the spin is)."""
+        """The peer answered ``key`` ``seconds`` after the message (learned where the spin is).
+
+        Only noted here: the answer is on the path of the exchange (the peer waits for what this
+        party does with it), and learning it is a few dict and float operations, slow with the
+        caches cold from the computation before it. It is learned by the next wait that asks
+        :meth:`spin_left`, which only asks once its message is posted and its answer not there."""
         if self.budget is not None:
+            self._answers.append((key, seconds))
+            if len(self._answers) > _UNLEARNED:
+                self._learn()
+
+    def _learn(self) -> None:
+        answers, self._answers = self._answers, []
+        for key, seconds in answers:
             self.budget.answered(key, seconds)
 
     def pauses(
