@@ -776,7 +776,7 @@ def test_a_slot_reader_woken_without_a_post_and_a_post_that_wakes_no_one():
         pytest.skip("no futex on this platform: readers sleep in steps")
     writer = Mailbox.create(2, 64, torch.device("cpu"))
     reader = Mailbox.open({}, os.dup(writer.fd), torch.device("cpu"), 2, 64)
-    header = wire.Header(wire.Kind.DATA, b"12345678", 1, 1, 0, 0, 1, 0).encode()
+    header = wire.Header(wire.Kind.DATA, b"12345678", 1, 1, 0, 0, 1, 0)
 
     start = time.monotonic()  # before the thread's sleep starts: the wait lasts at least that sleep
     thread = _later(reader.wake_readers)
@@ -803,7 +803,7 @@ def test_a_slot_reader_sleeps_until_its_message_is_posted():
     start = time.monotonic()
     reader.wait_ready(0, 0.2)
     assert time.monotonic() - start >= 0.2
-    header = wire.Header(wire.Kind.DATA, b"12345678", 1, 1, 0, 0, 1, 0).encode()
+    header = wire.Header(wire.Kind.DATA, b"12345678", 1, 1, 0, 0, 1, 0)
     long = 30.0 if futex.AVAILABLE else 0.5  # without a futex the sleep lasts its timeout
     start = time.monotonic()
     poster = _later(lambda: writer.put(0, header, [], Pacing(), 1.0, "reader"), 0.2)
@@ -892,7 +892,7 @@ def test_shared_memory_mailbox_completes_messages_by_sequence_and_never_overwrit
                                     micro_batch=micro_batch, tokens=1, sender=0)
 
     def post(slot, tensors, timeout=1.0):
-        writer.put(slot, header(slot, tensors).encode(), tensors, Pacing(), timeout, "reader")
+        writer.put(slot, header(slot, tensors), tensors, Pacing(), timeout, "reader")
 
     x, y = torch.arange(16, dtype=torch.int32), torch.arange(8, dtype=torch.int64)
     post(0, [x])

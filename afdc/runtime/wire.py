@@ -76,10 +76,15 @@ class Header:
 
     @classmethod
     @trace.phase("header.build")
-    def carrying(cls, kind: Kind, tensors: list[torch.Tensor], **fields) -> Header:
-        """A header describing ``tensors`` as its payload; ``fields`` are the other header fields."""
+    def carrying(
+        cls, kind: Kind, tensors: list[torch.Tensor], deployment: bytes, generation: int, step: int, layer: int,
+        micro_batch: int, tokens: int, sender: int,
+    ) -> Header:
+        """A header describing ``tensors`` as its payload, with the other header fields."""
         described = specs(tensors)
-        return cls(kind, tensors=described, payload_bytes=_payload_bytes(described), **fields)
+        return cls(
+            kind, deployment, generation, step, layer, micro_batch, tokens, sender, described, _payload_bytes(described)
+        )
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -88,9 +93,18 @@ class Header:
 
     @trace.phase("header.encode")
     def encode(self) -> bytes:
+        out = bytearray(HEADER_BYTES)
+        self.encode_into(out, 0)
+        return bytes(out)
+
+    def encode_into(self, buffer, offset: int) -> None:
+        """Write the header into ``buffer`` (writable, :data:`HEADER_BYTES` from ``offset``): a
+        shared-memory slot takes it in place, with no bytes object made and copied on the way."""
         if len(self.tensors) > MAX_TENSORS:
             raise WireError(f"a message carries at most {MAX_TENSORS} tensors, got {len(self.tensors)}")
-        fixed = _FIXED.pack(
+        _FIXED.pack_into(
+            buffer,
+            offset,
             MAGIC,
             VERSION,
             int(self.kind),
@@ -105,15 +119,22 @@ class Header:
             self.payload_bytes,
             len(self.tensors),
         )
-        return fixed + _encode_specs(self.tensors)
+        described = _encode_specs(self.tensors)  # the rest of the header is never read (count says so)
+        buffer[offset + _FIXED.size : offset + _FIXED.size + len(described)] = described
 
     @classmethod
-    @trace.phase("header.decode")
     def decode(cls, data: bytes) -> Header:
         if len(data) != HEADER_BYTES:
             raise WireError(f"header of {len(data)} bytes, expected {HEADER_BYTES}")
+        return cls.decode_from(data, 0)
+
+    @classmethod
+    @trace.phase("header.decode")
+    def decode_from(cls, buffer, offset: int) -> Header:
+        """The header at ``offset`` of ``buffer`` (:data:`HEADER_BYTES` there: the caller's bound),
+        read in place."""
         magic, version, kind, _, deployment, gen, step, layer, mb, tokens, sender, payload, count = _FIXED.unpack_from(
-            data
+            buffer, offset
         )
         if magic != MAGIC:
             raise WireError(f"not an afdc message (magic {magic!r})")
@@ -121,7 +142,8 @@ class Header:
             raise WireError(f"wire version {version}, this afdc speaks {VERSION}; run the same afdc on every rank")
         if kind not in _KINDS or count > MAX_TENSORS:
             raise WireError(f"malformed header (kind {kind}, {count} tensors)")
-        tensors = _decode_specs(bytes(data[_FIXED.size : _FIXED.size + count * _TENSOR.size]))
+        start = offset + _FIXED.size
+        tensors = _decode_specs(bytes(buffer[start : start + count * _TENSOR.size]))
         header = cls(_KINDS[kind], deployment, gen, step, layer, mb, tokens, sender, tensors, payload)
         if payload != _payload_bytes(tensors):  # an ERROR's reason is a uint8 tensor too
             raise WireError(f"payload of {payload} bytes does not match its tensors {tensors}")
@@ -132,7 +154,7 @@ class Header:
 # takes a few microseconds off every message of a round trip that is mostly such fixed costs.
 @functools.lru_cache(maxsize=4096)
 def _encode_specs(tensors: tuple[TensorSpec, ...]) -> bytes:
-    return b"".join(_encode_spec(t) for t in tensors).ljust(HEADER_BYTES - _FIXED.size, b"\0")
+    return b"".join(_encode_spec(t) for t in tensors)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -215,6 +215,7 @@ class Mailbox(_SharedFile):
                 _WORD.pack_into(self._mm, 8 * i, word)
         self.slots, self.slot_bytes, self._in_file = slots, slot_bytes, in_file
         self._body = (2 + self.slots) * _LINE
+        self._stride = _PAYLOAD + in_file  # from one slot's header to the next's
         self._view = memoryview(self._mm)
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._controls = struct.Struct("<" + f"QQ{_LINE - 16}x" * self.slots)  # every seq and ack in one read
@@ -261,7 +262,7 @@ class Mailbox(_SharedFile):
         return _PAIR.unpack_from(self._mm, (2 + k) * _LINE)
 
     def _start(self, k: int) -> int:
-        return self._body + k * (_PAYLOAD + self._in_file)
+        return self._body + k * self._stride
 
     def fits(self, payload_bytes: int) -> bool:
         return payload_bytes <= self.slot_bytes
@@ -282,23 +283,23 @@ class Mailbox(_SharedFile):
         return [k for k in range(self.slots) if words[2 * k] != words[2 * k + 1]]
 
     @trace.phase("shm.put")
-    def put(self, k: int, header: bytes, tensors: list[torch.Tensor], pacing: Pacing, timeout: float, receiver: str,
-            wake: bool = True):
+    def put(self, k: int, header: wire.Header, tensors: list[torch.Tensor], pacing: Pacing, timeout: float,
+            receiver: str, wake: bool = True):
         """Sender: post a message (``tensors`` contiguous, in host memory) into slot ``k`` once the
         receiver has taken the last one; ``wake``: wake a reader asleep on the slot (a sender to
         a server rings the server's :class:`Bell` instead)."""
-        seq, ack = self._control(k)
+        mm, control = self._mm, (2 + k) * _LINE
+        seq, ack = _PAIR.unpack_from(mm, control)
         if ack != seq:
             pause, deadline = Waiter(pacing).pauses(), time.monotonic() + timeout
             while self._ack(k) != seq:
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"{receiver} has not taken its last message for slot {k}")
                 pause()
-        start = self._start(k)
-        self._view[start : start + len(header)] = header
+        header.encode_into(mm, self._body + k * self._stride)
         self._write(k, tensors)
-        _WORD.pack_into(self._mm, (2 + k) * _LINE, seq + 1)
-        _WORD.pack_into(self._mm, _LINE, self.posted + 1)
+        _WORD.pack_into(mm, control, seq + 1)
+        _WORD.pack_into(mm, _LINE, _WORD.unpack_from(mm, _LINE)[0] + 1)
         if wake and self._seqs:
             self._seqs[k].wake()
 
@@ -324,7 +325,7 @@ class Mailbox(_SharedFile):
         memory: the programs compute on it, and a matmul over a tensor backed by a mapping ran
         several times slower), and the slot freed."""
         seq, start = self._seq(k), self._start(k)  # the sender posts nothing more here until it is acked
-        header = wire.Header.decode(self._mm[start : start + wire.HEADER_BYTES])
+        header = wire.Header.decode_from(self._mm, start)
         if header.payload_bytes > self.slot_bytes:
             raise wire.WireError(f"slot {k} claims {header.payload_bytes} bytes, more than its {self.slot_bytes}")
         tensors = self._read(k, header.tensors)
@@ -336,19 +337,19 @@ class Mailbox(_SharedFile):
     @trace.phase("shm.copy_in")
     def _write(self, k: int, tensors: list[torch.Tensor]) -> None:
         """Copy ``tensors`` into slot ``k``; done when this returns (the slot is posted next)."""
-        at = self._address + self._start(k) + _PAYLOAD
+        at = self._address + self._body + k * self._stride + _PAYLOAD
         for t in tensors:
-            n = t.numel() * t.element_size()
+            n = t.nbytes
             ctypes.memmove(at, t.data_ptr(), n)
             at += n
 
     @trace.phase("shm.copy_out")
     def _read(self, k: int, specs: tuple[wire.TensorSpec, ...]) -> list[torch.Tensor]:
         """Copies of slot ``k``'s tensors; done when this returns (the slot is freed next)."""
-        tensors, at = [], self._address + self._start(k) + _PAYLOAD
+        tensors, at = [], self._address + self._body + k * self._stride + _PAYLOAD
         for spec in specs:
             t = torch.empty(spec.shape, dtype=spec.dtype)
-            n = spec.nbytes
+            n = t.nbytes
             if n:
                 ctypes.memmove(t.data_ptr(), at, n)
             tensors.append(t)
@@ -398,7 +399,7 @@ class _Link:
         # (its spin budget's key: the link and the layer answered, when it was posted)
         self.replied: tuple[tuple[int, int], float] | None = None
         # a server's replies whose slot the peer has not freed yet: (slot, header, tensors, since)
-        self.backlog: collections.deque[tuple[int, bytes, list[torch.Tensor], float]] = collections.deque()
+        self.backlog: collections.deque[tuple[int, wire.Header, list[torch.Tensor], float]] = collections.deque()
         self.dropped = False  # this end ended the link (its failure is said once)
 
     def close(self) -> None:
@@ -542,27 +543,27 @@ class ShmTransport(Transport):
         if link is None:
             raise ConnectionError(f"no link to slot {peer}")
         self._check_outgoing(header)
-        head = header.encode()
-        with link.lock:
-            box = link.outbound
-            if header.kind in _SLOTTED and box.fits(header.payload_bytes):
-                slot = _slot(box, header.micro_batch) if header.kind != wire.Kind.STEP else box.slots - 1
-                staged = [self._staged(t) for t in tensors]
+        box = link.outbound
+        if header.kind in _SLOTTED and box.fits(header.payload_bytes):
+            slot = _slot(box, header.micro_batch) if header.kind != wire.Kind.STEP else box.slots - 1
+            staged = [self._staged(t) for t in tensors]
+            with link.lock:
                 if self.role == "ffn":  # a server never waits for one peer to free a slot: its others wait on it
                     if not link.backlog and box.free(slot):
-                        box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}")
+                        box.put(slot, header, staged, self.pacing, self.timeout, f"slot {peer}")
                     else:
-                        link.backlog.append((slot, head, staged, time.monotonic()))
+                        link.backlog.append((slot, header, staged, time.monotonic()))
                         self._flush(peer, link)
                     link.replied = ((peer, header.layer), time.monotonic())
-                else:
-                    box.put(slot, head, staged, self.pacing, self.timeout, f"slot {peer}", wake=False)
-                    # a step plan wakes no one: the server reads it with the step's first data
-                    # message, and a wake-up per step that finds nothing to run cost a context
-                    # switch on each side
-                    if link.bell is not None and header.kind != wire.Kind.STEP:
-                        link.bell.ring()
-                return
+                    return
+                box.put(slot, header, staged, self.pacing, self.timeout, f"slot {peer}", wake=False)
+            # a step plan wakes no one: the server reads it with the step's first data message, and
+            # a wake-up per step that finds nothing to run cost a context switch on each side
+            if link.bell is not None and header.kind != wire.Kind.STEP:
+                link.bell.ring()
+            return
+        head = header.encode()
+        with link.lock:
             try:
                 link.sock.sendall(head)
                 link.sock.sendall(memoryview(wire.pack(tensors).cpu().numpy()))
