@@ -627,6 +627,13 @@ def test_wire_header_round_trip_and_malformed_input():
         wire.Header.decode(wire.Header(wire.Kind.DATA, b"abcdefgh", 2, 10, 5, 1, 3, 0, specs, 7).encode())
     with pytest.raises(wire.WireError, match="header of 3 bytes"):
         wire.Header.decode(b"abc")
+    # in place, as a shared-memory slot holds it: a header of fewer tensors over a longer one's
+    # bytes reads back as itself (its count says how many are described)
+    slot = bytearray(b"\xff" * (7 + wire.HEADER_BYTES))
+    h.encode_into(slot, 7)
+    one = wire.Header(wire.Kind.RESULT, b"abcdefgh", 2, 11, 5, 1, 3, 1, specs[:1], specs[0].nbytes)
+    one.encode_into(slot, 7)
+    assert wire.Header.decode_from(slot, 7) == one and wire.Header.decode(bytes(slot[7:])) == one
     tensors = [torch.randn(3, 5, dtype=torch.bfloat16), torch.arange(7)]  # an int64 at an odd offset
     back = wire.unpack(wire.pack(tensors), wire.specs(tensors))
     assert all(torch.equal(a, b) for a, b in zip(tensors, back))

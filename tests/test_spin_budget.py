@@ -130,6 +130,20 @@ def test_a_waiter_spins_for_what_its_budget_has_left_since_the_post():
     assert fixed.budget is None and fixed.spin_left("k", 10.0, 10.0) == 0.0
 
 
+def test_answers_are_learned_by_the_next_wait_and_never_pile_up():
+    """An answer is only noted on the exchange's path; the next wait that asks for its spin learns
+    it, and a party whose waits never ask (its answers always there at once) learns them anyway
+    before many pile up."""
+    waiter = Waiter(Pacing(spin=None))
+    waiter.answered("k", 200 * US)
+    assert waiter.budget.estimate("k") is None  # noted, not learned yet
+    assert waiter.spin_left("k", since=10.0, now=10.0) > 200 * US
+    assert waiter.budget.estimate("k").mean == pytest.approx(200 * US)
+    for _ in range(1000):
+        waiter.answered("quick", 50 * US)
+    assert waiter.budget.estimate("quick").mean == pytest.approx(50 * US)
+
+
 def test_spin_overrides_the_policy_and_the_earlier_one_stays_selectable():
     for role in ("attn", "ffn"):
         assert RuntimeOptions().pacing(role).spin is None  # learned by default (see options)
