@@ -9,6 +9,7 @@ import time
 import pytest
 
 from afdc.runtime.options import RuntimeOptions, share_of_cores
+from afdc.runtime.transport import base
 from afdc.runtime.transport.base import Pacing, Waiter, WaitPolicy, default_spin
 from afdc.runtime.transport.spin_budget import BudgetSettings, SpinBudget
 
@@ -163,19 +164,63 @@ def test_spin_overrides_the_policy_and_the_earlier_one_stays_selectable():
         RuntimeOptions(wait="fast")
 
 
-def test_a_learned_spin_ends_once_a_yield_gives_the_core_away(monkeypatch):
-    """A poll that comes back late from its yield means another task wanted this core: the wait
-    blocks from then on. A fixed spin (--spin) keeps spinning."""
-    monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(2e-3))  # every yield: 2 ms away
-    for spin, blocked_after in ((None, 1), (10.0, 0)):
-        waiter = Waiter(Pacing(spin=spin, yield_late=5e-4))
-        waiter.busy()
-        blocks: list[float] = []
-        pause = waiter.pauses(block=blocks.append, wakes=True, spin_for=10.0)
+def _yields_away(monkeypatch, queued: bool | None) -> None:
+    """Every yield comes back 2 ms later; this thread spent that time waiting for a core (True:
+    another task had it), or not (False: the core itself was away), or the system does not say (None)."""
+    waited = [0.0]
+
+    def away() -> None:
+        time.sleep(2e-3)
+        waited[0] += 2e-3 if queued else 0.0
+
+    monkeypatch.setattr(os, "sched_yield", away)
+    monkeypatch.setattr(base, "queued_seconds", lambda: None if queued is None else waited[0])
+
+
+def _blocks(waiter: Waiter, pauses: int) -> int:
+    blocks: list[float] = []
+    pause = waiter.pauses(block=blocks.append, wakes=True, spin_for=10.0)
+    for _ in range(pauses):
         pause()
-        assert blocks == []  # the first pause spins: nothing said the core is wanted yet
-        pause()
-        assert len(blocks) == blocked_after
+    return len(blocks)
+
+
+@pytest.mark.parametrize("queued", [True, None])
+def test_a_learned_spin_ends_once_another_task_takes_the_core_and_waits_block_for_a_while(monkeypatch, queued):
+    """A poll that comes back late from its yield, having waited for the core, means another task
+    wanted it: the wait blocks from then on, and so do this party's next ones until the backoff
+    has passed (each yield to that task would cost a slice of its). Where the system does not say
+    what the time went to, the same. A fixed spin (--spin) keeps spinning."""
+    _yields_away(monkeypatch, queued)
+    waiter = Waiter(Pacing(spin=None, yield_late=5e-4, backoff=0.2))
+    waiter.busy()
+    assert _blocks(waiter, 2) == 1  # the first pause spins (nothing said the core is wanted yet), the next blocks
+    assert _blocks(waiter, 1) == 1  # the next wait, within the backoff: blocks at once
+    time.sleep(0.25)
+    waiter.busy()
+    assert _blocks(waiter, 1) == 0  # past it: spins again
+    fixed = Waiter(Pacing(spin=10.0, yield_late=5e-4))
+    fixed.busy()
+    assert _blocks(fixed, 3) == 0
+
+
+def test_a_learned_spin_goes_on_when_the_core_itself_was_away(monkeypatch):
+    """A yield that comes back late without this thread having waited for a core: the vCPU was
+    taken by its host, with nothing else to run here. Sleeping would only add a wake-up."""
+    _yields_away(monkeypatch, queued=False)
+    waiter = Waiter(Pacing(spin=None, yield_late=5e-4))
+    waiter.busy()
+    assert _blocks(waiter, 4) == 0
+    assert waiter.contended_until == -math.inf
+
+
+def test_this_thread_s_wait_for_a_core_is_read_where_linux_says():
+    queued = base.queued_seconds()
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        assert queued is None
+        return
+    assert queued is not None and queued >= 0.0
+    assert base.queued_seconds() >= queued  # a count since the thread started
 
 
 def test_each_process_of_a_host_gets_its_share_of_the_cores():

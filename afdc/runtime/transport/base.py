@@ -18,6 +18,7 @@ import contextlib
 import math
 import os
 import queue
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
@@ -102,8 +103,11 @@ class Pacing:
     idle_after: float = 0.05
     block: float = 0.05  # the longest one block on a wake-up lasts (a wait looks at its deadline then)
     budget: BudgetSettings = field(default_factory=BudgetSettings)  # how a learned spin is learned (``spin`` None)
-    # a poll that comes back this late from its yield ends the spin: another task wanted the core
+    # a poll that comes back this late from its yield ends the spin where another task had the core
     yield_late: float = 2e-4
+    # s: after that, this party's learned waits block from their start for this long: the task is
+    # likely still there, and every yield to it costs a whole slice of its (1-3 ms)
+    backoff: float = 0.1
 
 
 class Waiter:
@@ -131,6 +135,7 @@ class Waiter:
         self.last = time.monotonic()  # when a wait last ended with something
         self.budget = SpinBudget(pacing.budget) if pacing.spin is None else None
         self._answers: list[tuple[Hashable, float]] = []  # heard, not yet learned (see answered)
+        self.contended_until = -math.inf  # learned waits block from their start until then
 
     def spin_left(self, key: Hashable, since: float, now: float) -> float:
         """A learned wait for ``key``'s answer to a message posted at ``since``: how long it may
@@ -177,22 +182,27 @@ class Waiter:
         p = self.pacing
         start = time.monotonic()
         idle = start - self.last >= p.idle_after
-        if not spin or idle:
+        if not spin or idle or (p.spin is None and start < self.contended_until):
             spin_for = 0.0
         elif p.spin is not None:
             spin_for = p.spin if self.typical < p.spin else 0.0
         sleep = p.idle_sleep if idle else 2e-5
         late = p.yield_late if p.spin is None else math.inf
+        queued = None  # this thread's time waiting for a core when the spin's yields began
 
         def pause() -> None:
-            nonlocal sleep, spin_for
+            nonlocal sleep, spin_for, queued
             now = time.monotonic()
             if now - start < spin_for:
+                if queued is None:
+                    queued = queued_seconds()
                 os.sched_yield()
-                if time.monotonic() - now > late:
-                    # the yield gave the core away: another task wants it, and spinning on would
-                    # take it from that task (or from the peer itself, where both share the core)
-                    spin_for = 0.0
+                back = time.monotonic()
+                if back - now > late:
+                    self._came_back_late(back - now, queued, back)
+                    if back < self.contended_until:
+                        spin_for = 0.0
+                    queued = queued_seconds()
                 return
             if wakes:
                 block(max(0.0, min(p.block, until - now)))
@@ -202,6 +212,17 @@ class Waiter:
 
         return pause
 
+    def _came_back_late(self, away: float, queued: float | None, now: float) -> None:
+        """A yield of a learned spin came back ``away`` seconds later (past ``yield_late``), with this
+        thread having waited ``queued`` seconds for a core before it (None: unknown). Where it
+        waited for most of that time, another task had the core: spinning on would take it from
+        that task (or from the peer itself, where both share the core), so this wait and this
+        party's next ones for ``backoff`` seconds block. Otherwise the core itself was away (a
+        VM's vCPU taken by its host, with nothing else to run here): the spin goes on."""
+        now_queued = queued_seconds()
+        if queued is None or now_queued is None or now_queued - queued >= away / 2:
+            self.contended_until = now + self.pacing.backoff
+
     def busy(self) -> None:
         """Something is due soon: the next wait is not idle."""
         self.last = time.monotonic()
@@ -210,6 +231,38 @@ class Waiter:
         """A wait ended with something after ``seconds``."""
         self.typical += 0.25 * (seconds - self.typical)
         self.busy()
+
+
+class _Schedstat:
+    """A thread's /proc/thread-self/schedstat, open while the thread lives (its locals go with it)."""
+
+    def __init__(self):
+        try:
+            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.fd = -1
+
+    def __del__(self):
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
+_SCHEDSTAT = threading.local()
+
+
+def queued_seconds() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a core, since it started
+    (Linux schedstat's run delay; a read is about a microsecond); None where the system does not say."""
+    stat = getattr(_SCHEDSTAT, "stat", None)
+    if stat is None:
+        stat = _SCHEDSTAT.stat = _Schedstat()
+    if stat.fd < 0:
+        return None
+    try:
+        return int(os.pread(stat.fd, 128, 0).split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Transport(ABC):
