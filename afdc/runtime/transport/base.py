@@ -136,6 +136,7 @@ class Waiter:
         self.budget = SpinBudget(pacing.budget) if pacing.spin is None else None
         self._answers: list[tuple[Hashable, float]] = []  # heard, not yet learned (see answered)
         self.contended_until = -math.inf  # learned waits block from their start until then
+        self._contended_at = -math.inf  # when a yield last found another task on the core
 
     def spin_left(self, key: Hashable, since: float, now: float) -> float:
         """A learned wait for ``key``'s answer to a message posted at ``since``: how long it may
@@ -200,7 +201,7 @@ class Waiter:
                 back = time.monotonic()
                 if back - now > late:
                     self._came_back_late(back - now, queued, back)
-                    if back < self.contended_until:
+                    if self._contended_at == back:
                         spin_for = 0.0
                     queued = queued_seconds()
                 return
@@ -213,15 +214,21 @@ class Waiter:
         return pause
 
     def _came_back_late(self, away: float, queued: float | None, now: float) -> None:
-        """A yield of a learned spin came back ``away`` seconds later (past ``yield_late``), with this
-        thread having waited ``queued`` seconds for a core before it (None: unknown). Where it
-        waited for most of that time, another task had the core: spinning on would take it from
-        that task (or from the peer itself, where both share the core), so this wait and this
-        party's next ones for ``backoff`` seconds block. Otherwise the core itself was away (a
-        VM's vCPU taken by its host, with nothing else to run here): the spin goes on."""
+        """A yield of a learned spin came back ``away`` seconds late (past ``yield_late``) at
+        ``now``; ``queued``: this thread's wait for a core so far (:func:`queued_seconds`) before
+        it, None where unknown. Where the thread waited for most of that time, another task had
+        the core, and spinning on would take it from that task (or from the peer itself, where
+        both share the core): this wait blocks, and where it is the second time within
+        ``backoff`` (the task is still there: every yield to it costs a whole slice of its), so do
+        this party's waits for the next ``backoff``. Otherwise the core itself was away (a VM's
+        vCPU taken by its host, with nothing else to run here) and the spin goes on."""
         now_queued = queued_seconds()
         if queued is None or now_queued is None or now_queued - queued >= away / 2:
-            self.contended_until = now + self.pacing.backoff
+            # a task that ran once (a timer's, another deployment's idle poll) ends this spin; one
+            # that keeps taking the core (the second time within the backoff) ends those to come
+            recent = now - self._contended_at < self.pacing.backoff
+            self._contended_at = now
+            self.contended_until = now + self.pacing.backoff if recent else now
 
     def busy(self) -> None:
         """Something is due soon: the next wait is not idle."""
