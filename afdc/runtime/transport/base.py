@@ -103,10 +103,12 @@ class Pacing:
     idle_after: float = 0.05
     block: float = 0.05  # the longest one block on a wake-up lasts (a wait looks at its deadline then)
     budget: BudgetSettings = field(default_factory=BudgetSettings)  # how a learned spin is learned (``spin`` None)
-    # a poll that comes back this late from its yield ends the spin where another task had the core
-    yield_late: float = 2e-4
-    # s: after that, this party's learned waits block from their start for this long: the task is
-    # likely still there, and every yield to it costs a whole slice of its (1-3 ms)
+    # a yield of a learned spin that comes back this late let another task run (or the host took
+    # the vCPU): the wait then looks at how long this thread waited for a core during its spin
+    yield_late: float = 2e-5
+    # ... and ends the spin where that is more than this share of it: other tasks want the core
+    contended: float = 0.25
+    # s: the second time within this, this party's learned waits block from their start for it
     backoff: float = 0.1
 
 
@@ -189,21 +191,18 @@ class Waiter:
             spin_for = p.spin if self.typical < p.spin else 0.0
         sleep = p.idle_sleep if idle else 2e-5
         late = p.yield_late if p.spin is None else math.inf
-        queued = None  # this thread's time waiting for a core when the spin's yields began
+        began = queued = None  # when the spin's yields began, and this thread's wait for a core by then
 
         def pause() -> None:
-            nonlocal sleep, spin_for, queued
+            nonlocal sleep, spin_for, began, queued
             now = time.monotonic()
             if now - start < spin_for:
-                if queued is None:
-                    queued = queued_seconds()
+                if began is None:
+                    began, queued = now, queued_seconds()
                 os.sched_yield()
                 back = time.monotonic()
-                if back - now > late:
-                    self._came_back_late(back - now, queued, back)
-                    if self._contended_at == back:
-                        spin_for = 0.0
-                    queued = queued_seconds()
+                if back - now > late and self._contended(began, queued, back):
+                    spin_for = 0.0
                 return
             if wakes:
                 block(max(0.0, min(p.block, until - now)))
@@ -213,22 +212,25 @@ class Waiter:
 
         return pause
 
-    def _came_back_late(self, away: float, queued: float | None, now: float) -> None:
-        """A yield of a learned spin came back ``away`` seconds late (past ``yield_late``) at
-        ``now``; ``queued``: this thread's wait for a core so far (:func:`queued_seconds`) before
-        it, None where unknown. Where the thread waited for most of that time, another task had
-        the core, and spinning on would take it from that task (or from the peer itself, where
-        both share the core): this wait blocks, and where it is the second time within
-        ``backoff`` (the task is still there: every yield to it costs a whole slice of its), so do
-        this party's waits for the next ``backoff``. Otherwise the core itself was away (a VM's
-        vCPU taken by its host, with nothing else to run here) and the spin goes on."""
-        now_queued = queued_seconds()
-        if queued is None or now_queued is None or now_queued - queued >= away / 2:
-            # a task that ran once (a timer's, another deployment's idle poll) ends this spin; one
-            # that keeps taking the core (the second time within the backoff) ends those to come
-            recent = now - self._contended_at < self.pacing.backoff
-            self._contended_at = now
-            self.contended_until = now + self.pacing.backoff if recent else now
+    def _contended(self, began: float, queued: float | None, now: float) -> bool:
+        """Whether a learned spin that began at ``began`` should end at ``now``, a yield of its
+        having come back late: where this thread waited for a core (``queued``: its wait so far
+        when the spin began, :func:`queued_seconds`; None where unknown) for more than
+        ``contended`` of the spin, other tasks want this core, and spinning on would take it from
+        them (or from the peer itself, where both share the core). The second time within
+        ``backoff`` (they are still there: every yield to them costs a slice of theirs), this
+        party's waits block from their start for the next ``backoff`` too. Otherwise the time was
+        the core's own absence (a VM's vCPU taken by its host, with nothing else to run here) or a
+        passing task's, and the spin goes on."""
+        p, now_queued = self.pacing, queued_seconds()
+        known = queued is not None and now_queued is not None
+        if known and now_queued - queued <= p.contended * (now - began):
+            return False
+        recent = now - self._contended_at < p.backoff
+        self._contended_at = now
+        if recent:
+            self.contended_until = now + p.backoff
+        return True
 
     def busy(self) -> None:
         """Something is due soon: the next wait is not idle."""
