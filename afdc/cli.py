@@ -145,8 +145,7 @@ def _serving_options(threads_default: str):
                               "typically answers later is waited for asleep from the start."),
             click.option("--yield-late", type=click.FloatRange(min=0), default=Pacing.yield_late, show_default=True,
                          help="--wait adaptive: a poll that comes back this many seconds late from yielding its "
-                              "core looks how long the rank waited for a core while polling, and ends the poll "
-                              "where other tasks had it a quarter of that time or more; 0: never."),
+                              "core ends the poll (another task wanted the core); 0: never."),
             click.option("--threads", type=int, default=None, help=f"Torch threads per process ({threads_default})."),
             click.option("--log-interval", type=float, default=30.0, show_default=True,
                          help="Seconds between each rank's metrics log lines: where its time went, its CPU "

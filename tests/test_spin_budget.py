@@ -164,65 +164,57 @@ def test_spin_overrides_the_policy_and_the_earlier_one_stays_selectable():
         RuntimeOptions(wait="fast")
 
 
-def _yields_away(monkeypatch, queued: bool | None) -> None:
-    """Every yield comes back 2 ms later; this thread spent that time waiting for a core (True:
-    another task had it), or not (False: the core itself was away), or the system does not say (None)."""
-    waited = [0.0]
-
-    def away() -> None:
-        time.sleep(2e-3)
-        waited[0] += 2e-3 if queued else 0.0
-
-    monkeypatch.setattr(os, "sched_yield", away)
-    monkeypatch.setattr(base, "queued_seconds", lambda: None if queued is None else waited[0])
-
-
-def _blocks(waiter: Waiter, pauses: int) -> int:
-    blocks: list[float] = []
-    pause = waiter.pauses(block=blocks.append, wakes=True, spin_for=10.0)
-    for _ in range(pauses):
+def test_a_learned_spin_ends_once_a_yield_gives_the_core_away(monkeypatch):
+    """A poll that comes back late from its yield means another task wanted this core: the wait
+    blocks from then on. A fixed spin (--spin) keeps spinning."""
+    monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(2e-3))  # every yield: 2 ms away
+    for spin, blocked_after in ((None, 1), (10.0, 0)):
+        waiter = Waiter(Pacing(spin=spin, yield_late=5e-4))
+        waiter.busy()
+        blocks: list[float] = []
+        pause = waiter.pauses(block=blocks.append, wakes=True, spin_for=10.0)
         pause()
-    return len(blocks)
+        assert blocks == []  # the first pause spins: nothing said the core is wanted yet
+        pause()
+        assert len(blocks) == blocked_after
 
 
-@pytest.mark.parametrize("queued", [True, None])
-def test_a_learned_spin_ends_once_another_task_takes_the_core_and_waits_block_for_a_while(monkeypatch, queued):
-    """A poll that comes back late from its yield, having waited for the core, means another task
-    wanted it: the wait blocks from then on; the second time within the backoff, so do this
-    party's next waits until the backoff has passed (each yield to that task would cost a slice
-    of its). Where the system does not say what the time went to, the same. A fixed spin (--spin)
-    keeps spinning."""
-    _yields_away(monkeypatch, queued)
-    waiter = Waiter(Pacing(spin=None, yield_late=5e-4, backoff=0.2))
-    waiter.busy()
-    assert _blocks(waiter, 2) == 1  # the first pause spins (nothing said the core is wanted yet), the next blocks
-    assert _blocks(waiter, 2) == 1  # once may be a passing task: the next wait spins, and finds it again
-    assert _blocks(waiter, 1) == 1  # twice within the backoff: the next waits block at once
-    time.sleep(0.25)
-    waiter.busy()
-    assert _blocks(waiter, 1) == 0  # past it: spins again
-    fixed = Waiter(Pacing(spin=10.0, yield_late=5e-4))
-    fixed.busy()
-    assert _blocks(fixed, 3) == 0
+def test_a_learned_spin_waits_asleep_where_the_host_has_more_to_run_than_cores(monkeypatch):
+    """A learned wait spins only where a core would otherwise idle: as long as the host's runnable
+    tasks besides it, on average over its spins, are fewer than the cores. It adapts as the load
+    comes and goes; a fixed spin (--spin) and a host that does not say are as before."""
+    running = [2]
+    monkeypatch.setattr(base, "runnable_tasks", lambda: running[0])
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+
+    def spins(waiter: Waiter) -> bool:
+        waiter.busy()
+        blocks: list[float] = []
+        waiter.pauses(block=blocks.append, wakes=True, spin_for=10.0)()
+        return not blocks
+
+    waiter = Waiter(Pacing(spin=None))
+    assert spins(waiter)  # this wait and its peer on two cores: spun for
+    running[0] = 4  # a server, an engine, an API server and a client
+    assert spins(waiter)  # one count is not yet the load
+    while spins(waiter):
+        pass
+    assert not any(spins(waiter) for _ in range(100)) and waiter.crowd > 3.9  # the load stays
+    running[0] = 1
+    waits = 0
+    while not spins(waiter):
+        waits += 1
+    assert 0 < waits < 100 and waiter.crowd - 1 < 2  # the load gone: spun for again
+    running[0] = 8
+    fixed = Waiter(Pacing(spin=10.0))
+    assert all(spins(fixed) for _ in range(100))
+    monkeypatch.setattr(base, "runnable_tasks", lambda: None)
+    assert all(spins(Waiter(Pacing(spin=None))) for _ in range(3))
 
 
-def test_a_learned_spin_goes_on_when_the_core_itself_was_away(monkeypatch):
-    """A yield that comes back late without this thread having waited for a core: the vCPU was
-    taken by its host, with nothing else to run here. Sleeping would only add a wake-up."""
-    _yields_away(monkeypatch, queued=False)
-    waiter = Waiter(Pacing(spin=None, yield_late=5e-4))
-    waiter.busy()
-    assert _blocks(waiter, 4) == 0
-    assert waiter.contended_until == -math.inf
-
-
-def test_this_thread_s_wait_for_a_core_is_read_where_linux_says():
-    queued = base.queued_seconds()
-    if not os.path.exists("/proc/thread-self/schedstat"):
-        assert queued is None
-        return
-    assert queued is not None and queued >= 0.0
-    assert base.queued_seconds() >= queued  # a count since the thread started
+def test_the_host_s_runnable_tasks_are_read_where_linux_says():
+    running = base.runnable_tasks()
+    assert running is None if not os.path.exists("/proc/loadavg") else running >= 1  # this test, at least
 
 
 def test_each_process_of_a_host_gets_its_share_of_the_cores():

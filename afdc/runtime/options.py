@@ -25,8 +25,7 @@ class RuntimeOptions:
     # peer's answers, or ``cores``, the earlier fixed policy
     wait: WaitPolicy = WaitPolicy.ADAPTIVE
     spin_cap: float = BudgetSettings.cap  # shm, adaptive wait: the longest a learned spin lasts (and answer spun for)
-    # shm, adaptive wait: a poll back this late from its yield looks whether other tasks want the
-    # core, and ends the spin where they do (Pacing.contended; 0: never looks)
+    # shm, adaptive wait: a poll back this late from its yield ends the spin (the core was wanted; 0: never)
     yield_late: float = Pacing.yield_late
     max_sleep: float = 2e-4  # shm without futexes: the longest sleep between two polls of a busy rank
     idle_sleep: float = 2e-3  # shm without futexes: ... of a rank idle for 50 ms (its wake-up rate)

@@ -18,7 +18,6 @@ import contextlib
 import math
 import os
 import queue
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
@@ -103,13 +102,10 @@ class Pacing:
     idle_after: float = 0.05
     block: float = 0.05  # the longest one block on a wake-up lasts (a wait looks at its deadline then)
     budget: BudgetSettings = field(default_factory=BudgetSettings)  # how a learned spin is learned (``spin`` None)
-    # a yield of a learned spin that comes back this late let another task run (or the host took
-    # the vCPU): the wait then looks at how long this thread waited for a core during its spin
-    yield_late: float = 2e-5
-    # ... and ends the spin where that is more than this share of it: other tasks want the core
-    contended: float = 0.25
-    # s: the second time within this, this party's learned waits block from their start for it
-    backoff: float = 0.1
+    # a poll that comes back this late from its yield ends the spin: another task wanted the core
+    yield_late: float = 2e-4
+    # of the newest count in the moving average of the host's runnable tasks a learned spin looks at
+    crowd_weight: float = 0.05
 
 
 class Waiter:
@@ -137,8 +133,7 @@ class Waiter:
         self.last = time.monotonic()  # when a wait last ended with something
         self.budget = SpinBudget(pacing.budget) if pacing.spin is None else None
         self._answers: list[tuple[Hashable, float]] = []  # heard, not yet learned (see answered)
-        self.contended_until = -math.inf  # learned waits block from their start until then
-        self._contended_at = -math.inf  # when a yield last found another task on the core
+        self.crowd = 1.0  # tasks runnable on the host when this party's learned spins began, on average
 
     def spin_left(self, key: Hashable, since: float, now: float) -> float:
         """A learned wait for ``key``'s answer to a message posted at ``since``: how long it may
@@ -185,23 +180,21 @@ class Waiter:
         p = self.pacing
         start = time.monotonic()
         idle = start - self.last >= p.idle_after
-        if not spin or idle or (p.spin is None and start < self.contended_until):
+        if not spin or idle or (p.spin is None and spin_for and not self._core_free()):
             spin_for = 0.0
         elif p.spin is not None:
             spin_for = p.spin if self.typical < p.spin else 0.0
         sleep = p.idle_sleep if idle else 2e-5
         late = p.yield_late if p.spin is None else math.inf
-        began = queued = None  # when the spin's yields began, and this thread's wait for a core by then
 
         def pause() -> None:
-            nonlocal sleep, spin_for, began, queued
+            nonlocal sleep, spin_for
             now = time.monotonic()
             if now - start < spin_for:
-                if began is None:
-                    began, queued = now, queued_seconds()
                 os.sched_yield()
-                back = time.monotonic()
-                if back - now > late and self._contended(began, queued, back):
+                if time.monotonic() - now > late:
+                    # the yield gave the core away: another task wants it, and spinning on would
+                    # take it from that task (or from the peer itself, where both share the core)
                     spin_for = 0.0
                 return
             if wakes:
@@ -212,25 +205,18 @@ class Waiter:
 
         return pause
 
-    def _contended(self, began: float, queued: float | None, now: float) -> bool:
-        """Whether a learned spin that began at ``began`` should end at ``now``, a yield of its
-        having come back late: where this thread waited for a core (``queued``: its wait so far
-        when the spin began, :func:`queued_seconds`; None where unknown) for more than
-        ``contended`` of the spin, other tasks want this core, and spinning on would take it from
-        them (or from the peer itself, where both share the core). The second time within
-        ``backoff`` (they are still there: every yield to them costs a slice of theirs), this
-        party's waits block from their start for the next ``backoff`` too. Otherwise the time was
-        the core's own absence (a VM's vCPU taken by its host, with nothing else to run here) or a
-        passing task's, and the spin goes on."""
-        p, now_queued = self.pacing, queued_seconds()
-        known = queued is not None and now_queued is not None
-        if known and now_queued - queued <= p.contended * (now - began):
-            return False
-        recent = now - self._contended_at < p.backoff
-        self._contended_at = now
-        if recent:
-            self.contended_until = now + p.backoff
-        return True
+    def _core_free(self) -> bool:
+        """Whether a learned spin would have a core to itself: fewer tasks runnable on the host
+        besides this one than it has cores, as a moving average over this party's spins (the
+        kernel's count at each: :func:`runnable_tasks`). A spin pays only where a core would
+        otherwise idle; on a host with more to run than cores (vLLM's API server, its engine and
+        the benchmark's client beside the FFN server on two cores) it takes a core from that work
+        at every yield that does not give it away, and the peer's answer is no sooner for it."""
+        running = runnable_tasks()
+        if running is None:  # the system does not say: spin as learned
+            return True
+        self.crowd += self.pacing.crowd_weight * (running - self.crowd)
+        return self.crowd - 1 < (os.cpu_count() or 1)
 
     def busy(self) -> None:
         """Something is due soon: the next wait is not idle."""
@@ -242,34 +228,23 @@ class Waiter:
         self.busy()
 
 
-class _Schedstat:
-    """A thread's /proc/thread-self/schedstat, open while the thread lives (its locals go with it)."""
-
-    def __init__(self):
-        try:
-            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            self.fd = -1
-
-    def __del__(self):
-        if self.fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
+def _open_loadavg() -> int:
+    try:
+        return os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
-_SCHEDSTAT = threading.local()
+_LOADAVG = _open_loadavg()  # read in place by every thread (pread), for as long as the process lives
 
 
-def queued_seconds() -> float | None:
-    """Seconds the calling thread has spent runnable but waiting for a core, since it started
-    (Linux schedstat's run delay; a read is about a microsecond); None where the system does not say."""
-    stat = getattr(_SCHEDSTAT, "stat", None)
-    if stat is None:
-        stat = _SCHEDSTAT.stat = _Schedstat()
-    if stat.fd < 0:
+def runnable_tasks() -> int | None:
+    """How many tasks on this host are runnable now, the caller included (Linux's /proc/loadavg;
+    about two microseconds a read); None where the system does not say."""
+    if _LOADAVG < 0:
         return None
     try:
-        return int(os.pread(stat.fd, 128, 0).split()[1]) / 1e9
+        return int(os.pread(_LOADAVG, 128, 0).split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
         return None
 
