@@ -489,9 +489,9 @@ def test_rows_dispatch_shares_out_the_tokens():
     """A replicated layer's tokens go out in contiguous shares (none empty unless the message is)
     and come back in order; partial results are summed; replicated copies come from rank 0."""
     rows = Dispatch(("rows",), ([1, -1, 8],))
-    assert rows.shares([], 7, 3) == [Share(0, 0, 2), Share(1, 2, 4), Share(2, 4, 7)]
-    assert rows.shares([], 2, 3) == [Share(1, 0, 1), Share(2, 1, 2)]
-    assert rows.shares([], 0, 3) == [Share(0, 0, 0)]
+    assert rows.shares([], 7, 3) == (Share(0, 0, 2), Share(1, 2, 4), Share(2, 4, 7))
+    assert rows.shares([], 2, 3) == (Share(1, 0, 1), Share(2, 1, 2))
+    assert rows.shares([], 0, 3) == (Share(0, 0, 0),)
     x = torch.arange(56.0).reshape(1, 7, 8)
     shares = rows.shares([x], rows.tokens([x]), 3)
     parts = [rows.take([x], s, 7)[0] for s in shares]
@@ -500,10 +500,10 @@ def test_rows_dispatch_shares_out_the_tokens():
 
     mixed = Dispatch(("sum", "first"), ([-1, 8],))
     shares = mixed.shares([], 7, 2)
-    assert shares == [Share(0, 0, 7), Share(1, 0, 7)]
+    assert shares == (Share(0, 0, 7), Share(1, 0, 7))
     a, b = torch.ones(7, 8), torch.full((7, 8), 2.0)
     assert torch.equal(mixed.combine(0, [a, b], shares), a + b) and mixed.combine(1, [a, b], shares) is a
-    assert Dispatch(("first",), ([-1, 8],)).shares([], 7, 2) == [Share(0, 0, 7)]
+    assert Dispatch(("first",), ([-1, 8],)).shares([], 7, 2) == (Share(0, 0, 7),)
 
 
 def test_a_length_bound_found_at_capture_is_enforced():
