@@ -255,8 +255,8 @@ class HostileRank:
             time.sleep(1e-3)
         box = link.outbound
         start = box._start(k)
-        box._view[start : start + wire.HEADER_BYTES] = m.header
-        box._view[start + shm._PAYLOAD : start + shm._PAYLOAD + len(m.payload)] = m.payload
+        box._mm[start : start + wire.HEADER_BYTES] = m.header
+        box._mm[start + shm._PAYLOAD : start + shm._PAYLOAD + len(m.payload)] = m.payload
         box._mm[(2 + k) * shm._LINE : (2 + k) * shm._LINE + 8] = (box._seq(k) + 1).to_bytes(8, "little")
         box._mm[shm._LINE : shm._LINE + 8] = (box.posted + 1).to_bytes(8, "little")
         if link.bell is not None:  # as a sender's post rings the server

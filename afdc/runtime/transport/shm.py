@@ -215,8 +215,6 @@ class Mailbox(_SharedFile):
                 _WORD.pack_into(self._mm, 8 * i, word)
         self.slots, self.slot_bytes, self._in_file = slots, slot_bytes, in_file
         self._body = (2 + self.slots) * _LINE
-        self._stride = _PAYLOAD + in_file  # from one slot's header to the next's
-        self._view = memoryview(self._mm)
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._controls = struct.Struct("<" + f"QQ{_LINE - 16}x" * self.slots)  # every seq and ack in one read
         # a micro-batch thread sleeps on its own slot's seq: a sibling's reply must not wake it to
@@ -262,7 +260,7 @@ class Mailbox(_SharedFile):
         return _PAIR.unpack_from(self._mm, (2 + k) * _LINE)
 
     def _start(self, k: int) -> int:
-        return self._body + k * self._stride
+        return self._body + k * (_PAYLOAD + self._in_file)
 
     def fits(self, payload_bytes: int) -> bool:
         return payload_bytes <= self.slot_bytes
@@ -288,18 +286,17 @@ class Mailbox(_SharedFile):
         """Sender: post a message (``tensors`` contiguous, in host memory) into slot ``k`` once the
         receiver has taken the last one; ``wake``: wake a reader asleep on the slot (a sender to
         a server rings the server's :class:`Bell` instead)."""
-        mm, control = self._mm, (2 + k) * _LINE
-        seq, ack = _PAIR.unpack_from(mm, control)
+        seq, ack = self._control(k)
         if ack != seq:
             pause, deadline = Waiter(pacing).pauses(), time.monotonic() + timeout
             while self._ack(k) != seq:
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"{receiver} has not taken its last message for slot {k}")
                 pause()
-        header.encode_into(mm, self._body + k * self._stride)
+        header.encode_into(self._mm, self._start(k))
         self._write(k, tensors)
-        _WORD.pack_into(mm, control, seq + 1)
-        _WORD.pack_into(mm, _LINE, _WORD.unpack_from(mm, _LINE)[0] + 1)
+        _WORD.pack_into(self._mm, (2 + k) * _LINE, seq + 1)
+        _WORD.pack_into(self._mm, _LINE, self.posted + 1)
         if wake and self._seqs:
             self._seqs[k].wake()
 
@@ -337,7 +334,7 @@ class Mailbox(_SharedFile):
     @trace.phase("shm.copy_in")
     def _write(self, k: int, tensors: list[torch.Tensor]) -> None:
         """Copy ``tensors`` into slot ``k``; done when this returns (the slot is posted next)."""
-        at = self._address + self._body + k * self._stride + _PAYLOAD
+        at = self._address + self._start(k) + _PAYLOAD
         for t in tensors:
             n = t.nbytes
             ctypes.memmove(at, t.data_ptr(), n)
@@ -346,7 +343,7 @@ class Mailbox(_SharedFile):
     @trace.phase("shm.copy_out")
     def _read(self, k: int, specs: tuple[wire.TensorSpec, ...]) -> list[torch.Tensor]:
         """Copies of slot ``k``'s tensors; done when this returns (the slot is freed next)."""
-        tensors, at = [], self._address + self._body + k * self._stride + _PAYLOAD
+        tensors, at = [], self._address + self._start(k) + _PAYLOAD
         for spec in specs:
             t = torch.empty(spec.shape, dtype=spec.dtype)
             n = t.nbytes
