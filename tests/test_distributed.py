@@ -1048,7 +1048,10 @@ def test_a_spare_claims_the_slot_of_an_owner_that_stopped_saying_it_is_alive():
         stop.set()
     assert claimed and claimed[0] is not None and claimed[0][0] == slot, claimed
     assert Slots(rdv).owner(slot)[0] == claimed[0][1] != owner
-    assert silent_after <= waited < silent_after + 2, waited
+    # The silence starts at the owner's last beat, which is up to a beat (0.02 s, more where the
+    # thread was late to a core) before the test stops the beats, so the claim may come that much
+    # before ``silent_after`` measured from here (CI saw 0.4995).
+    assert silent_after - 0.1 <= waited < silent_after + 2, waited
 
 
 def test_a_health_record_is_read_as_bounded_data():
