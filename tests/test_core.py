@@ -342,6 +342,10 @@ def test_loopback_connector_rejects_out_of_order_use():
     with pytest.raises(RuntimeError, match="sent twice"):
         link.send(0, [torch.ones(2)])
     assert torch.equal(link.recv(0, 0, (2,), torch.float32), torch.full((2,), 2.0))
+    link.send(1, [torch.ones(2), torch.zeros(2)])
+    for index in (-1, 2):  # -1 would read output 1 in its place
+        with pytest.raises(RuntimeError, match=f"has 2 outputs; output {index} was asked for"):
+            link.recv(1, index, (2,), torch.float32)
 
 
 def _llama(**overrides):

@@ -70,6 +70,9 @@ class LoopbackConnector(Connector):
             self._results[layer] = list(self._run_ffn(layer, self._pending.pop(layer)))
             self.traffic.messages += 1
         results = self._results.get(layer)
+        if results is not None and not 0 <= index < len(results):
+            # a negative index would quietly read another output
+            raise RuntimeError(f"FFN segment {layer} has {len(results)} outputs; output {index} was asked for")
         if results is None or results[index] is None:
             raise RuntimeError(f"FFN segment {layer} output {index} was received before it was sent")
         out, results[index] = results[index], None
