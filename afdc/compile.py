@@ -103,13 +103,25 @@ def _computed_state(
         module.register_buffer(leaf, value, persistent=False)
         owners[owner] = module
     with torch.no_grad():
-        for module in owners.values():
-            model._init_weights(module)
+        for owner, module in owners.items():
+            _initializer(model, owner)._init_weights(module)
     state = {n: model.get_buffer(n) for n in sorted(names)}
     unset = [n for n, v in state.items() if v.is_floating_point() and v.isnan().any()]
     if unset:
         raise UnsupportedModelError(f"the model's _init_weights does not compute {', '.join(unset)}; cannot write it")
     return {**state, **constants}
+
+
+def _initializer(model: PreTrainedModel, owner: str) -> PreTrainedModel:
+    """The innermost pretrained model holding module ``owner`` (the module itself included): whose
+    ``_init_weights`` ``from_pretrained`` runs on it (Gemma 3n's text model reads its own
+    ``hidden_size`` there, which the causal-LM wrapper does not have)."""
+    parts = owner.split(".") if owner else []
+    for end in range(len(parts), 0, -1):
+        module = model.get_submodule(".".join(parts[:end]))
+        if isinstance(module, PreTrainedModel):
+            return module
+    return model
 
 
 def _refuse_taken(out: Path, force: bool) -> None:

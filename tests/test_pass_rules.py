@@ -211,6 +211,28 @@ def test_a_branch_that_mixes_tokens_is_not_an_ffn_region(mixer):
     assert classification.regions[0].stream is after_attention
 
 
+class LowRank(nn.Module):
+    """A low-rank branch added to its own input (Gemma 3n's LAuReL): ``x + B(A(x))``."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.a = nn.Linear(H, rank, bias=False)
+        self.b = nn.Linear(rank, H, bias=False)
+
+    def forward(self, x):
+        return x + self.b(self.a(x))
+
+
+@pytest.mark.parametrize("rank", [1, H // 2 - 1])
+def test_a_branch_smaller_than_a_square_matrix_stays_with_attention(rank):
+    """Low-rank weights (fewer elements than one H x H matrix) are not worth a round trip: their
+    branch is no FFN region, whether added to its own input or to the stream; the MLP's is."""
+    graph, params = layer_graph(lambda m, x: (h := x + m.low(x)) + m.mlp(h), low=LowRank(rank), mlp=MLP())
+    assert region_weights(classify(graph, params)) == [MLP_WEIGHTS]
+    graph, params = layer_graph(lambda m, x: m.low(x), low=LowRank(H // 2))  # 2 x H x H/2: a square's worth
+    assert region_weights(classify(graph, params)) == [["low.a.weight", "low.b.weight"]]
+
+
 def test_a_model_whose_only_branch_mixes_tokens_has_no_ffn_region():
     graph, params = layer_graph(lambda m, x: x + m.attn(x), attn=InlineAttention())
     with pytest.raises(UnsupportedModelError, match="no FFN region found"):

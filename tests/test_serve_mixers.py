@@ -9,7 +9,8 @@ Qwen3.5-MoE, whose vLLM implementation imports torchvision: vLLM resolves it to 
 class and never imports its own), Mamba-2 hybrid MoEs (Granite 4 hybrid, Nemotron-H), a
 lightning-attention hybrid MoE whose state lives in a cache class of its own (MiniMax),
 DeepSeek-V3.2 and DeepSeek-V4 (each attention with its compressors a mixer whose growing state is
-held in fixed-size state blocks sized from --max-model-len).
+held in fixed-size state blocks sized from --max-model-len); and one with less: Gemma 3n, whose last
+layers read earlier layers' keys and values.
 """
 
 from __future__ import annotations
@@ -125,6 +126,17 @@ def test_sparse_attention_in_micro_batches_with_prefix_caching_and_preemption(tm
     engine), 8 concurrent requests sharing a 32-token prefix reuse the cached prefix blocks (their
     indexer keys included) and are preempted to free blocks; the outputs stay those of dm.generate."""
     artifact = _artifact(tmp_path, "deepseek_v32", "2A2F", micro_batches=2)
+    with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids", *PREFIX_CACHING)) as (client, _):
+        _check_completions(client, artifact)
+        _assert_prefix_caching_and_preemption(client, artifact)
+
+
+def test_layers_reading_earlier_layers_kv_with_prefix_caching_and_preemption(tmp_path):
+    """Gemma 3n at 1A2F with two micro-batches: its last 2 layers attend over the keys and values of
+    earlier layers (KV sharing), beside AltUp, LAuReL and per-layer inputs on the attention side;
+    concurrent greedy completions equal dm.generate, and so do requests that reuse cached prefix
+    blocks and are preempted."""
+    artifact = _artifact(tmp_path, "gemma3n_text", "1A2F", micro_batches=2)
     with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids", *PREFIX_CACHING)) as (client, _):
         _check_completions(client, artifact)
         _assert_prefix_caching_and_preemption(client, artifact)

@@ -145,7 +145,7 @@ def _segment_closure(cut: Cut, free: set[fx.Node]) -> list[fx.Node]:
     stack = list(keep)
     while stack:
         for p in stack.pop().all_input_nodes:
-            if p not in keep and p in free and (p.op == "get_attr" or gf.is_tensor(p)):
+            if p not in keep and p in free and (p.op == "get_attr" or gf.holds_tensors(p)):
                 keep.add(p)
                 stack.append(p)
     return [n for n in cut.ffn_nodes[0].graph.nodes if n in keep]

@@ -2,8 +2,9 @@
 
 A residual add is an ``add`` whose one operand (the stream) is an ancestor of the other (the
 branch). A branch's region is everything between the stream value and the branch value. The
-region is an FFN region when it holds a weight matrix and mixes nothing across tokens: no
-attention op, no convolution, and nothing computed from the attention mask or the positions.
+region is an FFN region when it holds weight matrices worth a round trip (more elements than
+one square matrix of the stream's width) and mixes nothing across tokens: no attention op, no
+convolution, and nothing computed from the attention mask or the positions.
 A branch that is a sum of terms (parallel attention + MLP) is split into its terms first.
 Module and parameter names are used for nothing here but the ``label`` shown in reports.
 """
@@ -94,6 +95,15 @@ def _is_weight_derived(node: fx.Node) -> bool:
     return gf.is_tensor(node) and all(_is_weight_derived(i) for i in node.all_input_nodes)
 
 
+def _low_rank(stream: fx.Node, matrices: list[fx.Node]) -> bool:
+    """Whether the branch's weights hold fewer elements than one square matrix of the stream's
+    width: a low-rank adapter beside attention (Gemma 3n's LAuReL, rank 64 of 2048), too little
+    work to pay for a round trip to the FFN side, so it stays with attention. Every MLP and MoE
+    holds several width x intermediate matrices."""
+    width = stream.meta["val"].shape[-1]
+    return isinstance(width, int) and sum(m.meta["val"].numel() for m in matrices) < width * width
+
+
 def _label(nodes: list[fx.Node]) -> str:
     """The innermost module path shared by the region's op nodes (a report label)."""
     paths = []
@@ -137,7 +147,7 @@ class _Finder:
 
     def is_ffn(self, stream: fx.Node, region: list[fx.Node]) -> bool:
         members = set(region)
-        has_matrix = any(gf.is_parameter(p, self.params) and p.meta["val"].ndim >= 2 for p in region)
+        matrices = [p for p in region if gf.is_parameter(p, self.params) and p.meta["val"].ndim >= 2]
         side_inputs = [
             p
             for n in region
@@ -145,7 +155,12 @@ class _Finder:
             if p not in members and p is not stream and p not in self.free and gf.is_tensor(p)
         ]
         reads_positions = any(p in self.positional for p in side_inputs)
-        return has_matrix and not reads_positions and not any(_is_mixer(n, self.free) for n in region)
+        return (
+            bool(matrices)
+            and not _low_rank(stream, matrices)
+            and not reads_positions
+            and not any(_is_mixer(n, self.free) for n in region)
+        )
 
     def residual_operands(self, node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         """``(stream, branch)`` when ``node`` adds a branch computed from the stream."""
@@ -203,6 +218,8 @@ class _Finder:
         return None
 
     def ffn_terms(self, stream: fx.Node, branch: fx.Node) -> list[list[fx.Node]]:
+        if not self.anc[branch] >> self.index[stream] & 1:
+            return []  # a term that is the stream itself, or not computed from it (an embedding's lookup)
         region = self.region(stream, branch)
         if self.is_ffn(stream, region):
             return [region]

@@ -19,6 +19,14 @@ def is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def holds_tensors(node: fx.Node) -> bool:
+    """A tensor, or a tuple of them (``broadcast_tensors``, ``split``), which ``getitem`` reads."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) or (
+        isinstance(val, (tuple, list)) and bool(val) and all(isinstance(v, torch.Tensor) for v in val)
+    )
+
+
 def is_parameter(node: fx.Node, parameter_names: set[str]) -> bool:
     return node.op == "get_attr" and node.target in parameter_names
 
