@@ -300,8 +300,8 @@ ENTRIES: list[ModelEntry] = [
         "enable_moe_block": True, "num_experts": _E, "top_k_experts": _K, "moe_intermediate_size": _MOE_I},
        "sandwich norms, sliding window 4; a dense MLP beside the experts, each normed before their sum (over "
        "several FFN ranks the attention side norms the reduced sums); per-layer input embeddings: each layer's "
-       "gated projection of them is a second FFN region (each FFN rank takes its share of the input)",
-       moe=2, dense=2),
+       "gated projection of them is low rank and stays with attention",
+       moe=2, dense=0),
     _e("JetMoE", "jetmoe", "moe", {"num_local_experts": _E, "num_experts_per_tok": _K, "kv_channels": 8},
        "mixture-of-attention-heads attention, MoE experts in a Python loop over a stacked weight", moe=2,
        moe_split="tp"),

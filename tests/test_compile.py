@@ -346,7 +346,7 @@ def test_no_weights_compiles_a_plan_only(saved, tmp_path):
 
 def test_artifacts_of_new_layouts_match_and_keep_their_length_bound(saved, tmp_path):
     """Hyper-connections and sparse attention (HY-V4), and Gemma 4's MoE over two FFN ranks (its
-    norms of partial sums on the attention side, its per-layer input narrowed per rank) compile
+    norms of partial sums on the attention side, its per-layer inputs with attention) compile
     and load like any model, as do DBRX's experts kept as flat [E*I, H] stacks (each FFN rank's
     rows of them, read as [E/2, I, H]); a length bound found at capture (XGLM's position table)
     travels in the manifest and is enforced by the loaded deployment."""

@@ -585,9 +585,12 @@ def test_partial_sums_that_a_norm_reads_are_reduced_on_the_attention_side():
 
 def test_a_whole_value_gating_a_split_one_is_narrowed_per_rank():
     """Dense Gemma 4 multiplies each layer's split gate projection by a per-layer input that
-    every FFN rank receives whole: each rank takes its share of it, and the gate splits."""
+    every FFN rank receives whole: each rank takes its share of it, and the gate splits. (With
+    per-layer inputs half the width wide, that branch holds a square matrix's worth of weights and is
+    an FFN region; Gemma 4's own, narrower, stay with attention.)"""
     overrides = {k: v for k, v in {e.model_type: e for e in ENTRIES}["gemma4_text"].config_kwargs.items()
                  if k not in ("enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size")}
+    overrides["hidden_size_per_layer_input"] = TINY_COMMON["hidden_size"] // 2
     model = build_type("gemma4_text", overrides)
     dm = afdc.disaggregate(model, plan="2A2F")
     gates = [n for n in dm.ffn.parameter_names() if "per_layer_input_gate" in n]
