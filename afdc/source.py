@@ -55,6 +55,12 @@ def empty_model(config: PretrainedConfig, dtype: torch.dtype | None = None) -> P
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except ValueError as err:
             raise UnsupportedModelError(f"{config.model_type} has no causal-LM class in transformers: {err}") from err
+        except ImportError as err:  # a multimodal model's tower (Gemma 3n's vision tower needs timm)
+            needs = " ".join(str(err).split())
+            raise AfdcError(
+                f"transformers builds {config.model_type}'s causal-LM class only with a library that is not installed "
+                f"here; install it and compile again ({needs})"
+            ) from err
     return model.eval()
 
 

@@ -3,6 +3,7 @@ the monolith; and the errors a user meets (bad plans, broken artifacts, partial 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
+from transformers import AutoConfig
 
 import afdc
 from afdc.artifact.checkpoint import CheckpointError
@@ -342,6 +344,21 @@ def test_no_weights_compiles_a_plan_only(saved, tmp_path):
     config.write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8}))
     result = CliRunner().invoke(main, ["compile", str(config), "--no-weights", "-o", str(tmp_path / "x")])
     assert result.exit_code == 2 and "unknown model_type 'no_such_model'" in result.output
+
+
+def test_a_library_the_model_class_needs_is_named(tmp_path):
+    """Gemma 3n's multimodal class builds its vision tower with timm: without timm (this project's
+    installs lack it: it needs torchvision, which breaks vLLM's CPU imports) compile says so."""
+    if importlib.util.find_spec("timm") is not None:
+        pytest.skip("timm is installed: the class builds")
+    text = {**catalog.TINY_COMMON, **catalog.entry("gemma3n_text").config_kwargs}
+    AutoConfig.for_model("gemma3n", text_config=text).save_pretrained(tmp_path / "src")
+    result = CliRunner().invoke(
+        main, ["compile", str(tmp_path / "src" / "config.json"), "--no-weights", "-o", str(tmp_path / "x")]
+    )
+    assert result.exit_code == 2, result.output
+    assert "gemma3n's causal-LM class only with a library that is not installed" in result.output
+    assert "timm" in result.output and not (tmp_path / "x").exists()
 
 
 def test_artifacts_of_new_layouts_match_and_keep_their_length_bound(saved, tmp_path):
