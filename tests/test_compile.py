@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import afdc
 from afdc.artifact.checkpoint import CheckpointError
@@ -344,6 +344,29 @@ def test_no_weights_compiles_a_plan_only(saved, tmp_path):
     config.write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8}))
     result = CliRunner().invoke(main, ["compile", str(config), "--no-weights", "-o", str(tmp_path / "x")])
     assert result.exit_code == 2 and "unknown model_type 'no_such_model'" in result.output
+
+
+def test_a_multimodal_checkpoint_compiles_its_language_model(tmp_path):
+    """Gemma 3 ships as one multimodal checkpoint: compiled as transformers builds it, on token
+    inputs, the artifact holds the language model alone (no tower weight is written) and its
+    logits on a left-padded batch are the checkpoint's own model's."""
+    text = {**catalog.TINY_COMMON, **catalog.entry("gemma3_text").config_kwargs}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}
+    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert any("vision_tower" in n for n, _ in model.named_parameters())
+    model.save_pretrained(tmp_path / "src")
+    afdc.compile_model(str(tmp_path / "src"), "1A2F", tmp_path / "art", progress=False)
+    for file in (tmp_path / "art" / "weights").glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            names = f.keys()
+        assert names and not [n for n in names if "vision" in n or "multi_modal" in n], file
+    ids, mask = _batch(text["vocab_size"])
+    ref, pos = _reference(model, ids, mask)
+    got = afdc.load_deployment(tmp_path / "art")(ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
 
 
 def test_a_library_the_model_class_needs_is_named(tmp_path):
