@@ -644,3 +644,37 @@ def test_capture_state_is_per_attempt_and_per_thread():
         thread.start()
         thread.join(timeout=10)
     assert elsewhere == [None] and session.current() is None
+
+
+class _Guarded(torch.nn.Module):
+    """A forward that branches on the token count: valid beyond ``longer_than``, or below ``shorter_than``."""
+
+    def __init__(self, longer_than: int = 0, shorter_than: int = 1 << 30):
+        super().__init__()
+        self.longer_than, self.shorter_than = longer_than, shorter_than
+
+    def forward(self, input_ids, attention_mask):
+        if self.longer_than < input_ids.shape[1] < self.shorter_than:
+            return input_ids * 2
+        return input_ids
+
+
+def test_a_relaxed_capture_is_valid_up_to_its_first_failing_guard():
+    """A capture whose guards fail past 99 positions holds up to 99, and is refused where the
+    model's context is longer; one whose guards fail already at 2 positions says so (not "up to
+    None positions", as it once did)."""
+    from afdc.capture.export import Specialized, relaxed_limit
+
+    dims = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
+
+    def export(module):
+        ids = torch.ones(2, 6, dtype=torch.long)
+        return torch.export.export(module, (ids, torch.ones(2, 7, dtype=torch.long)),
+                                   dynamic_shapes={"input_ids": dims, "attention_mask": dims}, strict=False)
+
+    short = export(_Guarded(shorter_than=100))
+    assert relaxed_limit(short, None) == relaxed_limit(short, 100) == 99
+    with pytest.raises(Specialized, match="holds only up to 99 positions"):
+        relaxed_limit(short, 4096)
+    with pytest.raises(Specialized, match="fails its guards at 2 queries over 2 keys, the shortest lengths checked"):
+        relaxed_limit(export(_Guarded(longer_than=4)), None)

@@ -124,14 +124,17 @@ def relaxed_limit(ep: torch.export.ExportedProgram, context: int | None) -> int 
     valid = None
     for length in _PROBES:
         # queries at the end of the keys: as many as the keys, the fewest, or half of them
-        for queries, key_length in {(length, length), (2, length), (length, 2 * length)}:
+        for queries, key_length in dict.fromkeys([(length, length), (2, length), (length, 2 * length)]):
             if s == kv and queries != key_length:
                 continue
             values = {s: queries, kv: key_length}
             for guard in guards.values():
                 point = {x: sympy.Integer(values.get(x, 3)) for x in guard.free_symbols}  # 3: any batch
                 if not bool(guard.xreplace(point)):
-                    if valid is None or (context is not None and valid < context - 1):
+                    if valid is None:
+                        raise Specialized(f"the graph fails its guards at {queries} queries over {key_length} keys, "
+                                          f"the shortest lengths checked ({guard})")
+                    if context is not None and valid < context - 1:
                         raise Specialized(f"the graph holds only up to {valid} positions ({guard})")
                     return valid
         valid = length
