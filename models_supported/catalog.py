@@ -387,6 +387,12 @@ ENTRIES: list[ModelEntry] = [
         "linear_num_heads": 2, "linear_head_dim": 8, "num_experts": _E, "num_experts_per_token": _K,
         "moe_intermediate_size": _MOE_I, "num_shared_experts": 1, **_MLA},
        "Kimi delta attention (KDA) layer + MLA layer, first layer dense", moe=1),
+    _e("ZAYA1", "zaya", "hybrid",
+       {"num_experts": _E, "num_experts_per_tok": 1, "moe_intermediate_size": _MOE_I, "router_hidden_size": 16},
+       "compressed convolutional attention (a stateful mixer: its convolution window and delayed value in the "
+       "cache) + top-1 MoE with a skip expert on every layer; residual adds shift and scale stream and branch "
+       "((h + b) * s + (x + c) * r); each router reads the previous layer's router state, so routing stays with "
+       "attention and the FFN side runs the experts", moe=2),
     _e("LFM3", "lfm3", "hybrid", {"layer_types": ["conv", "full_attention"], "sliding_window": 4},
        "short-convolution layer + gated attention layer, sandwich norms"),
     _e("Lara mini", "lara_mini", "hybrid",
@@ -433,7 +439,7 @@ CORE: frozenset[str] = frozenset({
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "granitemoe", "phimoe",
     "dbrx", "longcat_flash",  # experts in a Python loop; identity experts and a shortcut-connected MoE
     "deepseek_v4",  # attention with compressors as a stateful mixer; hyper-connections; hash routing
-    "lfm2", "qwen3_next", "granitemoehybrid",
+    "lfm2", "qwen3_next", "granitemoehybrid", "zaya",
     # refusals
     "jamba", "rwkv",
 })
@@ -459,7 +465,6 @@ REFUSED: dict[str, str] = {
     "inkling2_text": "no FFN region found: in model.layers.0 weight work (an MLP) runs into a token mixer",
     "hrm_text": "no FFN region found: in model weight work (an MLP) runs after attention or a mixer in one branch "
                 "of the residual stream, with no residual add between them",
-    "zaya": _NO_FFN_SSM,
     "qwen4_exp_text": "the forward reads per-layer cache state outside a token mixer",
     "xlstm": "the forward reads per-layer cache state outside a token mixer",
     "inkling2_loop_text": "no FFN region found: in model.layers.0 weight work (an MLP) runs into a token mixer",
@@ -492,10 +497,6 @@ REFUSED_CAUSE: dict[str, str] = {
                 "(H_cycles x L_cycles recurrence); afdc cuts only an FFN whose weights nothing else reads, so no "
                 "MLP is a region of its own and the message names what is left (not a missing residual add); with "
                 "H_cycles 1 the H stack's MLP is found and split",
-    "zaya": "the message misnames it: its attention keeps a convolution window and a delayed value in the cache "
-            "(CCA), so afdc runs it whole as a stateful mixer, and both residual adds scale and shift the stream "
-            "as well as the branch ((h + b) * s + (x + c) * r), which afdc does not take for a residual add; its "
-            "routers also pass a state from layer to layer",
     "qwen4_exp_text": "its model forward keeps the indexer's position history in a cache layer "
                       "(indexer_position_ids), outside any token mixer; its QSA indexer also loops over rows and "
                       "queries in Python (torch.nonzero)",
@@ -527,7 +528,6 @@ REFUSED_OVERRIDES: dict[str, dict] = {
     "rwkv": {"attention_hidden_size": 32},
     "inkling2_text": _INKLING2,
     "hrm_text": {"num_hidden_layers": 1, "H_cycles": 2, "L_cycles": 1},  # each stack runs twice
-    "zaya": {},
     "qwen4_exp_text": {**_GDN, "layer_types": ["linear_attention", "indexed_attention"], "num_experts": _E,
                        "num_experts_per_tok": _K, "moe_intermediate_size": _MOE_I,
                        "shared_expert_intermediate_size": _MOE_I, "hc_count": 2, "hc_lowrank": 8,

@@ -678,3 +678,27 @@ def test_a_relaxed_capture_is_valid_up_to_its_first_failing_guard():
         relaxed_limit(short, 4096)
     with pytest.raises(Specialized, match="fails its guards at 2 queries over 2 keys, the shortest lengths checked"):
         relaxed_limit(export(_Guarded(longer_than=4)), None)
+
+
+def test_zaya_tokens_routed_to_the_skip_expert_get_no_expert_output():
+    """ZAYA's router has one class more than its experts: a token that picks it (top-1) gets no
+    expert's output. With the skip class unbiased (checkpoints bias it down) the tiny model's
+    second layer sends some tokens there; the split model, its routing kept with attention since
+    each router reads the previous layer's router state, still equals the monolith."""
+    model = build_type("zaya", entry("zaya").config_kwargs)
+    for layer in model.model.layers:
+        layer.mlp.gate.balancing_biases[-1] = 0.0
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    skipped = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: skipped.append((out[1] == 0).float().mean()))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    for hook in hooks:
+        hook.remove()
+    assert any(0 < share < 1 for share in skipped), skipped
+    dm = afdc.disaggregate(model, plan="2A2F")
+    assert [layer.kind for layer in dm.report().layers] == ["moe", "moe"]
+    assert check(model, dm, ids, mask, new_tokens=4).ok()

@@ -126,7 +126,9 @@ class _Finder:
         self.anc = gf.ancestors(graph)
         self.params = parameter_names
         self.free = gf.data_free(graph)
-        self.positional = gf.positional(graph, self.free)
+        # a per-token value a layer hands the next one past the stream (Zaya's router state) is
+        # computed from the mask only through the mixers, as the stream itself is
+        self.positional = gf.positional(graph, self.free, [n for n in self.order if n.target in _MIXER_OPS])
 
     def region(self, stream: fx.Node, branch: fx.Node) -> list[fx.Node]:
         """Nodes strictly after ``stream`` up to ``branch``, plus the weights only they read.
@@ -203,10 +205,11 @@ class _Finder:
                 return a if self.is_ffn(a, self.region(a, branch)) else None
         return None
 
-    def _stream_within(self, combined: fx.Node, branch: fx.Node) -> fx.Node | None:
-        """The stream value that ``combined`` scales, casts, mixes or adds another branch to, when
-        ``branch`` is computed from it: ``residual * alpha + branch``, ``(residual + attn) + mlp``,
-        ``residual.float() + branch``, or ``comb @ streams + branch`` (hyper-connections)."""
+    def _stream_within(self, combined: fx.Node, branch: fx.Node, depth: int = 2) -> fx.Node | None:
+        """The stream value that ``combined`` scales, casts, shifts, mixes or adds another branch
+        to, when ``branch`` is computed from it: ``residual * alpha + branch``, ``(residual + attn) +
+        mlp``, ``residual.float() + branch``, ``comb @ streams + branch`` (hyper-connections), or
+        ``(residual + bias) * scale + branch`` (Zaya's, two ops deep)."""
         if not gf.is_op(combined, aten.add, aten.mul, aten.sub, aten.div, aten.matmul, aten.to, aten._to_copy):
             return None
         shape = combined.meta["val"].shape
@@ -215,6 +218,8 @@ class _Finder:
                 continue
             if self.anc[branch] >> self.index[a] & 1:
                 return a
+            if depth > 1 and (stream := self._stream_within(a, branch, depth - 1)) is not None:
+                return stream
         return None
 
     def ffn_terms(self, stream: fx.Node, branch: fx.Node) -> list[list[fx.Node]]:

@@ -178,12 +178,14 @@ def token_layout(node: fx.Node, tokens: tuple[sympy.Symbol, sympy.Symbol]) -> li
 _SHAPE_READS = ("sym_size", "sym_numel", "sym_stride", "sym_storage_offset")
 
 
-def positional(graph: fx.Graph, free: set[fx.Node]) -> set[fx.Node]:
-    """The values computed from the attention mask or the positions (not merely sized by them)."""
+def positional(graph: fx.Graph, free: set[fx.Node], past: Iterable[fx.Node] = ()) -> set[fx.Node]:
+    """The values computed from the attention mask or the positions (not merely sized by them),
+    other than through the nodes ``past`` (token mixers, whose outputs are per-token values)."""
     found: set[fx.Node] = set()
+    stop = set(past)
     for n in graph.nodes:
         is_input = n.op == "placeholder" and n.name in ("attention_mask", "position_ids")
-        if is_input or (n not in free and any(i in found for i in n.all_input_nodes)):
+        if is_input or (n not in free and n not in stop and any(i in found for i in n.all_input_nodes)):
             found.add(n)
     return found
 
