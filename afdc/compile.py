@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from safetensors.torch import save_file
 from transformers import PretrainedConfig, PreTrainedModel
 
-from afdc.api import Built, build
+from afdc.api import Built, build, mixer_table
 from afdc.artifact import manifest as mf
 from afdc.artifact.checkpoint import Checkpoint
 from afdc.artifact.program_format import write_program
@@ -152,13 +152,25 @@ def _crossings(crossings: list[ReportCrossing], reduce: list[str] | None = None)
     ]
 
 
-def _unpageable(built: Built) -> str:
+def _unpageable(built: Built, model: PreTrainedModel) -> str:
     """Why serving's paged KV cache cannot run the attention program ("": it may; the worker
     checks each attention call's mask when it loads), found when compiling so that ``afdc
-    serve`` refuses before vLLM starts."""
+    serve`` refuses before vLLM starts: decode that recomputes the prefix, or a stateful mixer
+    whose growing state serving has no fixed-size form for (the worker's own check, run here on
+    the meta-device modules)."""
     if built.recompute:
         return f"this model's decode recomputes the prefix ({built.recompute})"
+    mixers = mixer_table(model, built.mixers)
+    if mixers:
+        try:
+            mixers.bound(_BOUND_PROBE, torch.float32)
+        except UnsupportedModelError as err:
+            return str(err)
     return ""
+
+
+# a context to size bounded mixer states with when checking that serving can hold them: any does
+_BOUND_PROBE = 1024
 
 
 def _attention_file(tp_rank: int, tp: int) -> str:
@@ -330,7 +342,7 @@ def compile_model(
             model_files=model_files,
             attention_splits=built.attention_splits,
             mixers=built.mixers,
-            unpageable=_unpageable(built),
+            unpageable=_unpageable(built, model),
             max_positions=built.max_positions,
             quant=mf.QuantSpec.of(built.quant) if built.quant else None,
             drafter=mf.DrafterSpec("mtp", "programs/drafter.json", pytree.treespec_dumps(drafter.out_spec),

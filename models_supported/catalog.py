@@ -392,7 +392,8 @@ ENTRIES: list[ModelEntry] = [
        "compressed convolutional attention (a stateful mixer: its convolution window and delayed value in the "
        "cache) + top-1 MoE with a skip expert on every layer; residual adds shift and scale stream and branch "
        "((h + b) * s + (x + c) * r); each router reads the previous layer's router state, so routing stays with "
-       "attention and the FFN side runs the experts", moe=2),
+       "attention and the FFN side runs the experts; not servable yet (its attention keeps every key and value in "
+       "its cache layer, which serving's fixed-size state blocks cannot bound: the artifact says so)", moe=2),
     _e("LFM3", "lfm3", "hybrid", {"layer_types": ["conv", "full_attention"], "sliding_window": 4},
        "short-convolution layer + gated attention layer, sandwich norms"),
     _e("Lara mini", "lara_mini", "hybrid",

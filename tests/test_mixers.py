@@ -325,6 +325,22 @@ def test_deepseek_v4_attention_with_compressors_is_one_stateful_mixer(tmp_path):
     check_servable(manifest)
 
 
+def test_a_mixer_state_serving_cannot_bound_is_refused_at_compile(tmp_path):
+    """ZAYA1's attention is a stateful mixer whose cache layer keeps every key and value (beside its
+    convolution window): serving's fixed-size state blocks know no bound for it, so the artifact
+    says why and ``afdc serve`` refuses it before vLLM starts; in process it decodes as its monolith."""
+    model = catalog.greedy("zaya")
+    ids, mask = catalog.left_padded(model.config.vocab_size)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
+    model.save_pretrained(tmp_path / "src")
+    manifest = afdc.compile_model(str(tmp_path / "src"), "1A2F", tmp_path / "art", progress=False)
+    assert "ZayaAttention keeps state that grows with the sequence" in manifest.unpageable
+    with pytest.raises(afdc.UnsupportedModelError, match="ZayaAttention .* cannot run on a paged KV cache"):
+        check_servable(manifest)
+    dm = afdc.load_deployment(tmp_path / "art")
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
+
+
 def test_deepseek_v4_paged_rows_keep_each_requests_bounded_state():
     """DeepSeek-V4 at 1A1F in-process: the monolith's logits on a left-padded batch and its greedy
     tokens. Then its growing attention state in fixed-size state blocks sized from the longest
