@@ -335,7 +335,7 @@ def test_a_mixer_state_serving_cannot_bound_is_refused_at_compile(tmp_path):
     model.save_pretrained(tmp_path / "src")
     manifest = afdc.compile_model(str(tmp_path / "src"), "1A2F", tmp_path / "art", progress=False)
     assert "ZayaAttention keeps state that grows with the sequence" in manifest.unpageable
-    with pytest.raises(afdc.UnsupportedModelError, match="ZayaAttention .* cannot run on a paged KV cache"):
+    with pytest.raises(afdc.UnsupportedModelError, match=r"ZayaAttention .* cannot run on a paged KV cache"):
         check_servable(manifest)
     dm = afdc.load_deployment(tmp_path / "art")
     assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS), expected)
