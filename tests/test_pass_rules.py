@@ -190,6 +190,26 @@ def test_a_residual_add_is_found_through_a_scale(body):
     assert not any(op_name(n) == "mul" and stream(graph) in n.args for n in region.nodes)  # the scaled stream
 
 
+class Shift(nn.Module):
+    """A learned shift and scale per channel, as ZAYA1's residual adds apply to stream and branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias, self.scale = nn.Parameter(torch.randn(H)), nn.Parameter(torch.randn(H))
+
+    def forward(self, x):
+        return (x + self.bias) * self.scale
+
+
+def test_a_stream_shifted_and_scaled_by_weights_is_found_two_ops_deep():
+    """``(h + b) * s + (x + c) * r``: the stream ``x`` is found under its shift and scale, and the
+    branch's region is the MLP with its own shift and scale."""
+    graph, params = layer_graph(lambda m, x: m.out(m.mlp(x)) + m.res(x), mlp=MLP(), out=Shift(), res=Shift())
+    classification = classify(graph, params)
+    assert region_weights(classification) == [sorted([*MLP_WEIGHTS, "out.bias", "out.scale"])]
+    assert classification.regions[0].stream is stream(graph)
+
+
 def test_a_parallel_branch_is_split_into_terms_and_only_the_mlp_term_is_ffn():
     graph, params = layer_graph(lambda m, x: x + (m.attn(x) + m.mlp(x)), attn=InlineAttention(), mlp=MLP())
     classification = classify(graph, params)

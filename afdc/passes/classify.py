@@ -218,9 +218,17 @@ class _Finder:
                 continue
             if self.anc[branch] >> self.index[a] & 1:
                 return a
-            if depth > 1 and (stream := self._stream_within(a, branch, depth - 1)) is not None:
+            stream = self._stream_within(a, branch, depth - 1) if depth > 1 and self._shifted_by_weights(a) else None
+            if stream is not None:
                 return stream
         return None
+
+    def _shifted_by_weights(self, node: fx.Node) -> bool:
+        """``node`` shifts or scales one value by weights or constants alone (``x + c``); a value
+        scaled by an activation (a routing weight) is a branch's work, not the stream's."""
+        if not gf.is_op(node, aten.add, aten.mul, aten.sub, aten.div):
+            return False
+        return sum(a not in self.free for a in node.all_input_nodes) == 1
 
     def ffn_terms(self, stream: fx.Node, branch: fx.Node) -> list[list[fx.Node]]:
         if not self.anc[branch] >> self.index[stream] & 1:
