@@ -38,6 +38,7 @@ from afdc.artifact.checkpoint import Checkpoint
 from afdc.artifact.program_format import write_program
 from afdc.artifact.reshard import FileDigest, TargetFile, TargetTensor, reshard
 from afdc.errors import AfdcError, UnsupportedModelError
+from afdc.mtp import backbone as mtp_backbone
 from afdc.mtp import drafter as mtp_drafter
 from afdc.mtp import mtp_layers
 from afdc.ops import RecvCall, SendCall
@@ -206,6 +207,10 @@ def _no_drafter(model: PreTrainedModel, built: Built, scheme: QuantScheme | None
     if scheme is not None:
         why.append(f"the checkpoint is quantized ({scheme.method}) and afdc does not compile a quantized MTP "
                    "layer yet")
+    try:
+        mtp_backbone(model)
+    except UnsupportedModelError as err:  # a multimodal wrapper's language model (GLM-4.5V's)
+        why.append(str(err))
     if checkpoint is None:
         why.append("it was compiled without weights (plan only)")
     else:

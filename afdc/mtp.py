@@ -44,15 +44,16 @@ def mtp_layers(config) -> int:
     return next((int(getattr(text, name)) for name in _COUNTS if getattr(text, name, None)), 0)
 
 
-def _backbone(model: PreTrainedModel) -> nn.Module:
-    backbone = model.base_model
+def backbone(model: PreTrainedModel) -> nn.Module:
+    """The decoder stack the MTP layer is appended to: a Llama-style one, or a refusal."""
+    base = model.base_model
     for part in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        if not hasattr(backbone, part):
+        if not hasattr(base, part):
             raise UnsupportedModelError(
                 f"{type(model).__name__} has MTP layers but its backbone has no '{part}': afdc builds the MTP "
                 "drafter of decoders laid out as transformers' Llama-style backbones only"
             )
-    return backbone
+    return base
 
 
 def attach(model: PreTrainedModel) -> nn.Module | None:
@@ -61,15 +62,15 @@ def attach(model: PreTrainedModel) -> nn.Module | None:
     weights are those of a fresh layer until a checkpoint's are loaded into it."""
     if not mtp_layers(model.config):
         return None
-    backbone = _backbone(model)
+    stack = backbone(model)
     config = model.config.get_text_config()
     index = config.num_hidden_layers
-    if len(backbone.layers) > index:
-        return backbone.layers[index]  # attached already
-    first = backbone.layers[0]
+    if len(stack.layers) > index:
+        return stack.layers[index]  # attached already
+    first = stack.layers[0]
     parameter = next(model.parameters())
     hidden, eps = config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)
-    norm = type(backbone.norm)
+    norm = type(stack.norm)
     with torch.device(parameter.device):
         layer = type(first)(config, index)  # a decoder layer at the MTP layer's index (MoE where the model's are)
         layer.enorm, layer.hnorm = norm(hidden, eps=eps), norm(hidden, eps=eps)
@@ -78,7 +79,7 @@ def attach(model: PreTrainedModel) -> nn.Module | None:
         layer.shared_head.norm = norm(hidden, eps=eps)
         layer.shared_head.head = nn.Linear(hidden, config.vocab_size, bias=False)
     layer.to(parameter.dtype)
-    backbone.layers.append(layer)
+    stack.layers.append(layer)
     return layer
 
 
@@ -90,7 +91,7 @@ class MtpDrafter(PreTrainedModel):
     def __init__(self, target: PreTrainedModel):
         super().__init__(target.config)
         self.base_model_prefix = target.base_model_prefix
-        setattr(self, target.base_model_prefix, _backbone(target))
+        setattr(self, target.base_model_prefix, backbone(target))
         self.__dict__["_target"] = target  # not a submodule: only its backbone's tensors are the drafter's
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig, PreTrainedModel
 
+from afdc import model_class
 from afdc.artifact.manifest import MANIFEST
 from afdc.errors import AfdcError, UnsupportedModelError
 
@@ -52,13 +53,15 @@ def empty_model(config: PretrainedConfig, dtype: torch.dtype | None = None) -> P
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with init_empty_weights(include_buffers=True):
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = model_class.from_config(config, dtype=dtype)
         except ValueError as err:
-            raise UnsupportedModelError(f"{config.model_type} has no causal-LM class in transformers: {err}") from err
+            raise UnsupportedModelError(
+                f"{config.model_type} has no causal-LM (or image-text-to-text) class in transformers: {err}"
+            ) from err
         except ImportError as err:  # a multimodal model's tower (Gemma 3n's vision tower needs timm)
             needs = " ".join(str(err).split())
             raise AfdcError(
-                f"transformers builds {config.model_type}'s causal-LM class only with a library that is not installed "
+                f"transformers builds {config.model_type}'s model class only with a library that is not installed "
                 f"here; install it and compile again ({needs})"
             ) from err
     return model.eval()

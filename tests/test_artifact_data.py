@@ -197,3 +197,28 @@ def test_index_bounds_are_read_as_bounded_data(artifact):
     del spec["index_bounds"]  # as written before this field
     (artifact / mf.MANIFEST).write_text(json.dumps(data))
     assert afdc.load(artifact, "ffn", 0).dispatch(0).index_bounds == ()
+
+
+def test_the_output_spec_imports_only_transformers_model_modules():
+    """The program's output structure names its output class; a transformers model's own module
+    (where a multimodal wrapper's output class lives) is imported so that the class is known in a
+    fresh process. Any other module named there is never imported: a spec naming one, an unknown
+    model, or no JSON at all, is an error naming the manifest's field."""
+    import sys
+
+    from afdc.artifact.load import output_spec
+
+    def spec(type_name: str) -> str:
+        leaf = {"type": None, "context": None, "children_spec": []}
+        return json.dumps([1, {"type": type_name, "context": '["logits"]', "children_spec": [leaf]}])
+
+    known = "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeCausalLMOutputWithPast"
+    assert output_spec(spec(known)).num_leaves == 1
+    assert "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe" in sys.modules
+    for name in ["antigravity.Fly", "transformers.models.no_such_model.modeling_no_such_model.Output",
+                 "transformers.models.llama.modeling_llama.os.Output"]:
+        with pytest.raises(mf.ArtifactError, match="output_spec cannot be read here"):
+            output_spec(spec(name))
+    assert "antigravity" not in sys.modules
+    with pytest.raises(mf.ArtifactError, match="output_spec is not JSON"):
+        output_spec("[1, {")

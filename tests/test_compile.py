@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForImageTextToText
 
 import afdc
 from afdc.artifact.checkpoint import CheckpointError
@@ -346,27 +346,44 @@ def test_no_weights_compiles_a_plan_only(saved, tmp_path):
     assert result.exit_code == 2 and "unknown model_type 'no_such_model'" in result.output
 
 
-def test_a_multimodal_checkpoint_compiles_its_language_model(tmp_path):
-    """Gemma 3 ships as one multimodal checkpoint: compiled as transformers builds it, on token
-    inputs, the artifact holds the language model alone (no tower weight is written) and its
-    logits on a left-padded batch are the checkpoint's own model's."""
-    text = {**catalog.TINY_COMMON, **catalog.entry("gemma3_text").config_kwargs}
-    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+_SMALL_VIT = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
               "image_size": 28, "patch_size": 14}
-    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
+_SMALL_QWEN_VIT = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+                   "deepstack_visual_indexes": [0], "num_position_embeddings": 16}
+
+
+@pytest.mark.parametrize(("model_type", "text_type", "text", "vision"), [
+    ("gemma3", "gemma3_text", {}, _SMALL_VIT),  # a causal-LM class of its own (Gemma3ForConditionalGeneration)
+    # image-text-to-text only (Qwen3-VL-MoE's flagship): experts, and M-RoPE over three position axes
+    ("qwen3_vl_moe", "qwen3_moe", {"rope_parameters": {"rope_theta": 1e4, "rope_type": "default",
+                                                       "mrope_section": [2, 1, 1]}}, _SMALL_QWEN_VIT),
+], ids=["gemma3", "qwen3_vl_moe"])
+def test_a_multimodal_checkpoint_compiles_its_language_model(tmp_path, model_type, text_type, text, vision):
+    """A multimodal checkpoint, compiled as transformers builds it (its causal-LM class, else its
+    image-text-to-text class) and captured on token inputs: the artifact holds the language model
+    alone (no tower weight is written), its logits on a left-padded batch are the checkpoint's own
+    model's, and so are its greedy tokens."""
+    text = {**catalog.TINY_COMMON, **catalog.entry(text_type).config_kwargs, **text}
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    assert any("vision_tower" in n for n, _ in model.named_parameters())
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    assert any("visual" in n or "vision" in n for n, _ in model.named_parameters())
     model.save_pretrained(tmp_path / "src")
-    afdc.compile_model(str(tmp_path / "src"), "1A2F", tmp_path / "art", progress=False)
+    manifest = afdc.compile_model(str(tmp_path / "src"), "1A2F", tmp_path / "art", progress=False)
+    assert "moe" in {lay.kind for lay in manifest.layers} or model_type == "gemma3"
     for file in (tmp_path / "art" / "weights").glob("*.safetensors"):
         with safe_open(file, "pt") as f:
             names = f.keys()
-        assert names and not [n for n in names if "vision" in n or "multi_modal" in n], file
+        assert names and not [n for n in names if "vision" in n or "visual" in n or "multi_modal" in n], file
     ids, mask = _batch(text["vocab_size"])
-    ref, pos = _reference(model, ids, mask)
-    got = afdc.load_deployment(tmp_path / "art")(ids, attention_mask=mask, position_ids=pos).logits
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    dm = afdc.load_deployment(tmp_path / "art")
+    got = dm(ids, attention_mask=mask).logits
     torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    assert torch.equal(dm.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[]), expected)
 
 
 def test_a_library_the_model_class_needs_is_named(tmp_path):
@@ -380,7 +397,7 @@ def test_a_library_the_model_class_needs_is_named(tmp_path):
         main, ["compile", str(tmp_path / "src" / "config.json"), "--no-weights", "-o", str(tmp_path / "x")]
     )
     assert result.exit_code == 2, result.output
-    assert "gemma3n's causal-LM class only with a library that is not installed" in result.output
+    assert "gemma3n's model class only with a library that is not installed" in result.output
     assert "timm" in result.output and not (tmp_path / "x").exists()
 
 

@@ -10,7 +10,8 @@ class and never imports its own), Mamba-2 hybrid MoEs (Granite 4 hybrid, Nemotro
 lightning-attention hybrid MoE whose state lives in a cache class of its own (MiniMax),
 DeepSeek-V3.2 and DeepSeek-V4 (each attention with its compressors a mixer whose growing state is
 held in fixed-size state blocks sized from --max-model-len); and one with less: Gemma 3n, whose last
-layers read earlier layers' keys and values.
+layers read earlier layers' keys and values; and a multimodal checkpoint's language model
+(Qwen3-VL-MoE).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
@@ -140,6 +142,25 @@ def test_layers_reading_earlier_layers_kv_with_prefix_caching_and_preemption(tmp
     with _serving(artifact, "shm", tmp_path, ("--return-tokens-as-token-ids", *PREFIX_CACHING)) as (client, _):
         _check_completions(client, artifact)
         _assert_prefix_caching_and_preemption(client, artifact)
+
+
+def test_a_multimodal_checkpoints_language_model_is_served(tmp_path):
+    """Qwen3-VL-MoE has no causal-LM class, only an image-text-to-text one: its artifact holds the
+    language model (experts, M-RoPE over three position axes) and serves text like any model, in a
+    fresh worker process that imports the model's own output class to read the program's output.
+    Concurrent greedy completions equal dm.generate."""
+    text = {**catalog.TINY_COMMON, **catalog.entry("qwen3_moe").config_kwargs, "vocab_size": VOCAB,
+            "rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "mrope_section": [2, 1, 1]}}
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+              "deepstack_visual_indexes": [0], "num_position_embeddings": 16}
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        AutoConfig.for_model("qwen3_vl_moe", text_config=text, vision_config=vision), dtype=torch.float32)
+    model.save_pretrained(tmp_path / "src")
+    demo_tokenizer(VOCAB).save_pretrained(tmp_path / "src")
+    compile_model(str(tmp_path / "src"), afdc.Plan.parse("1A2F"), tmp_path / "art", progress=False)
+    with _serving(tmp_path / "art", "shm", tmp_path, ("--return-tokens-as-token-ids",)) as (client, _):
+        _check_completions(client, tmp_path / "art")
 
 
 def test_manifest_state_is_what_serving_allocates(tmp_path):

@@ -6,6 +6,10 @@ SHA-256 of every file read are checked first (:mod:`afdc.artifact.manifest`).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,11 +105,45 @@ def _load(
     return FFNProgram(segments=segments, layers=layers, weights=weights, rank=rank)
 
 
+# A model's own output class (a multimodal wrapper's, e.g. Qwen3VLMoeCausalLMOutputWithPast) is
+# registered with pytree when its transformers module is imported, which a fresh process (a serving
+# worker) has not done: only such a module, named as transformers names them, is imported.
+_MODEL_OUTPUT = re.compile(r"(transformers\.models\.[a-z0-9_]+\.modeling_[a-z0-9_]+)\.[A-Za-z0-9_]+")
+
+
+def output_spec(text: str) -> pytree.TreeSpec:
+    """The program's output structure from the manifest, its model output classes registered first."""
+    def types(node) -> list[str]:
+        if not isinstance(node, dict):
+            return []
+        return [str(node.get("type"))] + [t for child in node.get("children_spec") or [] for t in types(child)]
+
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise mf.ArtifactError(f"the manifest's output_spec is not JSON: {err}") from None
+    for name in types(spec[1] if isinstance(spec, list) and len(spec) == 2 else None):
+        module = _MODEL_OUTPUT.fullmatch(name)
+        if module and _installed(module.group(1)):
+            importlib.import_module(module.group(1))
+    try:
+        return pytree.treespec_loads(text)
+    except (NotImplementedError, ValueError, TypeError) as err:
+        raise mf.ArtifactError(f"the manifest's output_spec cannot be read here: {err}") from None
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its model package is not in this transformers
+        return False
+
+
 def _attention(directory: Path, manifest: mf.Manifest, weights: dict[str, torch.Tensor],
                device: torch.device) -> AttentionProgram:
     mf.verify(directory, manifest, [manifest.attention_program])
     module = load_program(directory / manifest.attention_program, weights, device)
-    return AttentionProgram(module, pytree.treespec_loads(manifest.output_spec), _mixers(directory, manifest))
+    return AttentionProgram(module, output_spec(manifest.output_spec), _mixers(directory, manifest))
 
 
 def load_with_drafter(
@@ -125,7 +163,7 @@ def load_with_drafter(
     program = _attention(directory, manifest, weights, device)
     mf.verify(directory, manifest, [manifest.drafter.program])
     drafter = AttentionProgram(load_program(directory / manifest.drafter.program, weights, device),
-                               pytree.treespec_loads(manifest.drafter.output_spec))
+                               output_spec(manifest.drafter.output_spec))
     for p in (program, drafter):
         p.use_backend(backend or manifest.plan.backend)
     return program, drafter

@@ -447,10 +447,10 @@ def _full(block: tuple[int, int], shape: tuple[int, int]) -> tuple[int, int]:
 
 def meta_model(config: PretrainedConfig) -> nn.Module:
     """The bf16 model of ``config`` on the meta device (no memory, no weights)."""
-    from transformers import AutoModelForCausalLM
+    from afdc import model_class
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return model_class.from_config(config)
 
 
 def scheme_from_config(config: PretrainedConfig, model: nn.Module | None = None) -> QuantScheme | None:

@@ -21,8 +21,9 @@ from dataclasses import replace
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoModelForCausalLM, Cache, DynamicCache, PretrainedConfig
+from transformers import Cache, DynamicCache, PretrainedConfig
 
+from afdc import model_class
 from afdc.errors import AfdcError
 from afdc.mixer_site import MixerSite, StateTensor
 from afdc.ops.context import current_cache
@@ -50,7 +51,7 @@ class Mixers:
         passes the weights, the module brings only its code (an artifact's attention rank); its
         linears on weights stored quantized run afdc's quantized ops (:mod:`afdc.runtime.quantized_linears`)."""
         with init_empty_weights(include_buffers=True):
-            model = AutoModelForCausalLM.from_config(config)
+            model = model_class.from_config(config)
         return cls(sites, {s.slot: with_quantized_linears(model.get_submodule(s.module), s.linears) for s in sites},
                    config)
 
