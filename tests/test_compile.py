@@ -352,18 +352,30 @@ _SMALL_QWEN_VIT = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_
                    "deepstack_visual_indexes": [0], "num_position_embeddings": 16}
 
 
+_GLM5_NEXT = {"layer_types": ["linear_attention", "indexed_attention"], "mlp_layer_types": ["dense", "sparse"],
+              "indexer_types": ["full", "full"], "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 16, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8,
+              "v_head_dim": 8, "qk_head_dim": 8, "index_topk": 4, "index_head_dim": 8, "index_n_heads": 2,
+              "linear_head_dim": 8, "linear_num_heads": 4, "index_kpool": 2, "num_key_value_heads": 4, "hc_mult": 2}
+
+
 @pytest.mark.parametrize(("model_type", "text_type", "text", "vision"), [
     ("gemma3", "gemma3_text", {}, _SMALL_VIT),  # a causal-LM class of its own (Gemma3ForConditionalGeneration)
     # image-text-to-text only (Qwen3-VL-MoE's flagship): experts, and M-RoPE over three position axes
     ("qwen3_vl_moe", "qwen3_moe", {"rope_parameters": {"rope_theta": 1e4, "rope_type": "default",
                                                        "mrope_section": [2, 1, 1]}}, _SMALL_QWEN_VIT),
-], ids=["gemma3", "qwen3_vl_moe"])
+    # image-text-to-text only (GLM-5 Next): linear attention and an indexed MLA (stateful mixers whose
+    # indexer reads the padding mask at every step), hyper-connections, experts
+    ("glm5_next", "glm5_next_text", _GLM5_NEXT, {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
+                                                "out_hidden_size": 32, "projection_intermediate_size": 32}),
+], ids=["gemma3", "qwen3_vl_moe", "glm5_next"])
 def test_a_multimodal_checkpoint_compiles_its_language_model(tmp_path, model_type, text_type, text, vision):
     """A multimodal checkpoint, compiled as transformers builds it (its causal-LM class, else its
     image-text-to-text class) and captured on token inputs: the artifact holds the language model
     alone (no tower weight is written), its logits on a left-padded batch are the checkpoint's own
     model's, and so are its greedy tokens."""
-    text = {**catalog.TINY_COMMON, **catalog.entry(text_type).config_kwargs, **text}
+    entries = {e.model_type: e for e in catalog.ENTRIES}
+    text = {**catalog.TINY_COMMON, **(entries[text_type].config_kwargs if text_type in entries else {}), **text}
     config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()

@@ -97,8 +97,11 @@ class Mixers:
         arguments = dict(site.constants)
         arguments[site.cache_argument] = state
         if site.mask_argument is not None:
-            # as transformers' recurrent mask: a single decoded token is never padding
-            arguments[site.mask_argument] = mask if mask is not None and hidden.shape[1] > 1 else None
+            # a single decoded token is never padding: where transformers' recurrent mask is None
+            # (no padding), a mask of ones, as GLM-5 Next's model gives its indexer, which always reads it
+            if mask is None or hidden.shape[1] == 1:
+                mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+            arguments[site.mask_argument] = mask
         if site.inputs:
             given = weights[len(site.weights):]
             if rows is not None:
