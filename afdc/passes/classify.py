@@ -2,9 +2,10 @@
 
 A residual add is an ``add`` whose one operand (the stream) is an ancestor of the other (the
 branch). A branch's region is everything between the stream value and the branch value. The
-region is an FFN region when it holds weight matrices worth a round trip (more elements than
-one square matrix of the stream's width) and mixes nothing across tokens: no attention op, no
-convolution, and nothing computed from the attention mask or the positions.
+region is an FFN region when it holds weight matrices worth a round trip (at least as many
+elements as one square matrix of the stream's width) and mixes nothing across tokens: no
+attention op, no convolution, and nothing computed from the attention mask or the positions
+other than through a token mixer.
 A branch that is a sum of terms (parallel attention + MLP) is split into its terms first.
 Module and parameter names are used for nothing here but the ``label`` shown in reports.
 """
