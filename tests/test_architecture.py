@@ -22,6 +22,7 @@ ROOT = Path(afdc.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", (
         "afdc.errors", "afdc.version", "afdc.plan", "afdc.segment", "afdc.mixer_site", "afdc.ops", "afdc.quant",
+        "afdc.model_class",
     )),
     ("kernels", ("afdc.codegen",)),
     ("capture", ("afdc.capture",)),
