@@ -127,9 +127,10 @@ class _Finder:
         self.anc = gf.ancestors(graph)
         self.params = parameter_names
         self.free = gf.data_free(graph)
+        self.mixers = [n for n in self.order if n.target in _MIXER_OPS]
         # a per-token value a layer hands the next one past the stream (Zaya's router state) is
         # computed from the mask only through the mixers, as the stream itself is
-        self.positional = gf.positional(graph, self.free, [n for n in self.order if n.target in _MIXER_OPS])
+        self.positional = gf.positional(graph, self.free, self.mixers)
 
     def region(self, stream: fx.Node, branch: fx.Node) -> list[fx.Node]:
         """Nodes strictly after ``stream`` up to ``branch``, plus the weights only they read.
@@ -266,7 +267,7 @@ def classify(graph: fx.Graph, parameter_names: set[str]) -> Classification:
                 )
             claimed.update((n, len(regions)) for n in region)
             regions.append((stream, region))
-    mixers = [n for n in graph.nodes if n.target in _MIXER_OPS]
+    mixers = finder.mixers
     over_cached = _downstream(graph.find_nodes(op="call_function", target=torch.ops.afdc.cached_keys.default))
     inline = [
         n for n in graph.nodes
